@@ -1,0 +1,62 @@
+"""probekit: find numerical-precision problems in PyTorch training.
+
+Two features, usable from scripts, ``torchrun`` and notebooks:
+
+* the free benchmark (``FreeBench``), re-running API calls on perturbed inputs, and
+* the grad probe (``GradProbe``, ``open_grads``, ``compare_grads``), recording gradient statistics
+  and sign bits per optimizer step and comparing two runs.
+
+``PrecisionDebugger`` offers msprobe's interface over both. This module imports no IPython,
+ipywidgets, matplotlib or zarr: the heavy parts load on first use.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ._version import __version__
+from .config import (Config, ConfigError, FreeBenchmarkConfig, GradProbeConfig, load_config,
+                     make_config)
+from .debugger import PrecisionDebugger
+
+#: public name -> module that defines it (imported on first access)
+_LAZY = {
+    "FreeBench": "probekit.freebench",
+    "GradProbe": "probekit.grads",
+    "open_grads": "probekit.grads",
+    "compare_grads": "probekit.grads",
+    "GradComparator": "probekit.grads",
+}
+
+__all__ = ["__version__", "Config", "ConfigError", "FreeBenchmarkConfig", "GradProbeConfig",
+           "PrecisionDebugger", "load_config", "make_config", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'probekit' has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except (ModuleNotFoundError, AttributeError) as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name and not module.startswith(exc.name):
+            raise
+        raise NotImplementedError(f"probekit.{name} is not implemented in this version") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext probekit``: register the notebook magics."""
+    from .notebook import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    from .notebook import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -1,0 +1,368 @@
+"""Frozen, validated configuration objects and msprobe ``config.json`` reading/writing.
+
+One ``Config`` holds the common keys of msprobe's config.json and the section of its task
+(``free_benchmark`` or ``grad_probe``). Every object validates itself when built, so a config
+that exists is a valid one: ``dataclasses.replace`` re-validates too. Errors are ``ConfigError``
+(a ``ValueError``) naming the key, the bad value and what is accepted.
+
+Round trip: ``Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .log import get_logger
+
+log = get_logger(__name__)
+
+TASKS = ("free_benchmark", "grad_probe")
+#: msprobe tasks probekit does not implement (their sections are accepted in a config and ignored)
+MSPROBE_OTHER_TASKS = ("statistics", "tensor", "overflow_check", "run_ut")
+LEVELS = ("L0", "L1", "L2", "mix")
+PERT_MODES = ("improve_precision", "bit_noise", "add_noise", "change_value", "no_change", "to_cpu")
+HANDLER_TYPES = ("check", "fix")
+FIX_PERT_MODES = ("improve_precision", "to_cpu")
+FUZZ_STAGES = ("forward", "backward")
+FUZZ_DEVICES = ("npu", "cpu")
+FUZZ_LEVELS = ("L1",)
+GRAD_LEVELS = ("L0", "L1", "L2")
+HASH_ALGORITHMS = ("md5", "xxh3")
+THRESHOLD_KEYS = ("float16", "bfloat16", "float32", "other")
+DEFAULT_THRESHOLDS = {"float16": 0.002, "bfloat16": 0.004, "float32": 0.0002, "other": 0.0002}
+
+
+class ConfigError(ValueError):
+    """A configuration value is not accepted; the message names key, value and accepted values."""
+
+
+def _fail(key: str, value: Any, accepted: str) -> None:
+    raise ConfigError(f"{key}: {value!r} is not valid; accepted: {accepted}")
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        _fail(key, value, ", ".join(choices))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(key, value, "true or false")
+
+
+def _positive_int(key: str, value: Any) -> None:
+    if not _is_int(value) or value <= 0:
+        _fail(key, value, "an integer > 0")
+
+
+def _str_tuple(key: str, value: Any) -> tuple:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        _fail(key, value, "a list of strings")
+    bad = [v for v in value if not isinstance(v, str) or not v]
+    if bad:
+        _fail(key, bad[0], "non-empty strings (the list holds other items)")
+    return tuple(value)
+
+
+def _index_tuple(key: str, value: Any) -> tuple:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        _fail(key, value, "a list of integers >= 0 (empty = all)")
+    bad = [v for v in value if not _is_int(v) or v < 0]
+    if bad:
+        _fail(key, bad[0], "integers >= 0 in the list")
+    return tuple(value)
+
+
+def _set(obj, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True)
+class FreeBenchmarkConfig:
+    """The ``free_benchmark`` section. ``api_list`` is the JSON key ``list``."""
+
+    scope: tuple = ()
+    api_list: tuple = ()
+    fuzz_device: str = "npu"
+    pert_mode: str = "improve_precision"
+    handler_type: str = "check"
+    fuzz_level: str = "L1"
+    fuzz_stage: str = "forward"
+    if_preheat: bool = False
+    preheat_step: int = 15
+    max_sample: int = 20
+    #: probekit extension: relative-error thresholds by output dtype
+    thresholds: Mapping = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
+
+    JSON_KEYS = {"api_list": "list"}
+
+    def __post_init__(self) -> None:
+        s = "free_benchmark."
+        _set(self, "scope", _str_tuple(s + "scope", self.scope))
+        _set(self, "api_list", _str_tuple(s + "list", self.api_list))
+        _choice(s + "fuzz_device", self.fuzz_device, FUZZ_DEVICES)
+        _choice(s + "pert_mode", self.pert_mode, PERT_MODES)
+        _choice(s + "handler_type", self.handler_type, HANDLER_TYPES)
+        _choice(s + "fuzz_level", self.fuzz_level, FUZZ_LEVELS)
+        _choice(s + "fuzz_stage", self.fuzz_stage, FUZZ_STAGES)
+        _bool(s + "if_preheat", self.if_preheat)
+        _positive_int(s + "preheat_step", self.preheat_step)
+        _positive_int(s + "max_sample", self.max_sample)
+        if self.scope and self.api_list:
+            raise ConfigError(
+                f"free_benchmark.scope {list(self.scope)!r} and free_benchmark.list "
+                f"{list(self.api_list)!r} were both given; accepted: one of them (or neither)")
+        if self.pert_mode == "to_cpu" and self.fuzz_device != "cpu":
+            raise ConfigError(
+                f"free_benchmark.fuzz_device: {self.fuzz_device!r} is not valid with pert_mode "
+                f"'to_cpu'; accepted: 'cpu'")
+        if self.fuzz_device == "cpu" and self.pert_mode != "to_cpu":
+            raise ConfigError(
+                f"free_benchmark.pert_mode: {self.pert_mode!r} is not valid with fuzz_device "
+                f"'cpu'; accepted: 'to_cpu'")
+        if self.handler_type == "fix" and self.pert_mode not in FIX_PERT_MODES:
+            raise ConfigError(
+                f"free_benchmark.pert_mode: {self.pert_mode!r} is not valid with handler_type "
+                f"'fix'; accepted: {', '.join(FIX_PERT_MODES)}")
+        if self.if_preheat and self.handler_type == "fix":
+            raise ConfigError(
+                "free_benchmark.if_preheat: True is not valid with handler_type 'fix'; "
+                "accepted: false (preheat only samples in check mode)")
+        _set(self, "thresholds", _thresholds(self.thresholds))
+
+    def threshold_for(self, dtype_name: str) -> float:
+        """The relative-error threshold for an output of ``dtype_name`` (e.g. ``"bfloat16"``)."""
+        return self.thresholds.get(dtype_name, self.thresholds["other"])
+
+
+def _thresholds(value: Any) -> Mapping:
+    key = "free_benchmark.thresholds"
+    if not isinstance(value, Mapping):
+        _fail(key, value, f"a mapping with keys among {', '.join(THRESHOLD_KEYS)}")
+    merged = dict(DEFAULT_THRESHOLDS)
+    for k, v in value.items():
+        _choice(f"{key} key", k, THRESHOLD_KEYS)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and math.isfinite(v)):
+            _fail(f"{key}.{k}", v, "a finite number > 0")
+        merged[k] = float(v)
+    return _FrozenDict(merged)
+
+
+class _FrozenDict(dict):
+    """A dict that refuses mutation (keeps the config immutable) and stays JSON-serialisable."""
+
+    def _readonly(self, *a, **k):
+        raise TypeError("config mappings are read-only; use dataclasses.replace")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+
+@dataclass(frozen=True)
+class GradProbeConfig:
+    """The ``grad_probe`` section."""
+
+    grad_level: str = "L1"
+    param_list: tuple = ()
+    bounds: tuple = (-1, 0, 1)
+    #: probekit extensions: digest of the L0 hash column, steps buffered between flushes
+    hash: str = "md5"
+    flush_every: int = 50
+
+    def __post_init__(self) -> None:
+        s = "grad_probe."
+        _choice(s + "grad_level", self.grad_level, GRAD_LEVELS)
+        _set(self, "param_list", _str_tuple(s + "param_list", self.param_list))
+        _set(self, "bounds", _bounds(s + "bounds", self.bounds))
+        _choice(s + "hash", self.hash, HASH_ALGORITHMS)
+        _positive_int(s + "flush_every", self.flush_every)
+
+
+def _bounds(key: str, value: Any) -> tuple:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        _fail(key, value, "a non-empty list of numbers in strictly ascending order")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            _fail(key, value, f"finite numbers only ({v!r} is not one)")
+    if any(a >= b for a, b in zip(value, value[1:])):
+        _fail(key, value, "numbers in strictly ascending order")
+    return tuple(value)
+
+
+SECTIONS = {"free_benchmark": FreeBenchmarkConfig, "grad_probe": GradProbeConfig}
+COMMON_KEYS = ("task", "dump_path", "rank", "step", "level", "seed", "is_deterministic",
+               "enable_dataloader", "acl_config")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole probekit/msprobe configuration: common keys plus the section of ``task``."""
+
+    task: str
+    dump_path: str = "./dump_path"
+    rank: tuple = ()
+    step: tuple = ()
+    level: str = "L1"
+    seed: int = 1234
+    is_deterministic: bool = False
+    free_benchmark: FreeBenchmarkConfig = field(default_factory=FreeBenchmarkConfig)
+    grad_probe: GradProbeConfig = field(default_factory=GradProbeConfig)
+
+    def __post_init__(self) -> None:
+        if self.task in MSPROBE_OTHER_TASKS:
+            raise ConfigError(
+                f"task: {self.task!r} is an msprobe task probekit does not implement; "
+                f"accepted: {', '.join(TASKS)}")
+        _choice("task", self.task, TASKS)
+        if not isinstance(self.dump_path, (str, os.PathLike)) or not str(self.dump_path):
+            _fail("dump_path", self.dump_path, "a non-empty path string")
+        _set(self, "dump_path", os.fspath(self.dump_path))
+        if os.path.exists(self.dump_path) and not os.path.isdir(self.dump_path):
+            _fail("dump_path", self.dump_path, "a folder or a path that does not exist yet "
+                  "(this one is a file)")
+        _set(self, "rank", _index_tuple("rank", self.rank))
+        _set(self, "step", _index_tuple("step", self.step))
+        _choice("level", self.level, LEVELS)
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            _fail("seed", self.seed, "an integer in [0, 2**63)")
+        _bool("is_deterministic", self.is_deterministic)
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                _fail(name, getattr(self, name), f"a {cls.__name__}")
+
+    @property
+    def section(self):
+        """The section object of this config's task."""
+        return getattr(self, self.task)
+
+    # -- dict / JSON ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping, *, source: str = "config") -> "Config":
+        """Build from a msprobe-shaped dict; unknown keys are rejected, msprobe-only ones ignored."""
+        if not isinstance(data, Mapping):
+            _fail(source, data, "a JSON object")
+        known = set(COMMON_KEYS) | set(SECTIONS) | set(MSPROBE_OTHER_TASKS)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            _fail(f"{source} key", unknown[0], ", ".join(sorted(known)))
+        if "task" not in data:
+            raise ConfigError(f"task: missing in {source}; accepted: {', '.join(TASKS)}")
+        if data.get("enable_dataloader", False) not in (False,):
+            _fail("enable_dataloader", data["enable_dataloader"],
+                  "false (probekit has no dataloader-driven mode: call start/stop/step)")
+        acl = data.get("acl_config", "")
+        if acl:
+            log.info("acl_config %r is an Ascend dump setting; probekit ignores it", acl)
+        top = {k: data[k] for k in ("task", "dump_path", "rank", "step", "level", "seed",
+                                   "is_deterministic") if k in data}
+        for name, section_cls in SECTIONS.items():
+            if name in data:
+                top[name] = _section_from_dict(section_cls, name, data[name])
+        return cls(**top)
+
+    def to_dict(self) -> dict:
+        """msprobe-shaped dict (JSON-ready) holding every key, extensions included."""
+        out = {
+            "task": self.task, "dump_path": self.dump_path, "rank": list(self.rank),
+            "step": list(self.step), "level": self.level, "seed": self.seed,
+            "is_deterministic": self.is_deterministic,
+        }
+        for name in SECTIONS:
+            out[name] = _section_to_dict(getattr(self, name))
+        return out
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=4, ensure_ascii=False)
+        if path is not None:
+            tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+            os.replace(tmp, path)
+        return text
+
+    def replace(self, **changes) -> "Config":
+        """A new validated config with top-level or section keys changed (JSON key names).
+
+        Section keys go to the section of the (possibly new) task; other sections are kept.
+        """
+        data = self.to_dict()
+        task = changes.get("task", self.task)
+        # whole sections first, so single keys given beside them win
+        for key, value in sorted(changes.items(), key=lambda kv: kv[0] not in SECTIONS):
+            if key in SECTIONS:
+                if not isinstance(value, Mapping):
+                    _fail(key, value, "a dict of that section's keys")
+                data[key] = dict(value)
+            elif key in COMMON_KEYS:
+                data[key] = value
+            elif task in SECTIONS:
+                data[task]["list" if key == "api_list" else key] = value
+            else:
+                _choice("task", task, TASKS)
+        return Config.from_dict(data, source="arguments")
+
+
+def _section_from_dict(section_cls, name: str, data: Any):
+    if not isinstance(data, Mapping):
+        _fail(name, data, "a JSON object")
+    rename = getattr(section_cls, "JSON_KEYS", {})
+    to_field = {json_key: f for f, json_key in rename.items()}
+    fields = {f.name for f in dataclasses.fields(section_cls)}
+    kwargs = {}
+    for key, value in data.items():
+        fname = to_field.get(key, key)
+        if fname not in fields or key in rename:
+            accepted = sorted(rename.get(f, f) for f in fields)
+            _fail(f"{name} key", key, ", ".join(accepted))
+        kwargs[fname] = value
+    return section_cls(**kwargs)
+
+
+def _section_to_dict(section) -> dict:
+    rename = getattr(type(section), "JSON_KEYS", {})
+    out = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)
+        out[rename.get(f.name, f.name)] = value
+    return out
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read a msprobe/probekit ``config.json``."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        _fail("config_path", path, "an existing JSON file")
+    try:
+        with open(path, encoding="utf-8-sig") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config_path: {path!r} is not valid JSON ({exc}); accepted: a JSON "
+                          "object as msprobe's config.json") from None
+    return Config.from_dict(data, source=path)
+
+
+def make_config(task: str | None = None, **options) -> Config:
+    """Build a config from keyword arguments.
+
+    Common keys (``dump_path``, ``rank``, ``step``, ``level``, ``seed``, ``is_deterministic``)
+    go to the top; every other key goes to the section of ``task`` and uses its JSON name
+    (``list``, ``pert_mode``, ``grad_level``...; ``api_list`` is accepted for ``list``). A whole
+    section may also be given as a dict: ``free_benchmark={...}``.
+    """
+    if task is None:
+        raise ConfigError(f"task: missing; accepted: {', '.join(TASKS)}")
+    return Config.from_dict({"task": task}, source="arguments").replace(**options)

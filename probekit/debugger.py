@@ -1,0 +1,201 @@
+"""``PrecisionDebugger``: msprobe's entry point, dispatching to probekit's features.
+
+msprobe users write::
+
+    debugger = PrecisionDebugger(config_path="./config.json")
+    debugger.start(); ...; debugger.stop(); debugger.step()      # free_benchmark
+    debugger.monitor(model)                                       # grad_probe
+
+and some call the methods on the class (``PrecisionDebugger.start()``), which msprobe allows
+because it keeps one instance. Both spellings work here: a call on the class goes to the most
+recently created debugger. Unlike msprobe, creating a second debugger makes a new one (it does not
+silently return the first with the first's config).
+
+Features register a factory in ``FEATURES`` (task name -> "module:function"); the factory takes the
+validated ``Config`` and returns a session with ``start()``, ``stop()``, ``step()``,
+``monitor(model, optimizer=None)`` and ``close()``.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import weakref
+
+from .config import TASKS, Config, load_config, make_config
+from .dist import get_rank, rank_selected
+from .log import ensure_handler, get_logger
+from .seed import seed_all
+
+log = get_logger(__name__)
+
+#: task -> "module:factory" of the feature implementing it
+FEATURES = {
+    "free_benchmark": "probekit.freebench.session:open_session",
+    "grad_probe": "probekit.grads.session:open_session",
+}
+
+
+def _feature_factory(task: str):
+    target = FEATURES.get(task)
+    if target is None:
+        raise NotImplementedError(
+            f"probekit: task {task!r} has no feature registered; accepted: {', '.join(TASKS)}")
+    module_name, func = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise NotImplementedError(
+                f"probekit: the {task} feature is not implemented in this version") from None
+        raise
+    return getattr(module, func)
+
+
+class _ClassOrInstance:
+    """A method that works on an instance, or on the class (then on the newest instance)."""
+
+    def __init__(self, func):
+        self.func = func
+        self.__doc__ = func.__doc__
+        self.__name__ = func.__name__
+
+    def __get__(self, obj, cls):
+        if obj is None:
+            ref = cls._newest
+            obj = ref() if ref is not None else None
+            if obj is None:
+                name = self.func.__name__
+
+                def missing(*args, **kwargs):
+                    raise RuntimeError(
+                        f"PrecisionDebugger.{name}(): no PrecisionDebugger has been created yet")
+
+                return missing
+        return self.func.__get__(obj, cls)
+
+
+class PrecisionDebugger:
+    """Run one probekit feature as msprobe's ``PrecisionDebugger`` would.
+
+    ``PrecisionDebugger(config_path="config.json")`` or
+    ``PrecisionDebugger(task="free_benchmark", dump_path="./out", pert_mode="bit_noise", ...)``.
+    ``task``/``dump_path`` given with a config file override the file's values (as in msprobe).
+    ``seed``/``is_deterministic`` are applied when the debugger is created.
+    """
+
+    _newest = None
+
+    def __init__(self, config_path=None, task=None, dump_path=None, *, config: Config | None = None,
+                 model=None, **options):
+        ensure_handler()
+        if config is not None:
+            if config_path or options:
+                raise ValueError("pass either config=... or config_path/keyword options, not both")
+            cfg = config
+        elif config_path is not None:
+            cfg = load_config(config_path)
+            if task is not None or dump_path is not None or options:
+                cfg = cfg.replace(**({"task": task} if task else {}),
+                                  **({"dump_path": dump_path} if dump_path else {}), **options)
+        else:
+            cfg = make_config(task, **({"dump_path": dump_path} if dump_path else {}), **options)
+        self.config: Config = cfg
+        self.model = model
+        self._session = None
+        self._closed = False
+        seed_all(cfg.seed, cfg.is_deterministic)
+        type(self)._newest = weakref.ref(self)
+        self._atexit = atexit.register(self._close_quietly)
+
+    # -- the feature session ----------------------------------------------------------------
+    @property
+    def task(self) -> str:
+        return self.config.task
+
+    @property
+    def active(self) -> bool:
+        """False when the ``rank`` filter excludes this process: every call is then a no-op."""
+        return rank_selected(self.config.rank)
+
+    def _get_session(self):
+        if self._closed:
+            raise RuntimeError("this PrecisionDebugger was closed")
+        if self._session is None:
+            factory = _feature_factory(self.task)
+            self._session = factory(self.config)
+        return self._session
+
+    def _skip(self, what: str) -> bool:
+        if self.active:
+            return False
+        log.debug("%s skipped: rank %d is not in rank filter %s", what, get_rank(),
+                  list(self.config.rank))
+        return True
+
+    # -- msprobe API ------------------------------------------------------------------------
+    @_ClassOrInstance
+    def start(self, model=None):
+        """Begin probing (free_benchmark: intercept API calls until ``stop()``)."""
+        if self._skip("start"):
+            return
+        self._get_session().start(model if model is not None else self.model)
+
+    @_ClassOrInstance
+    def stop(self):
+        """Stop probing. For grad_probe this ends monitoring: hooks removed, data flushed."""
+        if self._skip("stop") or self._session is None:
+            return
+        self._session.stop()
+
+    @_ClassOrInstance
+    def step(self):
+        """Mark the end of a training step (free_benchmark: per-step counters reset)."""
+        if self._skip("step") or self._session is None:
+            return
+        self._session.step()
+
+    @_ClassOrInstance
+    def monitor(self, model, optimizer=None):
+        """grad_probe: record gradient statistics of ``model`` at every optimizer step."""
+        if self.task != "grad_probe":
+            log.warning("monitor() only applies to task 'grad_probe' (this debugger's task is %r)",
+                        self.task)
+            return
+        if self._skip("monitor"):
+            return
+        self._get_session().monitor(model, optimizer=optimizer)
+
+    # -- probekit additions ------------------------------------------------------------------
+    @property
+    def results(self):
+        """The feature's results (free_benchmark: DataFrame of findings; grad_probe: Dataset)."""
+        return self._get_session().results if self.active else None
+
+    def close(self) -> None:
+        """Stop, flush and remove every hook; the debugger cannot be used afterwards."""
+        if self._closed:
+            return
+        try:
+            if self._session is not None:
+                self._session.close()
+        finally:
+            self._closed = True
+            atexit.unregister(self._close_quietly)
+
+    def _close_quietly(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # at interpreter exit: report, never raise
+            log.warning("closing the debugger at exit failed: %s", exc)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        return None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("active" if self.active else "inactive (rank)")
+        return f"PrecisionDebugger(task={self.task!r}, dump_path={self.config.dump_path!r}, {state})"

@@ -1,0 +1,21 @@
+"""Rank of this process: torch.distributed when initialised, else the launcher's RANK, else 0."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def get_rank() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def rank_selected(ranks) -> bool:
+    """True when this process's rank is in ``ranks`` (an empty filter selects every rank)."""
+    return not ranks or get_rank() in ranks

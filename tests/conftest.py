@@ -1,0 +1,32 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def msprobe_config_dict():
+    """msprobe 1.0.4's shipped config.json, every section present, as a user would have it."""
+    return {
+        "task": "free_benchmark", "dump_path": "./dump_path", "rank": [], "step": [],
+        "level": "L1", "seed": 1234, "is_deterministic": False, "enable_dataloader": False,
+        "acl_config": "",
+        "tensor": {"scope": [], "list": [], "data_mode": ["all"], "backward_input": [],
+                   "file_format": "npy"},
+        "statistics": {"scope": [], "list": [], "data_mode": ["all"],
+                       "summary_mode": "statistics"},
+        "overflow_check": {"overflow_nums": 1, "check_mode": "all"},
+        "run_ut": {"white_list": [], "black_list": [], "error_data_path": "./"},
+        "grad_probe": {"grad_level": "L1", "param_list": [], "bounds": [-1, 0, 1]},
+        "free_benchmark": {"scope": [], "list": [], "fuzz_device": "npu",
+                           "pert_mode": "improve_precision", "handler_type": "check",
+                           "fuzz_level": "L1", "fuzz_stage": "forward", "if_preheat": False,
+                           "preheat_step": 15, "max_sample": 20},
+    }
+
+
+@pytest.fixture
+def python_exe():
+    return sys.executable

@@ -1,0 +1,39 @@
+import json
+import subprocess
+import sys
+
+from probekit import __version__
+from probekit.cli import main
+
+
+def test_version_entry_point():
+    out = subprocess.run([sys.executable, "-m", "probekit.cli", "--version"], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == f"probekit {__version__}"
+
+
+def test_config_check_prints_effective_settings(tmp_path, capsys, msprobe_config_dict):
+    path = tmp_path / "config.json"
+    msprobe_config_dict["free_benchmark"]["pert_mode"] = "bit_noise"
+    path.write_text(json.dumps(msprobe_config_dict))
+    assert main(["config", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    head, body = out.split("\n", 1)
+    assert head == f"{path}: OK (task free_benchmark)"
+    effective = json.loads(body)
+    assert effective["free_benchmark"]["pert_mode"] == "bit_noise"
+    assert effective["free_benchmark"]["thresholds"]["bfloat16"] == 0.004
+
+
+def test_config_check_bad_value(tmp_path, capsys, msprobe_config_dict):
+    path = tmp_path / "config.json"
+    msprobe_config_dict["free_benchmark"]["handler_type"] = "mend"
+    path.write_text(json.dumps(msprobe_config_dict))
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "probekit: error: free_benchmark.handler_type: 'mend' is not valid; accepted: check, fix" in err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "usage: probekit" in capsys.readouterr().out

@@ -1,0 +1,154 @@
+"""The facade's dispatch, rank filter, class-level calls, seeding, context manager."""
+import sys
+import types
+
+import pytest
+import torch
+
+import probekit
+from probekit import PrecisionDebugger
+from probekit import debugger as dbg
+
+
+class Recorder:
+    """A feature session that records the calls the facade makes (our own protocol)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.calls = []
+        self.results = "results"
+
+    def start(self, model=None):
+        self.calls.append(("start", model))
+
+    def stop(self):
+        self.calls.append(("stop",))
+
+    def step(self):
+        self.calls.append(("step",))
+
+    def monitor(self, model, optimizer=None):
+        self.calls.append(("monitor", model, optimizer))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+@pytest.fixture
+def recorder_feature(monkeypatch, tmp_path):
+    module = types.ModuleType("probekit_test_feature")
+    module.open_session = Recorder
+    monkeypatch.setitem(sys.modules, "probekit_test_feature", module)
+    for task in ("free_benchmark", "grad_probe"):
+        monkeypatch.setitem(dbg.FEATURES, task, "probekit_test_feature:open_session")
+    monkeypatch.delenv("RANK", raising=False)
+    return tmp_path
+
+
+def test_dispatch_start_stop_step(recorder_feature):
+    d = PrecisionDebugger(task="free_benchmark", dump_path=str(recorder_feature))
+    model = torch.nn.Linear(2, 2)
+    d.start(model)
+    d.stop()
+    d.step()
+    session = d._session
+    assert session.calls == [("start", model), ("stop",), ("step",)]
+    assert d.results == "results"
+    d.close()
+    assert session.calls[-1] == ("close",)
+    with pytest.raises(RuntimeError, match="closed"):
+        d.start()
+
+
+def test_class_level_calls_reach_newest_instance(recorder_feature):
+    PrecisionDebugger(task="free_benchmark", dump_path=str(recorder_feature))
+    d2 = PrecisionDebugger(task="free_benchmark", dump_path=str(recorder_feature))
+    PrecisionDebugger.start()
+    PrecisionDebugger.stop()
+    PrecisionDebugger.step()
+    assert d2._session.calls == [("start", None), ("stop",), ("step",)]
+    d2.close()
+
+
+def test_monitor_only_for_grad_probe(recorder_feature, caplog):
+    model = torch.nn.Linear(2, 2)
+    d = PrecisionDebugger(task="free_benchmark", dump_path=str(recorder_feature))
+    d.monitor(model)
+    assert d._session is None
+    assert "[probekit] monitor() only applies to task 'grad_probe'" in caplog.text
+    g = PrecisionDebugger(task="grad_probe", dump_path=str(recorder_feature))
+    g.monitor(model)
+    assert g._session.calls == [("monitor", model, None)]
+    g.close()
+
+
+def test_rank_filter_makes_calls_no_ops(recorder_feature, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    d = PrecisionDebugger(task="free_benchmark", dump_path=str(recorder_feature), rank=[0])
+    assert not d.active
+    d.start()
+    d.stop()
+    d.step()
+    assert d._session is None
+    monkeypatch.setenv("RANK", "0")
+    assert d.active
+    d.start()
+    assert d._session.calls == [("start", None)]
+    d.close()
+
+
+def test_context_manager_starts_and_closes(recorder_feature):
+    with PrecisionDebugger(task="free_benchmark", dump_path=str(recorder_feature)) as d:
+        pass
+    assert d._session.calls == [("start", None), ("close",)]
+
+
+def test_config_file_with_overrides(recorder_feature, msprobe_config_dict):
+    import json
+
+    path = recorder_feature / "config.json"
+    path.write_text(json.dumps(msprobe_config_dict))
+    d = PrecisionDebugger(config_path=str(path), dump_path=str(recorder_feature / "out"))
+    assert d.task == "free_benchmark"
+    assert d.config.dump_path == str(recorder_feature / "out")
+    d2 = PrecisionDebugger(str(path), task="grad_probe")
+    assert d2.task == "grad_probe" and d2.config.grad_probe.grad_level == "L1"
+    d.close()
+    d2.close()
+
+
+def test_missing_feature_raises_not_implemented(monkeypatch, tmp_path):
+    monkeypatch.setitem(dbg.FEATURES, "grad_probe", "probekit.no_such_feature:open_session")
+    d = PrecisionDebugger(task="grad_probe", dump_path=str(tmp_path))
+    with pytest.raises(NotImplementedError, match="the grad_probe feature is not implemented"):
+        d.monitor(torch.nn.Linear(1, 1))
+    d.close()
+
+
+def test_seed_applied_at_creation(tmp_path):
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    PrecisionDebugger(task="grad_probe", dump_path=str(tmp_path), seed=7).close()
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_is_deterministic(tmp_path):
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        PrecisionDebugger(task="grad_probe", dump_path=str(tmp_path), is_deterministic=True).close()
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(probekit.ConfigError, match="task: missing"):
+        PrecisionDebugger(dump_path=str(tmp_path))
+    with pytest.raises(probekit.ConfigError, match="free_benchmark key: 'pertmode'"):
+        PrecisionDebugger(task="free_benchmark", pertmode="bit_noise")
+
+
+def test_class_call_without_instance(monkeypatch):
+    monkeypatch.setattr(PrecisionDebugger, "_newest", None)
+    with pytest.raises(RuntimeError, match="no PrecisionDebugger has been created"):
+        PrecisionDebugger.start()
