@@ -122,6 +122,12 @@ class GradProbe:
             log.info("grad_probe: rank %d is not in rank filter %s; nothing is recorded",
                      get_rank(), list(self.config.rank))
             return self
+        if self._writer is None:  # the store exists (0 committed steps) once recording starts
+            section = self.config.grad_probe
+            self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
+                                      section.grad_level, section.bounds, section.hash,
+                                      section.flush_every)
+            self._scratch = _stats._Scratch()
         if self.optimizer is not None:
             self._owner = self.optimizer
             self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
@@ -203,11 +209,6 @@ class GradProbe:
                          name, step)
             grads.append(g)
         section = self.config.grad_probe
-        if self._writer is None:
-            self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
-                                      section.grad_level, section.bounds, section.hash,
-                                      section.flush_every)
-            self._scratch = _stats._Scratch()
         result = _stats.compute(grads, self.layout, section.grad_level, section.bounds,
                                 section.hash, self._scratch)
         self._writer.append(step, result)
