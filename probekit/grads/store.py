@@ -370,6 +370,12 @@ def _lazy(raw: "RawChunks"):
 
         def _get(self, key):
             rows, cols = key
+            if isinstance(rows, (int, np.integer)):
+                return self._get((slice(int(rows), int(rows) + 1), cols))[0]
+            if isinstance(cols, (int, np.integer)):
+                return self._get((rows, slice(int(cols), int(cols) + 1)))[:, 0]
+            if isinstance(cols, np.ndarray):
+                return self._get((rows, slice(None)))[:, cols]
             if isinstance(rows, np.ndarray):  # outer indexing on steps: read the covering range
                 lo, hi = int(rows.min()), int(rows.max()) + 1
                 return self.arr[lo:hi, cols][rows - lo]

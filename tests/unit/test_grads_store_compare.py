@@ -222,3 +222,18 @@ def test_first_divergence_total_only():
                     "similarity": (("step", "param"), np.ones((2, 1)))},
                    coords={"step": [3, 4], "param": ["w"]})
     assert first_divergence(r) == (4, "")
+
+
+def test_lazy_direction_indexing(tmp_path):
+    """The raw-chunk reader behind ``direction`` answers every kind of xarray selection."""
+    written = write_run(tmp_path, level="L1", steps=range(7), flush_every=3)
+    full = np.stack([w.direction for w in written])
+    ds = open_grads(tmp_path)
+    d = ds["direction"]
+    assert np.array_equal(d.values, full)
+    assert np.array_equal(d.isel(step=4).values, full[4])
+    assert np.array_equal(d.isel(step=[5, 1, 6]).values, full[[5, 1, 6]])
+    assert np.array_equal(d.isel(step=slice(2, 6), byte=slice(3, 30)).values, full[2:6, 3:30])
+    assert np.array_equal(d.isel(byte=7).values, full[:, 7])
+    assert np.array_equal(d.isel(step=3, byte=[0, 9, 2]).values, full[3, [0, 9, 2]])
+    assert np.array_equal(d.sel(step=[0, 6]).values, full[[0, 6]])
