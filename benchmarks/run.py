@@ -1,0 +1,170 @@
+"""``make bench``: probekit and msprobe 1.0.4 side by side; writes benchmarks/RESULTS.md.
+
+    python benchmarks/run.py --msprobe-python .venv-msprobe/bin/python [--quick] [--out FILE]
+
+Every measurement runs in its own process (each tool in its own venv), the two tools alternating
+config by config; each process times its own baseline (a plain read of the gradients, or a plain
+training step), so every number reported is a ratio measured within one process, a median of
+repeats. ``--quick`` uses smaller models and fewer repeats (a smoke run, not for the record).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def run_json(python: str, args: list[str], tmp: str, name: str) -> dict:
+    out = os.path.join(tmp, f"{name}.json")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([python, *args, "--out", out], capture_output=True, text=True, env=env,
+                          cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def grads_hooks(pk: str, ms: str, sizes, levels, steps, tmp) -> list[dict]:
+    rows = []
+    for i, (size, level) in enumerate((s, lv) for s in sizes for lv in levels):
+        order = [("probekit", pk), ("msprobe", ms)]
+        if i % 2:
+            order.reverse()  # alternate which tool runs first
+        res = {}
+        for tool, python in order:
+            res[tool] = run_json(python, [os.path.join(HERE, "bench_grads.py"), "hook", "--tool",
+                                          tool, "--params", str(size), "--level", level,
+                                          "--steps", str(steps)], tmp, f"hook_{tool}_{size}_{level}")
+            print(f"  grads hook {tool:8s} {size:5}M {level}: {res[tool]['hook_s'] * 1e3:9.1f} ms"
+                  f"  ({res[tool]['hook_over_read']:.1f}x read)", flush=True)
+        rows.append({"size": size, "level": level, **{f"{t}_{k}": v for t, r in res.items()
+                                                      for k, v in r.items() if k != "all_hook_s"}})
+    return rows
+
+
+def grads_compare(pk: str, ms: str, size, steps, repeats, tmp) -> dict:
+    work = tempfile.mkdtemp(prefix="cmp_", dir=tmp)
+    res = {}
+    for tool, python in (("probekit", pk), ("msprobe", ms)):
+        res[tool] = run_json(python, [os.path.join(HERE, "bench_grads.py"), "compare", "--tool",
+                                      tool, "--params", str(size), "--steps", str(steps),
+                                      "--repeats", str(repeats), "--workdir", work], tmp,
+                             f"compare_{tool}")
+        print(f"  grads compare {tool:8s}: {res[tool]['gbit_per_s']:.2f} Gbit/s, with "
+              f"{res[tool]['pngs']} PNGs {res[tool]['with_pictures_s']:.2f} s", flush=True)
+    return res
+
+
+def freebench(pk: str, ms: str, repeats: int, tmp: str) -> dict:
+    out = os.path.join(tmp, "freebench.json")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([pk, os.path.join(HERE, "bench_freebench.py"), "--msprobe-python", ms,
+                           "--repeats", str(repeats), "--out", out], capture_output=True,
+                          text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_freebench failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    print(proc.stdout[-3000:], flush=True)
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def machine_notes(pk: str) -> str:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = subprocess.run([pk, "-c", "import torch, numpy, zarr, xarray; print(torch.__version__,"
+                               " numpy.__version__, zarr.__version__, xarray.__version__)"],
+                              capture_output=True, text=True).stdout.split()
+    load = os.getloadavg()
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch "
+            f"{versions[0]}, numpy {versions[1]}, zarr {versions[2]}, xarray {versions[3]}; load "
+            f"average at start {load[0]:.2f}. A shared machine: absolute times are noisy, the "
+            f"ratios (same process, medians) are what to read.")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def render(hooks, cmp, fb, args, notes) -> str:
+    lines = [
+        "# probekit benchmarks", "",
+        f"Produced by `{args.command}` on {datetime.date.today().isoformat()}.", "",
+        f"Machine: {notes}", "",
+        "## Grad probe: hook time per optimizer step", "",
+        "`read` = one plain read of every gradient byte (`torch.sum` of each gradient, all "
+        "threads) in the same process; hook times are medians over the recorded steps, probekit's "
+        "including its share of the block write.", "",
+        "| params | level | probekit hook | × read | msprobe hook | × read | msprobe / probekit "
+        "| disk/step probekit | disk/step msprobe | disk ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in hooks:
+        speed = r["msprobe_hook_s"] / r["probekit_hook_s"]
+        disk = r["msprobe_bytes_per_step"] / max(1.0, r["probekit_bytes_per_step"])
+        lines.append(
+            f"| {r['probekit_params'] / 1e6:.1f}M | {r['level']} | "
+            f"{r['probekit_hook_s'] * 1e3:.1f} ms | {r['probekit_hook_over_read']:.1f}× | "
+            f"{r['msprobe_hook_s'] * 1e3:.0f} ms | {r['msprobe_hook_over_read']:.0f}× | "
+            f"**{speed:.0f}×** | {fmt_bytes(r['probekit_bytes_per_step'])} | "
+            f"{fmt_bytes(r['msprobe_bytes_per_step'])} | {disk:.1f}× |")
+    pk, ms = cmp["probekit"], cmp["msprobe"]
+    lines += [
+        "", "## Grad probe: comparing two runs", "",
+        f"Two L1 runs of {pk['params'] / 1e6:.1f}M parameters × {pk['steps']} steps, compared "
+        "from disk (median of repeats). Throughput = compared sign bits per second.", "",
+        "| tool | compare | throughput | with per-parameter PNGs |", "|---|---|---|---|",
+        f"| probekit | {pk['compare_s'] * 1e3:.0f} ms | {pk['gbit_per_s']:.2f} Gbit/s | "
+        f"{pk['with_pictures_s']:.2f} s ({pk['pngs']} PNGs) |",
+        f"| msprobe 1.0.4 | {ms['compare_s'] * 1e3:.0f} ms | {ms['gbit_per_s']:.2f} Gbit/s | "
+        f"{ms['with_pictures_s']:.2f} s ({ms['pngs']} PNGs) |",
+    ]
+    if fb is not None:
+        lines += ["", "## Free benchmark: training-step time", "", fb.get("markdown", "")]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--msprobe-python", required=True)
+    parser.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--skip-freebench", action="store_true")
+    args = parser.parse_args(argv)
+    args.command = "make bench" if not args.quick else "python benchmarks/run.py --quick"
+    pk = sys.executable
+    tmp = tempfile.mkdtemp(prefix="probekit_bench_")
+    notes = machine_notes(pk)
+    print(notes, flush=True)
+    sizes = [1.0, 4.0] if args.quick else [1.0, 16.8, 51.0]
+    hooks = grads_hooks(pk, args.msprobe_python, sizes, ["L0", "L1", "L2"],
+                        3 if args.quick else 6, tmp)
+    cmp = grads_compare(pk, args.msprobe_python, 4.0 if args.quick else 16.8,
+                        5 if args.quick else 20, 3 if args.quick else 5, tmp)
+    fb = None if args.skip_freebench else freebench(pk, args.msprobe_python,
+                                                     3 if args.quick else 7, tmp)
+    text = render(hooks, cmp, fb, args, notes)
+    with open(args.out, "w") as fh:
+        fh.write(text)
+    print(f"written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
