@@ -207,24 +207,14 @@ class Engine:
     # -- one in-scope call -----------------------------------------------------------------------
     def handle(self, info, key, n, func, args, kwargs, frame):
         name = f"{key}.{n}.{self.stage}"
-        reason = info.skip or dynamic_skip(info, args, kwargs)
-        if reason is None and self.in_optimizer and not torch.is_grad_enabled():
-            reason = "optimizer"
-        if reason is not None:
-            return self._skip(reason, key, name, func, args, kwargs)
-        leaves, spec = perturb.flatten(args, kwargs)
-        if not any(perturb.is_float(x) for x in leaves):
-            return self._skip("no_float_input", key, name, func, args, kwargs)
-        if self.preheat is not None:
-            if self.preheat.in_preheat(self.step):
-                if not self.preheat.sample(key, n, self.step):
-                    return self._skip("preheat", key, name, func, args, kwargs)
-                if self.once_step(("preheat", key)):
-                    log.info("Free benchmark: preheat sample in step %d api_name %s "
-                             "curr_called_seq: %d/%s", self.step, name, n,
-                             self.preheat.total(key))
-            elif not self.preheat.wanted(key):
-                return self._skip("preheat", key, name, func, args, kwargs)
+        try:
+            decision = self._decide(info, key, n, name, args, kwargs)
+        except Exception as exc:  # probekit's own logic failed: run the call untouched
+            self.failed(key, name, exc)
+            return func(*args, **kwargs)
+        if isinstance(decision, str):
+            return self._skip(decision, key, name, func, args, kwargs)
+        leaves, spec = decision
         call = perturb.Call(info, args, kwargs, self.fb.fuzz_device)
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
@@ -233,6 +223,28 @@ class Engine:
 
             return watch(self, call, key, name, func, leaves, spec, frame)
         return self._check_forward(call, key, name, func, leaves, spec, frame)
+
+    def _decide(self, info, key, n, name, args, kwargs):
+        """A skip reason, or the call's flattened arguments when it is to be checked."""
+        reason = info.skip or dynamic_skip(info, args, kwargs)
+        if reason is None and self.in_optimizer and not torch.is_grad_enabled():
+            reason = "optimizer"
+        if reason is not None:
+            return reason
+        leaves, spec = perturb.flatten(args, kwargs)
+        if not any(perturb.is_float(x) for x in leaves):
+            return "no_float_input"
+        if self.preheat is not None:
+            if self.preheat.in_preheat(self.step):
+                if not self.preheat.sample(key, n, self.step):
+                    return "preheat"
+                if self.once_step(("preheat", key)):
+                    log.info("Free benchmark: preheat sample in step %d api_name %s "
+                             "curr_called_seq: %d/%s", self.step, name, n,
+                             self.preheat.total(key))
+            elif not self.preheat.wanted(key):
+                return "preheat"
+        return leaves, spec
 
     def _check_forward(self, call, key, name, func, leaves, spec, frame):
         out = func(*call.args, **call.kwargs)

@@ -65,10 +65,10 @@ def _fast_chunk(o, p, floor: float, cdt, device) -> torch.Tensor:
     """[max err, max |p-o|, |o| at the max-err element]: cheap arithmetic only (no masks).
 
     Non-finite values make the second entry NaN/Inf; the caller then takes the exact path."""
-    oc = o.to(device=device, dtype=cdt)
+    oc = o.to(device=device, dtype=cdt)   # may be ``o`` itself: never modified in place
     d = (p.to(device=device, dtype=cdt) - oc).abs_()
     dmax = d.amax()
-    ao = oc.abs_().reshape(-1)
+    ao = oc.abs().reshape(-1)
     r = torch.nan_to_num_(d.reshape(-1).div_(ao.clamp_min(floor)), nan=0.0, posinf=0.0,
                           neginf=0.0)
     rmax, idx = r.max(0)

@@ -158,6 +158,12 @@ class FreeBench:
         return self._engine.summary()
 
     @property
+    def api_counts(self) -> dict:
+        """Calls per API in the current step (``{"Torch.matmul": 3, ...}``): call ``i`` of API
+        ``K`` is named ``K.i.forward`` (or ``.backward``), the names ``scope`` takes."""
+        return dict(self._engine.counts)
+
+    @property
     def csv_path(self) -> str:
         return os.path.join(self.config.dump_path, _results.CSV_NAME) if self._sink.path is None \
             else self._sink.path
