@@ -24,7 +24,7 @@ import math
 import torch
 
 from . import handlers, perturb
-from .intercept import _no_autocast
+from .intercept import _no_autocast, modes_off
 from .metric import compare_many, floor_for
 from .names import call_site
 
@@ -32,18 +32,22 @@ from .names import call_site
 def watch(engine, call, key, name, func, leaves, spec, frame):
     """Run the call; hook its first differentiable output for a backward check."""
     out = func(*call.args, **call.kwargs)
-    outs = handlers.float_outputs(out)
-    if not outs:
-        engine.note_skip("no_float_output", key, name)
-        return out
-    diff = [i for i, x in enumerate(leaves) if perturb.is_float(x) and x.requires_grad]
-    sel = next(((i, t) for i, t in outs if t.requires_grad), None)
-    if not diff or sel is None or not torch.is_grad_enabled():
-        engine.note_skip("no_grad", key, name)
-        return out
-    check = _BackwardCheck(engine, call, key, name, func, leaves, spec, diff, sel[0],
-                           call_site(frame), engine.step)
-    engine.handles.append(sel[1].register_hook(check))
+    try:
+        with modes_off():
+            outs = handlers.float_outputs(out)
+            if not outs:
+                engine.note_skip("no_float_output", key, name)
+                return out
+            diff = [i for i, x in enumerate(leaves) if perturb.is_float(x) and x.requires_grad]
+            sel = next(((i, t) for i, t in outs if t.requires_grad), None)
+            if not diff or sel is None or not torch.is_grad_enabled():
+                engine.note_skip("no_grad", key, name)
+                return out
+            check = _BackwardCheck(engine, call, key, name, func, leaves, spec, diff, sel[0],
+                                   call_site(frame), engine.step)
+            engine.handles.append(sel[1].register_hook(check))
+    except Exception as exc:  # never reaches the training code
+        engine.failed(key, name, exc)
     return out
 
 
@@ -68,7 +72,8 @@ class _BackwardCheck:
             return None
         e.busy = True
         try:
-            self._check(grad)
+            with modes_off():
+                self._check(grad)
         except perturb.Cancel as exc:
             e.cancelled(self.key, self.name, str(exc))
         except Exception as exc:  # never reaches the training code

@@ -254,3 +254,32 @@ def test_summary_and_repr(tmp_path):
     fb.step()
     assert fb.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1}
     assert "1 finding(s)" in repr(fb) and "stopped" in repr(fb)
+
+
+def test_other_modes_see_only_the_users_calls(tmp_path):
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Recorder(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", "?"))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.rand(4, requires_grad=True)
+    for stage in ("forward", "backward"):
+        seen.clear()
+        fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", fuzz_stage=stage)
+        with Recorder():
+            with fb:
+                torch.exp(x).sum().backward()
+        assert seen == ["exp", "sum", "backward"], (stage, seen)
+        assert fb.summary["checked"] == 2
+
+
+def test_meta_tensors_are_skipped(tmp_path):
+    x = torch.empty(4, 4, device="meta")
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        torch.matmul(x, x)
+    assert fb.summary["skipped"] == {"meta": 1}
