@@ -11,7 +11,8 @@ at least float32), with the floor ``f`` of ``o``'s dtype (``FLOORS``):
 * ``nan_inf``: elements where one side is NaN/Inf and the other is not, or both are non-finite but
   different (+Inf vs -Inf, NaN vs Inf). They do not hide the other elements: ``max_rel`` is still
   taken over the finite ones (msprobe's chunked max turned a whole chunk into "consistent");
-* ``sign_flip``: elements where both ``|o_i|`` and ``|p_i|`` are at least ``f`` and their signs differ.
+* ``sign_flip``: elements where both ``|o_i|`` and ``|p_i|`` are at least ``f`` and their signs
+  differ.
 
 The formula is symmetric in sign: ``(-1e4 - 0.01) + 1e4`` scores like ``(1e4 + 0.01) - 1e4``
 (msprobe clamped signed values to a positive floor, so negative outputs were never flagged).

@@ -5,7 +5,7 @@
         loss = model(x).sum(); loss.backward()
     fb.step()                         # per-API counters reset, step number + 1
     fb.results                        # DataFrame, one row per inconsistent output
-    fb.summary                        # {"calls", "checked", "skipped": {reason: n}, "flagged", "steps"}
+    fb.summary                        # calls, checked, skipped {reason: n}, flagged, steps
 
 ``PrecisionDebugger(task="free_benchmark")`` drives the same object through ``open_session``.
 """
@@ -150,7 +150,7 @@ class FreeBench:
 
     @property
     def results(self):
-        """pandas DataFrame: one row per inconsistent output (see ``probekit.freebench.COLUMNS``)."""
+        """pandas DataFrame, one row per inconsistent output (``probekit.freebench.COLUMNS``)."""
         return _results.frame(self._rows)
 
     @property

@@ -5,7 +5,6 @@ Needs msprobe's venv: ``$MSPROBE_PYTHON`` or ``.venv-msprobe/bin/python`` in the
 """
 import os
 import subprocess
-import sys
 import textwrap
 
 import pandas as pd

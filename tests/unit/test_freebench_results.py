@@ -53,7 +53,8 @@ def test_header_once_whole_rows_and_reopen_appends(tmp_path):
 
 def test_foreign_header_is_left_alone(tmp_path):
     msprobe_header = ",".join(results.MSPROBE_COLUMNS) + "\n"
-    (tmp_path / "free_benchmark.csv").write_text(msprobe_header + "0,bit_noise,forward,0,x,1,a,b,\n")
+    (tmp_path / "free_benchmark.csv").write_text(msprobe_header +
+                                                 "0,bit_noise,forward,0,x,1,a,b,\n")
     sink = results.CsvSink(str(tmp_path))
     sink.write([row()])
     assert (tmp_path / "free_benchmark.csv").read_text().startswith(msprobe_header)
