@@ -5,7 +5,8 @@ the gradient of its first differentiable output. When that gradient ``g`` arrive
 backward pass, the hook
 
 1. scales ``g`` by a power of two so that ``max|g|`` lies in [0.5, 1) (exact: only the exponent
-   changes), so the per-dtype floors of the metric apply at unit scale;
+   changes), so the per-dtype floors of the metric apply at unit scale (computed on the device:
+   the check makes one host sync, for the comparison);
 2. recomputes the API on detached copies of the inputs and takes their gradients with
    ``torch.autograd.grad`` (the reference);
 3. does the same on the perturbed inputs (change_value: the output gradient is swapped like the
@@ -18,8 +19,6 @@ several differentiable outputs, the check covers the gradient flowing through th
 Hooks still pending are removed when the probe stops.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -95,10 +94,11 @@ class _BackwardCheck:
         if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)):
             raise perturb.Cancel("an input was modified in place before the backward pass")
         g = grad.detach()
-        m = float(g.abs().amax()) if g.numel() else 0.0
-        if m == 0.0 or not math.isfinite(m):
-            raise perturb.Cancel("the output gradient is zero or not finite")
-        g = g * (2.0 ** -math.frexp(m)[1])
+        if g.numel():
+            # power-of-two scale to max|g| in [0.5, 1), computed on the device (no sync)
+            m = g.abs().amax().float()
+            _, exp = torch.frexp(torch.where(torch.isfinite(m) & (m > 0), m, torch.ones_like(m)))
+            g = g * torch.ldexp(torch.ones_like(m), -exp)
         mode = e.mode_name
         with torch.enable_grad():
             # reference: the API on detached copies of its inputs
