@@ -4,9 +4,9 @@
         [--msprobe-python .venv-msprobe/bin/python] [--repeats 7]
 
 For each configuration (check mode with each pert_mode, backward stage, fix, nothing in scope),
-both tools time a training step of the same bf16 block (``_fb_model.py``: LayerNorm, matmul,
-softmax, Linear, GELU; one torch thread) and report the median step time divided by the median
-plain step time, measured in the same process. The primary number is CPU time of the training
+both tools time a training step of the same bf16 block (``bench_freebench_msprobe.build``:
+LayerNorm, matmul, softmax, Linear, GELU; one torch thread) and report the median step time
+divided by the median plain step time, measured in the same process. The primary number is CPU time of the training
 thread (robust on a shared machine); wall-clock ratios are printed beside it. probekit interleaves
 plain and probed steps; msprobe's helper times its plain steps first, because msprobe's API wrappers
 stay installed once it has started. ``--out`` gets a markdown table (``.md``) or JSON (``.json``).
@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from _fb_model import build, medians, timed  # noqa: E402
+from bench_freebench_msprobe import B, D, H, T, build, medians, timed  # noqa: E402
 
 #: (label, probekit/msprobe free_benchmark options)
 CONFIGS = [
@@ -147,12 +148,18 @@ def main(argv=None) -> int:
     md = "\n".join([
         "## Free benchmark: step time relative to a plain training step",
         "",
-        f"Command: `python benchmarks/bench_freebench.py {' '.join(argv or sys.argv[1:])}`",
+        f"Command: `python benchmarks/bench_freebench.py {shlex.join(argv or sys.argv[1:])}`",
         "",
-        f"Model: `benchmarks/_fb_model.py` (bf16, 2 blocks of LayerNorm/matmul/softmax/Linear/GELU,"
+        f"Model: `build()` in `benchmarks/bench_freebench_msprobe.py` (bf16, 2 blocks of "
+        f"LayerNorm/matmul/softmax/Linear/GELU, D={D}, H={H}, T={T}, batch {B},"
         f" SGD; one torch thread); plain step ≈ {plain:.1f} ms CPU; medians of {a.repeats} steps "
         f"after {a.warmup} warm-up steps; torch {torch.__version__}; total run "
         f"{time.time() - t0:.0f} s.",
+        "",
+        "Ratios: median probed step / median plain step, both timed in the same process. The first "
+        "ratio uses the CPU time of the training thread (robust on this shared 2-core machine), "
+        "the second wall-clock time. fix improve_precision is below 1×: it replaces each bf16 "
+        "call by its fp32 computation, which this CPU runs faster than bf16.",
         "",
         table(results),
         "",

@@ -1,24 +1,72 @@
-"""msprobe 1.0.4 side of bench_freebench.py; run with msprobe's venv python.
+"""msprobe 1.0.4 side of bench_freebench.py, and the model both sides time.
 
     python bench_freebench_msprobe.py --section '{"pert_mode": "bit_noise"}' --repeats 7 --dump DIR
 
-Prints one JSON object: plain and probed step times ([cpu_s, wall_s] each) and the number of rows
-msprobe wrote. Plain steps are timed first: once msprobe has started, its API wrappers stay
-installed for the rest of the process. A 1-process gloo group is initialised, without which msprobe
-1.0.4 writes nothing on CPU.
+(run with msprobe's venv python) prints one JSON object: plain and probed step times
+([cpu_s, wall_s] each) and the number of rows msprobe wrote. Plain steps are timed first: once
+msprobe has started, its API wrappers stay installed for the rest of the process. A 1-process gloo
+group is initialised, without which msprobe 1.0.4 writes nothing on CPU.
+
+The model (``build``): a small bf16 transformer-style block (LayerNorm, matmul, softmax, Linear,
+GELU), two of them, trained with SGD on one torch thread. bench_freebench.py imports it from here,
+so both tools time the very same step; msprobe itself is imported only inside ``main``.
 """
 import argparse
 import csv
 import json
 import os
 import socket
-import sys
+import statistics
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-import torch  # noqa: E402
+D, H, T, B = 128, 512, 32, 4
 
-from _fb_model import build, timed  # noqa: E402
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, H)
+        self.fc2 = nn.Linear(H, D)
+
+    def forward(self, x):
+        h = self.ln(x)
+        a = torch.softmax(torch.matmul(h, h.transpose(-1, -2)) * D ** -0.5, dim=-1)
+        h = torch.matmul(a, h)
+        return x + self.fc2(F.gelu(self.fc1(h)))
+
+
+def build(seed: int = 0):
+    """(step function, model): one training step = forward, loss, backward, SGD update."""
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = nn.Sequential(Block(), Block()).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(B, T, D, dtype=torch.bfloat16)
+
+    def step():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step, model
+
+
+def timed(fn):
+    """(CPU seconds of this thread, wall seconds) of one call."""
+    c, w = time.thread_time(), time.perf_counter()
+    fn()
+    return time.thread_time() - c, time.perf_counter() - w
+
+
+def medians(samples):
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
 
 
 def free_port() -> int:
