@@ -76,7 +76,10 @@ class _Mode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         e = self.engine
-        info = e.cache.get(func)
+        try:
+            info = e.cache.get(func)
+        except TypeError:  # an unhashable callable
+            info = None
         if info is None:
             info = e.classify(func)
         if info is PROPERTY or e.busy:

@@ -246,7 +246,10 @@ class Classifier:
         self._cache: dict = {}
 
     def __call__(self, func) -> ApiInfo:
-        info = self._cache.get(func)
+        try:
+            info = self._cache.get(func)
+        except TypeError:  # unhashable callable: classified every time
+            info = None
         if info is None:
             try:
                 info = classify(func)

@@ -84,7 +84,9 @@ class CsvSink:
         data = "".join(_line([_cell(r[c]) for c in COLUMNS]) for r in rows).encode("utf-8")
         fd = os.open(self.open(), os.O_WRONLY | os.O_APPEND)
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:  # one write in practice; a short write (disk full...) is completed
+                view = view[os.write(fd, view):]
         finally:
             os.close(fd)
 

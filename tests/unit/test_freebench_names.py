@@ -200,3 +200,17 @@ def test_call_site_is_the_users_line(tmp_path):
         line = __import__("inspect").currentframe().f_lineno + 1
         a + b
     assert fb.results["call_site"].tolist() == [f"test_freebench_names.py:{line}"]
+
+
+def test_unhashable_callable_is_classified_not_crashed():
+    class Unhashable:
+        __hash__ = None
+        __name__ = "odd"
+        __module__ = "somewhere"
+
+        def __call__(self, *a):
+            return 0
+
+    c = names.Classifier()
+    assert c(Unhashable()).skip == "other"
+    assert c(torch.matmul) is c(torch.matmul)
