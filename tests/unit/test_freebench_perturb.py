@@ -187,3 +187,26 @@ def test_registry_rejects_duplicates():
                                           "change_value", "no_change", "to_cpu"}
     with pytest.raises(ValueError, match="registered twice"):
         perturb.perturbation("bit_noise")(lambda call, leaves: None)
+
+
+@pytest.mark.parametrize("mode", sorted(perturb.PERTURBATIONS))
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_every_mode_leaves_inputs_and_rng_alone(mode, dtype):
+    x = sample(dtype)
+    w = torch.nn.Parameter(torch.ones(4, dtype=dtype))
+    before_x, before_w = x.clone(), w.detach().clone()
+    rng = torch.get_rng_state()
+    call = perturb.Call(names.classify(torch.exp), (x,), {})
+    if mode == "improve_precision" and dtype == torch.float64:
+        with pytest.raises(perturb.Cancel):
+            perturb.apply(mode, call)
+    else:
+        p = perturb.apply(mode, call)
+        assert p.args[0] is not x
+        changed = not torch.equal(p.args[0].to(dtype), x) or p.args[0].dtype != dtype \
+            or p.args[0].data_ptr() != x.data_ptr()
+        assert changed
+    perturb.apply("improve_precision" if dtype != torch.float64 else "no_change",
+                  perturb.Call(names.classify(torch.mul), (w, x), {}))
+    assert torch.equal(x, before_x) and torch.equal(w.detach(), before_w)
+    assert torch.equal(torch.get_rng_state(), rng)
