@@ -1,10 +1,11 @@
 """Side by side with msprobe 1.0.4 on the same calls: same API names, and probekit also flags
 the negative mirror of a cancellation that msprobe's clamped metric misses.
 
-Needs msprobe's venv: ``$MSPROBE_PYTHON`` or ``.venv-msprobe/bin/python`` in the repository.
+Needs msprobe's venv (tests/msprobe_util.py finds it; `make test` builds it).
 """
 import os
 import subprocess
+import sys
 import textwrap
 
 import pandas as pd
@@ -14,12 +15,10 @@ import torch.nn.functional as F
 
 from probekit.freebench import FreeBench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MSPROBE_PYTHON = os.environ.get("MSPROBE_PYTHON") or os.path.join(ROOT, ".venv-msprobe", "bin",
-                                                                  "python")
-pytestmark = [pytest.mark.msprobe,
-              pytest.mark.skipif(not os.path.exists(MSPROBE_PYTHON),
-                                 reason="msprobe venv not found (set MSPROBE_PYTHON)")]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from msprobe_util import msprobe_python  # noqa: E402
+
+pytestmark = pytest.mark.msprobe
 
 CALLS = textwrap.dedent("""
     a, b = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
@@ -62,7 +61,7 @@ MSPROBE_SCRIPT = textwrap.dedent("""
 def test_same_names_and_the_negative_mirror(tmp_path):
     ms_out = tmp_path / "msprobe"
     ms_out.mkdir()
-    proc = subprocess.run([MSPROBE_PYTHON, "-c", MSPROBE_SCRIPT, str(ms_out)],
+    proc = subprocess.run([msprobe_python(), "-c", MSPROBE_SCRIPT, str(ms_out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ms = pd.read_csv(ms_out / "free_benchmark.csv", encoding="utf-8-sig")
