@@ -70,16 +70,26 @@ def summary_line(summary: dict | None, n_rows: int = 0) -> str:
 class Findings:
     """Free-benchmark results as a table by severity plus a summary line."""
 
-    def __init__(self, results, summary: dict | None = None, *, top: int = 25, name: str = ""):
+    def __init__(self, results, summary: dict | None = None, *, top: int = 25, name: str = "",
+                 mode: str = ""):
         self.results = results
         self.summary = summary
         self.top = top
+        #: the user-namespace name of the FreeBench (pointed to when rows are cut)
         self.name = name
+        #: "pert_mode, handler, stage" shown in the heading
+        self.mode = mode
 
     @classmethod
     def of(cls, bench, **kwargs) -> "Findings":
-        """From a ``FreeBench``: its ``results`` and ``summary``."""
-        return cls(bench.results, getattr(bench, "summary", None), **kwargs)
+        """From a ``FreeBench``: its ``results``, ``summary`` and mode."""
+        section = bench.config.free_benchmark
+        kwargs.setdefault("mode", f"{section.pert_mode}, {section.handler_type}, "
+                                  f"{section.fuzz_stage}")
+        return cls(bench.results, bench.summary, **kwargs)
+
+    def _title(self) -> str:
+        return f"Free benchmark ({self.mode})" if self.mode else "Free benchmark"
 
     @property
     def ranked(self):
@@ -96,7 +106,7 @@ class Findings:
         head = (f'<span class="pk-flagged">⚠ {flagged} finding{"s" if flagged != 1 else ""}'
                 f'</span>' if flagged else '<span class="pk-ok">✓ no findings</span>')
         out = [_STYLE, '<div class="probekit-findings">',
-               f'<div class="pk-summary"><b>Free benchmark</b> {head} — '
+               f'<div class="pk-summary"><b>{html.escape(self._title())}</b> {head} — '
                f'{html.escape(summary_line(self.summary, len(ranked)))}</div>']
         if len(ranked):
             cols = [(h, c) for h, c in COLUMNS if c in ranked.columns]
@@ -119,7 +129,7 @@ class Findings:
 
     def __repr__(self) -> str:
         ranked = self.ranked
-        lines = [f"Free benchmark: {self._flagged()} findings — "
+        lines = [f"{self._title()}: {self._flagged()} findings — "
                  f"{summary_line(self.summary, len(ranked))}"]
         for i, (_, row) in enumerate(ranked.head(self.top).iterrows(), 1):
             lines.append(f"{i:>3}. {row['api_name']} [{row.get('stage', '')}] "

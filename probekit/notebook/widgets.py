@@ -280,6 +280,21 @@ class ConfigPanel(w.VBox):
         state = f"invalid: {self.error}" if self.error else "valid"
         return f"{type(self).__name__}({state})"
 
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget, plus a static HTML table of the settings for front-ends without widgets."""
+        bundle = super()._repr_mimebundle_(**kwargs) or {}
+        try:
+            values = self.config.to_dict()
+            values = {**{k: values[k] for k in ("dump_path", "rank", "step")}, **values[self.TASK]}
+        except ConfigError:
+            values = {}
+        rows = "".join(f"<tr><td style='padding:1px 8px'>{html.escape(LABELS.get(k, k))}</td>"
+                       f"<td style='padding:1px 8px'><code>{html.escape(repr(v))}</code></td></tr>"
+                       for k, v in values.items())
+        bundle["text/html"] = (f"<div><b>{html.escape(self.TITLE)}</b> (static view)"
+                               f"<table>{rows}</table>{self.status.value}</div>")
+        return bundle
+
 
 class FreeBenchPanel(ConfigPanel):
     """Free-benchmark settings. Apply makes them the defaults of ``%%freebench``
