@@ -83,4 +83,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # run through the imported module, so feature commands register in the same registry
+    from probekit.cli import main as _main
+
+    sys.exit(_main())

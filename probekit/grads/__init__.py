@@ -1,0 +1,9 @@
+"""The grad probe: per-step gradient statistics and sign bits in Zarr, and two-run comparison."""
+from .compare import GradCompareError, compare_grads, first_divergence
+from .recorder import GradProbe
+from .report import GradComparator
+from .sources import open_grads
+from .store import GradStoreError
+
+__all__ = ["GradProbe", "open_grads", "compare_grads", "first_divergence", "GradComparator",
+           "GradCompareError", "GradStoreError"]

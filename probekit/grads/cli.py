@@ -1,0 +1,90 @@
+"""``probekit grads compare|summary|export``."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..cli import command
+
+
+def _declare_compare(p):
+    p.add_argument("run_a", help="first run: probekit dump folder, grads.zarr, or msprobe dump")
+    p.add_argument("run_b", help="second run")
+    p.add_argument("-o", "--output", required=True, help="output folder (msprobe's layout)")
+    p.add_argument("--plots", choices=("all", "summary", "none"), default="summary",
+                   help="PNGs to render: every parameter (msprobe), summary only, or none")
+    p.add_argument("--step0-threshold", type=float, default=0.97)
+    p.add_argument("--drop-threshold", type=float, default=0.03)
+
+
+@command("grads", "compare", "compare the gradient signs of two runs, per rank/step/param")
+def compare(args) -> int:
+    from .report import GradComparator
+
+    result = GradComparator.compare_distributed(
+        args.run_a, args.run_b, args.output, plots=args.plots,
+        step0_threshold=args.step0_threshold, drop_threshold=args.drop_threshold)
+    for rank in result["rank"].values:
+        r = result.sel(rank=rank)
+        step, param = int(r["first_step"].item()), str(r["first_param"].item())
+        total = np.asarray(r["total"].values)
+        steps = np.asarray(r["step"].values)
+        print(f"rank {int(rank)}: {r.sizes['step']} steps x {r.sizes['param']} params compared; "
+              f"total similarity {np.nanmin(total):.4f}..{np.nanmax(total):.4f}")
+        if step >= 0:
+            print(f"rank {int(rank)}: first flagged at step {step}"
+                  + (f", parameter {param}" if param else " (total similarity)"))
+        else:
+            print(f"rank {int(rank)}: no step flagged (steps {steps.min()}..{steps.max()})")
+    print(f"written to {args.output}")
+    return 0
+
+
+compare.declare = _declare_compare
+
+
+def _declare_summary(p):
+    p.add_argument("run", help="probekit dump folder, grads.zarr, or msprobe dump")
+    p.add_argument("--rank", type=int, default=None)
+
+
+@command("grads", "summary", "describe a recorded run: ranks, steps, params, last statistics")
+def summary(args) -> int:
+    from .sources import load_runs
+
+    runs = load_runs(args.run)
+    for rank, ds in sorted(runs.items()):
+        if args.rank is not None and rank != args.rank:
+            continue
+        steps = np.asarray(ds["step"].values)
+        numel = int(np.asarray(ds["numel"].values).sum())
+        print(f"rank {rank}: level {ds.attrs.get('level')}, {ds.sizes['param']} params "
+              f"({numel:,} elements), {steps.size} steps"
+              + (f" ({steps.min()}..{steps.max()})" if steps.size else ""))
+        if steps.size:
+            last = ds.isel(step=-1)
+            print(f"  step {int(steps[-1])}:  {'param':40s} {'max':>12s} {'min':>12s} {'norm':>12s}")
+            for j, name in enumerate(ds["param"].values):
+                print(f"  {'':9s} {str(name)[:40]:40s} {float(last['max'][j]):12.5g} "
+                      f"{float(last['min'][j]):12.5g} {float(last['norm'][j]):12.5g}")
+    return 0
+
+
+summary.declare = _declare_summary
+
+
+def _declare_export(p):
+    p.add_argument("run", help="probekit dump folder or grads.zarr")
+    p.add_argument("--to", choices=("msprobe",), required=True)
+    p.add_argument("output", help="output folder")
+
+
+@command("grads", "export", "write a run in another tool's layout (msprobe's grad dump)")
+def export(args) -> int:
+    from ..compat.msprobe import write_grad_dump
+
+    files = write_grad_dump(args.run, args.output)
+    print(f"wrote {len(files)} files under {args.output}")
+    return 0
+
+
+export.declare = _declare_export

@@ -1,0 +1,198 @@
+"""Compare the gradient directions of two runs, vectorised over steps and parameters.
+
+similarity(rank, step, param) = share of elements whose sign bit (``grad > 0``) is equal in both
+runs; total(rank, step) = the same over all compared elements (the element-weighted mean).
+A parameter is flagged at the first compared step if its similarity is below ``step0_threshold``
+(0.97), and at a later step if it dropped by more than ``drop_threshold`` (0.03) since the
+previous compared step; ``flag_total`` applies the same rule to ``total``.
+
+The sign bits are read in blocks of steps as 64-bit words, XOR-ed, counted with
+``np.bitwise_count`` and summed per parameter with ``np.add.reduceat``: no loop over files,
+steps or parameters in Python.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..log import get_logger
+
+log = get_logger(__name__)
+
+STEP0_THRESHOLD = 0.97
+DROP_THRESHOLD = 0.03
+_BLOCK_BYTES = 64 << 20
+
+
+class GradCompareError(ValueError):
+    """Two runs cannot be compared (no common steps/params, sizes differ, no direction data)."""
+
+
+def _ranges(values) -> str:
+    v = np.asarray(values)
+    if v.size == 0:
+        return "none"
+    if v.size <= 6:
+        return ", ".join(str(x) for x in v)
+    return f"{v[0]}..{v[-1]} ({v.size} values)"
+
+
+def _word_index(ds, pos: np.ndarray) -> np.ndarray:
+    """64-bit word indices (into one step's sign bits) of the parameters at positions ``pos``."""
+    offsets = np.asarray(ds["offset"].values, np.int64)[pos] // 8
+    words = -(-np.asarray(ds["numel"].values, np.int64)[pos] // 64)
+    return np.concatenate([np.arange(o, o + w) for o, w in zip(offsets, words)]) if len(
+        pos) else np.zeros(0, np.int64)
+
+
+def _read_rows(da, rows: np.ndarray) -> np.ndarray:
+    """Rows of a (step, byte) DataArray as one contiguous uint8 array (slices when contiguous)."""
+    if rows.size and np.all(np.diff(rows) == 1):
+        sel = da.isel(step=slice(int(rows[0]), int(rows[-1]) + 1))
+    else:
+        sel = da.isel(step=rows)
+    return np.ascontiguousarray(sel.values, dtype=np.uint8)
+
+
+def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
+                 drop_threshold: float = DROP_THRESHOLD, block_bytes: int = _BLOCK_BYTES):
+    """Compare two Datasets of one rank (as ``open_grads`` returns) -> Dataset(step, param)."""
+    import xarray as xr
+
+    for name, ds in (("first", a), ("second", b)):
+        if "direction" not in ds:
+            raise GradCompareError(
+                f"the {name} run was recorded at grad_level {ds.attrs.get('level', '?')!r}, "
+                "which keeps no direction data; accepted: runs recorded at L1 or L2")
+    names_a = [str(x) for x in a["param"].values]
+    names_b = [str(x) for x in b["param"].values]
+    index_b = {n: i for i, n in enumerate(names_b)}
+    common = [n for n in names_a if n in index_b]
+    if not common:
+        raise GradCompareError(f"the runs share no parameter (first: {names_a[:3]}..., second: "
+                               f"{names_b[:3]}...)")
+    index_a = {n: i for i, n in enumerate(names_a)}
+    pos_a = np.array([index_a[n] for n in common])
+    pos_b = np.array([index_b[n] for n in common])
+    numel_a = np.asarray(a["numel"].values, np.int64)[pos_a]
+    numel_b = np.asarray(b["numel"].values, np.int64)[pos_b]
+    if np.any(numel_a != numel_b):
+        bad = [(common[i], int(numel_a[i]), int(numel_b[i])) for i in
+               np.flatnonzero(numel_a != numel_b)[:5]]
+        raise GradCompareError("parameter sizes differ between the runs (name, first, second): "
+                               + "; ".join(f"{n}: {x} vs {y}" for n, x, y in bad))
+    steps_a = np.asarray(a["step"].values, np.int64)
+    steps_b = np.asarray(b["step"].values, np.int64)
+    steps, rows_a, rows_b = np.intersect1d(steps_a, steps_b, assume_unique=True,
+                                           return_indices=True)
+    if steps.size == 0:
+        raise GradCompareError(f"the runs share no step (first: {_ranges(steps_a)}; second: "
+                               f"{_ranges(steps_b)})")
+
+    words_a, words_b = _word_index(a, pos_a), _word_index(b, pos_b)
+    nbytes_a, nbytes_b = a.sizes["byte"], b.sizes["byte"]
+    same_layout = (words_a.size * 8 == nbytes_a and np.array_equal(words_a, words_b)
+                   and nbytes_a == nbytes_b)
+    nwords = -(-numel_a // 64)
+    nonempty = nwords > 0
+    starts = np.concatenate([[0], np.cumsum(nwords)[:-1]])[nonempty]
+    differ = np.zeros((steps.size, len(common)), np.int64)
+    block = max(1, block_bytes // max(1, nbytes_a))
+    for s0 in range(0, steps.size, block):
+        ra, rb = rows_a[s0:s0 + block], rows_b[s0:s0 + block]
+        wa = _read_rows(a["direction"], ra).view(np.uint64)
+        wb = _read_rows(b["direction"], rb).view(np.uint64)
+        if not same_layout:
+            wa, wb = wa[:, words_a], wb[:, words_b]
+        bits = np.bitwise_count(np.bitwise_xor(wa, wb))
+        if starts.size:
+            differ[s0:s0 + len(ra), nonempty] = np.add.reduceat(bits, starts, axis=1,
+                                                                dtype=np.int64)
+    present = _present(a, rows_a, pos_a) & _present(b, rows_b, pos_b)
+    numel = numel_a.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        similarity = np.where(present & (numel > 0), 1.0 - differ / numel, np.nan)
+        weight = np.where(present, numel, 0.0)
+        total = 1.0 - (np.where(present, differ, 0).sum(1) / weight.sum(1))
+    flag = flags(similarity, step0_threshold, drop_threshold)
+    flag_total = flags(total[:, None], step0_threshold, drop_threshold)[:, 0]
+    return xr.Dataset(
+        {"similarity": (("step", "param"), similarity),
+         "differ": (("step", "param"), np.where(present, differ, -1)),
+         "total": (("step",), total),
+         "flag": (("step", "param"), flag),
+         "flag_total": (("step",), flag_total)},
+        coords={"step": steps, "param": np.array(common, dtype=str), "numel": ("param", numel_a)},
+    )
+
+
+def _present(ds, rows, pos) -> np.ndarray:
+    if "present" not in ds:
+        return np.ones((rows.size, pos.size), bool)
+    return np.asarray(ds["present"].isel(step=rows, param=pos).values, bool)
+
+
+def flags(sim: np.ndarray, step0_threshold: float, drop_threshold: float) -> np.ndarray:
+    """The problem rule on a (step, param) array of similarities (NaN never flags)."""
+    sim = np.asarray(sim, np.float64)
+    out = np.zeros(sim.shape, bool)
+    if sim.shape[0]:
+        out[0] = sim[0] < step0_threshold
+        out[1:] = (sim[:-1] - sim[1:]) > drop_threshold
+    return out
+
+
+def first_divergence(result) -> tuple[int, str]:
+    """(step, param) of the first flag in a one-rank comparison; (-1, "") if none.
+
+    The param is the flagged one with the lowest similarity at that step ("" when only the
+    total was flagged).
+    """
+    any_flag = result["flag"].values.any(axis=1) | result["flag_total"].values
+    hits = np.flatnonzero(any_flag)
+    if hits.size == 0:
+        return -1, ""
+    i = int(hits[0])
+    row_flags = result["flag"].values[i]
+    if not row_flags.any():
+        return int(result["step"].values[i]), ""
+    sims = np.where(row_flags, result["similarity"].values[i], np.inf)
+    return int(result["step"].values[i]), str(result["param"].values[int(np.argmin(sims))])
+
+
+def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
+                  drop_threshold: float = DROP_THRESHOLD, ranks=None):
+    """Compare two runs (paths to probekit or msprobe dumps, or Datasets) -> xarray Dataset.
+
+    Result: ``similarity(rank, step, param)``, ``total(rank, step)``, ``flag(rank, step, param)``,
+    ``flag_total(rank, step)``, ``differ(rank, step, param)`` (elements whose sign differs,
+    -1 where a run had no gradient), ``first_step(rank)`` (-1 if nothing was flagged) and
+    ``first_param(rank)``; only steps and parameters present in both runs.
+    """
+    import xarray as xr
+
+    from .sources import load_runs
+
+    runs_a, runs_b = load_runs(a), load_runs(b)
+    common = sorted(set(runs_a) & set(runs_b))
+    if ranks is not None:
+        common = [r for r in common if r in set(ranks)]
+    if not common:
+        raise GradCompareError(f"the runs share no rank (first: {sorted(runs_a)}, second: "
+                               f"{sorted(runs_b)}" + (f", asked: {list(ranks)}" if ranks else "")
+                               + ")")
+    parts = []
+    for r in common:
+        res = compare_rank(runs_a[r], runs_b[r], step0_threshold=step0_threshold,
+                           drop_threshold=drop_threshold)
+        step, param = first_divergence(res)
+        res["first_step"] = ((), step)
+        res["first_param"] = ((), param)
+        parts.append(res.expand_dims(rank=[r]))
+    if len(parts) == 1:
+        out = parts[0]
+    else:
+        out = xr.concat(parts, dim="rank", join="outer", fill_value={
+            "similarity": np.nan, "total": np.nan, "flag": False, "flag_total": False,
+            "differ": -1, "numel": 0}, coords="different", compat="equals")
+    out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
+    return out

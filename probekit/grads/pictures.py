@@ -1,0 +1,55 @@
+"""PNG pictures of a one-rank comparison, in msprobe's folder layout, rendered fast.
+
+A single Agg figure is built once; each picture only swaps the line data, the flag markers and
+the title before ``savefig`` (no pyplot state, no new figure per parameter).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class SimilarityFigure:
+    def __init__(self, r, width: float = 6.4, height: float = 3.6, dpi: int = 80) -> None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        self.r = r
+        self.steps = np.asarray(r["step"].values)
+        self.params = [str(p) for p in r["param"].values]
+        self.t0 = float(r.attrs.get("step0_threshold", 0.97))
+        self.rank = int(r["rank"].item()) if "rank" in r.coords else 0
+        self.fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+        FigureCanvasAgg(self.fig)
+        ax = self.ax = self.fig.add_subplot()
+        (self.line,) = ax.plot([], [], marker="o", markersize=3, lw=1.5, color="C0",
+                               label="similarity")
+        (self.flags,) = ax.plot([], [], ls="none", marker="x", markersize=9, mew=2, color="C3",
+                                label="flagged step")
+        ax.axhline(self.t0, color="0.4", ls="--", lw=1, label=f"threshold {self.t0:g}")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("sign similarity")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower left", fontsize=8)
+        x0 = self.steps.min() if self.steps.size else 0
+        x1 = self.steps.max() if self.steps.size else 1
+        ax.set_xlim(x0 - 0.5, x1 + 0.5)
+
+    def render(self, param: str | None, path: str) -> None:
+        if param is None:
+            y = np.asarray(self.r["total"].values, np.float64)
+            flag = np.asarray(self.r["flag_total"].values, bool)
+            title = f"rank {self.rank} · summary (element-weighted, all parameters)"
+        else:
+            j = self.params.index(param)
+            y = np.asarray(self.r["similarity"].values[:, j], np.float64)
+            flag = np.asarray(self.r["flag"].values[:, j], bool)
+            title = f"rank {self.rank} · {param}"
+        self.line.set_data(self.steps, y)
+        self.flags.set_data(self.steps[flag], y[flag])
+        lo = np.nanmin(y) if np.isfinite(y).any() else self.t0
+        self.ax.set_ylim(min(lo, self.t0) - 0.02, 1.005)
+        self.ax.set_title(title, fontsize=10)
+        self.fig.savefig(path)

@@ -1,0 +1,80 @@
+"""msprobe's ``GradComparator.compare_distributed``: similarities.csv and plots per rank."""
+from __future__ import annotations
+
+import csv
+import os
+
+import numpy as np
+
+from ..log import get_logger
+from ..paths import safe_join
+from .compare import DROP_THRESHOLD, STEP0_THRESHOLD, compare_grads
+
+log = get_logger(__name__)
+PLOTS = ("all", "summary", "none")
+
+
+def write_similarities_csv(result, rank: int, path: str) -> None:
+    """msprobe's similarities.csv: a row per param plus ``summary``, a column per step."""
+    r = result.sel(rank=rank)
+    steps = [int(s) for s in r["step"].values]
+    rows = [["step", *[str(s) for s in steps]]]
+    sim = np.asarray(r["similarity"].values)
+    for j, name in enumerate(r["param"].values):
+        if np.all(np.isnan(sim[:, j])):
+            continue
+        rows.append([str(name), *[repr(float(v)) for v in sim[:, j]]])
+    rows.append(["summary", *[repr(float(v)) for v in np.asarray(r["total"].values)]])
+    with open(path, "w", encoding="utf-8-sig", newline="") as fh:
+        csv.writer(fh).writerows(rows)
+
+
+class GradComparator:
+    """msprobe's entry point for comparing two grad dumps."""
+
+    @staticmethod
+    def compare_distributed(dump_path1, dump_path2, output_path, *, plots: str = "all",
+                            step0_threshold: float = STEP0_THRESHOLD,
+                            drop_threshold: float = DROP_THRESHOLD):
+        """Compare every rank two runs share; write ``rank{r}/similarities.csv`` and plots.
+
+        ``plots``: ``"all"`` (msprobe's per-parameter PNGs + summary), ``"summary"`` (only
+        ``summary_similarities.png``) or ``"none"``. Returns the comparison Dataset.
+        """
+        if plots not in PLOTS:
+            raise ValueError(f"plots: {plots!r} is not valid; accepted: {', '.join(PLOTS)}")
+        result = compare_grads(dump_path1, dump_path2, step0_threshold=step0_threshold,
+                               drop_threshold=drop_threshold)
+        os.makedirs(output_path, exist_ok=True)
+        for rank in result["rank"].values:
+            rank_dir = os.path.join(output_path, f"rank{int(rank)}")
+            os.makedirs(rank_dir, exist_ok=True)
+            write_similarities_csv(result, int(rank), os.path.join(rank_dir, "similarities.csv"))
+            if plots != "none":
+                _write_pictures(result.sel(rank=rank), os.path.join(rank_dir,
+                                "similarities_picture"), per_param=plots == "all")
+            step = int(result["first_step"].sel(rank=rank).item())
+            param = str(result["first_param"].sel(rank=rank).item())
+            if step >= 0:
+                log.warning("rank %d: gradients part at step %d%s", int(rank), step,
+                            f" (first: {param})" if param else " (total similarity)")
+        return result
+
+    @staticmethod
+    def compare(path1, path2, output_dir, **kwargs):
+        """Compare two dumps (msprobe's single-rank entry point); same outputs."""
+        return GradComparator.compare_distributed(path1, path2, output_dir, **kwargs)
+
+
+def _write_pictures(r, picture_dir: str, per_param: bool) -> None:
+    """Render with one reused figure (only line data changes), so PNGs stay cheap."""
+    from .pictures import SimilarityFigure
+
+    os.makedirs(picture_dir, exist_ok=True)
+    fig = SimilarityFigure(r)
+    fig.render(None, os.path.join(picture_dir, "summary_similarities.png"))
+    if per_param:
+        sim = np.asarray(r["similarity"].values)
+        for j, name in enumerate(r["param"].values):
+            if not np.all(np.isnan(sim[:, j])):
+                fig.render(str(name), safe_join(picture_dir, f"{name}_similarities.png"))

@@ -1,0 +1,259 @@
+"""Per-parameter gradient statistics and packed sign bits for one optimizer step.
+
+What is computed, per parameter (the grad probe's levels):
+
+* ``max``, ``min`` (NaN if the gradient holds a NaN), ``norm`` = L2 norm, squares accumulated in
+  float64 across chunks (each chunk's dot product in float32 unless its magnitude could overflow
+  or underflow float32 squares; then in float64);
+* L0: a digest of the gradient as C-order float32 bytes (msprobe's MD5 definition, so digests
+  match msprobe's for the same gradient);
+* L1/L2: the direction, ``grad > 0`` per element, packed 8 per byte most significant bit first
+  (``numpy.packbits`` order), each parameter padded with zero bits to a 64-bit boundary;
+* L2: the share of elements in each interval of ``bounds`` — ``(-inf, b0], (b0, b1], ..., (bn, inf)``
+  — and the share of exact zeros. NaN elements fall in no interval.
+
+CPU gradients are processed in chunks that fit in cache, so every statistic of a chunk is computed
+while it is hot: the cost stays a small multiple of one read of the gradient bytes. Gradients on
+an accelerator are reduced on their device with whole-tensor ops and transferred once per step
+(statistics stacked, sign bits packed on the device), without per-statistic ``.item()`` syncs.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+CHUNK = 1 << 18  # elements per cache-resident chunk (1 MiB of float32); a multiple of 64
+_F32_SAFE_HI = 2.0 ** 60  # |x| above this: x*x may overflow float32 across a chunk sum
+_F32_SAFE_LO = 2.0 ** -50  # |x| below this: x*x underflows float32's normal range
+
+
+def interval_labels(bounds) -> list[str]:
+    """msprobe's labels of the intervals of ``bounds``: ``(-inf, b0]``, ``(b0, b1]``, ``(bn, inf)``."""
+    b = [_fmt(x) for x in bounds]
+    return [f"(-inf, {b[0]}]", *[f"({lo}, {hi}]" for lo, hi in zip(b, b[1:])], f"({b[-1]}, inf)"]
+
+
+def _fmt(x) -> str:
+    return str(x)
+
+
+def padded_nbytes(numel: int) -> int:
+    """Bytes of a parameter's packed sign bits, padded to a 64-bit boundary."""
+    return -(-numel // 64) * 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Fixed order and byte layout of the monitored parameters."""
+
+    names: tuple
+    numels: tuple
+    shapes: tuple
+
+    @property
+    def offsets(self) -> np.ndarray:
+        sizes = np.array([padded_nbytes(n) for n in self.numels], dtype=np.int64)
+        return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else sizes
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(padded_nbytes(n) for n in self.numels))
+
+
+def hasher(name: str):
+    """A new digest object: ``md5`` (hashlib) or ``xxh3`` (xxh3_128 of the xxhash package)."""
+    if name == "md5":
+        return hashlib.md5()
+    if name == "xxh3":
+        try:
+            import xxhash
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ImportError("grad_probe hash 'xxh3' needs the xxhash package: "
+                              "pip install 'probekit[fast]'") from None
+        return xxhash.xxh3_128()
+    raise ValueError(f"hash: {name!r} is not valid; accepted: md5, xxh3")
+
+
+HASH_NBYTES = {"md5": 16, "xxh3": 16}
+
+
+@dataclass
+class StepStats:
+    """Statistics of every monitored parameter at one step (arrays indexed by parameter)."""
+
+    present: np.ndarray  # (P,) bool: the parameter had a gradient
+    max: np.ndarray  # (P,) float64
+    min: np.ndarray
+    norm: np.ndarray
+    hash: np.ndarray | None = None  # (P, 16) uint8 digest bytes (L0)
+    zeros: np.ndarray | None = None  # (P,) float64 share of exact zeros (L2)
+    dist: np.ndarray | None = None  # (P, I) float64 share per interval (L2)
+    direction: np.ndarray | None = None  # (nbytes,) uint8 packed sign bits (L1/L2)
+
+
+class _Scratch:
+    """Reusable buffers, so chunks allocate nothing."""
+
+    def __init__(self) -> None:
+        self.f32 = torch.empty(CHUNK, dtype=torch.float32)
+        self.f32_np = self.f32.numpy()
+        self.mask = np.empty(CHUNK, dtype=bool)  # sign bits of the chunk
+        self.mask2 = np.empty(CHUNK, dtype=bool)  # comparisons for the interval counts
+
+
+def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
+            scratch: _Scratch | None = None) -> StepStats:
+    """Statistics of ``grads`` (one tensor or None per parameter of ``layout``) at ``level``."""
+    p = len(layout.names)
+    want_dir = level in ("L1", "L2")
+    want_dist = level == "L2"
+    out = StepStats(present=np.zeros(p, bool), max=np.full(p, np.nan), min=np.full(p, np.nan),
+                    norm=np.full(p, np.nan))
+    if level == "L0":
+        out.hash = np.zeros((p, HASH_NBYTES[hash_name]), np.uint8)
+    if want_dir:
+        out.direction = np.zeros(layout.nbytes, np.uint8)
+    if want_dist:
+        out.zeros = np.full(p, np.nan)
+        out.dist = np.full((p, len(bounds) + 1), np.nan)
+    offsets = layout.offsets
+    bounds_arr = np.asarray(bounds, dtype=np.float64)
+    device_jobs = []
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        if g.numel() != layout.numels[i]:
+            raise ValueError(f"gradient of {layout.names[i]!r} has {g.numel()} elements; the "
+                             f"recording started with {layout.numels[i]}")
+        out.present[i] = True
+        dir_view = (out.direction[offsets[i]:offsets[i] + padded_nbytes(layout.numels[i])]
+                    if want_dir else None)
+        if g.device.type == "cpu":
+            scratch = scratch or _Scratch()
+            _cpu_param(g, i, out, bounds_arr, level, hash_name, dir_view, scratch)
+        else:
+            device_jobs.append((i, g, dir_view))
+    if device_jobs:
+        _device_params(device_jobs, out, bounds_arr, level, hash_name)
+    return out
+
+
+def _chunk_sumsq(a: np.ndarray, mx: float, mn: float) -> float:
+    amax = max(abs(mx), abs(mn))
+    if a.dtype == np.float32 and (amax > _F32_SAFE_HI or 0 < amax < _F32_SAFE_LO):
+        a = a.astype(np.float64)
+    return float(np.dot(a, a))
+
+
+def _cpu_param(g, i, out: StepStats, bounds, level, hash_name, dir_view, s: _Scratch) -> None:
+    flat = g.detach().reshape(-1)
+    n = flat.numel()
+    native = flat.dtype in (torch.float32, torch.float64)
+    if not flat.dtype.is_floating_point:
+        raise TypeError(f"gradient dtype {flat.dtype} is not a floating-point type")
+    maxes, mins = [], []
+    sumsq = 0.0
+    counts = np.zeros(len(bounds), np.int64)
+    zeros = 0
+    digest = hasher(hash_name) if level == "L0" else None
+    for start in range(0, n, CHUNK):
+        part = flat[start:start + CHUNK]
+        m = part.numel()
+        if native:
+            a = part.numpy()
+        else:  # float16/bfloat16: widen into the scratch buffer (exact)
+            part = s.f32[:m].copy_(part)
+            a = s.f32_np[:m]
+        lo, hi = torch.aminmax(part)
+        mx, mn = float(hi), float(lo)
+        maxes.append(mx)
+        mins.append(mn)
+        sumsq += _chunk_sumsq(a, mx, mn)
+        if digest is not None:
+            digest.update((a if a.dtype == np.float32 else a.astype(np.float32)).tobytes())
+        if dir_view is not None:
+            mask = np.greater(a, 0, out=s.mask[:m])
+            packed = np.packbits(mask)
+            dir_view[start // 8:start // 8 + packed.size] = packed
+        if level == "L2":
+            # A bound outside [min, max) of a NaN-free chunk needs no pass over the data, and
+            # ``x <= 0`` is the complement of the sign mask just built. Only bounds inside the
+            # chunk's range (and the zero count, when 0 is in range) cost a pass.
+            clean = not (math.isnan(mx) or math.isnan(mn))
+            npos = None
+            for k, b in enumerate(bounds):
+                if clean and b >= mx:
+                    counts[k] += m
+                elif clean and b < mn:
+                    continue
+                elif clean and b == 0:
+                    npos = np.count_nonzero(s.mask[:m]) if npos is None else npos
+                    counts[k] += m - npos
+                else:
+                    counts[k] += np.count_nonzero(np.less_equal(a, b, out=s.mask2[:m]))
+            if not (clean and (mn > 0 or mx < 0)):
+                zeros += np.count_nonzero(np.equal(a, 0, out=s.mask2[:m]))
+    if n:
+        out.max[i] = np.max(maxes)
+        out.min[i] = np.min(mins)
+        out.norm[i] = np.sqrt(sumsq)
+    if digest is not None:
+        out.hash[i] = np.frombuffer(digest.digest(), np.uint8)
+    if level == "L2":
+        out.zeros[i] = zeros / n if n else np.nan
+        out.dist[i] = _interval_shares(counts, n)
+
+
+def _interval_shares(le_counts: np.ndarray, n: int) -> np.ndarray:
+    """Shares per interval from counts of ``x <= b_k`` (NaN elements are in no interval)."""
+    if not n:
+        return np.full(len(le_counts) + 1, np.nan)
+    inner = np.diff(le_counts, prepend=0)
+    return np.concatenate([inner, [n - le_counts[-1]]]).astype(np.float64) / n
+
+
+_BIT_WEIGHTS = {}
+
+
+def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
+    """Whole-tensor reductions on the gradients' device; one transfer for all statistics."""
+    rows, packed = [], []
+    for i, g, dir_view in jobs:
+        flat = g.detach().reshape(-1)
+        n = flat.numel()
+        wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+        mx, mn = torch.aminmax(wide)
+        vals = [mx.double(), mn.double(), torch.linalg.vector_norm(wide, dtype=torch.float64)]
+        if level == "L2":
+            vals += [(wide <= float(b)).sum().double() for b in bounds]
+            vals.append((wide == 0).sum().double())
+        rows.append(torch.stack(vals))
+        if dir_view is not None:
+            bits = torch.zeros(dir_view.size * 8, dtype=torch.uint8, device=flat.device)
+            bits[:n] = flat > 0
+            key = flat.device
+            if key not in _BIT_WEIGHTS:
+                _BIT_WEIGHTS[key] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
+                                                 device=flat.device)
+            packed.append((bits.view(-1, 8) * _BIT_WEIGHTS[key]).sum(1, dtype=torch.uint8))
+        if level == "L0":  # the digest needs the bytes on the host, as msprobe's does
+            digest = hasher(hash_name)
+            digest.update(wide.float().cpu().numpy().tobytes())
+            out.hash[i] = np.frombuffer(digest.digest(), np.uint8)
+    host = torch.stack(rows).cpu().numpy()
+    host_bits = torch.cat(packed).cpu().numpy() if packed else None
+    pos = 0
+    for r, (i, g, dir_view) in enumerate(jobs):
+        n = g.numel()
+        out.max[i], out.min[i], out.norm[i] = host[r, 0], host[r, 1], host[r, 2]
+        if level == "L2":
+            counts = host[r, 3:3 + len(bounds)].astype(np.int64)
+            out.dist[i] = _interval_shares(counts, n)
+            out.zeros[i] = host[r, -1] / n if n else np.nan
+        if dir_view is not None:
+            dir_view[:] = host_bits[pos:pos + dir_view.size]
+            pos += dir_view.size
