@@ -72,3 +72,36 @@ def test_static_fallback_has_png_and_html(grads_pair, grads_cmp):
     png = html.split("data:image/png;base64,")[1].split("'")[0]
     assert base64.b64decode(png) == ex.image.value
     assert "first flag at step 4" in html
+
+
+def test_explorer_on_two_recorded_runs(tmp_path):
+    """Real GradProbe runs on disk: run b puts its input norm in bfloat16 and diverges once the
+    inputs get a large offset (step 3)."""
+    import torch
+
+    import probekit
+
+    def train(path, dtype):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        with probekit.GradProbe(model, opt, level="L2", dump_path=str(path)):
+            for s in range(6):
+                x = torch.randn(64, 8, generator=g) + (500.0 if s >= 3 else 0.0)
+                x = x - x.to(dtype).mean(-1, keepdim=True).float()    # the low-precision centering
+                loss = torch.nn.functional.mse_loss(model(x), torch.zeros(64, 2))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+    train(tmp_path / "a", torch.float32)
+    train(tmp_path / "b", torch.bfloat16)
+    ex = GradExplorer(str(tmp_path / "b"), str(tmp_path / "a"))
+    cmp = ex.comparison
+    assert int(cmp.first_step.values[0]) == 3
+    assert ex.param == str(cmp.first_param.values[0]) and ex.param in ex.flagged_params()
+    assert ex.flagged_steps(ex.param)[0] == 3
+    assert [ax.get_title() for ax in ex.figure.axes if ax.get_title()][0] == (
+        f"Direction similarity: {ex.param}")
+    assert "first flag at step 3" in ex.header.value
