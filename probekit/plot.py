@@ -246,18 +246,55 @@ def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_st
 # -- free benchmark ---------------------------------------------------------------------------
 
 def by_severity(results):
-    """Findings ordered from most to least severe: NaN/Inf and sign flips first, then by
+    """Findings ordered from most to least severe: NaN/Inf mismatches, then sign flips, then by
     ``ratio`` (max_rel / threshold) descending. Returns a new DataFrame (index kept)."""
     df = _frame(results)
     if df.empty:
         return df
-    ratio = df["ratio"].astype(float) if "ratio" in df else (
-        df["max_rel"].astype(float) / df["threshold"].astype(float))
-    severe = df["kind"].isin(SEVERE_KINDS) if "kind" in df else False
-    key = ratio.where(~(ratio.isna() & severe), math.inf).fillna(-math.inf)
-    order = np.lexsort((-key.to_numpy(), ~np.asarray(severe, dtype=bool) if "kind" in df
-                        else np.zeros(len(df), bool)))
-    return df.iloc[order]
+    rank = df["kind"].map({k: i for i, k in enumerate(SEVERE_KINDS)}).fillna(len(SEVERE_KINDS))
+    ratio = df["ratio"].astype(float).fillna(-math.inf)
+    return df.iloc[np.lexsort((-ratio.to_numpy(), rank.to_numpy()))]
+
+
+#: what makes two findings "the same API call" across steps
+CALL_KEYS = ("api_name", "stage", "kind", "dtype", "shape", "output_index")
+
+
+def merged_findings(results):
+    """One row per API call (``CALL_KEYS``) over all steps, most severe first: the worst row's
+    values plus ``steps`` (sorted step numbers) and ``count`` (rows merged)."""
+    import pandas as pd
+
+    df = by_severity(results)
+    if df.empty:
+        return df.assign(steps=pd.Series(dtype=object), count=pd.Series(dtype="int64"))
+    keys = [k for k in CALL_KEYS if k in df]
+    rows = []
+    for _, group in df.groupby(keys, sort=False, dropna=False):
+        row = group.iloc[0].copy()
+        row["steps"] = sorted({int(s) for s in group["step"]})
+        row["count"] = len(group)
+        rows.append(row)
+    return pd.DataFrame(rows).reset_index(drop=True)
+
+
+def step_ranges(steps) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0–2, 5, 7–8"``."""
+    parts, steps = [], sorted(steps)
+    i = 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        parts.append(str(steps[i]) if i == j else f"{steps[i]}–{steps[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _steps_label(steps) -> str:
+    if list(steps) == [0]:
+        return ""
+    return f"  step{'s' if len(steps) > 1 else ''} {step_ranges(steps)}"
 
 
 def _frame(results):
@@ -273,20 +310,12 @@ def _frame(results):
 def findings(results, *, ax=None, top: int = 15):
     """Free-benchmark findings ranked by ``max_rel / threshold`` (log scale, 1 = threshold).
 
-    Rows of the same API call, stage and kind over several steps are merged (the worst is drawn,
-    the count shown as ``×n``). NaN/Inf findings are drawn as hatched bars at the right edge.
+    Rows of the same API call over several steps are merged (``merged_findings``: the worst is
+    drawn, its steps named). NaN/Inf findings are drawn as hatched bars at the right edge.
     """
-    df = _frame(results)
-    groups = []
-    if not df.empty:
-        ranked = by_severity(df).copy()
-        ranked["_ratio"] = (ranked["ratio"].astype(float) if "ratio" in ranked else
-                            ranked["max_rel"].astype(float) / ranked["threshold"].astype(float))
-        keys = ["api_name", "stage", "kind"]
-        for key, rows in ranked.groupby(keys, sort=False):
-            groups.append((key, rows.iloc[0], len(rows)))
-    n_all = len(groups)
-    groups = groups[:top]
+    merged = merged_findings(results)
+    n_all = len(merged)
+    groups = [row for _, row in merged.head(top).iterrows()]
     ax = _axes(ax, (9, 0.9 + 0.38 * max(len(groups), 2)))
     if not groups:
         ax.text(0.5, 0.5, "No findings: every checked output is within its threshold",
@@ -294,18 +323,19 @@ def findings(results, *, ax=None, top: int = 15):
         ax.set_axis_off()
         ax.set_title("Free benchmark findings")
         return ax
-    ratios = np.array([g[1]["_ratio"] for g in groups], dtype=float)
+    ratios = np.array([row["ratio"] for row in groups], dtype=float)
     finite = ratios[np.isfinite(ratios) & (ratios > 0)]
     right = max(float(finite.max()) if finite.size else 10.0, 2.0) * 3
     left = min(float(finite.min()) if finite.size else 1.0, 1.0) / 3
     y = np.arange(len(groups))[::-1]
     seen_kinds = set()
-    for yi, ((api, stage, kind), row, count), r in zip(y, groups, ratios):
+    for yi, row, r in zip(y, groups, ratios):
+        kind = row["kind"]
         bad = not math.isfinite(r)
         width = right if bad else max(r, left)
         color = KIND_COLORS.get(kind, "#8c564b")
-        ax.barh(yi, width, left=0, color=color, hatch="//" if bad else None, alpha=0.85,
-                label=kind if kind not in seen_kinds else None, gid=f"finding:{api}")
+        ax.barh(yi, width, height=0.6, left=0, color=color, hatch="//" if bad else None, alpha=0.85,
+                label=kind if kind not in seen_kinds else None, gid=f"finding:{row['api_name']}")
         seen_kinds.add(kind)
         text = "NaN/Inf" if bad else (f"max_rel {float(row['max_rel']):.2g} vs "
                                       f"{float(row['threshold']):.2g} ({row['dtype']})")
@@ -314,8 +344,8 @@ def findings(results, *, ax=None, top: int = 15):
         ax.text(width * (0.85 if inside else 1.1), yi, text, va="center",
                 ha="right" if inside else "left", fontsize="small",
                 color="white" if inside else "black")
-    labels = [f"{short_name(api, 40)} [{stage}]" + (f" ×{count}" if count > 1 else "")
-              for (api, stage, _), _, count in groups]
+    # API names carry the stage (….forward / ….backward); steps say when it was seen
+    labels = [short_name(row["api_name"], 40) + _steps_label(row["steps"]) for row in groups]
     ax.set_yticks(y, labels)
     ax.set_xscale("log")
     ax.set_xlim(left, right * 1.5)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import html
 import math
 
-from ..plot import by_severity
+from ..plot import SEVERE_KINDS, merged_findings, step_ranges
 
-#: columns shown, in order: (header, DataFrame column)
-COLUMNS = (("API", "api_name"), ("stage", "stage"), ("step", "step"), ("kind", "kind"),
-           ("max_rel", "max_rel"), ("threshold", "threshold"), ("× threshold", "ratio"),
-           ("dtype", "dtype"), ("shape", "shape"), ("out", "output_index"),
-           ("call site", "call_site"))
+#: columns shown, in order: (header, column of ``merged_findings``)
+COLUMNS = (("API", "api_name"), ("steps", "steps"), ("kind", "kind"), ("max_rel", "max_rel"),
+           ("threshold", "threshold"), ("× threshold", "ratio"), ("dtype", "dtype"),
+           ("shape", "shape"), ("output", "output_index"), ("call site", "call_site"))
+NUMERIC = ("max_rel", "threshold", "ratio", "output_index")
 
 _STYLE = """<style>
 .probekit-findings {font-size: 12px; margin: 4px 0;}
@@ -39,7 +39,9 @@ def _fmt(column: str, value) -> str:
     if column == "ratio":
         v = float(value)
         return "∞" if math.isinf(v) else f"{v:,.1f}×"
-    if column in ("step", "output_index"):
+    if column == "steps":
+        return step_ranges(value)
+    if column == "output_index":
         try:
             return str(int(value))
         except (TypeError, ValueError):
@@ -61,7 +63,7 @@ def summary_line(summary: dict | None, n_rows: int = 0) -> str:
     else:
         parts.append("0 skipped")
     parts.append(f"{summary.get('flagged', n_rows):,} flagged")
-    if "steps" in summary:
+    if summary.get("steps"):            # completed steps (step() calls); none in a one-off cell
         steps = summary["steps"]
         parts.append(f"{steps} step{'s' if steps != 1 else ''}")
     return " · ".join(parts)
@@ -92,51 +94,58 @@ class Findings:
         return f"Free benchmark ({self.mode})" if self.mode else "Free benchmark"
 
     @property
-    def ranked(self):
-        return by_severity(self.results)
+    def calls(self):
+        """One row per flagged API call, most severe first (``plot.merged_findings``)."""
+        return merged_findings(self.results)
 
     def _flagged(self) -> int:
         if self.summary and "flagged" in self.summary:
             return int(self.summary["flagged"])
         return len(self.results)
 
-    def _repr_html_(self) -> str:
-        ranked = self.ranked
+    def _headline(self, calls) -> str:
         flagged = self._flagged()
-        head = (f'<span class="pk-flagged">⚠ {flagged} finding{"s" if flagged != 1 else ""}'
-                f'</span>' if flagged else '<span class="pk-ok">✓ no findings</span>')
+        if not flagged:
+            return "no findings"
+        where = f" in {len(calls)} API call{'s' if len(calls) != 1 else ''}" if len(calls) else ""
+        return f"{flagged} finding{'s' if flagged != 1 else ''}{where}"
+
+    def _more(self, calls) -> str:
+        where = f"{self.name}.results" if self.name else "results"
+        return f"… {len(calls) - self.top} more API calls in {where}"
+
+    def _repr_html_(self) -> str:
+        calls = self.calls
+        head = (f'<span class="pk-flagged">⚠ {self._headline(calls)}</span>' if self._flagged()
+                else '<span class="pk-ok">✓ no findings</span>')
         out = [_STYLE, '<div class="probekit-findings">',
                f'<div class="pk-summary"><b>{html.escape(self._title())}</b> {head} — '
-               f'{html.escape(summary_line(self.summary, len(ranked)))}</div>']
-        if len(ranked):
-            cols = [(h, c) for h, c in COLUMNS if c in ranked.columns]
+               f'{html.escape(summary_line(self.summary, len(self.results)))}</div>']
+        if len(calls):
+            cols = [(h, c) for h, c in COLUMNS if c in calls.columns]
             out.append("<table><thead><tr><th>#</th>" +
                        "".join(f"<th>{html.escape(h)}</th>" for h, _ in cols) +
                        "</tr></thead><tbody>")
-            for i, (_, row) in enumerate(ranked.head(self.top).iterrows(), 1):
-                severe = row.get("kind") in ("nan_inf", "sign_flip")
-                cells = "".join(
-                    f'<td class="{"num" if c in ("max_rel", "threshold", "ratio", "step") else ""}"'
-                    f'>{html.escape(_fmt(c, row[c]))}</td>' for _, c in cols)
+            for i, (_, row) in enumerate(calls.head(self.top).iterrows(), 1):
+                severe = row["kind"] in SEVERE_KINDS
+                cells = "".join(f'<td class="{"num" if c in NUMERIC else ""}">'
+                                f'{html.escape(_fmt(c, row[c]))}</td>' for _, c in cols)
                 out.append(f'<tr class="{"pk-severe" if severe else ""}"><td>{i}</td>{cells}</tr>')
             out.append("</tbody></table>")
-            if len(ranked) > self.top:
-                where = f"<code>{html.escape(self.name)}.results</code>" if self.name else "results"
-                out.append(f'<div class="pk-more">… {len(ranked) - self.top} more rows in '
-                           f'{where}</div>')
+            if len(calls) > self.top:
+                out.append(f'<div class="pk-more">{html.escape(self._more(calls))}</div>')
         out.append("</div>")
         return "\n".join(out)
 
     def __repr__(self) -> str:
-        ranked = self.ranked
-        lines = [f"{self._title()}: {self._flagged()} findings — "
-                 f"{summary_line(self.summary, len(ranked))}"]
-        for i, (_, row) in enumerate(ranked.head(self.top).iterrows(), 1):
-            lines.append(f"{i:>3}. {row['api_name']} [{row.get('stage', '')}] "
-                         f"{row.get('kind', '')} max_rel={_fmt('max_rel', row['max_rel'])} "
-                         f"threshold={_fmt('threshold', row.get('threshold'))} "
-                         f"{row.get('dtype', '')} {row.get('shape', '')} "
-                         f"{row.get('call_site', '')}".rstrip())
-        if len(ranked) > self.top:
-            lines.append(f"  … {len(ranked) - self.top} more rows")
+        calls = self.calls
+        lines = [f"{self._title()}: {self._headline(calls)} — "
+                 f"{summary_line(self.summary, len(self.results))}"]
+        for i, (_, row) in enumerate(calls.head(self.top).iterrows(), 1):
+            lines.append(f"{i:>3}. {row['api_name']} (steps {_fmt('steps', row['steps'])}) "
+                         f"{row['kind']} max_rel={_fmt('max_rel', row['max_rel'])} "
+                         f"threshold={_fmt('threshold', row['threshold'])} "
+                         f"{row['dtype']} {row['shape']} {row['call_site']}")
+        if len(calls) > self.top:
+            lines.append("  " + self._more(calls))
         return "\n".join(lines)

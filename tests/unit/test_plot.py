@@ -156,15 +156,35 @@ def test_findings_bars_ranked_and_merged(results):
     assert widths[0] > widths[1]                                      # NaN/Inf drawn longest
     ys = [b.get_y() + b.get_height() / 2 for b in bars]
     assert ys == sorted(ys, reverse=True)                             # most severe on top
-    labels = [t.get_text() for t in ax.get_yticklabels()]
-    assert labels[::-1][2] == "Torch.matmul.0.forward [forward] ×2"
-    assert "Functional.layer_norm.0.backward [backward]" in labels
+    labels = [t.get_text() for t in ax.get_yticklabels()]            # in tick order: top first
+    assert labels == ["Functional.softmax.0.forward", "Torch.sub.1.forward",
+                      "Torch.matmul.0.forward  steps 0–1", "Functional.layer_norm.0.backward",
+                      "Tensor.pow.4.forward"]
     assert ax.get_xscale() == "log"
     assert any(l.get_xdata()[0] == 1.0 and l.get_label() == "threshold" for l in ax.get_lines())
     assert "NaN/Inf" in [t.get_text() for t in ax.texts]
     assert "max_rel 0.08 vs 0.0002 (float32)" in [t.get_text() for t in ax.texts]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert set(legend) == {"threshold", "nan_inf", "sign_flip", "rel_error"}
+
+
+def test_merged_findings_one_row_per_call(results):
+    results.loc[len(results)] = finding("Torch.matmul.0.forward", 0.01, step=4)
+    merged = plot.merged_findings(results)
+    assert list(merged.api_name) == [
+        "Functional.softmax.0.forward", "Torch.sub.1.forward", "Torch.matmul.0.forward",
+        "Functional.layer_norm.0.backward", "Tensor.pow.4.forward"]
+    matmul = merged.iloc[2]
+    assert (matmul["steps"], matmul["count"], matmul["max_rel"]) == ([0, 1, 4], 3, 0.08)
+    assert list(merged["count"]) == [1, 1, 3, 1, 1]
+    empty = plot.merged_findings(results.iloc[:0])
+    assert empty.empty and {"steps", "count"} <= set(empty.columns)
+
+
+def test_step_ranges():
+    assert plot.step_ranges([8, 0, 1, 2, 5, 7]) == "0–2, 5, 7–8"
+    assert plot.step_ranges([3]) == "3"
+    assert plot.step_ranges([]) == ""
 
 
 def test_findings_top_and_empty(results):
