@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 
 from ..plot import SEVERE_KINDS, merged_findings, step_ranges
 
@@ -16,19 +17,34 @@ COLUMNS = (("API", "api_name"), ("steps", "steps"), ("kind", "kind"), ("max_rel"
            ("shape", "shape"), ("output", "output_index"), ("call site", "call_site"))
 NUMERIC = ("max_rel", "threshold", "ratio", "output_index")
 
-_STYLE = """<style>
-.probekit-findings {font-size: 12px; margin: 4px 0;}
-.probekit-findings .pk-summary {margin: 2px 0 6px 0;}
-.probekit-findings .pk-flagged {color: #b71c1c; font-weight: 600;}
-.probekit-findings .pk-ok {color: #1b5e20; font-weight: 600;}
-.probekit-findings table {border-collapse: collapse;}
-.probekit-findings th {text-align: left; padding: 3px 8px; border-bottom: 1px solid #999;}
-.probekit-findings td {text-align: left; padding: 2px 8px; border-bottom: 1px solid #ddd;
-  font-family: var(--jp-code-font-family, monospace); vertical-align: top;}
-.probekit-findings td.num {text-align: right;}
-.probekit-findings tr.pk-severe td {background: rgba(183, 28, 28, 0.10);}
-.probekit-findings .pk-more {color: #666; margin-top: 4px;}
-</style>"""
+# Inline styles: notebook front-ends (and nbconvert's templates) style tables with selectors
+# more specific than a <style> block of ours would be; inline attributes always win.
+_TH = "text-align:left;padding:3px 8px;border-bottom:1px solid #999;white-space:nowrap"
+_TD = ("text-align:{align};padding:2px 8px;border-bottom:1px solid #ddd;white-space:nowrap;"
+       "font-family:var(--jp-code-font-family,monospace);vertical-align:top")
+_SEVERE_ROW = "background:rgba(183,28,28,0.10)"
+_FLAGGED = "color:#b71c1c;font-weight:600"
+_OK = "color:#1b5e20;font-weight:600"
+
+
+def cell_sites(shell=None) -> dict:
+    """``{"3156476363.py": "In [5]"}`` for the cells this IPython session compiled, so call
+    sites like ``3156476363.py:20`` can be shown as ``In [5] line 20`` (empty outside IPython)."""
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    return {os.path.basename(f): f"In [{n}]" for f, n in names.items()}
+
+
+def readable_site(site, cells: dict) -> str:
+    """``"3156476363.py:20"`` -> ``"In [5] line 20"`` when the file is a notebook cell."""
+    site = "" if site is None else str(site)
+    name, sep, line = site.rpartition(":")
+    if sep and name in cells:
+        return f"{cells[name]} line {line}"
+    return site
 
 
 def _fmt(column: str, value) -> str:
@@ -73,7 +89,7 @@ class Findings:
     """Free-benchmark results as a table by severity plus a summary line."""
 
     def __init__(self, results, summary: dict | None = None, *, top: int = 25, name: str = "",
-                 mode: str = ""):
+                 mode: str = "", cells: dict | None = None):
         self.results = results
         self.summary = summary
         self.top = top
@@ -81,6 +97,8 @@ class Findings:
         self.name = name
         #: "pert_mode, handler, stage" shown in the heading
         self.mode = mode
+        #: cell file name -> "In [n]" (``cell_sites()``), to show call sites as notebook cells
+        self.cells = cell_sites() if cells is None else cells
 
     @classmethod
     def of(cls, bench, **kwargs) -> "Findings":
@@ -116,26 +134,36 @@ class Findings:
 
     def _repr_html_(self) -> str:
         calls = self.calls
-        head = (f'<span class="pk-flagged">⚠ {self._headline(calls)}</span>' if self._flagged()
-                else '<span class="pk-ok">✓ no findings</span>')
-        out = [_STYLE, '<div class="probekit-findings">',
-               f'<div class="pk-summary"><b>{html.escape(self._title())}</b> {head} — '
+        head = (f'<span style="{_FLAGGED}">⚠ {self._headline(calls)}</span>' if self._flagged()
+                else f'<span style="{_OK}">✓ no findings</span>')
+        out = ['<div class="probekit-findings" style="font-size:12px;margin:4px 0">',
+               f'<div class="pk-summary" style="margin:2px 0 6px 0"><b>'
+               f'{html.escape(self._title())}</b> {head} — '
                f'{html.escape(summary_line(self.summary, len(self.results)))}</div>']
         if len(calls):
             cols = [(h, c) for h, c in COLUMNS if c in calls.columns]
-            out.append("<table><thead><tr><th>#</th>" +
-                       "".join(f"<th>{html.escape(h)}</th>" for h, _ in cols) +
-                       "</tr></thead><tbody>")
+            out.append('<table style="border-collapse:collapse;margin:0"><thead><tr>' +
+                       "".join(f'<th style="{_TH}">{html.escape(h)}</th>'
+                               for h in ["#", *(h for h, _ in cols)]) + "</tr></thead><tbody>")
             for i, (_, row) in enumerate(calls.head(self.top).iterrows(), 1):
                 severe = row["kind"] in SEVERE_KINDS
-                cells = "".join(f'<td class="{"num" if c in NUMERIC else ""}">'
-                                f'{html.escape(_fmt(c, row[c]))}</td>' for _, c in cols)
-                out.append(f'<tr class="{"pk-severe" if severe else ""}"><td>{i}</td>{cells}</tr>')
+                cells = "".join(
+                    f'<td style="{_TD.format(align="right" if c in NUMERIC else "left")}">'
+                    f'{html.escape(self._cell(c, row[c]))}</td>' for _, c in cols)
+                style = f' style="{_SEVERE_ROW}"' if severe else ""
+                out.append(f'<tr class="{"pk-severe" if severe else "pk-row"}"{style}>'
+                           f'<td style="{_TD.format(align="right")}">{i}</td>{cells}</tr>')
             out.append("</tbody></table>")
             if len(calls) > self.top:
-                out.append(f'<div class="pk-more">{html.escape(self._more(calls))}</div>')
+                out.append(f'<div class="pk-more" style="color:#666;margin-top:4px">'
+                           f'{html.escape(self._more(calls))}</div>')
         out.append("</div>")
         return "\n".join(out)
+
+    def _cell(self, column: str, value) -> str:
+        if column == "call_site":
+            return readable_site(value, self.cells)
+        return _fmt(column, value)
 
     def __repr__(self) -> str:
         calls = self.calls
@@ -145,7 +173,7 @@ class Findings:
             lines.append(f"{i:>3}. {row['api_name']} (steps {_fmt('steps', row['steps'])}) "
                          f"{row['kind']} max_rel={_fmt('max_rel', row['max_rel'])} "
                          f"threshold={_fmt('threshold', row['threshold'])} "
-                         f"{row['dtype']} {row['shape']} {row['call_site']}")
+                         f"{row['dtype']} {row['shape']} {self._cell('call_site', row['call_site'])}")
         if len(calls) > self.top:
             lines.append("  " + self._more(calls))
         return "\n".join(lines)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import re
 
 from IPython.core.error import UsageError
@@ -19,6 +20,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..config import (THRESHOLD_KEYS, Config, ConfigError, FreeBenchmarkConfig, load_config,
                       make_config)
+from ..log import ROOT as LOGGER
 from .display import Findings
 
 TASK = "free_benchmark"
@@ -182,6 +184,9 @@ class FreeBenchMagics(Magics):
     @argument("--top", type=int, default=25, metavar="N", help="rows shown in the table")
     @argument("--plot", action="store_true", help="also show the findings ranked in a chart")
     @argument("--quiet", action="store_true", help="display nothing (results still stored)")
+    @argument("--verbose", action="store_true",
+              help="show probekit's INFO log lines (perturbation of each API...) while the "
+                   "cell runs; by default only warnings")
     @_config_options
     @cell_magic
     def freebench(self, line, cell):
@@ -201,10 +206,15 @@ class FreeBenchMagics(Magics):
         bench = FreeBench(config=config)
         self.shell.user_ns[args.name] = bench
         code = self._compile(cell)
+        logger = logging.getLogger(LOGGER)
+        level = logger.level
+        if not args.verbose:         # the findings table says it all; keep warnings
+            logger.setLevel(logging.WARNING)
         try:
             with bench:
                 exec(code, self.shell.user_global_ns, self.shell.user_ns)
         finally:
+            logger.setLevel(level)
             if not args.quiet:
                 self._show(bench, args)
 

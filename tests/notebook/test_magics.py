@@ -72,7 +72,7 @@ def test_cell_runs_under_free_benchmark_and_results_are_stored(ip, tmp_path):
     # displayed: the findings (HTML table + summary line)
     (out,) = cap.outputs
     html = out.data["text/html"]
-    assert "<table>" in html and "flagged" in html and "calls seen" in html
+    assert "<table" in html and "flagged" in html and "calls seen" in html
     assert html.index("sub") < html.index("</table>")
     assert out.data["text/plain"].startswith("Free benchmark (bit_noise, check, forward): ")
 
@@ -89,6 +89,27 @@ def test_bench_object_is_visible_inside_the_cell(ip):
     run(ip, "--pert-mode bit_noise -o fb --quiet",
         "for _ in range(3):\n    y = energy(x)\n    fb.step()")
     assert ip.user_ns["fb"].summary["steps"] == 3
+
+
+def test_info_logs_only_with_verbose(ip, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="probekit")
+    run(ip, "--pert-mode bit_noise --quiet")
+    assert [r for r in caplog.records if r.levelno < logging.WARNING] == []
+    assert logging.getLogger("probekit").level == logging.INFO          # restored
+    run(ip, "--pert-mode bit_noise --quiet --verbose")
+    assert any("bit_noise" in r.getMessage() for r in caplog.records)
+
+
+def test_call_sites_name_the_cell(ip):
+    ip.run_cell("def twice(h):\n    return energy(h)", store_history=True)
+    cap = run(ip, "--pert-mode bit_noise", "y = twice(x)")
+    site = ip.user_ns["_freebench"].results.call_site.iloc[0]
+    text = cap.outputs[0].data["text/plain"]
+    # the raw site names the compiled cell file; the display names the notebook cell
+    assert site.endswith(":5") and site not in text
+    assert "line 5" in text and "In [" in text
 
 
 def test_plot_option_adds_png(ip):
@@ -249,6 +270,6 @@ def test_findings_display_without_flags():
                      {"calls": 10, "checked": 4, "skipped": {"view": 5, "inplace": 1},
                       "flagged": 0, "steps": 1})
     html = empty._repr_html_()
-    assert "✓ no findings" in html and "<table>" not in html
+    assert "✓ no findings" in html and "<table" not in html
     assert ("10 calls seen · 4 checked · 6 skipped (view 5, inplace 1) · 0 flagged · 1 step"
             in html)
