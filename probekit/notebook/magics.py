@@ -205,7 +205,7 @@ class FreeBenchMagics(Magics):
 
         bench = FreeBench(config=config)
         self.shell.user_ns[args.name] = bench
-        code = self._compile(cell)
+        code = self._compile(line, cell)
         logger = logging.getLogger(LOGGER)
         level = logger.level
         if not args.verbose:         # the findings table says it all; keep warnings
@@ -218,10 +218,16 @@ class FreeBenchMagics(Magics):
             if not args.quiet:
                 self._show(bench, args)
 
-    def _compile(self, cell: str):
-        transformed = self.shell.transform_cell(cell)
-        filename = self.shell.compile.cache(transformed, self.shell.execution_count, raw_code=cell)
-        return compile(transformed, filename, "exec")
+    def _compile(self, line: str, cell: str):
+        """Compile the body as part of the running cell: cached for tracebacks under the cell's
+        number, with a first line standing for the magic line, so line numbers (in tracebacks
+        and call sites) are those the user sees in the cell."""
+        source = f"# %%freebench {line}\n{self.shell.transform_cell(cell)}"
+        # the running cell was cached last; ipykernel has already advanced execution_count
+        numbers = getattr(self.shell.compile, "_filename_map", None)
+        number = max(numbers.values()) if numbers else self.shell.execution_count
+        filename = self.shell.compile.cache(source, number, raw_code=cell)
+        return compile(source, filename, "exec")
 
     def _show(self, bench, args) -> None:
         from IPython.display import Image, display

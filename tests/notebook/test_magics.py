@@ -1,5 +1,6 @@
 """%%freebench and %freebench_config in a real in-process IPython shell."""
 import json
+import re
 
 import pytest
 import torch
@@ -102,14 +103,22 @@ def test_info_logs_only_with_verbose(ip, caplog):
     assert any("bit_noise" in r.getMessage() for r in caplog.records)
 
 
-def test_call_sites_name_the_cell(ip):
-    ip.run_cell("def twice(h):\n    return energy(h)", store_history=True)
-    cap = run(ip, "--pert-mode bit_noise", "y = twice(x)")
+def test_call_sites_and_tracebacks_name_the_cell(ip):
+    n = ip.execution_count
+    with capture_output() as cap:
+        ip.run_cell("%%freebench --pert-mode bit_noise\nh = x * 1\nv = (h * h).mean(-1) - h.mean(-1) ** 2",
+                    store_history=True)
     site = ip.user_ns["_freebench"].results.call_site.iloc[0]
     text = cap.outputs[0].data["text/plain"]
-    # the raw site names the compiled cell file; the display names the notebook cell
-    assert site.endswith(":5") and site not in text
-    assert "line 5" in text and "In [" in text
+    # the raw site names the compiled cell file; the display names the cell and its line as seen
+    assert site.endswith(":3") and site not in text
+    assert f"In [{n}] line 3" in text
+    with capture_output() as cap:
+        result = ip.run_cell("%%freebench --quiet\ny = 1\nraise ValueError('boom')",
+                             store_history=True)
+    assert isinstance(result.error_in_exec, ValueError)
+    traceback = re.sub(r"\x1b\[[0-9;]*m", "", cap.stdout)
+    assert f"Cell In[{n + 1}], line 3" in traceback and "raise ValueError('boom')" in traceback
 
 
 def test_plot_option_adds_png(ip):
