@@ -57,6 +57,8 @@ def _fmt(column: str, value) -> str:
         return "∞" if math.isinf(v) else f"{v:,.1f}×"
     if column == "steps":
         return step_ranges(value)
+    if column == "dtype":
+        return str(value).removeprefix("torch.")
     if column == "output_index":
         try:
             return str(int(value))
@@ -141,7 +143,7 @@ class Findings:
                f'{html.escape(self._title())}</b> {head} — '
                f'{html.escape(summary_line(self.summary, len(self.results)))}</div>']
         if len(calls):
-            cols = [(h, c) for h, c in COLUMNS if c in calls.columns]
+            cols = self._columns(calls)
             out.append('<table style="border-collapse:collapse;margin:0"><thead><tr>' +
                        "".join(f'<th style="{_TH}">{html.escape(h)}</th>'
                                for h in ["#", *(h for h, _ in cols)]) + "</tr></thead><tbody>")
@@ -160,6 +162,14 @@ class Findings:
         out.append("</div>")
         return "\n".join(out)
 
+    @staticmethod
+    def _columns(calls) -> list:
+        """``COLUMNS`` present in ``calls``; ``output`` only when some API has several outputs."""
+        cols = [(h, c) for h, c in COLUMNS if c in calls.columns]
+        if "output_index" in calls and (calls["output_index"].fillna(0) == 0).all():
+            cols = [(h, c) for h, c in cols if c != "output_index"]
+        return cols
+
     def _cell(self, column: str, value) -> str:
         if column == "call_site":
             return readable_site(value, self.cells)
@@ -173,7 +183,8 @@ class Findings:
             lines.append(f"{i:>3}. {row['api_name']} (steps {_fmt('steps', row['steps'])}) "
                          f"{row['kind']} max_rel={_fmt('max_rel', row['max_rel'])} "
                          f"threshold={_fmt('threshold', row['threshold'])} "
-                         f"{row['dtype']} {row['shape']} {self._cell('call_site', row['call_site'])}")
+                         f"{_fmt('dtype', row['dtype'])} {row['shape']} "
+                         f"{self._cell('call_site', row['call_site'])}")
         if len(calls) > self.top:
             lines.append("  " + self._more(calls))
         return "\n".join(lines)

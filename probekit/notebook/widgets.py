@@ -91,10 +91,10 @@ class ConfigPanel(w.VBox):
         values = self._json_values(base)
         rows = [w.HTML(f"<b style='font-size:1.15em'>{html.escape(self.TITLE)}</b>")]
         for title, keys in self.GROUPS:
-            items = [self._control(key, values[key]) for key in keys]
+            items = [item for key in keys for item in self._control(key, values[key])]
             rows.append(w.HTML(f"<span style='color:#666'>{html.escape(title)}</span>"))
             rows.append(w.GridBox(items, layout=w.Layout(
-                grid_template_columns="repeat(2, 340px)", grid_gap="2px 16px")))
+                grid_template_columns="repeat(2, 330px)", grid_gap="2px 20px")))
         self.apply_button = w.Button(description="Apply", button_style="primary", icon="check",
                                      tooltip=self._apply_tooltip())
         self.apply_button.on_click(self.apply)
@@ -128,37 +128,41 @@ class ConfigPanel(w.VBox):
         data = config.to_dict()
         return {**{k: data[k] for k in ("dump_path", "rank", "step")}, **data[self.TASK]}
 
-    def _control(self, key: str, value):
+    def _control(self, key: str, value) -> list:
+        """The widget(s) editing ``key``, each filling one cell of the group's grid."""
         label = LABELS.get(key, key)
+        # width auto: grid items stretch to their cell (100% would overflow by the margins)
         common = dict(description=label, tooltip=HELP.get(key, key), style=_DESC,
-                      layout=w.Layout(width="340px"))
+                      layout=w.Layout(width="auto"))
         if key in CHOICES:
             control = w.Dropdown(options=list(CHOICES[key]), value=value, **common)
         elif key == "thresholds":
             sub = {k: w.FloatText(value=float(value[k]), description=k, style=_DESC,
                                   tooltip=f"max_rel threshold for {k} outputs",
-                                  layout=w.Layout(width="340px")) for k in THRESHOLD_KEYS}
+                                  layout=w.Layout(width="auto")) for k in THRESHOLD_KEYS}
             self.controls[key] = sub
-            return w.VBox(list(sub.values()))
+            return list(sub.values())
         elif isinstance(value, bool):
-            common.pop("style")
-            control = w.Checkbox(value=value, indent=True, style=_DESC, **common)
+            control = w.Checkbox(value=value, indent=True, **common)
         elif isinstance(value, int):
             control = w.IntText(value=value, **common)
         elif key in ("scope", "list", "param_list"):
-            common.pop("description")
-            control = w.TagsInput(value=list(value), allow_duplicates=False, **common)
-            control.layout.width = "330px"
-            box = w.HBox([w.Label(label, layout=w.Layout(width="100px")), control])
+            control = w.TagsInput(value=list(value), allow_duplicates=False,
+                                  placeholder="all (type a name, Enter)",
+                                  tooltip=HELP.get(key, key), layout=w.Layout(flex="1 1 auto"))
             self.controls[key] = control
-            return box
+            title = html.escape(HELP.get(key, key), quote=True)
+            name = w.HTML(f"<div title='{title}' style='text-align:right;padding-right:8px'>"
+                          f"{html.escape(label)}</div>", layout=w.Layout(width="100px"))
+            return [w.HBox([name, control], layout=w.Layout(width="auto",
+                                                            align_items="center"))]
         elif key in ("bounds", "rank", "step"):
             control = w.Text(value=", ".join(str(v) for v in value),
                              placeholder="all" if key != "bounds" else "-1, 0, 1", **common)
         else:
             control = w.Text(value=str(value), **common)
         self.controls[key] = control
-        return control
+        return [control]
 
     # -- values and validation ---------------------------------------------------------------
     def values(self) -> dict:

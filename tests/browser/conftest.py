@@ -73,6 +73,13 @@ def stop_by_pid(proc) -> None:
             pass
 
 
+@pytest.fixture
+def artifacts():
+    """``test-artifacts/``: screenshots and logs of the browser tests."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
+
+
 @pytest.fixture(scope="module")
 def lab():
     if not os.path.exists(CHROMIUM):

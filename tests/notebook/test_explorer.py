@@ -3,7 +3,7 @@ import base64
 
 import numpy as np
 import pytest
-from conftest import GRAD_PARAMS_DIVERGING, make_grads
+from synthetic_grads import GRAD_PARAMS_DIVERGING, make_grads
 
 from probekit.notebook import GradExplorer
 

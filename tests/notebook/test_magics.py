@@ -282,3 +282,38 @@ def test_findings_display_without_flags():
     assert "✓ no findings" in html and "<table" not in html
     assert ("10 calls seen · 4 checked · 6 skipped (view 5, inplace 1) · 0 flagged · 1 step"
             in html)
+
+
+def test_findings_table_merges_steps_and_names_cells():
+    import pandas as pd
+
+    def row(step, api, max_rel, out=0, kind="rel_error"):
+        return dict(rank=0, pert_mode="bit_noise", stage="forward", step=step, api_name=api,
+                    max_rel=max_rel, dtype="torch.float32", shape="(4, 4)", output_index=out,
+                    kind=kind, max_abs=0.0, threshold=2e-4, ratio=max_rel / 2e-4,
+                    call_site="123.py:7")
+
+    df = pd.DataFrame([row(0, "Torch.mm.0.forward", 0.01), row(1, "Torch.mm.0.forward", 0.03),
+                       row(2, "Torch.mm.0.forward", 0.02), row(1, "Torch.max.0.forward", 0.5,
+                                                                  kind="sign_flip")])
+    summary = {"calls": 9, "checked": 8, "skipped": {"view": 1}, "flagged": 4, "steps": 3}
+    view = Findings(df, summary, cells={"123.py": "In [7]"}, mode="bit_noise, check, forward")
+    html = view._repr_html_()
+    assert "⚠ 4 findings in 2 API calls" in html
+    rows = html.split("<tbody>")[1].split("</tr>")[:-1]
+    assert len(rows) == 2
+    assert "Torch.max.0.forward" in rows[0] and "pk-severe" in rows[0]       # sign flip first
+    assert ">0–2<" in rows[1] and ">0.03<" in rows[1] and ">150.0×<" in rows[1]  # worst of 3 steps
+    assert ">float32<" in rows[1] and "torch.float32" not in html
+    assert ">In [7] line 7<" in rows[1]
+    assert "<th" in html and ">output<" not in html            # single-output APIs: no column
+    df.loc[3, "output_index"] = 1
+    assert ">output<" in Findings(df, summary, cells={})._repr_html_()
+    text = repr(view)
+    assert text.splitlines()[0] == ("Free benchmark (bit_noise, check, forward): 4 findings in 2 "
+                                    "API calls — 9 calls seen · 8 checked · 1 skipped (view 1) · "
+                                    "4 flagged · 3 steps")
+    assert text.splitlines()[2] == ("  2. Torch.mm.0.forward (steps 0–2) rel_error max_rel=0.03 "
+                                    "threshold=0.0002 float32 (4, 4) In [7] line 7")
+    assert len(Findings(df, summary, top=1, name="fb")._repr_html_().split("</tr>")) == 3
+    assert "… 1 more API calls in fb.results" in Findings(df, summary, top=1, name="fb")._repr_html_()

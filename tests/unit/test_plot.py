@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
-from conftest import GRAD_PARAMS_DIVERGING, compare_synthetic, make_grads  # noqa: E402
+from synthetic_grads import GRAD_PARAMS_DIVERGING, compare_synthetic, make_grads  # noqa: E402
 
 from probekit import plot  # noqa: E402
 
