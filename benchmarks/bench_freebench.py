@@ -1,0 +1,167 @@
+"""Free benchmark overhead, probekit vs msprobe 1.0.4, side by side in one run.
+
+    python benchmarks/bench_freebench.py --out benchmarks/RESULTS.md \
+        [--msprobe-python .venv-msprobe/bin/python] [--repeats 7]
+
+For each configuration (check mode with each pert_mode, backward stage, fix, nothing in scope),
+both tools time a training step of the same bf16 block (``_fb_model.py``: LayerNorm, matmul,
+softmax, Linear, GELU; one torch thread) and report the median step time divided by the median
+plain step time, measured in the same process. The primary number is CPU time of the training
+thread (robust on a shared machine); wall-clock ratios are printed beside it. probekit interleaves
+plain and probed steps; msprobe's helper times its plain steps first, because msprobe's API wrappers
+stay installed once it has started. ``--out`` gets a markdown table (``.md``) or JSON (``.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+from _fb_model import build, medians, timed  # noqa: E402
+
+#: (label, probekit/msprobe free_benchmark options)
+CONFIGS = [
+    ("check improve_precision", {"pert_mode": "improve_precision"}),
+    ("check bit_noise", {"pert_mode": "bit_noise"}),
+    ("check add_noise", {"pert_mode": "add_noise"}),
+    ("check change_value", {"pert_mode": "change_value"}),
+    ("check no_change", {"pert_mode": "no_change"}),
+    ("check to_cpu", {"pert_mode": "to_cpu", "fuzz_device": "cpu"}),
+    ("backward improve_precision", {"pert_mode": "improve_precision", "fuzz_stage": "backward"}),
+    ("backward bit_noise", {"pert_mode": "bit_noise", "fuzz_stage": "backward"}),
+    ("fix improve_precision", {"pert_mode": "improve_precision", "handler_type": "fix"}),
+    ("nothing in scope", {"scope": ["Torch.not_called_anywhere.0.forward"]}),
+]
+TARGETS = {"check improve_precision": 2.5, "check bit_noise": 2.5, "check add_noise": 2.5,
+           "check change_value": 2.5, "check no_change": 2.5, "check to_cpu": 2.5,
+           "backward improve_precision": 5.0, "backward bit_noise": 5.0,
+           "nothing in scope": 1.05}
+
+
+def run_probekit(options: dict, repeats: int, warmup: int, dump: str) -> dict:
+    import probekit
+
+    step, _ = build()
+    fb = probekit.FreeBench(dump_path=dump, **options)
+
+    def probed():
+        with fb:
+            step()
+        fb.step()
+
+    for _ in range(warmup):
+        step()
+        probed()
+    plain, runs = [], []
+    for _ in range(repeats):
+        plain.append(timed(step))
+        runs.append(timed(probed))
+    return {"plain": plain, "probed": runs, "rows": int(fb.summary["flagged"]),
+            "checked": int(fb.summary["checked"])}
+
+
+def run_msprobe(python: str, options: dict, repeats: int, warmup: int, dump: str) -> dict | None:
+    cmd = [python, os.path.join(HERE, "bench_freebench_msprobe.py"), "--section",
+           json.dumps(options), "--repeats", str(repeats), "--warmup", str(warmup), "--dump", dump]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        print(f"msprobe run failed for {options}:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ratio(res: dict | None):
+    if res is None:
+        return None
+    pc, pw = medians(res["plain"])
+    qc, qw = medians(res["probed"])
+    return {"cpu": qc / pc, "wall": qw / pw, "plain_ms": pc * 1e3, "rows": res["rows"],
+            "checked": res.get("checked")}
+
+
+def fmt(x, digits=2):
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| configuration | probekit × plain (CPU) | probekit × plain (wall) | "
+             "msprobe × plain (CPU) | msprobe × plain (wall) | target | probekit rows | "
+             "msprobe rows |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        p, m = r["probekit"], r["msprobe"]
+        target = TARGETS.get(r["label"])
+        lines.append(
+            f"| {r['label']} | {fmt(p['cpu'])}× | {fmt(p['wall'])}× | "
+            f"{fmt(m and m['cpu'])}{'×' if m else ''} | {fmt(m and m['wall'])}{'×' if m else ''} | "
+            f"{'≤ ' + format(target, 'g') + '×' if target else ''} | {p['rows']} | "
+            f"{m['rows'] if m else 'n/a'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write the table (.md) or the raw results (.json) here")
+    ap.add_argument("--msprobe-python", default=os.path.join(os.path.dirname(HERE),
+                                                             ".venv-msprobe", "bin", "python"))
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--only", nargs="*", help="labels to run (default: all)")
+    a = ap.parse_args(argv)
+    if a.repeats < 5:
+        ap.error("--repeats must be >= 5 (medians of at least 5 steps)")
+    logging.getLogger("probekit").setLevel(logging.WARNING)
+    has_msprobe = os.path.exists(a.msprobe_python)
+    if not has_msprobe:
+        print(f"msprobe python not found at {a.msprobe_python}: probekit only", file=sys.stderr)
+    results = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_fb_") as tmp:
+        for i, (label, options) in enumerate(CONFIGS):
+            if a.only and label not in a.only:
+                continue
+            p = ratio(run_probekit(options, a.repeats, a.warmup, os.path.join(tmp, f"pk{i}")))
+            m = ratio(run_msprobe(a.msprobe_python, options, a.repeats, a.warmup,
+                                  os.path.join(tmp, f"ms{i}"))) if has_msprobe else None
+            results.append({"label": label, "options": options, "probekit": p, "msprobe": m})
+            print(f"{label}: probekit {fmt(p['cpu'])}x, msprobe {fmt(m and m['cpu'])}x",
+                  file=sys.stderr)
+    plain = results[0]["probekit"]["plain_ms"] if results else 0.0
+    md = "\n".join([
+        "## Free benchmark: step time relative to a plain training step",
+        "",
+        f"Command: `python benchmarks/bench_freebench.py {' '.join(argv or sys.argv[1:])}`",
+        "",
+        f"Model: `benchmarks/_fb_model.py` (bf16, 2 blocks of LayerNorm/matmul/softmax/Linear/GELU,"
+        f" SGD; one torch thread); plain step ≈ {plain:.1f} ms CPU; medians of {a.repeats} steps "
+        f"after {a.warmup} warm-up steps; torch {torch.__version__}; total run "
+        f"{time.time() - t0:.0f} s.",
+        "",
+        table(results),
+        "",
+        "Rows: findings written to free_benchmark.csv over all timed and warm-up steps (msprobe "
+        "counts differ in kind: it also re-runs in-place and optimizer calls).",
+    ])
+    print(md)
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as fh:
+            if a.out.endswith(".json"):
+                json.dump(results, fh, indent=2)
+            else:
+                fh.write(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""fuzz_stage "backward": check the input gradients an API produces, without touching the real ones.
+
+At the forward call we keep the API's inputs (references, with their version counters) and hook
+the gradient of its first differentiable output. When that gradient ``g`` arrives during the real
+backward pass, the hook
+
+1. scales ``g`` by a power of two so that ``max|g|`` lies in [0.5, 1) (exact: only the exponent
+   changes), so the per-dtype floors of the metric apply at unit scale;
+2. recomputes the API on detached copies of the inputs and takes their gradients with
+   ``torch.autograd.grad`` (the reference);
+3. does the same on the perturbed inputs (change_value: the output gradient is swapped like the
+   output and the input gradient swapped back);
+4. compares the gradients input by input (``output_index`` = the input's position in the call's
+   flattened arguments) and returns ``None``, so the gradient flowing on is the real one.
+
+An input modified in place between the call and its backward cancels the check. For APIs with
+several differentiable outputs, the check covers the gradient flowing through the first one.
+Hooks still pending are removed when the probe stops.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import handlers, perturb
+from .intercept import _no_autocast
+from .metric import compare_many, floor_for
+from .names import call_site
+
+
+def watch(engine, call, key, name, func, leaves, spec, frame):
+    """Run the call; hook its first differentiable output for a backward check."""
+    out = func(*call.args, **call.kwargs)
+    outs = handlers.float_outputs(out)
+    if not outs:
+        engine.note_skip("no_float_output", key, name)
+        return out
+    diff = [i for i, x in enumerate(leaves) if perturb.is_float(x) and x.requires_grad]
+    sel = next(((i, t) for i, t in outs if t.requires_grad), None)
+    if not diff or sel is None or not torch.is_grad_enabled():
+        engine.note_skip("no_grad", key, name)
+        return out
+    check = _BackwardCheck(engine, call, key, name, func, leaves, spec, diff, sel[0],
+                           call_site(frame), engine.step)
+    engine.handles.append(sel[1].register_hook(check))
+    return out
+
+
+class _BackwardCheck:
+    def __init__(self, engine, call, key, name, func, leaves, spec, diff, out_index, site, step):
+        self.engine = engine
+        self.call = call
+        self.key = key
+        self.name = name
+        self.func = func
+        self.leaves = leaves
+        self.spec = spec
+        self.diff = diff
+        self.versions = [leaves[i]._version for i in diff]
+        self.out_index = out_index
+        self.site = site
+        self.step = step
+
+    def __call__(self, grad):
+        e = self.engine
+        if self.leaves is None or e.busy:
+            return None
+        e.busy = True
+        try:
+            self._check(grad)
+        except perturb.Cancel as exc:
+            e.cancelled(self.key, self.name, str(exc))
+        except Exception as exc:  # never reaches the training code
+            e.failed(self.key, self.name, exc)
+        finally:
+            e.busy = False
+            self.leaves = self.call = None  # release the inputs
+        return None
+
+    def _output(self, out):
+        for i, t in handlers.float_outputs(out):
+            if i == self.out_index:
+                return t
+        raise RuntimeError("the re-run did not produce the hooked output")
+
+    def _check(self, grad):
+        e = self.engine
+        leaves = self.leaves
+        if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)):
+            raise perturb.Cancel("an input was modified in place before the backward pass")
+        g = grad.detach()
+        m = float(g.abs().amax()) if g.numel() else 0.0
+        if m == 0.0 or not math.isfinite(m):
+            raise perturb.Cancel("the output gradient is zero or not finite")
+        g = g * (2.0 ** -math.frexp(m)[1])
+        mode = e.mode_name
+        with torch.enable_grad():
+            # reference: the API on detached copies of its inputs
+            ref = list(leaves)
+            ref_in = []
+            for i in self.diff:
+                ref[i] = leaves[i].detach().requires_grad_(True)
+                ref_in.append(ref[i])
+            a, kw = perturb.unflatten(ref, self.spec)
+            y = self._output(self.func(*a, **kw))
+            g_ref = torch.autograd.grad(y, ref_in, g, allow_unused=True)
+            # perturbed
+            plain = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+            with torch.no_grad():
+                pert = perturb.apply(mode, perturb.Call(self.call.info, *perturb.unflatten(
+                    plain, self.spec), self.call.fuzz_device), plain, self.spec)
+            e.applied(self.key, self.name)
+            p_leaves, _ = perturb.flatten(pert.args, pert.kwargs)
+            p_in = []
+            for i in self.diff:
+                x = p_leaves[i]
+                x = (x if i in pert.replaced else x.detach()).requires_grad_(True)
+                p_leaves[i] = x
+                p_in.append(x)
+            pa, pkw = perturb.unflatten(p_leaves, self.spec)
+            with _no_autocast(e.upcast_mode):
+                yp = self._output(self.func(*pa, **pkw))
+            gp_out = g.to(dtype=yp.dtype, device=yp.device)
+            if pert.post is not None:
+                gp_out = pert.post(gp_out)
+            g_pert = torch.autograd.grad(yp, p_in, gp_out, allow_unused=True)
+        items, pairs = [], []
+        for i, gr, gq in zip(self.diff, g_ref, g_pert):
+            if gr is None or gq is None:
+                continue
+            if mode == "change_value" and i in pert.replaced and gq.dim() >= 1:
+                gq = perturb.swap_last(gq)
+            items.append((i, gr))
+            pairs.append((gr, gq, floor_for(gr.dtype)))
+        if not pairs:
+            raise perturb.Cancel("no input gradient to compare")
+        with torch.no_grad():
+            stats = compare_many(pairs)
+        e.checked += 1
+        e.record(self.key, self.name, [(i, gr, s) for (i, gr), s in zip(items, stats)],
+                 pert.in_dtype, self.site, stage="backward", step=self.step)

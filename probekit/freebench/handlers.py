@@ -1,0 +1,113 @@
+"""Turning comparisons into findings (check) and perturbed outputs into replacements (fix).
+
+Thresholds (``threshold``): the configured relative-error threshold of the *output* dtype
+(fp16 0.002, bf16 0.004, fp32 0.0002, others 0.0002 by default), with two adjustments:
+
+* bit_noise / add_noise move an input by one ulp, a relative change of up to ``eps`` of the input
+  dtype (bf16: 0.0078, above bf16's own threshold). An exact or well-conditioned op passes that
+  change through unchanged, so for these modes the threshold is ``max(threshold, 2 * eps(input))``:
+  a finding means the API amplified its input noise more than twice.
+* no_change re-runs on an exact copy: any difference is non-determinism, so its threshold is 0.
+
+A row is reported (``judge``) when a NaN/Inf appears or disappears (kind ``nan_inf``), a sign flips
+(``sign_flip``), or ``max_rel > threshold`` (``rel_error`` when the worst element is above the floor,
+``abs_error`` when it is below it).
+
+fix (improve_precision / to_cpu): the API is run on the upcast (or CPU) inputs *with autograd*, and
+its floating outputs are cast back to the dtype the original call would have produced and moved
+back to the original device. So both the forward result and the gradients flowing through this call
+come from the higher-precision computation. For fp32 inputs improve_precision computes in fp64 and
+casts the result back to fp32; fp64 inputs are left alone.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .metric import Stats
+
+NOISE_MODES = ("bit_noise", "add_noise")
+NOISE_FACTOR = 2.0
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def threshold(fb_config, pert_mode: str, out_dtype: torch.dtype, in_dtype) -> float:
+    if pert_mode == "no_change":
+        return 0.0
+    thr = fb_config.threshold_for(dtype_key(out_dtype))
+    if pert_mode in NOISE_MODES and isinstance(in_dtype, torch.dtype) and in_dtype.is_floating_point:
+        thr = max(thr, NOISE_FACTOR * torch.finfo(in_dtype).eps)
+    return thr
+
+
+def judge(stats: Stats, thr: float) -> str | None:
+    """The kind of finding, or None when the output is consistent."""
+    if stats.nan_inf:
+        return "nan_inf"
+    if stats.sign_flip:
+        return "sign_flip"
+    if stats.max_rel > thr:
+        return "rel_error" if stats.rel_part else "abs_error"
+    return None
+
+
+def ratio(max_rel: float, thr: float) -> float:
+    if thr > 0:
+        return max_rel / thr
+    return math.inf if max_rel > 0 else 0.0
+
+
+def risk(stats: Stats, thr: float) -> float:
+    """What preheat calibrates on: the ratio, infinite for NaN/Inf mismatches and sign flips."""
+    if stats.nan_inf or stats.sign_flip:
+        return math.inf
+    return ratio(stats.max_rel, thr)
+
+
+# -- outputs --------------------------------------------------------------------------------------
+def output_leaves(out) -> list:
+    """Every leaf of an output (tensors and other values), tuples/lists flattened in order."""
+    if isinstance(out, (tuple, list)):
+        leaves = []
+        for o in out:
+            leaves.extend(output_leaves(o))
+        return leaves
+    return [out]
+
+
+def float_outputs(out) -> list[tuple[int, torch.Tensor]]:
+    """(output_index, tensor) of the floating-point tensors among the output's leaves."""
+    return [(i, t) for i, t in enumerate(output_leaves(out))
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def map_outputs(fn, out):
+    """Apply ``fn`` to every tensor of an output, keeping its structure (tuples, namedtuples...)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, (tuple, list)):
+        items = [map_outputs(fn, o) for o in out]
+        if type(out) in (tuple, list):
+            return type(out)(items)
+        if hasattr(out, "_fields"):  # namedtuple
+            return type(out)(*items)
+        return type(out)(items)  # torch.return_types structseq
+    return out
+
+
+def cast_back(p_out, target: torch.dtype | None, back_dtype: torch.dtype | None, device):
+    """Fix: floating outputs of dtype ``target`` cast to ``back_dtype``; everything moved to
+    ``device``. Casts are differentiable, so gradients flow back through the upcast computation."""
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        if target is not None and back_dtype is not None and t.dtype == target:
+            t = t.to(back_dtype)
+        if device is not None and t.device != device:
+            t = t.to(device)
+        return t
+
+    return map_outputs(fn, p_out)

@@ -1,0 +1,327 @@
+"""The interception engine: a ``TorchFunctionMode`` that names, filters and checks API calls.
+
+Hot path (every torch call while the probe is active): one dict lookup to classify the callable,
+one counter increment, one scope test; calls outside ``scope``/``list`` go straight to torch.
+Inside ``__torch_function__`` torch has already popped the mode, so the calls an API makes
+internally (``F.layer_norm`` -> ``torch.layer_norm``) and probekit's own re-runs are not seen;
+``busy`` guards the paths where the mode may still be active (gradient hooks).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..log import Once, get_logger
+from . import handlers, names, perturb
+from .metric import compare_many, floor_for
+from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
+from .preheat import Preheat
+
+log = get_logger("probekit.freebench")
+
+EXTRA_REASONS = {
+    "no_float_input": "unsupported input type (no floating-point tensor input)",
+    "no_float_output": "the output holds no floating-point tensor",
+    "no_grad": "no gradient flows through this call",
+    "dtype_arg": "fix: the call fixes its output dtype explicitly",
+}
+
+
+def _reason_text(reason: str) -> str:
+    return REASONS.get(reason) or EXTRA_REASONS.get(reason) or reason
+
+
+@contextlib.contextmanager
+def _no_autocast(enabled: bool):
+    """Disable autocast (so an upcast re-run really computes in the upcast dtype)."""
+    with contextlib.ExitStack() as stack:
+        if enabled:
+            for dev in ("cpu", "cuda"):
+                try:
+                    on = torch.is_autocast_enabled(dev)
+                except (TypeError, RuntimeError):
+                    on = False
+                if on:
+                    stack.enter_context(torch.autocast(dev, enabled=False))
+        yield
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, engine: "Engine") -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        e = self.engine
+        info = e.cache.get(func)
+        if info is None:
+            info = e.classify(func)
+        if info is PROPERTY or e.busy:
+            return func(*args, **kwargs)
+        e.calls += 1
+        if not e.enabled:
+            e.step_filtered += 1
+            return func(*args, **kwargs)
+        key = operator_key(info, sys._getframe(1)) if info.operators else info.key
+        if e.selective:
+            wanted = e.wanted.get(key)
+            if wanted is None:
+                wanted = e.want(key)
+            if not wanted:
+                e.out_of_scope += 1
+                return func(*args, **kwargs)
+        counts = e.counts
+        n = counts.get(key, 0)
+        counts[key] = n + 1
+        if e.scope_ids and f"{key}.{n}" not in e.scope_ids:
+            e.out_of_scope += 1
+            return func(*args, **kwargs)
+        return e.handle(info, key, n, func, args, kwargs, sys._getframe(1))
+
+
+class Engine:
+    """State of one free-benchmark session while it intercepts (counters, filters, findings)."""
+
+    def __init__(self, config, emit, rank: int) -> None:
+        fb = config.free_benchmark
+        self.config = config
+        self.fb = fb
+        self.emit = emit                      # callable(list_of_row_dicts)
+        self.rank = rank
+        self.mode_name = fb.pert_mode
+        self.stage = fb.fuzz_stage
+        self.fix = fb.handler_type == "fix"
+        self.upcast_mode = fb.pert_mode in ("improve_precision", "to_cpu")
+        classifier = Classifier()
+        self.classify = classifier
+        self.cache = classifier._cache
+        # scope: exact names (stage suffix optional); list: substrings of the API key
+        self.scope_ids = {self._strip_stage(s) for s in fb.scope}
+        self.scope_keys = {s.rsplit(".", 1)[0] for s in self.scope_ids}
+        self.api_list = tuple(fb.api_list)
+        self.wanted: dict[str, bool] = {}
+        self.selective = bool(self.scope_ids or self.api_list)
+        self.preheat = Preheat(fb.preheat_step, fb.max_sample) if fb.if_preheat else None
+        # state
+        self.step = 0
+        self.enabled = self._step_selected(0)
+        self.busy = False
+        self.in_optimizer = 0
+        self.counts: dict[str, int] = {}
+        self.handles: list = []
+        self.once = Once()        # per session (skip reasons)
+        self.once_step = Once()   # per step (perturbation applied / cancelled / preheat lines)
+        # summary counters
+        self.calls = 0
+        self.checked = 0
+        self.flagged = 0
+        self.out_of_scope = 0
+        self.step_filtered = 0
+        self.skipped: dict[str, int] = {}
+
+    # -- filters -------------------------------------------------------------------------------
+    @staticmethod
+    def _strip_stage(name: str) -> str:
+        for suffix in (".forward", ".backward"):
+            if name.endswith(suffix):
+                return name[: -len(suffix)]
+        return name
+
+    def _step_selected(self, step: int) -> bool:
+        return not self.config.step or step in self.config.step
+
+    def want(self, key: str) -> bool:
+        """Can calls of API ``key`` be in scope at all? (cached per key)"""
+        if self.scope_ids:
+            hit = key in self.scope_keys
+        else:
+            hit = any(s in key for s in self.api_list)
+        self.wanted[key] = hit
+        return hit
+
+    # -- step / summary ------------------------------------------------------------------------
+    def next_step(self) -> None:
+        if self.preheat is not None:
+            self.preheat.end_step(self.counts)
+        self.counts.clear()
+        self.once_step.clear()
+        self.step += 1
+        self.enabled = self._step_selected(self.step)
+        if self.preheat is not None and self.step == self.preheat.preheat_step:
+            log.info("Free benchmark: preheat finished after %d step(s); APIs still checked: %s; "
+                     "no longer checked (risk < %.2g of threshold): %s", self.step,
+                     self.preheat.at_risk() or "none", 0.5, self.preheat.low_risk() or "none")
+
+    def summary(self) -> dict:
+        skipped = dict(self.skipped)
+        if self.out_of_scope:
+            skipped["out_of_scope"] = self.out_of_scope
+        if self.step_filtered:
+            skipped["step_filter"] = self.step_filtered
+        return {"calls": self.calls, "checked": self.checked, "skipped": skipped,
+                "flagged": self.flagged, "steps": self.step}
+
+    def remove_hooks(self) -> None:
+        handles, self.handles = self.handles, []
+        for h in handles:
+            h.remove()
+
+    # -- logging -------------------------------------------------------------------------------
+    def note_skip(self, reason: str, key: str, name: str) -> None:
+        """Count a call that is not checked and log why (once per API; per step for inputs)."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if reason == "no_float_input":
+            if self.once_step(("input", key)):
+                log.warning("Free benchmark: unsupported input type for %s (no floating-point "
+                            "tensor input).", name)
+        elif reason != "preheat" and self.once((reason, key)):
+            log.info("Free benchmark: For %s, %s. Cancel perturbation.", name, _reason_text(reason))
+
+    def _skip(self, reason: str, key: str, name: str, func, args, kwargs):
+        self.note_skip(reason, key, name)
+        return func(*args, **kwargs)
+
+    def cancelled(self, key: str, name: str, why: str) -> None:
+        self.skipped["cancelled"] = self.skipped.get("cancelled", 0) + 1
+        if self.once_step(("cancel", key)):
+            log.info("Free benchmark: For %s, %s. Cancel perturbation.", name, why)
+
+    def failed(self, key: str, name: str, exc: BaseException) -> None:
+        self.skipped["error"] = self.skipped.get("error", 0) + 1
+        if self.once_step(("error", key)):
+            log.warning("Free benchmark: For %s, the check failed and was skipped (%s: %s).",
+                        name, type(exc).__name__, exc)
+
+    def applied(self, key: str, name: str) -> None:
+        if self.once_step(("applied", key)) and log.isEnabledFor(logging.INFO):
+            log.info("Free benchmark: Perturbation is %s of %s.", self.mode_name, name)
+
+    # -- one in-scope call -----------------------------------------------------------------------
+    def handle(self, info, key, n, func, args, kwargs, frame):
+        name = f"{key}.{n}.{self.stage}"
+        reason = info.skip or dynamic_skip(info, args, kwargs)
+        if reason is None and self.in_optimizer and not torch.is_grad_enabled():
+            reason = "optimizer"
+        if reason is not None:
+            return self._skip(reason, key, name, func, args, kwargs)
+        leaves, spec = perturb.flatten(args, kwargs)
+        if not any(perturb.is_float(x) for x in leaves):
+            return self._skip("no_float_input", key, name, func, args, kwargs)
+        if self.preheat is not None:
+            if self.preheat.in_preheat(self.step):
+                if not self.preheat.sample(key, n, self.step):
+                    return self._skip("preheat", key, name, func, args, kwargs)
+                if self.once_step(("preheat", key)):
+                    log.info("Free benchmark: preheat sample in step %d api_name %s "
+                             "curr_called_seq: %d/%s", self.step, name, n,
+                             self.preheat.total(key))
+            elif not self.preheat.wanted(key):
+                return self._skip("preheat", key, name, func, args, kwargs)
+        call = perturb.Call(info, args, kwargs, self.fb.fuzz_device)
+        if self.fix:
+            return self._fix(call, key, name, func, leaves, spec)
+        if self.stage == "backward":
+            from .backward import watch
+
+            return watch(self, call, key, name, func, leaves, spec, frame)
+        return self._check_forward(call, key, name, func, leaves, spec, frame)
+
+    def _check_forward(self, call, key, name, func, leaves, spec, frame):
+        out = func(*call.args, **call.kwargs)
+        outs = handlers.float_outputs(out)
+        if not outs:
+            self.note_skip("no_float_output", key, name)
+            return out
+        self.busy = True
+        try:
+            with torch.no_grad(), _no_autocast(self.upcast_mode):
+                pert = perturb.apply(self.mode_name, call, leaves, spec)
+                self.applied(key, name)
+                p_out = func(*pert.args, **pert.kwargs)
+                p_outs = handlers.float_outputs(p_out)
+                if [i for i, _ in p_outs] != [i for i, _ in outs]:
+                    raise RuntimeError("the perturbed call returned outputs of another structure")
+                if pert.post is not None:
+                    p_outs = [(i, pert.post(t)) for i, t in p_outs]
+                stats = compare_many([(o, p, floor_for(o.dtype))
+                                      for (_, o), (_, p) in zip(outs, p_outs)])
+            self.checked += 1
+            self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype,
+                        frame)
+        except perturb.Cancel as exc:
+            self.cancelled(key, name, str(exc))
+        except Exception as exc:  # never reaches the training code
+            self.failed(key, name, exc)
+        finally:
+            self.busy = False
+        return out
+
+    def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None) -> None:
+        """Judge ``(output_index, original_tensor, Stats)`` items; emit rows for the findings."""
+        step = self.step if step is None else step
+        rows = []
+        worst = 0.0
+        for index, o, st in items:
+            thr = handlers.threshold(self.fb, self.mode_name, o.dtype, in_dtype)
+            worst = max(worst, handlers.risk(st, thr))
+            kind = handlers.judge(st, thr)
+            if kind is None:
+                continue
+            if not isinstance(frame_or_site, str):
+                frame_or_site = call_site(frame_or_site)
+            rows.append({
+                "rank": self.rank, "pert_mode": self.mode_name, "stage": stage or self.stage,
+                "step": step, "api_name": name, "max_rel": float(st.max_rel),
+                "dtype": str(o.dtype), "shape": str(tuple(o.shape)), "output_index": int(index),
+                "kind": kind, "max_abs": float(st.max_abs), "threshold": float(thr),
+                "ratio": float(handlers.ratio(st.max_rel, thr)), "call_site": frame_or_site,
+            })
+        if self.preheat is not None and self.preheat.in_preheat(step):
+            self.preheat.record(key, worst if not math.isnan(worst) else math.inf)
+        if rows:
+            self.flagged += len(rows)
+            self.emit(rows)
+
+    def _fix(self, call, key, name, func, leaves, spec):
+        if any(isinstance(x, torch.dtype) for x in leaves):
+            return self._skip("dtype_arg", key, name, func, call.args, call.kwargs)
+        self.busy = True
+        try:
+            pert = perturb.apply(self.mode_name, call, leaves, spec)
+            self.applied(key, name)
+            with _no_autocast(True):
+                p_out = func(*pert.args, **pert.kwargs)
+            floats = [x for x in leaves if perturb.is_float(x)]
+            back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
+            target = pert.in_dtype
+            if self.mode_name == "to_cpu":
+                target = torch.float32 if back in perturb.LOW_PRECISION else None
+            out = handlers.cast_back(p_out, target, back, floats[0].device)
+            self.checked += 1
+            return out
+        except perturb.Cancel as exc:
+            self.cancelled(key, name, str(exc))
+        except Exception as exc:
+            self.failed(key, name, exc)
+        finally:
+            self.busy = False
+        return func(*call.args, **call.kwargs)
+
+    # -- optimizer steps (global hooks, removed on stop) ----------------------------------------
+    def optimizer_pre(self, *_):
+        self.in_optimizer += 1
+
+    def optimizer_post(self, *_):
+        self.in_optimizer = max(0, self.in_optimizer - 1)
+
+
+def make_mode(engine: Engine) -> TorchFunctionMode:
+    return _Mode(engine)

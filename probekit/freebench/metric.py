@@ -1,0 +1,148 @@
+"""How far a perturbed output is from the original one, element by element.
+
+For an original output ``o`` and a perturbed output ``p`` (compared in the wider of their dtypes,
+at least float32), with the floor ``f`` of ``o``'s dtype (``FLOORS``):
+
+* ``err_i = |p_i - o_i| / max(|o_i|, f)``: relative error where ``|o_i| >= f``, absolute error
+  measured against the floor below it (so near-zero outputs do not dominate);
+* ``max_rel = max_i err_i`` over the elements where both values are finite; ``rel_part`` says
+  whether that maximum came from an element above the floor (relative) or below it (absolute);
+* ``max_abs = max_i |p_i - o_i|`` over the same elements;
+* ``nan_inf``: elements where one side is NaN/Inf and the other is not, or both are non-finite but
+  different (+Inf vs -Inf, NaN vs Inf). They do not hide the other elements: ``max_rel`` is still
+  taken over the finite ones (msprobe's chunked max turned a whole chunk into "consistent");
+* ``sign_flip``: elements where both ``|o_i|`` and ``|p_i|`` are at least ``f`` and their signs differ.
+
+The formula is symmetric in sign: ``(-1e4 - 0.01) + 1e4`` scores like ``(1e4 + 0.01) - 1e4``
+(msprobe clamped signed values to a positive floor, so negative outputs were never flagged).
+Large tensors are compared in chunks of ``CHUNK`` elements, so the extra memory is a few
+chunk-sized temporaries rather than copies of the whole output; all statistics of one call come
+back in a single device sync (a second, exact pass runs only for pairs holding NaN/Inf or an
+error of 1 or more).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: small-value floor per output dtype (msprobe's forward floors, the square roots of its tolerances)
+FLOORS = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-8}
+DEFAULT_FLOOR = 1e-4
+CHUNK = 1 << 20
+
+
+def floor_for(dtype: torch.dtype) -> float:
+    return FLOORS.get(dtype, DEFAULT_FLOOR)
+
+
+@dataclass(frozen=True)
+class Stats:
+    max_rel: float
+    max_abs: float
+    nan_inf: int
+    sign_flip: int
+    rel_part: bool  # True: max_rel came from an element above the floor (relative error)
+
+
+def _chunks(t: torch.Tensor, size: int):
+    """Pieces of ``t`` with at most ``size`` elements each, by slicing (no copies)."""
+    if t.numel() <= size or t.dim() == 0:
+        yield t
+        return
+    row = t.numel() // t.shape[0]
+    if row > size:
+        for i in range(t.shape[0]):
+            yield from _chunks(t[i], size)
+        return
+    step = max(1, size // row)
+    for s in range(0, t.shape[0], step):
+        yield t.narrow(0, s, min(step, t.shape[0] - s))
+
+
+def _fast_chunk(o, p, floor: float, cdt, device) -> torch.Tensor:
+    """[max err, max |p-o|, |o| at the max-err element]: cheap arithmetic only (no masks).
+
+    Non-finite values make the second entry NaN/Inf; the caller then takes the exact path."""
+    oc = o.to(device=device, dtype=cdt)
+    d = (p.to(device=device, dtype=cdt) - oc).abs_()
+    dmax = d.amax()
+    ao = oc.abs_().reshape(-1)
+    r = torch.nan_to_num_(d.reshape(-1).div_(ao.clamp_min(floor)), nan=0.0, posinf=0.0,
+                          neginf=0.0)
+    rmax, idx = r.max(0)
+    return torch.stack([rmax, dmax, ao[idx]])
+
+
+def _exact_chunk(o, p, floor: float, cdt, device) -> torch.Tensor:
+    """[max rel above floor, max abs/floor below it, max |p-o|, NaN/Inf mismatches, sign flips]
+    over the finite pairs."""
+    oc = o.to(device=device, dtype=cdt)
+    pc = p.to(device=device, dtype=cdt)
+    d = (pc - oc).abs_()
+    fin = torch.isfinite(d)
+    ao = oc.abs()
+    hi = ao >= floor
+    zero = torch.zeros((), dtype=cdt, device=device)
+    r_hi = torch.where(fin & hi, d / ao.clamp_min(floor), zero).amax()
+    r_lo = torch.where(fin & ~hi, d, zero).amax() / floor
+    a_max = torch.where(fin, d, zero).amax()
+    same = (oc == pc) | (torch.isnan(oc) & torch.isnan(pc))
+    mis = (~fin & ~same).sum()
+    flips = (fin & hi & (pc.abs() >= floor) & ((oc > 0) != (pc > 0))).sum()
+    return torch.stack([r_hi, r_lo, a_max, mis.to(cdt), flips.to(cdt)])
+
+
+def _plan(o: torch.Tensor, p: torch.Tensor):
+    if o.shape != p.shape:
+        raise ValueError(f"output shapes differ: {tuple(o.shape)} vs {tuple(p.shape)}")
+    cdt = torch.promote_types(torch.promote_types(o.dtype, p.dtype), torch.float32)
+    return cdt, p.device, list(zip(_chunks(o, CHUNK), _chunks(p, CHUNK)))
+
+
+def fast_stats(o: torch.Tensor, p: torch.Tensor, floor: float) -> torch.Tensor:
+    """float64 [max err, max |p-o|, |o| at the max-err element] on ``p``'s device (no sync)."""
+    cdt, device, parts = _plan(o, p)
+    if o.numel() == 0:
+        return torch.zeros(3, dtype=torch.float64, device=device)
+    s = torch.stack([_fast_chunk(a, b, floor, cdt, device) for a, b in parts]).to(torch.float64)
+    if len(parts) == 1:
+        return s[0]
+    i = s[:, 0].argmax()
+    return torch.stack([s[i, 0], s[:, 1].amax(), s[i, 2]])
+
+
+def exact_stats(o: torch.Tensor, p: torch.Tensor, floor: float) -> Stats:
+    """``Stats`` with NaN/Inf mismatches and sign flips counted (one more sync)."""
+    cdt, device, parts = _plan(o, p)
+    if o.numel() == 0:
+        return Stats(0.0, 0.0, 0, 0, True)
+    s = torch.stack([_exact_chunk(a, b, floor, cdt, device) for a, b in parts]).to(torch.float64)
+    r_hi, r_lo, a_max, mis, flips = torch.cat([s[:, :3].amax(0), s[:, 3:].sum(0)]).tolist()
+    return Stats(max(r_hi, r_lo), a_max, int(mis), int(flips), r_hi >= r_lo)
+
+
+def compare_many(pairs) -> list[Stats]:
+    """``Stats`` for each ``(original, perturbed, floor)``.
+
+    One host sync for all pairs in the common case. A pair whose differences are not all finite,
+    or whose error reaches 1 (where a sign flip is possible), is recomputed exactly."""
+    pairs = list(pairs)
+    if not pairs:
+        return []
+    rows = [fast_stats(o, p, f) for o, p, f in pairs]
+    device = rows[0].device
+    values = torch.stack([r.to(device) for r in rows]).tolist()
+    out = []
+    for (o, p, f), (rmax, dmax, a_at) in zip(pairs, values):
+        if not math.isfinite(dmax) or rmax >= 1.0:
+            out.append(exact_stats(o, p, f))
+        else:
+            out.append(Stats(rmax, dmax, 0, 0, a_at >= f))
+    return out
+
+
+def compare(o: torch.Tensor, p: torch.Tensor, floor: float | None = None) -> Stats:
+    """``Stats`` of one pair; ``floor`` defaults to that of ``o``'s dtype."""
+    return compare_many([(o, p, floor_for(o.dtype) if floor is None else floor)])[0]

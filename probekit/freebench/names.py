@@ -1,0 +1,332 @@
+"""API naming and classification: which torch call is this, and may it be re-run?
+
+A ``TorchFunctionMode`` hands us the callable the user invoked. ``classify(func)`` turns it into an
+``ApiInfo`` once (cached per callable): the msprobe-style prefix and name (``Torch.matmul``,
+``Tensor.sum``, ``Functional.linear``), and, when the API must never be re-run, the reason.
+Python operators reach the mode as the plain method (``x + y`` arrives as ``TensorBase.add``), so
+``operator_key`` reads the calling instruction to name them as msprobe does (``Tensor.__add__``).
+
+Reasons a call is never re-run (the keys of ``FreeBench.summary["skipped"]``):
+view, copy, conversion, creation, metadata, inplace, random, collective, autograd, private,
+side_effect, other. Dynamic ones (``inplace=True``, ``out=``, dropout_p > 0, batch-norm in training,
+``embedding(max_norm=...)``) are decided per call by ``dynamic_skip``.
+"""
+from __future__ import annotations
+
+import dis
+import inspect
+import os
+import sys
+import torch
+
+#: fixed explanation of every skip reason (used in the log line "For X, <reason>. Cancel perturbation.")
+REASONS = {
+    "view": "a view/metadata-only call is exact (a perturbation would pass through unchanged)",
+    "copy": "an exact copy/data-movement call (a perturbation would pass through unchanged)",
+    "conversion": "a dtype/device conversion is a plain copy or rounding",
+    "creation": "a tensor-creation call has no input to perturb",
+    "metadata": "not a numerical call",
+    "inplace": "an in-place call (re-running it would change the training)",
+    "random": "a random call (re-running it would consume the RNG and differ anyway)",
+    "collective": "a distributed collective is never re-run",
+    "autograd": "autograd machinery is never re-run",
+    "private": "a private torch API (called by torch itself, e.g. inside optimizers)",
+    "side_effect": "the call updates state in place (running statistics / embedding renorm)",
+    "other": "not a torch API",
+    "optimizer": "an optimizer update under no_grad",
+}
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PROBEKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: torch frames between a Python operator and the mode (skipped when reading the instruction)
+_DISPATCH_FILES = frozenset({os.path.join(_TORCH_DIR, "overrides.py"),
+                             os.path.join(_TORCH_DIR, "_tensor.py")})
+
+# -- static classification sets (API base names, without prefix) ----------------------------------
+VIEW = frozenset("""
+__getitem__ view view_as reshape reshape_as flatten unflatten ravel t T mT H mH adjoint transpose
+swapaxes swapdims permute movedim moveaxis squeeze unsqueeze expand expand_as broadcast_to narrow
+select diagonal as_strided unfold split split_with_sizes tensor_split hsplit vsplit dsplit chunk
+unbind detach alias real imag view_as_real view_as_complex indices values crow_indices
+col_indices atleast_1d atleast_2d atleast_3d broadcast_tensors contiguous resolve_conj resolve_neg
+conj align_as align_to rename refine_names
+""".split())
+COPY = frozenset("""
+clone cat concat concatenate stack hstack vstack dstack column_stack row_stack flip fliplr flipud
+roll rot90 repeat tile repeat_interleave index_select gather take take_along_dim masked_select
+tril triu diag diag_embed diagflat block_diag narrow_copy select_scatter slice_scatter
+diagonal_scatter as_strided_scatter pad constant_pad_nd zero_pad2d embedding one_hot
+where masked_fill masked_scatter scatter index_fill index_copy index_put sort msort topk kthvalue
+__deepcopy__ __reduce_ex__ __setstate__ __getstate__ data_ptr
+""".split())
+CONVERSION = frozenset("""
+to type type_as float double half bfloat16 cpu cuda npu xpu mps int long short bool byte char
+numpy tolist item __array__ __array_wrap__ __float__ __int__ __index__ __bool__ __complex__
+__nonzero__ pin_memory share_memory_ to_dense to_sparse __dlpack__ __dlpack_device__
+""".split())
+CREATION = frozenset("""
+zeros ones empty full arange range linspace logspace eye tensor as_tensor asarray from_numpy
+frombuffer zeros_like ones_like empty_like full_like new_zeros new_ones new_empty new_full
+new_tensor empty_strided scalar_tensor tril_indices triu_indices complex polar
+""".split())
+METADATA = frozenset("""
+size dim ndimension numel nelement stride storage_offset is_contiguous element_size
+is_floating_point is_complex is_signed is_nonzero get_device __len__ __repr__ __str__
+__format__ __hash__ __iter__ __contains__ __reversed__ __dir__ __sizeof__ storage
+untyped_storage is_set_to is_shared is_pinned is_same_size requires_grad_ retain_grad
+register_hook register_post_accumulate_grad_hook backward dim_order __torch_function__
+is_inference has_names __eq__ equal allclose isclose result_type can_cast promote_types
+is_tensor is_storage is_grad_enabled
+""".split())
+RANDOM = frozenset("""
+bernoulli multinomial normal poisson rand rand_like randint randint_like randn randn_like
+randperm dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout
+feature_dropout native_dropout rrelu gumbel_softmax uniform_ normal_ exponential_ geometric_
+cauchy_ log_normal_ random_ bernoulli_ fractional_max_pool2d fractional_max_pool3d
+""".split())
+#: the in-place forms of the Python operators (``x += y`` arrives as ``add_``)
+INPLACE_DUNDERS = frozenset("""
+__iadd__ __isub__ __imul__ __itruediv__ __idiv__ __ifloordiv__ __imod__ __ipow__ __imatmul__
+__iand__ __ior__ __ixor__ __ilshift__ __irshift__ __setitem__ __delitem__
+""".split())
+
+# -- change_value: APIs whose result is invariant (or equivariant) to swapping two elements -------
+#: element-wise on a single tensor (output elements follow the input's)
+ELEMENTWISE = frozenset("""
+abs neg negative exp exp2 expm1 log log2 log10 log1p sqrt rsqrt square reciprocal sin cos tan
+asin acos atan sinh cosh tanh asinh acosh atanh sigmoid logit erf erfc erfinv relu relu6 gelu silu
+mish softplus softsign elu selu celu leaky_relu hardtanh hardswish hardsigmoid logsigmoid
+tanhshrink softshrink hardshrink threshold sign sgn floor ceil round trunc frac clamp clip
+clamp_min clamp_max pow add sub mul div true_divide __add__ __sub__ __mul__ __truediv__ __pow__
+__neg__ __radd__ __rsub__ __rmul__ __rdiv__ __rpow__ softmax log_softmax softmin
+""".split())
+#: reductions: API name -> positional index of ``dim``
+REDUCTIONS = {"sum": 1, "mean": 1, "nansum": 1, "nanmean": 1, "amax": 1, "amin": 1, "max": 1,
+              "min": 1, "logsumexp": 1, "std": 1, "var": 1, "prod": 1, "norm": 2}
+
+class ApiInfo:
+    """What one torch callable is. ``skip`` is a key of ``REASONS`` or None (may be checked)."""
+
+    __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos")
+
+    def __init__(self, prefix: str, name: str, skip: str | None = None,
+                 operators: dict | None = None, inplace_pos: int | None = None) -> None:
+        self.prefix = prefix            # Torch | Tensor | Functional | Other
+        self.name = name                # API name as the user spells it (matmul, __add__)
+        self.key = f"{prefix}.{name}"   # msprobe's name without counter and stage
+        self.skip = skip
+        #: (opcode, arg) -> full operator key, for methods Python operators arrive as
+        self.operators = operators or {}
+        #: positional index of an ``inplace`` parameter (Python functionals), or None
+        self.inplace_pos = inplace_pos
+
+    def __repr__(self) -> str:
+        return f"ApiInfo({self.key!r}, skip={self.skip!r})"
+
+
+#: an ApiInfo for property getters/setters (``x.shape``, ``p.grad``): not counted as calls
+PROPERTY = ApiInfo("Tensor", "__get__", "metadata")
+
+_OPNAMES = {0: "__add__", 1: "__and__", 2: "__floordiv__", 3: "__lshift__", 4: "__matmul__",
+            5: "__mul__", 6: "__mod__", 7: "__or__", 8: "__pow__", 9: "__rshift__", 10: "__sub__",
+            11: "__truediv__", 12: "__xor__", 13: "__iadd__", 14: "__iand__", 15: "__ifloordiv__",
+            16: "__ilshift__", 17: "__imatmul__", 18: "__imul__", 19: "__imod__", 20: "__ior__",
+            21: "__ipow__", 22: "__irshift__", 23: "__isub__", 24: "__itruediv__", 25: "__ixor__"}
+#: torch method name -> the operator names that reach the mode as that method
+_METHOD_OPERATORS = {
+    "add": ("__add__",), "sub": ("__sub__",), "mul": ("__mul__",), "div": ("__truediv__",),
+    "matmul": ("__matmul__",), "pow": ("__pow__",), "bitwise_and": ("__and__",),
+    "__and__": ("__and__",), "bitwise_or": ("__or__",), "__or__": ("__or__",),
+    "bitwise_xor": ("__xor__",), "__xor__": ("__xor__",), "floor_divide": ("__floordiv__",),
+    "remainder": ("__mod__",), "__lshift__": ("__lshift__",), "__rshift__": ("__rshift__",),
+    "bitwise_left_shift": ("__lshift__",), "bitwise_right_shift": ("__rshift__",),
+    "add_": ("__iadd__",), "sub_": ("__isub__",), "mul_": ("__imul__",), "div_": ("__itruediv__",),
+    "pow_": ("__ipow__",), "bitwise_and_": ("__iand__",), "__iand__": ("__iand__",),
+    "bitwise_or_": ("__ior__",), "__ior__": ("__ior__",), "bitwise_xor_": ("__ixor__",),
+    "__ixor__": ("__ixor__",), "floor_divide_": ("__ifloordiv__",), "remainder_": ("__imod__",),
+    "__ilshift__": ("__ilshift__",), "__irshift__": ("__irshift__",),
+    "lt": ("__lt__",), "le": ("__le__",), "eq": ("__eq__",), "__eq__": ("__eq__",),
+    "ne": ("__ne__",), "__ne__": ("__ne__",), "gt": ("__gt__",), "ge": ("__ge__",),
+    "neg": ("__neg__",), "bitwise_not": ("__invert__",),
+}
+_CMP = ("__lt__", "__le__", "__eq__", "__ne__", "__gt__", "__ge__")
+_BINARY_OP = dis.opmap.get("BINARY_OP")
+_COMPARE_OP = dis.opmap.get("COMPARE_OP")
+_UNARY_NEGATIVE = dis.opmap.get("UNARY_NEGATIVE")
+_UNARY_INVERT = dis.opmap.get("UNARY_INVERT")
+_CMP_SHIFT = 0 if sys.version_info < (3, 12) else (4 if sys.version_info < (3, 13) else 5)
+
+
+def _operators_for(name: str) -> dict:
+    """(opcode, arg) -> ``Tensor.<operator>`` for a method Python operators reach the mode as."""
+    ops = _METHOD_OPERATORS.get(name, ())
+    table = {}
+    for op in ops:
+        full = f"Tensor.{op}"
+        if op in _CMP and _COMPARE_OP is not None:
+            table[(_COMPARE_OP, _CMP.index(op))] = full
+        elif op == "__neg__" and _UNARY_NEGATIVE is not None:
+            table[(_UNARY_NEGATIVE, None)] = full
+        elif op == "__invert__" and _UNARY_INVERT is not None:
+            table[(_UNARY_INVERT, None)] = full
+        elif _BINARY_OP is not None:
+            for arg, opname in _OPNAMES.items():
+                if opname == op:
+                    table[(_BINARY_OP, arg)] = full
+    return table
+
+
+def _prefix(func) -> tuple[str, str | None]:
+    """(prefix, skip reason decided by origin alone)."""
+    objclass = getattr(func, "__objclass__", None)
+    qual = getattr(func, "__qualname__", "") or ""
+    module = getattr(func, "__module__", None) or ""
+    if objclass is not None and issubclass(objclass, torch._C.TensorBase) or \
+            qual.startswith(("TensorBase.", "Tensor.")):
+        return "Tensor", None
+    if module in ("torch._C._nn", "torch.nn.functional"):
+        return "Functional", None
+    if module.startswith("torch.distributed"):
+        return "Torch", "collective"
+    if module.startswith("torch.autograd"):
+        return "Torch", "autograd"
+    if module == "torch" or module.startswith(("torch._C", "torch.functional")) or \
+            qual.startswith("_VariableFunctionsClass."):
+        return "Torch", None
+    if module.startswith("torch"):
+        return "Torch", None
+    return "Other", "other"
+
+
+def _inplace_position(func) -> int | None:
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
+def classify(func) -> ApiInfo:
+    """The ``ApiInfo`` of a callable the mode saw (not cached here; see ``Classifier``)."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name in ("__get__", "__set__", "__delete__"):
+        return PROPERTY
+    prefix, skip = _prefix(func)
+    if skip is None:
+        skip = static_skip(name)
+    inplace_pos = _inplace_position(func) if prefix == "Functional" else None
+    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos)
+
+
+def static_skip(name: str) -> str | None:
+    """The reason an API of this name is never re-run, or None."""
+    if name in VIEW:
+        return "view"
+    if name in METADATA:
+        return "metadata"
+    if name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")):
+        return "inplace"
+    if name in RANDOM:
+        return "random"
+    if name in CONVERSION:
+        return "conversion"
+    if name in CREATION:
+        return "creation"
+    if name in COPY:
+        return "copy"
+    if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+        return "private"
+    return None
+
+
+class Classifier:
+    """``classify`` with a per-callable cache (the hot path is one dict lookup)."""
+
+    def __init__(self) -> None:
+        self._cache: dict = {}
+
+    def __call__(self, func) -> ApiInfo:
+        info = self._cache.get(func)
+        if info is None:
+            try:
+                info = classify(func)
+            except Exception:  # an odd callable: never re-run it
+                info = ApiInfo("Other", getattr(func, "__name__", "unknown"), "other")
+            try:
+                self._cache[func] = info
+            except TypeError:  # unhashable callable
+                pass
+        return info
+
+
+_INSTRUCTIONS: dict = {}
+
+
+def _instruction(code, i: int):
+    """(opcode, arg) at byte ``i`` of ``code`` (cached: ``co_code`` builds a new bytes object)."""
+    key = (code, i)
+    ins = _INSTRUCTIONS.get(key)
+    if ins is None:
+        raw = code.co_code
+        op = raw[i]
+        if op == _BINARY_OP:
+            ins = (op, raw[i + 1])
+        elif op == _COMPARE_OP:
+            ins = (op, raw[i + 1] >> _CMP_SHIFT)
+        else:
+            ins = (op, None)
+        if len(_INSTRUCTIONS) < 100_000:
+            _INSTRUCTIONS[key] = ins
+    return ins
+
+
+def operator_key(info: ApiInfo, frame) -> str:
+    """``Tensor.__add__`` for ``x + y`` (read from the calling instruction), else ``info.key``."""
+    try:
+        while frame is not None and frame.f_code.co_filename in _DISPATCH_FILES:
+            frame = frame.f_back
+        if frame is None:
+            return info.key
+        return info.operators.get(_instruction(frame.f_code, frame.f_lasti), info.key)
+    except Exception:
+        return info.key
+
+
+def call_site(frame) -> str:
+    """``file.py:123`` of the first frame outside torch and probekit (the user's line)."""
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if not (fname.startswith(_TORCH_DIR) or fname.startswith(_PROBEKIT_DIR)):
+            return f"{os.path.basename(fname)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
+# -- per-call decisions ---------------------------------------------------------------------------
+def _arg(args, kwargs, pos: int, name: str, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else default
+
+
+def dynamic_skip(info: ApiInfo, args: tuple, kwargs: dict) -> str | None:
+    """A reason decided by this call's arguments (``out=``, ``inplace=True``, dropout_p...)."""
+    if kwargs.get("out") is not None:
+        return "inplace"
+    if info.inplace_pos is not None and _arg(args, kwargs, info.inplace_pos, "inplace", False):
+        return "inplace"
+    name = info.name
+    if name == "scaled_dot_product_attention":
+        if _arg(args, kwargs, 4, "dropout_p", 0.0):
+            return "random"
+    elif name == "multi_head_attention_forward":
+        if _arg(args, kwargs, 13, "dropout_p", 0.0) and _arg(args, kwargs, 19, "training", True):
+            return "random"
+    elif name == "batch_norm":
+        # F.batch_norm(input, running_mean, running_var, weight, bias, training, ...)
+        # torch.batch_norm(input, weight, bias, running_mean, running_var, training, ...)
+        if _arg(args, kwargs, 5, "training", False):
+            return "side_effect"
+    elif name == "instance_norm":
+        return "side_effect"
+    return None

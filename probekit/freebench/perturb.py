@@ -1,0 +1,283 @@
+"""Perturbations: pure functions on tensors, and the registry that applies them to a call.
+
+Every tensor function returns a new tensor and leaves its input, the global RNG and any module
+state alone (the noise is deterministic: it comes from the bit pattern of each element).
+
+==================  ===========================================================================
+improve_precision   every floating input upcast: fp16/bf16 -> fp32; fp32 -> fp64 (fp64: cancelled)
+bit_noise           first floating input: the lowest mantissa bit of every finite element with
+                    ``|x| > smallest normal`` flipped (a change of exactly one ulp, up or down)
+add_noise           first floating input: every finite element with ``|x| > smallest normal`` moved
+                    one ulp towards +inf (``nextafter(x, inf)``; it cannot round away, unlike
+                    msprobe's constant epsilon, which left fp16 inputs unchanged)
+change_value        first floating input: first and last elements of the last dimension swapped
+                    (in every row). Only for APIs whose result does not depend on that order
+                    (element-wise ops, reductions, softmax); the perturbed output is swapped back
+                    where the swapped dimension survives. 0-dim / 1-element inputs: cancelled.
+no_change           first floating input copied (the re-run flags non-determinism)
+to_cpu              every tensor input copied to the CPU, fp16/bf16 upcast to fp32
+==================  ===========================================================================
+
+``apply(mode, call)`` flattens the call's arguments into leaves, perturbs them and returns a
+``Perturbed`` holding the new arguments; it raises ``Cancel(reason)`` when the mode cannot apply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import names
+
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
+             torch.float32: torch.int32, torch.float64: torch.int64}
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class Cancel(Exception):
+    """The perturbation cannot apply to this call; ``str(exc)`` is the reason (logged)."""
+
+
+# -- tensor functions --------------------------------------------------------------------------------
+def _noise_mask(t: torch.Tensor, below_max: bool = False) -> torch.Tensor:
+    """Finite elements with ``|x| >= smallest normal`` (and ``< max`` when asked); NaN fails both
+    comparisons, so no separate (slow) isfinite pass is needed."""
+    info = torch.finfo(t.dtype)
+    a = t.abs()
+    return (a >= info.smallest_normal) & ((a < info.max) if below_max else (a <= info.max))
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    itype = _INT_VIEW.get(t.dtype)
+    if itype is None:
+        raise Cancel(f"dtype {t.dtype} has no bit-level perturbation")
+    return t.view(itype)
+
+
+def bit_noise(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the lowest mantissa bit of each finite element above the smallest normal flipped."""
+    bits = _int_view(t)
+    return (bits ^ _noise_mask(t).to(bits.dtype)).view(t.dtype)
+
+
+def add_noise(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with each finite element above the smallest normal moved one ulp towards +inf."""
+    bits = _int_view(t)
+    step = torch.where(t > 0, 1, -1).to(bits.dtype)
+    return (bits + step * _noise_mask(t, below_max=True).to(bits.dtype)).view(t.dtype)
+
+
+def change_value(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the first and last elements of its last dimension swapped (every row)."""
+    if t.dim() == 0 or t.numel() < 2:
+        raise Cancel("the input has fewer than 2 elements")
+    if t.shape[-1] < 2:
+        raise Cancel("the last dimension has fewer than 2 elements")
+    return swap_last(t)
+
+
+def swap_last(t: torch.Tensor) -> torch.Tensor:
+    """Swap index 0 and -1 of the last dimension (its own inverse)."""
+    out = t.clone()
+    out[..., 0] = t[..., -1]
+    out[..., -1] = t[..., 0]
+    return out
+
+
+def no_change(t: torch.Tensor) -> torch.Tensor:
+    """An exact copy of ``t`` in new memory."""
+    return t.clone()
+
+
+def improve_precision(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype)
+
+
+def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU; fp16/bf16 upcast to fp32 (other dtypes kept)."""
+    dtype = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
+    return t.to("cpu", dtype=dtype, copy=True)
+
+
+# -- call arguments as a flat list of leaves ----------------------------------------------------
+def flatten(args: tuple, kwargs: dict):
+    """(leaves, spec): tensors and other values found in args/kwargs (descending into plain
+    lists, tuples and dicts); ``unflatten(leaves, spec)`` rebuilds ``(args, kwargs)``."""
+    leaves: list = []
+
+    def walk(obj):
+        tp = type(obj)
+        if tp is list or tp is tuple:
+            return (tp, [walk(o) for o in obj])
+        if tp is dict:
+            return (dict, [(k, walk(v)) for k, v in obj.items()])
+        leaves.append(obj)
+        return None
+
+    spec = (walk(tuple(args)), walk(dict(kwargs)))
+    return leaves, spec
+
+
+def unflatten(leaves: list, spec):
+    it = iter(leaves)
+
+    def build(node):
+        if node is None:
+            return next(it)
+        tp, items = node
+        if tp is dict:
+            return {k: build(v) for k, v in items}
+        return tp(build(o) for o in items)
+
+    return build(spec[0]), build(spec[1])
+
+
+def is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def first_float(leaves: list) -> int:
+    for i, x in enumerate(leaves):
+        if is_float(x):
+            return i
+    raise Cancel("no floating-point tensor input")
+
+
+# -- the registry -------------------------------------------------------------------------------
+@dataclass
+class Call:
+    """One intercepted call as the perturbations see it."""
+
+    info: names.ApiInfo
+    args: tuple
+    kwargs: dict
+    fuzz_device: str = "npu"
+
+
+@dataclass
+class Perturbed:
+    args: tuple
+    kwargs: dict
+    #: dtype of the perturbed input (noise modes: its eps sets the noise-aware threshold)
+    in_dtype: torch.dtype | None
+    #: applied to each perturbed output tensor before comparing (change_value swaps back)
+    post: Callable | None = None
+    #: leaf index -> replacement, for the backward stage
+    replaced: dict | None = None
+
+
+PERTURBATIONS: dict[str, Callable[[Call, list], tuple]] = {}
+
+
+def perturbation(name: str):
+    """Register ``func(call, leaves) -> (new_leaves, in_dtype, post)`` as pert_mode ``name``."""
+
+    def deco(func):
+        if name in PERTURBATIONS:
+            raise ValueError(f"perturbation {name!r} registered twice")
+        PERTURBATIONS[name] = func
+        return func
+
+    return deco
+
+
+def apply(mode: str, call: Call, leaves: list | None = None, spec=None) -> Perturbed:
+    """Perturb the call's inputs with ``mode``; raises ``Cancel`` when it cannot apply."""
+    if leaves is None:
+        leaves, spec = flatten(call.args, call.kwargs)
+    new, in_dtype, post = PERTURBATIONS[mode](call, leaves)
+    args, kwargs = unflatten(new, spec)
+    replaced = {i: n for i, (o, n) in enumerate(zip(leaves, new)) if n is not o}
+    return Perturbed(args, kwargs, in_dtype, post, replaced)
+
+
+def _replace_first(leaves: list, fn) -> tuple[list, torch.dtype]:
+    i = first_float(leaves)
+    new = list(leaves)
+    new[i] = fn(leaves[i])
+    return new, leaves[i].dtype
+
+
+def upcast_target(leaves: list) -> torch.dtype:
+    """fp32 when every floating input is fp16/bf16, fp64 when one is fp32; Cancel for fp64."""
+    dtypes = {x.dtype for x in leaves if is_float(x)}
+    if not dtypes:
+        raise Cancel("no floating-point tensor input")
+    if dtypes == {torch.float64}:
+        raise Cancel("the inputs are already float64")
+    return torch.float64 if dtypes - set(LOW_PRECISION) else torch.float32
+
+
+@perturbation("improve_precision")
+def _improve_precision(call: Call, leaves: list):
+    target = upcast_target(leaves)
+    new = [improve_precision(x, target) if is_float(x) and x.dtype != torch.float64 else x
+           for x in leaves]
+    return new, target, None
+
+
+@perturbation("to_cpu")
+def _to_cpu(call: Call, leaves: list):
+    first_float(leaves)
+    new = [to_cpu(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return new, None, None
+
+
+@perturbation("bit_noise")
+def _bit_noise(call: Call, leaves: list):
+    new, dtype = _replace_first(leaves, bit_noise)
+    return new, dtype, None
+
+
+@perturbation("add_noise")
+def _add_noise(call: Call, leaves: list):
+    new, dtype = _replace_first(leaves, add_noise)
+    return new, dtype, None
+
+
+@perturbation("no_change")
+def _no_change(call: Call, leaves: list):
+    new, dtype = _replace_first(leaves, no_change)
+    return new, dtype, None
+
+
+@perturbation("change_value")
+def _change_value(call: Call, leaves: list):
+    name = call.info.name
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if (name not in names.ELEMENTWISE and name not in names.REDUCTIONS) or len(tensors) != 1:
+        raise Cancel("change_value applies only to single-tensor APIs whose result does not depend "
+                     "on element order (element-wise ops, reductions, softmax)")
+    i = first_float(leaves)
+    x = leaves[i]
+    new = list(leaves)
+    new[i] = change_value(x)
+    post = _swap_back(x)
+    if name in names.REDUCTIONS and name not in names.ELEMENTWISE:
+        dims = _reduced_dims(call, names.REDUCTIONS[name], x.dim())
+        if dims is None or (x.dim() - 1) in dims:
+            post = None  # the swapped dimension is reduced away: the result must not change
+    return new, x.dtype, post
+
+
+def _swap_back(x: torch.Tensor):
+    last = x.shape[-1]
+
+    def post(out: torch.Tensor) -> torch.Tensor:
+        if out.dim() >= 1 and out.shape[-1] == last:
+            return swap_last(out)
+        return out
+
+    return post
+
+
+def _reduced_dims(call: Call, pos: int, ndim: int):
+    """The set of reduced dims (normalised), or None for a full reduction."""
+    dim = call.kwargs.get("dim", call.args[pos] if len(call.args) > pos else None)
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return None
+    if isinstance(dim, torch.Tensor) or isinstance(dim, str):
+        raise Cancel("change_value: unsupported dim argument")
+    dims = dim if isinstance(dim, (list, tuple)) else (dim,)
+    return {d % max(ndim, 1) for d in dims}

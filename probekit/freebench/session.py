@@ -1,0 +1,178 @@
+"""``FreeBench``: the public free-benchmark session (context manager, start/stop/step, results).
+
+    fb = probekit.FreeBench(dump_path="./out", pert_mode="bit_noise")
+    with fb:                          # start() on enter, stop() on exit; usable again
+        loss = model(x).sum(); loss.backward()
+    fb.step()                         # per-API counters reset, step number + 1
+    fb.results                        # DataFrame, one row per inconsistent output
+    fb.summary                        # {"calls", "checked", "skipped": {reason: n}, "flagged", "steps"}
+
+``PrecisionDebugger(task="free_benchmark")`` drives the same object through ``open_session``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import Config, ConfigError, FreeBenchmarkConfig, load_config, make_config
+from ..dist import get_rank, rank_selected
+from ..log import ensure_handler, get_logger
+from . import results as _results
+from .intercept import Engine, make_mode
+
+log = get_logger("probekit.freebench")
+
+
+def resolve_config(config=None, **options) -> Config:
+    """A validated ``Config`` (task free_benchmark) from any accepted form plus keyword options."""
+    if config is None:
+        return make_config("free_benchmark", **options)
+    if isinstance(config, FreeBenchmarkConfig):
+        cfg = Config(task="free_benchmark", free_benchmark=config)
+    elif isinstance(config, Config):
+        cfg = config
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = load_config(config)
+    else:
+        raise ConfigError(f"config: {config!r} is not valid; accepted: a probekit Config, a "
+                          "FreeBenchmarkConfig, a path to config.json, or None")
+    if cfg.task != "free_benchmark":
+        raise ConfigError(f"task: {cfg.task!r} is not valid for FreeBench; accepted: "
+                          "'free_benchmark'")
+    return cfg.replace(**options) if options else cfg
+
+
+class FreeBench:
+    """Re-run torch API calls on perturbed inputs and report the inconsistent outputs.
+
+    ``config``: a probekit ``Config`` (task free_benchmark), a ``FreeBenchmarkConfig``, a path to a
+    msprobe/probekit config.json, or None; ``**options`` as ``probekit.make_config`` takes them
+    (``dump_path``, ``pert_mode``, ``handler_type``, ``fuzz_stage``, ``scope``, ``list``, ...).
+    """
+
+    def __init__(self, config=None, **options) -> None:
+        ensure_handler()
+        self.config: Config = resolve_config(config, **options)
+        self._rows: list[dict] = []
+        self._sink = _results.CsvSink(self.config.dump_path)
+        self._engine = Engine(self.config, self._emit, get_rank())
+        self._mode = None
+        self._opt_handles: list = []
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """True between start() and stop()."""
+        return self._mode is not None
+
+    def start(self, model=None) -> None:
+        """Begin intercepting torch calls on this thread (``model`` is accepted and unused:
+        every API call is seen, inside or outside a model)."""
+        if self._closed:
+            raise RuntimeError("this FreeBench was closed")
+        if self._mode is not None:
+            return
+        if not rank_selected(self.config.rank):
+            log.debug("free benchmark inactive: rank %d is not in %s", get_rank(),
+                      list(self.config.rank))
+            return
+        self._engine.rank = get_rank()
+        self._sink.open()
+        mode = make_mode(self._engine)
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+
+        handles = [register_optimizer_step_pre_hook(self._engine.optimizer_pre),
+                   register_optimizer_step_post_hook(self._engine.optimizer_post)]
+        try:
+            mode.__enter__()
+        except BaseException:
+            for h in handles:
+                h.remove()
+            raise
+        self._opt_handles = handles
+        self._mode = mode
+        if self.config.free_benchmark.handler_type == "fix" and \
+                self.config.free_benchmark.fuzz_stage == "backward":
+            log.info("Free benchmark: fix applies to the forward call; the gradients of a fixed "
+                     "call come from its upcast computation too")
+
+    def stop(self) -> None:
+        """Stop intercepting; pending backward checks are dropped, global hooks removed."""
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        try:
+            top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) \
+                if torch._C._len_torch_function_stack() else None
+            if top is not mode:
+                log.warning("Free benchmark: another TorchFunctionMode was entered after start() "
+                            "and is still active; stop() removes the top mode")
+            mode.__exit__(None, None, None)
+        finally:
+            handles, self._opt_handles = self._opt_handles, []
+            for h in handles:
+                h.remove()
+            self._engine.remove_hooks()
+            self._engine.in_optimizer = 0
+            self._engine.busy = False
+
+    def step(self) -> None:
+        """End of a training step: per-API counters reset, the step number grows by one."""
+        self._engine.next_step()
+
+    def monitor(self, model, optimizer=None) -> None:
+        log.warning("monitor() belongs to the grad probe; the free benchmark sees every API call "
+                    "between start() and stop()")
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            self._closed = True
+
+    def __enter__(self) -> "FreeBench":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- results ---------------------------------------------------------------------------------
+    def _emit(self, rows: list[dict]) -> None:
+        self._rows.extend(rows)
+        try:
+            self._sink.write(rows)
+        except OSError as exc:
+            log.warning("Free benchmark: could not append to %s: %s", self._sink.path, exc)
+
+    @property
+    def results(self):
+        """pandas DataFrame: one row per inconsistent output (see ``probekit.freebench.COLUMNS``)."""
+        return _results.frame(self._rows)
+
+    @property
+    def summary(self) -> dict:
+        return self._engine.summary()
+
+    @property
+    def csv_path(self) -> str:
+        return os.path.join(self.config.dump_path, _results.CSV_NAME) if self._sink.path is None \
+            else self._sink.path
+
+    def _repr_html_(self) -> str:
+        return _results.to_html(self.results, self.summary)
+
+    def __repr__(self) -> str:
+        fb = self.config.free_benchmark
+        state = "active" if self.active else ("closed" if self._closed else "stopped")
+        return (f"FreeBench(pert_mode={fb.pert_mode!r}, handler_type={fb.handler_type!r}, "
+                f"fuzz_stage={fb.fuzz_stage!r}, {state}; "
+                f"{_results.summary_line(self.summary)})")
+
+
+def open_session(config: Config) -> FreeBench:
+    """The factory ``PrecisionDebugger`` calls for task ``free_benchmark``."""
+    return FreeBench(config)
