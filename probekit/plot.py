@@ -24,8 +24,6 @@ FLAG_COLOR = "#d62728"
 THRESHOLD_COLOR = "#7f7f7f"
 KIND_COLORS = {"nan_inf": "#7b1fa2", "sign_flip": "#d62728", "rel_error": "#ff7f0e",
                "abs_error": "#1f77b4"}
-#: findings of these kinds outrank any finite error ratio
-SEVERE_KINDS = ("nan_inf", "sign_flip")
 
 
 def _axes(ax, figsize):
@@ -245,27 +243,19 @@ def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_st
 
 # -- free benchmark ---------------------------------------------------------------------------
 
-def by_severity(results):
-    """Findings ordered from most to least severe: NaN/Inf mismatches, then sign flips, then by
-    ``ratio`` (max_rel / threshold) descending. Returns a new DataFrame (index kept)."""
-    df = _frame(results)
-    if df.empty:
-        return df
-    rank = df["kind"].map({k: i for i, k in enumerate(SEVERE_KINDS)}).fillna(len(SEVERE_KINDS))
-    ratio = df["ratio"].astype(float).fillna(-math.inf)
-    return df.iloc[np.lexsort((-ratio.to_numpy(), rank.to_numpy()))]
-
-
 #: what makes two findings "the same API call" across steps
 CALL_KEYS = ("api_name", "stage", "kind", "dtype", "shape", "output_index")
 
 
 def merged_findings(results):
-    """One row per API call (``CALL_KEYS``) over all steps, most severe first: the worst row's
-    values plus ``steps`` (sorted step numbers) and ``count`` (rows merged)."""
+    """One row per API call (``CALL_KEYS``) over all steps, most severe first (the free
+    benchmark's own ``by_severity`` order): the worst row's values plus ``steps`` (sorted step
+    numbers) and ``count`` (rows merged)."""
     import pandas as pd
 
-    df = by_severity(results)
+    from .freebench.results import by_severity
+
+    df = by_severity(_frame(results))
     if df.empty:
         return df.assign(steps=pd.Series(dtype=object), count=pd.Series(dtype="int64"))
     keys = [k for k in CALL_KEYS if k in df]

@@ -9,7 +9,8 @@ import html
 import math
 import os
 
-from ..plot import SEVERE_KINDS, merged_findings, step_ranges
+from ..freebench.results import KIND_ORDER
+from ..plot import merged_findings, step_ranges
 
 #: columns shown, in order: (header, column of ``merged_findings``)
 COLUMNS = (("API", "api_name"), ("steps", "steps"), ("kind", "kind"), ("max_rel", "max_rel"),
@@ -148,7 +149,7 @@ class Findings:
                        "".join(f'<th style="{_TH}">{html.escape(h)}</th>'
                                for h in ["#", *(h for h, _ in cols)]) + "</tr></thead><tbody>")
             for i, (_, row) in enumerate(calls.head(self.top).iterrows(), 1):
-                severe = row["kind"] in SEVERE_KINDS
+                severe = KIND_ORDER.get(row["kind"], 3) < 2        # NaN/Inf, sign flip
                 cells = "".join(
                     f'<td style="{_TD.format(align="right" if c in NUMERIC else "left")}">'
                     f'{html.escape(self._cell(c, row[c]))}</td>' for _, c in cols)

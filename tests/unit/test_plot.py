@@ -136,14 +136,6 @@ def test_grad_stats_lines(grads_l2):
     assert [l.get_gid() for l in by_gid(ax, "stat:")] == ["stat:norm"]
 
 
-def test_by_severity_order(results):
-    ranked = plot.by_severity(results)
-    assert list(ranked.api_name) == [
-        "Functional.softmax.0.forward", "Torch.sub.1.forward", "Torch.matmul.0.forward",
-        "Torch.matmul.0.forward", "Functional.layer_norm.0.backward", "Tensor.pow.4.forward"]
-    assert list(ranked.step[2:4]) == [1, 0]            # worse matmul call first
-
-
 def test_findings_bars_ranked_and_merged(results):
     ax = plot.findings(results)
     bars = by_gid(ax, "finding:")
