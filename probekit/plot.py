@@ -328,7 +328,8 @@ def findings(results, *, ax=None, top: int = 15):
                 label=kind if kind not in seen_kinds else None, gid=f"finding:{row['api_name']}")
         seen_kinds.add(kind)
         text = "NaN/Inf" if bad else (f"max_rel {float(row['max_rel']):.2g} vs "
-                                      f"{float(row['threshold']):.2g} ({row['dtype']})")
+                                      f"{float(row['threshold']):.2g} "
+                                      f"({str(row['dtype']).removeprefix('torch.')})")
         # label inside the bar when the bar is long (log position), else just right of it
         inside = bad or math.log(width / left) > 0.6 * math.log(right * 1.5 / left)
         ax.text(width * (0.85 if inside else 1.1), yi, text, va="center",

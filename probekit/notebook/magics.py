@@ -266,9 +266,9 @@ def findings_png(bench_or_results, top: int = 25) -> bytes:
     """The findings chart as PNG bytes (no pyplot state involved)."""
     from matplotlib.figure import Figure
 
-    from ..plot import findings
+    from ..plot import findings, merged_findings
 
-    n = min(len(getattr(bench_or_results, "results", bench_or_results)), top)
+    n = min(len(merged_findings(bench_or_results)), top)       # one bar per API call
     fig = Figure(figsize=(9, 0.9 + 0.38 * max(n, 2)), layout="constrained")
     findings(bench_or_results, ax=fig.add_subplot(), top=top)
     buf = io.BytesIO()

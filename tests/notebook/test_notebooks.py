@@ -13,15 +13,19 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.i
 
 #: per notebook: (min tables, min PNG images, text that must appear in the outputs)
 EXPECT = {
-    "01_quickstart.ipynb": (2, 2, [r"Free benchmark \(bit_noise, check, forward\): [1-9]\d* findings",
-                                   r"Tensor\.__sub__", r"Grad probe: runs diverge first at step \d"]),
-    "02_free_benchmark.ipynb": (6, 2, [r"Free benchmark \(improve_precision, check, forward\)",
-                                       r"Free benchmark \(bit_noise, check, forward\): [1-9]",
-                                       r"Free benchmark \(to_cpu, fix, forward\)",
-                                       r"Free benchmark \(no_change, check, forward\)",
-                                       r"Free benchmark \(add_noise, check, backward\)"]),
-    "03_grad_probe.ipynb": (3, 3, [r"Grad probe: runs diverge first at step 4, parameter "
-                                   r"'3\.weight'"]),
+    "01_quickstart.ipynb": (2, 2, [
+        r"Free benchmark \(bit_noise, check, forward\): [1-9]\d* findings? in \d+ API calls?",
+        r"Tensor\.__sub__\.0\.forward", r"Tensor\.__sub__\.1\.forward",
+        r"Free benchmark \(improve_precision, check, forward\): no findings",
+        r"Grad probe: runs diverge first at step 4, parameter '1\.weight'"]),
+    "02_free_benchmark.ipynb": (6, 2, [
+        r"Free benchmark \(bit_noise, check, forward\): [1-9]\d* findings in \d+ API calls.* 3 steps",
+        r"Free benchmark \(add_noise, check, backward\): [1-9]",
+        r"out_of_scope", r"'preheat': [1-9]",
+        r"Free benchmark \(improve_precision, check, forward\): 1 finding in 1 API call",
+        r"Functional\.mse_loss\.0\.forward.{0,400}nan_inf"]),
+    "03_grad_probe.ipynb": (3, 3, [
+        r"Grad probe: runs diverge first at step 4, parameter '3\.weight'"]),
 }
 
 
