@@ -45,7 +45,7 @@ bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed
 # the venv's python3 kernel runs `python` from PATH: put the venv first; MPLBACKEND would turn
 # off inline plots in the kernels
 lab: $(VENV)/.installed
-	env -u MPLBACKEND PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/jupyter lab notebooks/
+	env -u MPLBACKEND PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/jupyter lab notebooks/
 
 clean:
 	rm -rf demo_out test-artifacts bench_out .pytest_cache
