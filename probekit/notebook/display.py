@@ -133,7 +133,8 @@ class Findings:
 
     def _more(self, calls) -> str:
         where = f"{self.name}.results" if self.name else "results"
-        return f"… {len(calls) - self.top} more API calls in {where}"
+        more = len(calls) - self.top
+        return f"… {more} more API call{'s' if more != 1 else ''} in {where}"
 
     def _repr_html_(self) -> str:
         calls = self.calls

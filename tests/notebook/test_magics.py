@@ -162,6 +162,16 @@ def test_every_option_sets_its_config_key(ip, line, key, value):
     assert (dict(got) if key == "thresholds" else got) == value
 
 
+def test_no_preheat_overrides_defaults_and_top_limits_rows(ip):
+    ip.run_line_magic("freebench_config", "--preheat --preheat-step 2")
+    run(ip, "--pert-mode bit_noise --no-preheat --quiet")
+    cfg = ip.user_ns["_freebench"].config.free_benchmark
+    assert (cfg.if_preheat, cfg.preheat_step) == (False, 2)
+    html = run(ip, "--pert-mode bit_noise --top 0").outputs[0].data["text/html"]
+    assert re.search(r"<tbody>\s*</tbody>", html)
+    assert "… 1 more API call in _freebench.results" in html
+
+
 def test_common_options(ip, tmp_path):
     ip.run_line_magic("freebench_config", f"--dump-path {tmp_path} --rank 0,1 --step 2")
     cfg = magics.get_defaults(ip)
@@ -316,4 +326,4 @@ def test_findings_table_merges_steps_and_names_cells():
     assert text.splitlines()[2] == ("  2. Torch.mm.0.forward (steps 0–2) rel_error max_rel=0.03 "
                                     "threshold=0.0002 float32 (4, 4) In [7] line 7")
     assert len(Findings(df, summary, top=1, name="fb")._repr_html_().split("</tr>")) == 3
-    assert "… 1 more API calls in fb.results" in Findings(df, summary, top=1, name="fb")._repr_html_()
+    assert "… 1 more API call in fb.results" in Findings(df, summary, top=1, name="fb")._repr_html_()
