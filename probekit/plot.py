@@ -293,7 +293,8 @@ def _frame(results):
     if hasattr(results, "results") and not isinstance(results, pd.DataFrame):
         results = results.results
     if not isinstance(results, pd.DataFrame):
-        raise TypeError(f"expected a FreeBench or its results DataFrame, got {type(results).__name__}")
+        raise TypeError(f"expected a FreeBench or its results DataFrame, got "
+                        f"{type(results).__name__}")
     return results
 
 
@@ -324,8 +325,9 @@ def findings(results, *, ax=None, top: int = 15):
         bad = not math.isfinite(r)
         width = right if bad else max(r, left)
         color = KIND_COLORS.get(kind, "#8c564b")
-        ax.barh(yi, width, height=0.6, left=0, color=color, hatch="//" if bad else None, alpha=0.85,
-                label=kind if kind not in seen_kinds else None, gid=f"finding:{row['api_name']}")
+        ax.barh(yi, width, height=0.6, left=0, color=color, hatch="//" if bad else None,
+                alpha=0.85, label=kind if kind not in seen_kinds else None,
+                gid=f"finding:{row['api_name']}")
         seen_kinds.add(kind)
         text = "NaN/Inf" if bad else (f"max_rel {float(row['max_rel']):.2g} vs "
                                       f"{float(row['threshold']):.2g} "

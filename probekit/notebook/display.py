@@ -69,7 +69,8 @@ def _fmt(column: str, value) -> str:
 
 
 def summary_line(summary: dict | None, n_rows: int = 0) -> str:
-    """``"1,204 calls seen · 310 checked · 894 skipped (in-place 600, ...) · 3 flagged · 2 steps"``."""
+    """``"1,204 calls seen · 310 checked · 894 skipped (inplace 600, ...) · 3 flagged · 2 steps"``
+    (steps only once ``step()`` was called)."""
     if not summary:
         return f"{n_rows} findings"
     parts = [f"{summary.get('calls', 0):,} calls seen", f"{summary.get('checked', 0):,} checked"]

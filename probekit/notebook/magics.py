@@ -12,15 +12,14 @@ from __future__ import annotations
 import argparse
 import io
 import logging
-import re
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..config import (THRESHOLD_KEYS, Config, ConfigError, FreeBenchmarkConfig, load_config,
-                      make_config)
+from ..config import THRESHOLD_KEYS, Config, ConfigError, make_config
 from ..log import ROOT as LOGGER
+from .configs import as_config, describe, error_key, parse_ints
 from .display import Findings
 
 TASK = "free_benchmark"
@@ -35,8 +34,6 @@ OPTION_KEYS = {
 }
 _KEY_OPTIONS = {key: opt for opt, key in OPTION_KEYS.items()}
 _KEY_OPTIONS["api_list"] = "--list"
-#: "free_benchmark.thresholds.float16: ..." -> (whole key, "thresholds")
-_ERROR_KEY = re.compile(r"^((?:free_benchmark\.)?(\w+)(?:\.\w+| key)?)")
 
 
 def _config_options(func):
@@ -77,14 +74,6 @@ def _names(values):
     return [n.strip() for v in values for n in v.split(",") if n.strip()]
 
 
-def _ints(option: str, text: str) -> list:
-    try:
-        return [int(v) for v in re.split(r"[,\s]+", text.strip()) if v]
-    except ValueError:
-        raise UsageError(f"{option}: {text!r} is not valid; accepted: integers >= 0 separated "
-                         f"by commas") from None
-
-
 def _thresholds(values) -> dict:
     out = {}
     for item in values:
@@ -114,42 +103,26 @@ def changes_from_args(args) -> dict:
         changes["list"] = _names(args.list)
     if args.threshold is not None:
         changes["thresholds"] = _thresholds(args.threshold)
-    if args.rank is not None:
-        changes["rank"] = _ints("--rank", args.rank)
-    if args.step is not None:
-        changes["step"] = _ints("--step", args.step)
+    try:
+        if args.rank is not None:
+            changes["rank"] = parse_ints("rank", args.rank)
+        if args.step is not None:
+            changes["step"] = parse_ints("step", args.step)
+    except ConfigError as exc:
+        raise usage_error(exc) from None
     return changes
 
 
 def usage_error(exc: ConfigError, source: str | None = None) -> UsageError:
     """A ``UsageError`` whose message names the magic option behind the config key."""
     message = str(exc)
-    match = _ERROR_KEY.match(message)
-    if source is None and match:
-        source = _KEY_OPTIONS.get(match.group(2))
+    key, field = error_key(message)
+    source = source or _KEY_OPTIONS.get(field)
     if not source:
         return UsageError(message)
-    if match and match.group(1) and message.startswith(match.group(1) + ":"):
-        return UsageError(f"{source} ({match.group(1)}){message[len(match.group(1)):]}")
+    if key and message.startswith(key + ":"):
+        return UsageError(f"{source} ({key}){message[len(key):]}")
     return UsageError(f"{source}: {message}")
-
-
-def as_free_benchmark_config(config) -> Config:
-    """``Config`` | ``FreeBenchmarkConfig`` | path -> a ``Config`` of task free_benchmark."""
-    if isinstance(config, FreeBenchmarkConfig):
-        return Config(task=TASK, free_benchmark=config)
-    if not isinstance(config, Config):
-        config = load_config(config)
-    return config if config.task == TASK else config.replace(task=TASK)
-
-
-def describe(config: Config) -> str:
-    """One line per setting that differs from the defaults (or ``defaults``)."""
-    base = make_config(TASK).to_dict()
-    cur = config.to_dict()
-    diff = [f"{k}={cur[k]!r}" for k in ("dump_path", "rank", "step") if cur[k] != base[k]]
-    diff += [f"{k}={v!r}" for k, v in cur[TASK].items() if v != base[TASK][k]]
-    return ", ".join(diff) if diff else "the defaults"
 
 
 @magics_class
@@ -164,7 +137,7 @@ class FreeBenchMagics(Magics):
     def build_config(self, args) -> Config:
         if args.config:
             try:
-                base = as_free_benchmark_config(args.config)
+                base = as_config(args.config, TASK)
             except ConfigError as exc:
                 raise usage_error(exc, "--config") from None
         else:
@@ -313,7 +286,7 @@ def set_defaults(config, shell=None) -> Config:
     """Make ``config`` (Config, FreeBenchmarkConfig or path) the defaults of ``%%freebench``
     (registers the magics if ``%load_ext probekit`` was not run yet). ``None`` clears them."""
     magics = register(_shell(shell))
-    magics.defaults = None if config is None else as_free_benchmark_config(config)
+    magics.defaults = None if config is None else as_config(config, TASK)
     return magics.defaults
 
 

@@ -13,14 +13,14 @@ Without a front-end nothing is printed: messages go to ``HTML`` widgets, and tes
 from __future__ import annotations
 
 import html
-import re
 from typing import Callable
 
 import ipywidgets as w
 
 from ..config import (FUZZ_DEVICES, FUZZ_LEVELS, FUZZ_STAGES, GRAD_LEVELS, HANDLER_TYPES,
                       HASH_ALGORITHMS, PERT_MODES, THRESHOLD_KEYS, Config, ConfigError,
-                      FreeBenchmarkConfig, GradProbeConfig, load_config, make_config)
+                      make_config)
+from .configs import as_config, describe, error_key, parse_ints, parse_numbers
 
 #: enumerated keys -> accepted values (the config module's own tuples)
 CHOICES = {"pert_mode": PERT_MODES, "handler_type": HANDLER_TYPES, "fuzz_stage": FUZZ_STAGES,
@@ -56,20 +56,6 @@ LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "devi
           "list": "API names"}
 
 _DESC = {"description_width": "100px"}
-_ERROR_KEY = re.compile(r"^(?:free_benchmark\.|grad_probe\.)?(\w+)")
-
-
-def _split(text: str) -> list:
-    return [v for v in re.split(r"[,\s]+", text.strip()) if v]
-
-
-def _number(v: str):
-    try:
-        return int(v)
-    except ValueError:
-        return float(v)
-
-
 class ConfigPanel(w.VBox):
     """Controls for the common keys and one section of the config (subclasses name it)."""
 
@@ -116,13 +102,7 @@ class ConfigPanel(w.VBox):
 
     # -- building --------------------------------------------------------------------------
     def _initial(self, config) -> Config:
-        if config is None:
-            return make_config(self.TASK)
-        if isinstance(config, (FreeBenchmarkConfig, GradProbeConfig)):
-            return Config(task=self.TASK, **{self.TASK: config})
-        if not isinstance(config, Config):
-            config = load_config(config)
-        return config if config.task == self.TASK else config.replace(task=self.TASK)
+        return make_config(self.TASK) if config is None else as_config(config, self.TASK)
 
     def _json_values(self, config: Config) -> dict:
         data = config.to_dict()
@@ -172,20 +152,12 @@ class ConfigPanel(w.VBox):
             if key == "thresholds":
                 out[key] = {k: c.value for k, c in control.items()}
             elif key in ("rank", "step"):
-                try:
-                    out[key] = [int(v) for v in _split(control.value)]
-                except ValueError:
-                    raise ConfigError(f"{key}: {control.value!r} is not valid; accepted: "
-                                      f"integers >= 0 separated by commas (empty = all)") from None
+                out[key] = parse_ints(key, control.value)
             elif key == "bounds":
-                try:
-                    out[key] = [_number(v) for v in _split(control.value)]
-                except ValueError:
-                    raise ConfigError(f"{self.TASK}.bounds: {control.value!r} is not valid; "
-                                      f"accepted: numbers in ascending order separated by "
-                                      f"commas, e.g. -1, 0, 1") from None
+                out[key] = parse_numbers(f"{self.TASK}.bounds", control.value)
             else:
-                out[key] = list(control.value) if isinstance(control, w.TagsInput) else control.value
+                value = control.value
+                out[key] = list(value) if isinstance(control, w.TagsInput) else value
         return out
 
     @property
@@ -213,8 +185,7 @@ class ConfigPanel(w.VBox):
 
     def _show_error(self, message: str) -> None:
         self.error = message
-        match = _ERROR_KEY.match(message) if message else None
-        key = match.group(1) if match else ""
+        key = error_key(message)[1]
         key = "list" if key == "api_list" else key
         self.error_key = key if key in self.controls else ""
         for name, control in self.controls.items():
@@ -256,13 +227,7 @@ class ConfigPanel(w.VBox):
         return "Validate and keep these settings as panel.applied"
 
     def _applied_text(self, config: Config) -> str:
-        return f"✓ Applied: {self._describe(config)}"
-
-    def _describe(self, config: Config) -> str:
-        base, cur = make_config(self.TASK).to_dict(), config.to_dict()
-        diff = [f"{k}={cur[k]!r}" for k in ("dump_path", "rank", "step") if cur[k] != base[k]]
-        diff += [f"{k}={v!r}" for k, v in cur[self.TASK].items() if v != base[self.TASK][k]]
-        return ", ".join(diff) if diff else "defaults"
+        return f"✓ Applied: {describe(config)}"
 
     def set(self, **values) -> None:
         """Set controls by config key (``panel.set(pert_mode="bit_noise", list=["matmul"])``)."""
@@ -340,7 +305,7 @@ class FreeBenchPanel(ConfigPanel):
 
     def _applied_text(self, config: Config) -> str:
         where = " (now the %%freebench defaults)" if self.magic_defaults_set else ""
-        return f"✓ Applied{where}: {self._describe(config)}"
+        return f"✓ Applied{where}: {describe(config)}"
 
 
 class GradProbePanel(ConfigPanel):

@@ -208,7 +208,7 @@ def test_cell_magic_options_reach_the_bench(ip):
                             "accepted: float16, bfloat16, float32, other"),
     ("--threshold float16=-1", "--threshold (free_benchmark.thresholds.float16): -1.0 is not "
                                "valid; accepted: a finite number > 0"),
-    ("--rank a", "--rank: 'a' is not valid; accepted: integers >= 0 separated by commas"),
+    ("--rank a", "--rank (rank): 'a' is not valid; accepted: integers >= 0 separated by commas"),
     ("--config missing.json", "--config (config_path): 'missing.json' is not valid; accepted: "
                               "an existing JSON file"),
     ("--colour red", "unrecognized arguments: --colour red"),
