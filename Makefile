@@ -33,8 +33,10 @@ chromium:
 	  echo "installing Debian's chromium for the browser tests"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-test: $(VENV)/.installed chromium
-	$(PY) -m pytest $(PYTEST_ARGS)
+# the interop tests run the real msprobe 1.0.4 from its own venv; make them fail, not skip, here
+test: $(VENV)/.installed $(MSPROBE_VENV)/.installed chromium
+	PROBEKIT_REQUIRE_MSPROBE=1 PROBEKIT_MSPROBE_PYTHON=$(CURDIR)/$(MSPROBE_VENV)/bin/python \
+	  $(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
 	$(PY) -m probekit.demo --out demo_out

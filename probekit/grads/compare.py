@@ -88,10 +88,14 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
         raise GradCompareError(f"the runs share no step (first: {_ranges(steps_a)}; second: "
                                f"{_ranges(steps_b)})")
 
-    words_a, words_b = _word_index(a, pos_a), _word_index(b, pos_b)
     nbytes_a, nbytes_b = a.sizes["byte"], b.sizes["byte"]
-    same_layout = (words_a.size * 8 == nbytes_a and np.array_equal(words_a, words_b)
-                   and nbytes_a == nbytes_b)
+    off_a = np.asarray(a["offset"].values, np.int64)
+    off_b = np.asarray(b["offset"].values, np.int64)
+    # Same layout (the usual case: same model, same config): XOR whole rows, no gather.
+    same_layout = (len(common) == len(names_a) == len(names_b) and np.array_equal(pos_b, pos_a)
+                   and np.array_equal(off_a, off_b) and nbytes_a == nbytes_b)
+    if not same_layout:
+        words_a, words_b = _word_index(a, pos_a), _word_index(b, pos_b)
     nwords = -(-numel_a // 64)
     nonempty = nwords > 0
     starts = np.concatenate([[0], np.cumsum(nwords)[:-1]])[nonempty]
@@ -103,7 +107,7 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
         wb = _read_rows(b["direction"], rb).view(np.uint64)
         if not same_layout:
             wa, wb = wa[:, words_a], wb[:, words_b]
-        bits = np.bitwise_count(np.bitwise_xor(wa, wb))
+        bits = np.bitwise_count(np.bitwise_xor(wa, wb, out=wa))
         if starts.size:
             differ[s0:s0 + len(ra), nonempty] = np.add.reduceat(bits, starts, axis=1,
                                                                 dtype=np.int64)

@@ -8,11 +8,13 @@ the hook is removed by ``stop()``.
 """
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from ..config import Config, ConfigError, GradProbeConfig, make_config
 from ..dist import get_rank, rank_selected
@@ -72,6 +74,7 @@ class GradProbe:
         self._handles = []
         self._writer = None
         self._owner = None
+        self._step_frame = None
         self._others = weakref.WeakSet()
         self._once = Once()
         self._select_params()
@@ -119,11 +122,19 @@ class GradProbe:
             log.info("grad_probe: rank %d is not in rank filter %s; nothing is recorded",
                      get_rank(), list(self.config.rank))
             return self
+        if self._writer is None:  # the store exists (0 committed steps) once recording starts
+            section = self.config.grad_probe
+            self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
+                                      section.grad_level, section.bounds, section.hash,
+                                      section.flush_every)
+            self._scratch = _stats._Scratch()
         if self.optimizer is not None:
             self._owner = self.optimizer
             self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
+            self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
         else:
             self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
+            self._handles.append(register_optimizer_step_post_hook(self._post_step))
         log.info("grad_probe: monitoring %d parameters at level %s into %s",
                  len(self.param_names), self.config.grad_probe.grad_level, self.dump_path)
         return self
@@ -160,12 +171,30 @@ class GradProbe:
         self._others.add(optimizer)
         return False
 
+    def _nested(self) -> bool:
+        """True inside an outer ``step()`` of the same optimizer: a subclass whose ``step``
+        calls ``super().step()`` runs the hooks twice, and that is one optimizer step."""
+        outer = self._step_frame
+        frame = sys._getframe(2)
+        while outer is not None and frame is not None:
+            if frame is outer:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        if optimizer is self._owner:
+            self._step_frame = None
+
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if not self._owns(optimizer):
             if self._once(("other-optimizer", id(optimizer))):
                 log.debug("grad_probe: ignoring an optimizer that does not own the model's "
                           "parameters")
             return
+        if self._nested():
+            return
+        self._step_frame = sys._getframe(1)
         step = self.steps_seen
         self.steps_seen += 1
         if self.config.step and step not in self.config.step:
@@ -180,11 +209,6 @@ class GradProbe:
                          name, step)
             grads.append(g)
         section = self.config.grad_probe
-        if self._writer is None:
-            self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
-                                      section.grad_level, section.bounds, section.hash,
-                                      section.flush_every)
-            self._scratch = _stats._Scratch()
         result = _stats.compute(grads, self.layout, section.grad_level, section.bounds,
                                 section.hash, self._scratch)
         self._writer.append(step, result)

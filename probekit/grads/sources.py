@@ -14,7 +14,7 @@ def _is_dataset(obj) -> bool:
     return type(obj).__name__ == "Dataset" and hasattr(obj, "data_vars")
 
 
-def load_runs(source, *, chunks="auto") -> dict:
+def load_runs(source, *, chunks=None) -> dict:
     """{rank: Dataset} for a path, a Dataset or a dict of Datasets."""
     if _is_dataset(source):
         return {int(source.attrs.get("rank", 0)): source}

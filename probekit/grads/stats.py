@@ -130,6 +130,8 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
             raise ValueError(f"gradient of {layout.names[i]!r} has {g.numel()} elements; the "
                              f"recording started with {layout.numels[i]}")
         out.present[i] = True
+        if g.numel() == 0:
+            continue
         dir_view = (out.direction[offsets[i]:offsets[i] + padded_nbytes(layout.numels[i])]
                     if want_dir else None)
         if g.device.type == "cpu":
@@ -142,11 +144,25 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
     return out
 
 
+_ROW = 4096
+
+
 def _chunk_sumsq(a: np.ndarray, mx: float, mn: float) -> float:
+    """Sum of squares of a chunk: float32 products summed per 4096-element row (a batched
+    matmul, about the cost of one dot product) and the rows summed in float64; float64 throughout
+    when float32 squares could overflow or underflow."""
     amax = max(abs(mx), abs(mn))
     if a.dtype == np.float32 and (amax > _F32_SAFE_HI or 0 < amax < _F32_SAFE_LO):
         a = a.astype(np.float64)
-    return float(np.dot(a, a))
+    k = a.size - a.size % _ROW
+    total = 0.0
+    if k:
+        rows = a[:k].reshape(-1, _ROW)
+        total = float((rows[:, None, :] @ rows[:, :, None]).sum(dtype=np.float64))
+    if k < a.size:
+        rest = a[k:]
+        total += float(np.dot(rest, rest))
+    return total
 
 
 def _cpu_param(g, i, out: StepStats, bounds, level, hash_name, dir_view, s: _Scratch) -> None:
@@ -158,7 +174,7 @@ def _cpu_param(g, i, out: StepStats, bounds, level, hash_name, dir_view, s: _Scr
     maxes, mins = [], []
     sumsq = 0.0
     counts = np.zeros(len(bounds), np.int64)
-    zeros = 0
+    zeros = nans = 0
     digest = hasher(hash_name) if level == "L0" else None
     for start in range(0, n, CHUNK):
         part = flat[start:start + CHUNK]
@@ -184,6 +200,8 @@ def _cpu_param(g, i, out: StepStats, bounds, level, hash_name, dir_view, s: _Scr
             # ``x <= 0`` is the complement of the sign mask just built. Only bounds inside the
             # chunk's range (and the zero count, when 0 is in range) cost a pass.
             clean = not (math.isnan(mx) or math.isnan(mn))
+            if not clean:
+                nans += np.count_nonzero(np.isnan(a))
             npos = None
             for k, b in enumerate(bounds):
                 if clean and b >= mx:
@@ -205,15 +223,15 @@ def _cpu_param(g, i, out: StepStats, bounds, level, hash_name, dir_view, s: _Scr
         out.hash[i] = np.frombuffer(digest.digest(), np.uint8)
     if level == "L2":
         out.zeros[i] = zeros / n if n else np.nan
-        out.dist[i] = _interval_shares(counts, n)
+        out.dist[i] = _interval_shares(counts, nans, n)
 
 
-def _interval_shares(le_counts: np.ndarray, n: int) -> np.ndarray:
+def _interval_shares(le_counts: np.ndarray, nans: int, n: int) -> np.ndarray:
     """Shares per interval from counts of ``x <= b_k`` (NaN elements are in no interval)."""
     if not n:
         return np.full(len(le_counts) + 1, np.nan)
     inner = np.diff(le_counts, prepend=0)
-    return np.concatenate([inner, [n - le_counts[-1]]]).astype(np.float64) / n
+    return np.concatenate([inner, [n - nans - le_counts[-1]]]).astype(np.float64) / n
 
 
 _BIT_WEIGHTS = {}
@@ -226,11 +244,12 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
         flat = g.detach().reshape(-1)
         n = flat.numel()
         wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-        mx, mn = torch.aminmax(wide)
+        mn, mx = torch.aminmax(wide)
         vals = [mx.double(), mn.double(), torch.linalg.vector_norm(wide, dtype=torch.float64)]
         if level == "L2":
             vals += [(wide <= float(b)).sum().double() for b in bounds]
             vals.append((wide == 0).sum().double())
+            vals.append(torch.isnan(wide).sum().double())
         rows.append(torch.stack(vals))
         if dir_view is not None:
             bits = torch.zeros(dir_view.size * 8, dtype=torch.uint8, device=flat.device)
@@ -252,8 +271,8 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
         out.max[i], out.min[i], out.norm[i] = host[r, 0], host[r, 1], host[r, 2]
         if level == "L2":
             counts = host[r, 3:3 + len(bounds)].astype(np.int64)
-            out.dist[i] = _interval_shares(counts, n)
-            out.zeros[i] = host[r, -1] / n if n else np.nan
+            out.dist[i] = _interval_shares(counts, int(host[r, -1]), n)
+            out.zeros[i] = host[r, -2] / n if n else np.nan
         if dir_view is not None:
             dir_view[:] = host_bits[pos:pos + dir_view.size]
             pos += dir_view.size

@@ -38,8 +38,27 @@ HASH_DESCRIPTION = {
     "md5": "md5 of the gradient as C-order float32 bytes (msprobe's MD5 column)",
     "xxh3": "xxh3_128 of the gradient as C-order float32 bytes",
 }
-_TARGET_CHUNK_BYTES = 8 << 20
+_TARGET_CHUNK_BYTES = 4 << 20
 _MAX_BUFFER_BYTES = 256 << 20
+
+
+def direction_chunks(nbytes: int, flush_every: int) -> tuple[int, int, int]:
+    """(steps per chunk, bytes per chunk, steps per flush) for ``nbytes`` of signs per step.
+
+    Chunks hold about 4 MiB: several steps of a small model, or one step split in near-equal
+    parts for a large one (so edge chunks waste at most a few bytes). An unfilled last chunk
+    wastes at most one chunk per run, since the direction array is stored uncompressed. The
+    flush block is a multiple of the steps per chunk, and its buffer stays under 256 MiB.
+    """
+    nbytes = max(8, nbytes)
+    if nbytes <= _TARGET_CHUNK_BYTES:
+        step_chunk, byte_chunk = max(1, min(flush_every, _TARGET_CHUNK_BYTES // nbytes)), nbytes
+    else:
+        parts = -(-nbytes // _TARGET_CHUNK_BYTES)
+        step_chunk, byte_chunk = 1, -(-(-(-nbytes // parts)) // 8) * 8
+    block = min(flush_every, max(1, _MAX_BUFFER_BYTES // nbytes))
+    block = max(step_chunk, block // step_chunk * step_chunk)
+    return step_chunk, byte_chunk, block
 
 
 class GradStoreError(ValueError):
@@ -85,8 +104,12 @@ class GradWriter:
         self.level = level
         self.bounds = tuple(bounds)
         self.hash_name = hash_name
-        per_step = max(1, layout.nbytes if level != "L0" else 8 * len(layout.names))
-        self.block = max(1, min(flush_every, _MAX_BUFFER_BYTES // per_step))
+        if level == "L0":
+            self.dir_chunks = None
+            self.block = max(1, min(flush_every, _MAX_BUFFER_BYTES // (64 * len(layout.names))))
+        else:
+            step_chunk, byte_chunk, self.block = direction_chunks(layout.nbytes, flush_every)
+            self.dir_chunks = (step_chunk, byte_chunk)
         self.committed = 0
         self._buffer: list[tuple[int, StepStats]] = []
         if os.path.exists(self.path):
@@ -114,10 +137,10 @@ class GradWriter:
             arr[...] = np.asarray(values) if dtype is str else np.asarray(values, dtype=dtype)
         return arr
 
-    def _growing(self, name, tail, dims, dtype, chunk_tail=None, compress=True):
+    def _growing(self, name, tail, dims, dtype, chunks=None, compress=True):
         kwargs = {} if compress else {"compressors": None}
         return self.group.create_array(
-            name, shape=(0, *tail), chunks=(self.block, *(chunk_tail or tail)), dtype=dtype,
+            name, shape=(0, *tail), chunks=chunks or (self.block, *tail), dtype=dtype,
             dimension_names=dims, fill_value=0, **kwargs)
 
     def _create_arrays(self) -> None:
@@ -138,10 +161,8 @@ class GradWriter:
                                                 "uint8")
         else:
             self._static("offset", lay.offsets, ("param",), "int64")
-            nbytes = lay.nbytes
-            chunk_bytes = max(8, min(nbytes, _TARGET_CHUNK_BYTES // self.block) // 8 * 8)
-            self.arrays["direction"] = self._growing("direction", (nbytes,), ("step", "byte"),
-                                                     "uint8", (chunk_bytes,), compress=False)
+            self.arrays["direction"] = self._growing("direction", (lay.nbytes,), ("step", "byte"),
+                                                     "uint8", self.dir_chunks, compress=False)
         if self.level == "L2":
             labels = interval_labels(self.bounds)
             self._static("interval", labels, ("interval",), str)
@@ -221,6 +242,15 @@ def open_rank(store: str, rank: int, chunks=None):
     def load(name, lazy_ok=True):
         arr = group[name]
         dims = tuple(arr.metadata.dimension_names)
+        if name == "direction":
+            raw = RawChunks.open(os.path.join(group_path, name), n)
+            if raw is not None:
+                if chunks is not None and lazy_ok:
+                    import dask.array as dsa
+
+                    return dims, dsa.from_array(raw, chunks=_dask_chunks(arr, dims, chunks),
+                                                asarray=False)
+                return dims, _lazy(raw)
         if dims and dims[0] == "step":
             if arr.shape[0] < n:
                 raise GradStoreError(f"{group_path}/{name}: {arr.shape[0]} steps stored but "
@@ -252,6 +282,106 @@ def open_rank(store: str, rank: int, chunks=None):
     attrs["rank"] = int(rank)
     attrs["committed_steps"] = n
     return xr.Dataset(data_vars, coords=coords, attrs=_clean_attrs(attrs))
+
+
+class RawChunks:
+    """Read-only array over an uncompressed Zarr v3 array, reading its chunk files directly.
+
+    The sign bits are stored without compression (they are random bits), so a chunk file is
+    the chunk's C-order bytes (Zarr v3, ``bytes`` codec, default chunk key encoding
+    ``c/<i>/<j>``; a missing file is all fill value). Reading them with ``readinto`` straight
+    into the result avoids the copies of the generic codec pipeline, which matters for the
+    comparison's throughput. ``open`` returns None for an array stored any other way.
+    """
+
+    ndim = 2
+
+    def __init__(self, path, shape, chunk_shape, dtype, fill, n_rows):
+        self.path, self.chunk_shape = path, tuple(chunk_shape)
+        self.dtype = np.dtype(dtype)
+        self.fill = fill
+        self.shape = (int(n_rows), int(shape[1]))
+
+    @classmethod
+    def open(cls, path: str, n_rows: int):
+        with open(os.path.join(path, "zarr.json"), encoding="utf-8") as fh:
+            meta = json.load(fh)
+        codecs = meta.get("codecs", [])
+        key_enc = meta.get("chunk_key_encoding", {})
+        if (len(meta.get("shape", [])) != 2 or meta.get("data_type") != "uint8"
+                or [c.get("name") for c in codecs] != ["bytes"]
+                or key_enc.get("name") != "default"
+                or key_enc.get("configuration", {}).get("separator", "/") != "/"
+                or meta.get("chunk_grid", {}).get("name") != "regular"):
+            return None
+        chunk_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        return cls(path, meta["shape"], chunk_shape, "uint8", meta.get("fill_value", 0),
+                   min(n_rows, meta["shape"][0]))
+
+    def __getitem__(self, key):
+        if not isinstance(key, tuple):
+            key = (key,)
+        key = key + (slice(None),) * (2 - len(key))
+        r0, r1, rs = key[0].indices(self.shape[0]) if isinstance(key[0], slice) else (
+            None, None, None)
+        c0, c1, cs = key[1].indices(self.shape[1]) if isinstance(key[1], slice) else (
+            None, None, None)
+        if r0 is None or c0 is None or rs != 1 or cs != 1:
+            raise IndexError(f"RawChunks supports unit-step slices only, got {key!r}")
+        out = np.empty((max(0, r1 - r0), max(0, c1 - c0)), self.dtype)
+        cr, cc = self.chunk_shape
+        buf = np.empty(cr * cc, self.dtype)
+        for i in range(r0 // cr, -(-r1 // cr) if r1 > r0 else r0 // cr):
+            for j in range(c0 // cc, -(-c1 // cc) if c1 > c0 else c0 // cc):
+                rows = slice(max(r0, i * cr), min(r1, (i + 1) * cr))
+                cols = slice(max(c0, j * cc), min(c1, (j + 1) * cc))
+                dest = out[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0]
+                path = os.path.join(self.path, "c", str(i), str(j))
+                whole = dest.shape == (cr, cc) and dest.flags.c_contiguous
+                try:
+                    with open(path, "rb", buffering=0) as fh:
+                        got = fh.readinto(dest if whole else buf)
+                except FileNotFoundError:
+                    dest[...] = self.fill
+                    continue
+                if got != buf.size:
+                    raise GradStoreError(f"{path}: {got} bytes, expected {buf.size}")
+                if whole:
+                    continue
+                chunk = buf.reshape(cr, cc)
+                dest[...] = chunk[rows.start - i * cr:rows.stop - i * cr,
+                                  cols.start - j * cc:cols.stop - j * cc]
+        return out
+
+
+def _lazy(raw: "RawChunks"):
+    """Wrap ``raw`` for xarray: nothing is read until values are asked for, and then only the
+    selected rows (no dask involved)."""
+    from xarray.backends import BackendArray
+    from xarray.core import indexing
+
+    class _Backend(BackendArray):
+        def __init__(self, arr):
+            self.arr, self.shape, self.dtype = arr, arr.shape, arr.dtype
+
+        def __getitem__(self, key):
+            return indexing.explicit_indexing_adapter(
+                key, self.shape, indexing.IndexingSupport.OUTER_1VECTOR, self._get)
+
+        def _get(self, key):
+            rows, cols = key
+            if isinstance(rows, (int, np.integer)):
+                return self._get((slice(int(rows), int(rows) + 1), cols))[0]
+            if isinstance(cols, (int, np.integer)):
+                return self._get((rows, slice(int(cols), int(cols) + 1)))[:, 0]
+            if isinstance(cols, np.ndarray):
+                return self._get((rows, slice(None)))[:, cols]
+            if isinstance(rows, np.ndarray):  # outer indexing on steps: read the covering range
+                lo, hi = int(rows.min()), int(rows.max()) + 1
+                return self.arr[lo:hi, cols][rows - lo]
+            return self.arr[rows, cols]
+
+    return indexing.LazilyIndexedArray(_Backend(raw))
 
 
 def _dask_chunks(arr, dims, chunks):

@@ -1,0 +1,42 @@
+"""Run under torchrun: a tiny DDP model on gloo with the grad probe (and, when asked, the free
+benchmark) on every rank. argv: dump_path, comma-separated ranks to record ('' = all)."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import probekit
+
+
+def main():
+    dump_path, ranks = sys.argv[1], [int(r) for r in sys.argv[2].split(",") if r]
+    with_freebench = len(sys.argv) > 3 and sys.argv[3] == "freebench"
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(32, 8, generator=gen), torch.randn(32, 2, generator=gen)
+    probe = probekit.GradProbe(ddp, level="L2", ranks=ranks, dump_path=dump_path).start()
+    bench = probekit.FreeBench(dump_path=dump_path, rank=ranks, pert_mode="improve_precision") \
+        if with_freebench else None
+    for _ in range(4):
+        if bench is not None:
+            bench.start()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if bench is not None:
+            bench.stop()
+            bench.step()
+    probe.stop()
+    print(f"rank {rank} done steps={probe.steps_seen} world={dist.get_world_size()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
