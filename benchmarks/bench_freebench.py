@@ -76,14 +76,16 @@ def run_msprobe(python: str, options: dict, repeats: int, warmup: int, dump: str
            json.dumps(options), "--repeats", str(repeats), "--warmup", str(warmup), "--dump", dump]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
-        print(f"msprobe run failed for {options}:\n{proc.stderr[-2000:]}", file=sys.stderr)
-        return None
+        lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+        last = lines[-1].split("]:", 1)[-1].strip() if lines else f"exit {proc.returncode}"
+        print(f"msprobe run failed for {options}: {last}", file=sys.stderr)
+        return {"error": last}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def ratio(res: dict | None):
-    if res is None:
-        return None
+    if res is None or "error" in res:
+        return res
     pc, pw = medians(res["plain"])
     qc, qw = medians(res["probed"])
     return {"cpu": qc / pc, "wall": qw / pw, "plain_ms": pc * 1e3, "rows": res["rows"],
@@ -102,11 +104,15 @@ def table(results: list[dict]) -> str:
     for r in results:
         p, m = r["probekit"], r["msprobe"]
         target = TARGETS.get(r["label"])
+        if m is None:
+            ms = ["n/a", "n/a", "n/a"]
+        elif "error" in m:
+            ms = [f"crashed: {m['error'][:60]}", "", "n/a"]
+        else:
+            ms = [f"{fmt(m['cpu'])}×", f"{fmt(m['wall'])}×", str(m["rows"])]
         lines.append(
-            f"| {r['label']} | {fmt(p['cpu'])}× | {fmt(p['wall'])}× | "
-            f"{fmt(m and m['cpu'])}{'×' if m else ''} | {fmt(m and m['wall'])}{'×' if m else ''} | "
-            f"{'≤ ' + format(target, 'g') + '×' if target else ''} | {p['rows']} | "
-            f"{m['rows'] if m else 'n/a'} |")
+            f"| {r['label']} | {fmt(p['cpu'])}× | {fmt(p['wall'])}× | {ms[0]} | {ms[1]} | "
+            f"{'≤ ' + format(target, 'g') + '×' if target else ''} | {p['rows']} | {ms[2]} |")
     return "\n".join(lines)
 
 
@@ -135,8 +141,8 @@ def main(argv=None) -> int:
             m = ratio(run_msprobe(a.msprobe_python, options, a.repeats, a.warmup,
                                   os.path.join(tmp, f"ms{i}"))) if has_msprobe else None
             results.append({"label": label, "options": options, "probekit": p, "msprobe": m})
-            print(f"{label}: probekit {fmt(p['cpu'])}x, msprobe {fmt(m and m['cpu'])}x",
-                  file=sys.stderr)
+            m_txt = "n/a" if m is None else m.get("error") or f"{fmt(m['cpu'])}x"
+            print(f"{label}: probekit {fmt(p['cpu'])}x, msprobe {m_txt}", file=sys.stderr)
     plain = results[0]["probekit"]["plain_ms"] if results else 0.0
     md = "\n".join([
         "## Free benchmark: step time relative to a plain training step",
@@ -150,8 +156,11 @@ def main(argv=None) -> int:
         "",
         table(results),
         "",
-        "Rows: findings written to free_benchmark.csv over all timed and warm-up steps (msprobe "
-        "counts differ in kind: it also re-runs in-place and optimizer calls).",
+        "Rows: findings written to free_benchmark.csv over all timed and warm-up steps. The "
+        "counts differ in kind: msprobe also re-runs in-place calls (e.g. SGD's bf16 "
+        "`Tensor.add_` updates, all of its improve_precision rows here) and applies change_value "
+        "to any API; probekit never re-runs in-place calls and judges bit_noise/add_noise "
+        "against twice the input's one-ulp change.",
     ])
     print(md)
     if a.out:

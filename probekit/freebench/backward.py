@@ -5,7 +5,8 @@ the gradient of its first differentiable output. When that gradient ``g`` arrive
 backward pass, the hook
 
 1. scales ``g`` by a power of two so that ``max|g|`` lies in [0.5, 1) (exact: only the exponent
-   changes), so the per-dtype floors of the metric apply at unit scale;
+   changes), so the per-dtype floors of the metric apply at unit scale (computed on the device:
+   the check makes one host sync, for the comparison);
 2. recomputes the API on detached copies of the inputs and takes their gradients with
    ``torch.autograd.grad`` (the reference);
 3. does the same on the perturbed inputs (change_value: the output gradient is swapped like the
@@ -19,12 +20,10 @@ Hooks still pending are removed when the probe stops.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import handlers, perturb
-from .intercept import _no_autocast
+from .intercept import _no_autocast, modes_off
 from .metric import compare_many, floor_for
 from .names import call_site
 
@@ -32,18 +31,22 @@ from .names import call_site
 def watch(engine, call, key, name, func, leaves, spec, frame):
     """Run the call; hook its first differentiable output for a backward check."""
     out = func(*call.args, **call.kwargs)
-    outs = handlers.float_outputs(out)
-    if not outs:
-        engine.note_skip("no_float_output", key, name)
-        return out
-    diff = [i for i, x in enumerate(leaves) if perturb.is_float(x) and x.requires_grad]
-    sel = next(((i, t) for i, t in outs if t.requires_grad), None)
-    if not diff or sel is None or not torch.is_grad_enabled():
-        engine.note_skip("no_grad", key, name)
-        return out
-    check = _BackwardCheck(engine, call, key, name, func, leaves, spec, diff, sel[0],
-                           call_site(frame), engine.step)
-    engine.handles.append(sel[1].register_hook(check))
+    try:
+        with modes_off():
+            outs = handlers.float_outputs(out)
+            if not outs:
+                engine.note_skip("no_float_output", key, name)
+                return out
+            diff = [i for i, x in enumerate(leaves) if perturb.is_float(x) and x.requires_grad]
+            sel = next(((i, t) for i, t in outs if t.requires_grad), None)
+            if not diff or sel is None or not torch.is_grad_enabled():
+                engine.note_skip("no_grad", key, name)
+                return out
+            check = _BackwardCheck(engine, call, key, name, func, leaves, spec, diff, sel[0],
+                                   call_site(frame), engine.step)
+            engine.handles.append(sel[1].register_hook(check))
+    except Exception as exc:  # never reaches the training code
+        engine.failed(key, name, exc)
     return out
 
 
@@ -68,7 +71,8 @@ class _BackwardCheck:
             return None
         e.busy = True
         try:
-            self._check(grad)
+            with modes_off():
+                self._check(grad)
         except perturb.Cancel as exc:
             e.cancelled(self.key, self.name, str(exc))
         except Exception as exc:  # never reaches the training code
@@ -90,10 +94,11 @@ class _BackwardCheck:
         if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)):
             raise perturb.Cancel("an input was modified in place before the backward pass")
         g = grad.detach()
-        m = float(g.abs().amax()) if g.numel() else 0.0
-        if m == 0.0 or not math.isfinite(m):
-            raise perturb.Cancel("the output gradient is zero or not finite")
-        g = g * (2.0 ** -math.frexp(m)[1])
+        if g.numel():
+            # power-of-two scale to max|g| in [0.5, 1), computed on the device (no sync)
+            m = g.abs().amax().float()
+            _, exp = torch.frexp(torch.where(torch.isfinite(m) & (m > 0), m, torch.ones_like(m)))
+            g = g * torch.ldexp(torch.ones_like(m), -exp)
         mode = e.mode_name
         with torch.enable_grad():
             # reference: the API on detached copies of its inputs

@@ -10,8 +10,8 @@ Thresholds (``threshold``): the configured relative-error threshold of the *outp
 * no_change re-runs on an exact copy: any difference is non-determinism, so its threshold is 0.
 
 A row is reported (``judge``) when a NaN/Inf appears or disappears (kind ``nan_inf``), a sign flips
-(``sign_flip``), or ``max_rel > threshold`` (``rel_error`` when the worst element is above the floor,
-``abs_error`` when it is below it).
+(``sign_flip``), or ``max_rel > threshold`` (``rel_error`` when the worst element is above the
+floor, ``abs_error`` when it is below it).
 
 fix (improve_precision / to_cpu): the API is run on the upcast (or CPU) inputs *with autograd*, and
 its floating outputs are cast back to the dtype the original call would have produced and moved
@@ -39,7 +39,8 @@ def threshold(fb_config, pert_mode: str, out_dtype: torch.dtype, in_dtype) -> fl
     if pert_mode == "no_change":
         return 0.0
     thr = fb_config.threshold_for(dtype_key(out_dtype))
-    if pert_mode in NOISE_MODES and isinstance(in_dtype, torch.dtype) and in_dtype.is_floating_point:
+    noisy = pert_mode in NOISE_MODES and isinstance(in_dtype, torch.dtype)
+    if noisy and in_dtype.is_floating_point:
         thr = max(thr, NOISE_FACTOR * torch.finfo(in_dtype).eps)
     return thr
 

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
-from . import handlers, names, perturb
+from . import handlers, perturb
 from .metric import compare_many, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
 from .preheat import Preheat
@@ -30,6 +30,7 @@ EXTRA_REASONS = {
     "no_float_output": "the output holds no floating-point tensor",
     "no_grad": "no gradient flows through this call",
     "dtype_arg": "fix: the call fixes its output dtype explicitly",
+    "meta": "meta tensors hold no values",
 }
 
 
@@ -50,6 +51,20 @@ def _no_autocast(enabled: bool):
                 if on:
                     stack.enter_context(torch.autocast(dev, enabled=False))
         yield
+
+
+@contextlib.contextmanager
+def modes_off():
+    """Pop every TorchFunctionMode of this thread while probekit works, so that no mode (ours or
+    one the user entered, e.g. a FLOP counter) sees the re-runs; restored in ``finally``."""
+    popped = []
+    try:
+        while torch._C._len_torch_function_stack():
+            popped.append(torch._C._pop_torch_function_stack())
+        yield
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 class _Mode(TorchFunctionMode):
@@ -207,24 +222,15 @@ class Engine:
     # -- one in-scope call -----------------------------------------------------------------------
     def handle(self, info, key, n, func, args, kwargs, frame):
         name = f"{key}.{n}.{self.stage}"
-        reason = info.skip or dynamic_skip(info, args, kwargs)
-        if reason is None and self.in_optimizer and not torch.is_grad_enabled():
-            reason = "optimizer"
-        if reason is not None:
-            return self._skip(reason, key, name, func, args, kwargs)
-        leaves, spec = perturb.flatten(args, kwargs)
-        if not any(perturb.is_float(x) for x in leaves):
-            return self._skip("no_float_input", key, name, func, args, kwargs)
-        if self.preheat is not None:
-            if self.preheat.in_preheat(self.step):
-                if not self.preheat.sample(key, n, self.step):
-                    return self._skip("preheat", key, name, func, args, kwargs)
-                if self.once_step(("preheat", key)):
-                    log.info("Free benchmark: preheat sample in step %d api_name %s "
-                             "curr_called_seq: %d/%s", self.step, name, n,
-                             self.preheat.total(key))
-            elif not self.preheat.wanted(key):
-                return self._skip("preheat", key, name, func, args, kwargs)
+        try:
+            with modes_off():
+                decision = self._decide(info, key, n, name, args, kwargs)
+        except Exception as exc:  # probekit's own logic failed: run the call untouched
+            self.failed(key, name, exc)
+            return func(*args, **kwargs)
+        if isinstance(decision, str):
+            return self._skip(decision, key, name, func, args, kwargs)
+        leaves, spec = decision
         call = perturb.Call(info, args, kwargs, self.fb.fuzz_device)
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
@@ -234,28 +240,36 @@ class Engine:
             return watch(self, call, key, name, func, leaves, spec, frame)
         return self._check_forward(call, key, name, func, leaves, spec, frame)
 
+    def _decide(self, info, key, n, name, args, kwargs):
+        """A skip reason, or the call's flattened arguments when it is to be checked."""
+        reason = info.skip or dynamic_skip(info, args, kwargs)
+        if reason is None and self.in_optimizer and not torch.is_grad_enabled():
+            reason = "optimizer"
+        if reason is not None:
+            return reason
+        leaves, spec = perturb.flatten(args, kwargs)
+        if not any(perturb.is_float(x) for x in leaves):
+            return "no_float_input"
+        if any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves):
+            return "meta"
+        if self.preheat is not None:
+            if self.preheat.in_preheat(self.step):
+                if not self.preheat.sample(key, n, self.step):
+                    return "preheat"
+                if self.once_step(("preheat", key)):
+                    log.info("Free benchmark: preheat sample in step %d api_name %s "
+                             "curr_called_seq: %d/%s", self.step, name, n,
+                             self.preheat.total(key))
+            elif not self.preheat.wanted(key):
+                return "preheat"
+        return leaves, spec
+
     def _check_forward(self, call, key, name, func, leaves, spec, frame):
         out = func(*call.args, **call.kwargs)
-        outs = handlers.float_outputs(out)
-        if not outs:
-            self.note_skip("no_float_output", key, name)
-            return out
         self.busy = True
         try:
-            with torch.no_grad(), _no_autocast(self.upcast_mode):
-                pert = perturb.apply(self.mode_name, call, leaves, spec)
-                self.applied(key, name)
-                p_out = func(*pert.args, **pert.kwargs)
-                p_outs = handlers.float_outputs(p_out)
-                if [i for i, _ in p_outs] != [i for i, _ in outs]:
-                    raise RuntimeError("the perturbed call returned outputs of another structure")
-                if pert.post is not None:
-                    p_outs = [(i, pert.post(t)) for i, t in p_outs]
-                stats = compare_many([(o, p, floor_for(o.dtype))
-                                      for (_, o), (_, p) in zip(outs, p_outs)])
-            self.checked += 1
-            self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype,
-                        frame)
+            with modes_off(), torch.no_grad(), _no_autocast(self.upcast_mode):
+                self._compare_rerun(call, key, name, func, leaves, spec, frame, out)
         except perturb.Cancel as exc:
             self.cancelled(key, name, str(exc))
         except Exception as exc:  # never reaches the training code
@@ -263,6 +277,23 @@ class Engine:
         finally:
             self.busy = False
         return out
+
+    def _compare_rerun(self, call, key, name, func, leaves, spec, frame, out) -> None:
+        outs = handlers.float_outputs(out)
+        if not outs:
+            self.note_skip("no_float_output", key, name)
+            return
+        pert = perturb.apply(self.mode_name, call, leaves, spec)
+        self.applied(key, name)
+        p_out = func(*pert.args, **pert.kwargs)
+        p_outs = handlers.float_outputs(p_out)
+        if [i for i, _ in p_outs] != [i for i, _ in outs]:
+            raise RuntimeError("the perturbed call returned outputs of another structure")
+        if pert.post is not None:
+            p_outs = [(i, pert.post(t)) for i, t in p_outs]
+        stats = compare_many([(o, p, floor_for(o.dtype)) for (_, o), (_, p) in zip(outs, p_outs)])
+        self.checked += 1
+        self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype, frame)
 
     def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None) -> None:
         """Judge ``(output_index, original_tensor, Stats)`` items; emit rows for the findings."""
@@ -295,16 +326,17 @@ class Engine:
             return self._skip("dtype_arg", key, name, func, call.args, call.kwargs)
         self.busy = True
         try:
-            pert = perturb.apply(self.mode_name, call, leaves, spec)
-            self.applied(key, name)
-            with _no_autocast(True):
-                p_out = func(*pert.args, **pert.kwargs)
-            floats = [x for x in leaves if perturb.is_float(x)]
-            back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
-            target = pert.in_dtype
-            if self.mode_name == "to_cpu":
-                target = torch.float32 if back in perturb.LOW_PRECISION else None
-            out = handlers.cast_back(p_out, target, back, floats[0].device)
+            with modes_off():
+                pert = perturb.apply(self.mode_name, call, leaves, spec)
+                self.applied(key, name)
+                with _no_autocast(True):
+                    p_out = func(*pert.args, **pert.kwargs)
+                floats = [x for x in leaves if perturb.is_float(x)]
+                back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
+                target = pert.in_dtype
+                if self.mode_name == "to_cpu":
+                    target = torch.float32 if back in perturb.LOW_PRECISION else None
+                out = handlers.cast_back(p_out, target, back, floats[0].device)
             self.checked += 1
             return out
         except perturb.Cancel as exc:

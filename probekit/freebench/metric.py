@@ -11,7 +11,8 @@ at least float32), with the floor ``f`` of ``o``'s dtype (``FLOORS``):
 * ``nan_inf``: elements where one side is NaN/Inf and the other is not, or both are non-finite but
   different (+Inf vs -Inf, NaN vs Inf). They do not hide the other elements: ``max_rel`` is still
   taken over the finite ones (msprobe's chunked max turned a whole chunk into "consistent");
-* ``sign_flip``: elements where both ``|o_i|`` and ``|p_i|`` are at least ``f`` and their signs differ.
+* ``sign_flip``: elements where both ``|o_i|`` and ``|p_i|`` are at least ``f`` and their signs
+  differ.
 
 The formula is symmetric in sign: ``(-1e4 - 0.01) + 1e4`` scores like ``(1e4 + 0.01) - 1e4``
 (msprobe clamped signed values to a positive floor, so negative outputs were never flagged).
@@ -65,10 +66,10 @@ def _fast_chunk(o, p, floor: float, cdt, device) -> torch.Tensor:
     """[max err, max |p-o|, |o| at the max-err element]: cheap arithmetic only (no masks).
 
     Non-finite values make the second entry NaN/Inf; the caller then takes the exact path."""
-    oc = o.to(device=device, dtype=cdt)
+    oc = o.to(device=device, dtype=cdt)   # may be ``o`` itself: never modified in place
     d = (p.to(device=device, dtype=cdt) - oc).abs_()
     dmax = d.amax()
-    ao = oc.abs_().reshape(-1)
+    ao = oc.abs().reshape(-1)
     r = torch.nan_to_num_(d.reshape(-1).div_(ao.clamp_min(floor)), nan=0.0, posinf=0.0,
                           neginf=0.0)
     rmax, idx = r.max(0)

@@ -19,7 +19,7 @@ import os
 import sys
 import torch
 
-#: fixed explanation of every skip reason (used in the log line "For X, <reason>. Cancel perturbation.")
+#: explanation of every skip reason (log line: "For X, <reason>. Cancel perturbation.")
 REASONS = {
     "view": "a view/metadata-only call is exact (a perturbation would pass through unchanged)",
     "copy": "an exact copy/data-movement call (a perturbation would pass through unchanged)",

@@ -39,7 +39,7 @@ class Cancel(Exception):
     """The perturbation cannot apply to this call; ``str(exc)`` is the reason (logged)."""
 
 
-# -- tensor functions --------------------------------------------------------------------------------
+# -- tensor functions ---------------------------------------------------------------------------
 def _noise_mask(t: torch.Tensor, below_max: bool = False) -> torch.Tensor:
     """Finite elements with ``|x| >= smallest normal`` (and ``< max`` when asked); NaN fails both
     comparisons, so no separate (slow) isfinite pass is needed."""
@@ -56,7 +56,7 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def bit_noise(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with the lowest mantissa bit of each finite element above the smallest normal flipped."""
+    """``t`` with the lowest mantissa bit flipped in each finite element >= the smallest normal."""
     bits = _int_view(t)
     return (bits ^ _noise_mask(t).to(bits.dtype)).view(t.dtype)
 

@@ -5,7 +5,7 @@
         loss = model(x).sum(); loss.backward()
     fb.step()                         # per-API counters reset, step number + 1
     fb.results                        # DataFrame, one row per inconsistent output
-    fb.summary                        # {"calls", "checked", "skipped": {reason: n}, "flagged", "steps"}
+    fb.summary                        # calls, checked, skipped {reason: n}, flagged, steps
 
 ``PrecisionDebugger(task="free_benchmark")`` drives the same object through ``open_session``.
 """
@@ -150,12 +150,18 @@ class FreeBench:
 
     @property
     def results(self):
-        """pandas DataFrame: one row per inconsistent output (see ``probekit.freebench.COLUMNS``)."""
+        """pandas DataFrame, one row per inconsistent output (``probekit.freebench.COLUMNS``)."""
         return _results.frame(self._rows)
 
     @property
     def summary(self) -> dict:
         return self._engine.summary()
+
+    @property
+    def api_counts(self) -> dict:
+        """Calls per API in the current step (``{"Torch.matmul": 3, ...}``): call ``i`` of API
+        ``K`` is named ``K.i.forward`` (or ``.backward``), the names ``scope`` takes."""
+        return dict(self._engine.counts)
 
     @property
     def csv_path(self) -> str:

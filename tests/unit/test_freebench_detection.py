@@ -1,0 +1,105 @@
+"""Detection zoo: single calls whose answer is known.
+
+Ill-conditioned or low-precision calls must be flagged by at least one mode; well-conditioned
+fp32 calls and exact calls must be flagged by none. Inputs are built outside the probe, so each
+case is exactly the one call under test.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probekit.freebench import FreeBench
+
+MODES = [("improve_precision", {}), ("bit_noise", {}), ("add_noise", {}), ("change_value", {}),
+         ("no_change", {}), ("to_cpu", {"fuzz_device": "cpu"})]
+bf16, fp16 = torch.bfloat16, torch.float16
+
+
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def run(tmp_path, mode, extra, fn, inputs):
+    fb = FreeBench(dump_path=str(tmp_path / mode), pert_mode=mode, **extra)
+    with fb:
+        fn(*inputs)
+    return fb
+
+
+# (name, function, inputs, mode expected to flag, expected kind)
+FLAGGED = [
+    ("cancellation_positive", torch.add, (torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])),
+     "bit_noise", "rel_error"),
+    ("cancellation_negative", torch.add, (torch.tensor([-1e4 - 0.01]), torch.tensor([1e4])),
+     "bit_noise", "rel_error"),
+    ("bf16_258_minus_256", torch.sub,
+     (torch.tensor([258.0], dtype=bf16), torch.tensor([256.0], dtype=bf16)), "bit_noise",
+     "rel_error"),
+    ("bf16_long_sum", torch.sum, (torch.randn(100_000, generator=gen()).to(bf16),), "add_noise",
+     None),
+    ("fp16_long_sum_overflows", torch.sum, (torch.ones(100_000, dtype=fp16),),
+     "improve_precision", "nan_inf"),
+    ("fp16_softmax_large_logits", torch.softmax,
+     # logits near 1000 differ by O(1) while fp16's spacing there is 0.5
+     ((torch.randn(4, 64, generator=gen()) * 2 + 1000).to(fp16), -1), "bit_noise", None),
+    ("bf16_matmul_large_k", torch.matmul, (torch.randn(8, 4096, generator=gen()).to(bf16),
+                                           torch.randn(4096, 8, generator=gen()).to(bf16)),
+     "add_noise", None),
+]
+
+
+@pytest.mark.parametrize("name, fn, inputs, mode, kind", FLAGGED, ids=[c[0] for c in FLAGGED])
+def test_flagged(tmp_path, name, fn, inputs, mode, kind):
+    fb = run(tmp_path, mode, {}, fn, inputs)
+    df = fb.results
+    assert len(df) == 1, df
+    if kind is not None:
+        assert df["kind"].iloc[0] == kind
+    assert df["ratio"].iloc[0] > 1 or df["kind"].iloc[0] == "nan_inf"
+
+
+def test_cancellation_sign_symmetry(tmp_path):
+    pos = run(tmp_path / "p", "bit_noise", {}, torch.add,
+              (torch.tensor([1e4 + 0.01]), torch.tensor([-1e4]))).results
+    neg = run(tmp_path / "n", "bit_noise", {}, torch.add,
+              (torch.tensor([-1e4 - 0.01]), torch.tensor([1e4]))).results
+    assert pos["max_rel"].tolist() == neg["max_rel"].tolist()
+    assert pos["max_rel"].iloc[0] == pytest.approx(2 ** -10 / 0.009765625)
+
+
+QUIET = [
+    ("fp32_exp", torch.exp, (torch.rand(1000, generator=gen()),)),
+    ("fp32_mul", torch.mul, (torch.rand(1000, generator=gen()), torch.rand(1000, generator=gen()))),
+    ("fp32_positive_sum", torch.sum, (torch.rand(1000, generator=gen()),)),
+    ("fp32_softmax", torch.softmax, (torch.randn(16, 32, generator=gen()), -1)),
+    ("fp32_matmul_positive", torch.matmul, (torch.rand(16, 32, generator=gen()),
+                                            torch.rand(32, 16, generator=gen()))),
+    ("fp32_sqrt", torch.sqrt, (torch.rand(100, generator=gen()) + 1,)),
+    ("fp32_sigmoid", torch.sigmoid, (torch.randn(100, generator=gen()),)),
+    ("fp32_gelu_positive", F.gelu, (torch.rand(100, generator=gen()) + 0.5,)),
+    # exact ops, even in bf16 where one ulp of noise exceeds the dtype threshold
+    ("bf16_relu", torch.relu, (torch.randn(1000, generator=gen()).to(bf16),)),
+    ("bf16_abs", torch.abs, (torch.randn(1000, generator=gen()).to(bf16),)),
+    ("bf16_neg", torch.neg, (torch.randn(1000, generator=gen()).to(bf16),)),
+    ("bf16_amax", torch.amax, (torch.randn(10, 100, generator=gen()).to(bf16), -1)),
+]
+
+
+@pytest.mark.parametrize("name, fn, inputs", QUIET, ids=[c[0] for c in QUIET])
+def test_not_flagged_by_any_mode(tmp_path, name, fn, inputs):
+    for mode, extra in MODES:
+        fb = run(tmp_path, mode, extra, fn, inputs)
+        assert fb.results.empty, (mode, fb.results)
+        s = fb.summary
+        assert s["checked"] + s["skipped"].get("cancelled", 0) == 1, (mode, s)
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.t(), lambda x: x.flatten(), lambda x: x[1:],
+                                lambda x: x[0], lambda x: x.reshape(-1), lambda x: x.view(4, 8),
+                                lambda x: x.transpose(0, 1), lambda x: x.clone(),
+                                lambda x: x.contiguous(), lambda x: x.detach()])
+def test_bf16_bit_noise_identity_and_view_ops_not_even_checked(tmp_path, fn):
+    x = torch.randn(8, 4, generator=gen()).to(bf16)
+    fb = run(tmp_path, "bit_noise", {}, fn, (x,))
+    assert fb.results.empty
+    assert fb.summary["checked"] == 0 and fb.summary["calls"] == 1

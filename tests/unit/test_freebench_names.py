@@ -1,0 +1,202 @@
+"""API naming and classification as the TorchFunctionMode sees real torch calls."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probekit.freebench import FreeBench, names
+
+
+@pytest.fixture
+def fb(tmp_path):
+    # no_change in check mode: every checkable call is re-run, nothing is ever flagged on CPU
+    bench = FreeBench(dump_path=str(tmp_path), pert_mode="no_change")
+    yield bench
+    bench.close()
+
+
+def counts_of(fb, fn):
+    with fb:
+        fn()
+    counts = fb.api_counts
+    fb.step()
+    return counts
+
+
+X = torch.randn(4, 8)
+W = torch.randn(8, 8)
+B = torch.randn(8)
+Q = torch.randn(1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("call, key", [
+    (lambda: F.linear(X, W, B), "Functional.linear"),
+    (lambda: F.gelu(X), "Functional.gelu"),
+    (lambda: F.relu(X), "Functional.relu"),
+    (lambda: F.layer_norm(X, (8,)), "Functional.layer_norm"),
+    (lambda: F.softmax(X, -1), "Functional.softmax"),
+    (lambda: F.scaled_dot_product_attention(Q, Q, Q), "Functional.scaled_dot_product_attention"),
+    (lambda: torch.matmul(X, W), "Torch.matmul"),
+    (lambda: torch.softmax(X, -1), "Torch.softmax"),
+    (lambda: torch.relu(X), "Torch.relu"),
+    (lambda: torch.einsum("ij,jk->ik", X, W), "Torch.einsum"),
+    (lambda: X.softmax(-1), "Tensor.softmax"),
+    (lambda: X.sum(), "Tensor.sum"),
+    (lambda: X.pow(3), "Tensor.pow"),
+    (lambda: X.add(X), "Tensor.add"),
+    (lambda: X @ W, "Tensor.__matmul__"),
+    (lambda: X + X, "Tensor.__add__"),
+    (lambda: X - 1, "Tensor.__sub__"),
+    (lambda: X * 2, "Tensor.__mul__"),
+    (lambda: X / 2, "Tensor.__truediv__"),
+    (lambda: X ** 2, "Tensor.__pow__"),
+    (lambda: 1 - X, "Tensor.__rsub__"),
+    (lambda: 2 / X, "Tensor.__rdiv__"),
+    (lambda: -X, "Tensor.__neg__"),
+    (lambda: X > 0, "Tensor.__gt__"),
+])
+def test_user_level_names(fb, call, key):
+    # exactly one API call is seen: the one the user wrote, not the ones it makes internally
+    assert counts_of(fb, call) == {key: 1}
+
+
+def test_relu_imported_from_torch_is_seen(fb):
+    from torch import relu
+
+    assert counts_of(fb, lambda: relu(X)) == {"Torch.relu": 1}
+
+
+def test_module_forward_is_seen_as_functional(fb):
+    lin = torch.nn.Linear(8, 8)
+    ln = torch.nn.LayerNorm(8)
+    assert counts_of(fb, lambda: ln(lin(X))) == {"Functional.linear": 1, "Functional.layer_norm": 1}
+
+
+def test_counters_per_api_within_a_step_and_reset_on_step(fb):
+    def fn():
+        for _ in range(3):
+            torch.matmul(X, W)
+        X.sum()
+
+    assert counts_of(fb, fn) == {"Torch.matmul": 3, "Tensor.sum": 1}
+    assert fb.summary["steps"] == 1
+    assert counts_of(fb, lambda: torch.matmul(X, W)) == {"Torch.matmul": 1}
+    assert fb.summary["steps"] == 2
+
+
+def test_property_access_is_not_a_call(fb):
+    with fb:
+        X.shape, X.dtype, X.T, X.requires_grad
+    assert fb.summary["calls"] == 0 and fb.api_counts == {}
+
+
+def test_call_and_check_counts(fb):
+    with fb:
+        y = torch.matmul(X, W)   # checked
+        y.t()                    # view: skipped
+        y.add_(1)                # in-place: skipped
+        torch.zeros(3)           # creation: skipped
+    s = fb.summary
+    assert s["calls"] == 4
+    assert s["checked"] == 1
+    assert s["skipped"] == {"view": 1, "inplace": 1, "creation": 1}
+
+
+@pytest.mark.parametrize("call, reason", [
+    (lambda x: x.add_(1), "inplace"),
+    (lambda x: x.copy_(x), "inplace"),
+    (lambda x: x.mul_(2), "inplace"),
+    (lambda x: x.__iadd__(1), "inplace"),
+    (lambda x: torch.add(x, 1, out=torch.empty_like(x)), "inplace"),
+    (lambda x: F.relu(x, inplace=True), "inplace"),
+    (lambda x: F.relu(x, True), "inplace"),
+    (lambda x: F.dropout(x, 0.5), "random"),
+    (lambda x: torch.rand_like(x), "random"),
+    (lambda x: torch.bernoulli(torch.full((3,), 0.5)), "random"),
+    (lambda x: F.scaled_dot_product_attention(Q, Q, Q, dropout_p=0.1), "random"),
+    (lambda x: x.t(), "view"),
+    (lambda x: x.view(-1), "view"),
+    (lambda x: x.reshape(2, 16), "view"),
+    (lambda x: x.flatten(), "view"),
+    (lambda x: x[0], "view"),
+    (lambda x: x.transpose(0, 1), "view"),
+    (lambda x: x.detach(), "view"),
+    (lambda x: x.contiguous(), "view"),
+    (lambda x: x.clone(), "copy"),
+    (lambda x: torch.cat([x, x]), "copy"),
+    (lambda x: x.to(torch.float64), "conversion"),
+    (lambda x: x.float(), "conversion"),
+    (lambda x: x.size(), "metadata"),
+    (lambda x: x.dim(), "metadata"),
+    (lambda x: torch.zeros_like(x), "creation"),
+    (lambda x: x.new_zeros(3), "creation"),
+    (lambda x: torch._foreach_add([x], 1), "private"),
+    (lambda x: F.batch_norm(x, torch.zeros(8), torch.ones(8), training=True), "side_effect"),
+])
+def test_never_rerun_reasons(fb, call, reason):
+    x = torch.randn(4, 8)
+    with fb:
+        call(x)
+    s = fb.summary
+    assert s["checked"] == 0
+    assert s["skipped"].get(reason) == 1, s
+
+
+def test_no_float_input_warns_once_per_step(fb, caplog):
+    i = torch.arange(6)
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        for _ in range(2):
+            with fb:
+                i + i
+                i * i
+                i + i
+            fb.step()
+    msgs = [r.getMessage() for r in caplog.records if "unsupported input type" in r.getMessage()]
+    assert msgs == [
+        "[probekit] Free benchmark: unsupported input type for Tensor.__add__.0.forward "
+        "(no floating-point tensor input).",
+        "[probekit] Free benchmark: unsupported input type for Tensor.__mul__.0.forward "
+        "(no floating-point tensor input).",
+    ] * 2
+    assert fb.summary["skipped"] == {"no_float_input": 6}
+
+
+def test_skip_reason_logged_once_per_api(fb, caplog):
+    x = torch.randn(3)
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        for _ in range(3):
+            with fb:
+                x.t()
+                x.t()
+            fb.step()
+    msgs = [r.getMessage() for r in caplog.records if "Tensor.t" in r.getMessage()]
+    assert msgs == ["[probekit] Free benchmark: For Tensor.t.0.forward, a view/metadata-only call "
+                    "is exact (a perturbation would pass through unchanged). Cancel perturbation."]
+
+
+def test_classify_static_tables():
+    assert names.classify(torch.Tensor.add_).skip == "inplace"
+    assert names.classify(torch.matmul).key == "Torch.matmul"
+    assert names.classify(torch.matmul).skip is None
+    assert names.classify(F.linear).key == "Functional.linear"
+    assert names.classify(F.layer_norm).key == "Functional.layer_norm"
+    assert names.classify(torch.Tensor.sum).key == "Tensor.sum"
+    assert names.classify(torch.Tensor.backward).skip == "metadata"
+    assert names.classify(len).skip == "other"
+    assert names.classify(F.relu).inplace_pos == 1
+    assert names.classify(F.gelu).inplace_pos is None
+    assert names.static_skip("zero_") == "inplace"
+    assert names.static_skip("__iadd__") == "inplace"
+    assert names.static_skip("__add__") is None
+    assert names.static_skip("_softmax") == "private"
+
+
+def test_call_site_is_the_users_line(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    a = torch.tensor([1e4 + 0.01])
+    b = torch.tensor([-1e4])
+    with fb:
+        line = __import__("inspect").currentframe().f_lineno + 1
+        a + b
+    assert fb.results["call_site"].tolist() == [f"test_freebench_names.py:{line}"]

@@ -1,0 +1,189 @@
+"""Perturbations: exact values per dtype, inputs and RNG untouched, the registry."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probekit.freebench import names, perturb
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def sample(dtype):
+    # values well inside every dtype's normal range, both signs, a zero, a tiny subnormal-ish one
+    return torch.tensor([[1.0, -2.5, 0.0, 3.75], [-0.125, 7.0, 1e-30, -96.0]]).to(dtype)
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(x.abs(), torch.tensor(float("inf"), dtype=x.dtype)) - x.abs()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_bit_noise_flips_one_ulp_above_the_floor(dtype):
+    x = sample(dtype)
+    before = x.clone()
+    rng = torch.get_rng_state()
+    y = perturb.bit_noise(x)
+    assert torch.equal(x, before)                         # input untouched
+    assert torch.equal(torch.get_rng_state(), rng)        # no RNG consumed
+    assert y.dtype == dtype and y.shape == x.shape
+    tiny = torch.finfo(dtype).smallest_normal
+    big = x.abs() >= tiny
+    # every element above the floor moved by exactly one ulp (its own or the one below), the
+    # others (0, values below the smallest normal) are unchanged
+    step = (y.double() - x.double()).abs()
+    ulps = torch.minimum(ulp(x).double(), ulp(y).double())
+    assert torch.equal(step[big], ulps[big])
+    assert torch.equal(y[~big], x[~big])
+    assert bool((y != x)[big].all())
+    # flipping twice restores the input
+    assert torch.equal(perturb.bit_noise(y), x)
+
+
+def test_bit_noise_exact_values_bf16():
+    x = torch.tensor([1.0, -1.0, 258.0, 256.0], dtype=torch.bfloat16)
+    assert perturb.bit_noise(x).tolist() == [1.0078125, -1.0078125, 256.0, 258.0]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_add_noise_moves_one_ulp_towards_inf(dtype):
+    x = sample(dtype)
+    before = x.clone()
+    rng = torch.get_rng_state()
+    y = perturb.add_noise(x)
+    assert torch.equal(x, before)
+    assert torch.equal(torch.get_rng_state(), rng)
+    big = x.abs() >= torch.finfo(dtype).smallest_normal
+    expected = torch.where(big, torch.nextafter(x, torch.tensor(float("inf"), dtype=dtype)), x)
+    assert torch.equal(y, expected)
+    assert bool((y > x)[big].all())
+
+
+def test_add_noise_does_not_round_away_in_fp16():
+    # msprobe added a constant 1e-6-ish value: 1.0 + that is still 1.0 in fp16
+    x = torch.ones(4, dtype=torch.float16)
+    assert (x + 1e-6).tolist() == x.tolist()
+    assert perturb.add_noise(x).tolist() == [1.0009765625] * 4
+
+
+def test_noise_leaves_inf_nan_and_max_alone():
+    for dtype in FLOATS:
+        fi = torch.finfo(dtype)
+        x = torch.tensor([float("inf"), -float("inf"), float("nan"), fi.max], dtype=dtype)
+        b = perturb.bit_noise(x)
+        a = perturb.add_noise(x)
+        assert b[:2].tolist() == x[:2].tolist() and bool(b[2].isnan())
+        assert a[:2].tolist() == x[:2].tolist() and bool(a[2].isnan())
+        assert a[3].item() == fi.max                      # never overflows to inf
+        assert b[3].item() < fi.max                       # flipping goes down from max
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_change_value_swaps_first_and_last_of_last_dim(dtype):
+    x = sample(dtype)
+    before = x.clone()
+    y = perturb.change_value(x)
+    assert torch.equal(x, before)
+    assert torch.equal(y, x[:, [3, 1, 2, 0]])
+    assert torch.equal(perturb.swap_last(y), x)
+
+
+@pytest.mark.parametrize("x", [torch.tensor(3.0), torch.tensor([3.0]), torch.ones(4, 1)])
+def test_change_value_cancels_small_inputs(x):
+    with pytest.raises(perturb.Cancel):
+        perturb.change_value(x)
+
+
+@pytest.mark.parametrize("dtype, target", [(torch.float16, torch.float32),
+                                           (torch.bfloat16, torch.float32),
+                                           (torch.float32, torch.float64)])
+def test_improve_precision_upcasts(dtype, target):
+    x = sample(dtype)
+    call = perturb.Call(names.classify(torch.matmul), (x, x.t()), {})
+    p = perturb.apply("improve_precision", call)
+    assert [a.dtype for a in p.args] == [target, target]
+    assert p.in_dtype == target
+    assert torch.equal(p.args[0].to(dtype), x)            # upcasting is exact
+    assert x.dtype == dtype
+
+
+def test_improve_precision_mixed_and_float64():
+    h, f = torch.ones(2, dtype=torch.bfloat16), torch.ones(2)
+    call = perturb.Call(names.classify(torch.add), (h, f), {})
+    assert [a.dtype for a in perturb.apply("improve_precision", call).args] == [torch.float64] * 2
+    d = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(perturb.Cancel, match="already float64"):
+        perturb.apply("improve_precision", perturb.Call(names.classify(torch.add), (d, d), {}))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_to_cpu_copies_and_upcasts_low_precision(dtype):
+    x = sample(dtype)
+    y = perturb.to_cpu(x)
+    assert y.device.type == "cpu"
+    assert y.dtype == (torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
+    assert y.data_ptr() != x.data_ptr()
+    assert torch.equal(y.to(dtype), x)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_no_change_is_an_exact_copy(dtype):
+    x = sample(dtype)
+    y = perturb.no_change(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("mode", ["bit_noise", "add_noise", "no_change"])
+def test_noise_modes_perturb_only_the_first_float_input(mode):
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    call = perturb.Call(names.classify(torch.add), (a, b), {"alpha": 1})
+    p = perturb.apply(mode, call)
+    assert p.args[1] is b and p.kwargs == {"alpha": 1}
+    assert p.args[0] is not a
+    assert p.in_dtype == torch.float32
+
+
+def test_apply_walks_lists_and_kwargs():
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    call = perturb.Call(names.classify(torch.stack), ([a, b],), {"dim": 0})
+    p = perturb.apply("improve_precision", call)
+    assert isinstance(p.args[0], list) and [t.dtype for t in p.args[0]] == [torch.float64] * 2
+    assert p.kwargs == {"dim": 0}
+    assert p.replaced == {0: p.args[0][0], 1: p.args[0][1]}
+    idx = torch.tensor([0, 1])
+    with pytest.raises(perturb.Cancel, match="no floating-point"):
+        perturb.apply("bit_noise", perturb.Call(names.classify(torch.add), (idx, idx), {}))
+
+
+def test_flatten_roundtrip():
+    t = torch.ones(1)
+    args = (t, [t, 2, (3, t)], {"k": t})
+    kwargs = {"dim": -1, "x": [t]}
+    leaves, spec = perturb.flatten(args, kwargs)
+    assert len(leaves) == 8
+    a2, k2 = perturb.unflatten(leaves, spec)
+    assert a2 == args and k2 == kwargs
+    assert isinstance(a2[1], list) and isinstance(a2[1][2], tuple)
+
+
+def test_change_value_rules():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    # element-wise: output swapped back, so an exact op is unchanged
+    p = perturb.apply("change_value", perturb.Call(names.classify(torch.exp), (x,), {}))
+    assert torch.equal(p.post(torch.exp(p.args[0])), torch.exp(x))
+    # reduction over the last dim: order-invariant, nothing to swap back
+    p = perturb.apply("change_value", perturb.Call(names.classify(torch.sum), (x, -1), {}))
+    assert p.post is None
+    # reduction over another dim: the swapped dim survives, swapped back
+    p = perturb.apply("change_value", perturb.Call(names.classify(torch.sum), (x,), {"dim": 0}))
+    assert torch.equal(p.post(torch.sum(p.args[0], dim=0)), torch.sum(x, dim=0))
+    # two tensors / an order-dependent API: cancelled with a reason
+    for func, args in [(torch.matmul, (x, x.t())), (torch.add, (x, x)), (F.layer_norm, (x, (3,)))]:
+        with pytest.raises(perturb.Cancel, match="element order"):
+            perturb.apply("change_value", perturb.Call(names.classify(func), args, {}))
+
+
+def test_registry_rejects_duplicates():
+    assert set(perturb.PERTURBATIONS) == {"improve_precision", "bit_noise", "add_noise",
+                                          "change_value", "no_change", "to_cpu"}
+    with pytest.raises(ValueError, match="registered twice"):
+        perturb.perturbation("bit_noise")(lambda call, leaves: None)

@@ -1,0 +1,285 @@
+"""FreeBench: configuration forms, filters (scope, list, step, rank), fix, error isolation,
+logging, hook/mode removal."""
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import probekit
+from probekit.config import ConfigError, FreeBenchmarkConfig, make_config
+from probekit.freebench import FreeBench, perturb
+from probekit.freebench.session import open_session
+
+
+A, B = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
+
+
+def cancellation():
+    """One fp32 add that bit_noise always flags (catastrophic cancellation)."""
+    return A + B
+
+
+def mode_stack_depth():
+    return torch._C._len_torch_function_stack()
+
+
+# -- configuration ------------------------------------------------------------------------------
+def test_config_forms(tmp_path):
+    d = str(tmp_path)
+    assert FreeBench(dump_path=d, pert_mode="bit_noise").config.free_benchmark.pert_mode == \
+        "bit_noise"
+    cfg = make_config("free_benchmark", dump_path=d, pert_mode="add_noise")
+    assert FreeBench(cfg).config == cfg
+    assert FreeBench(cfg, list=["relu"]).config.free_benchmark.api_list == ("relu",)
+    fbc = FreeBenchmarkConfig(pert_mode="no_change")
+    assert FreeBench(fbc, dump_path=d).config.free_benchmark == fbc
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"task": "free_benchmark", "dump_path": d,
+                                "free_benchmark": {"pert_mode": "change_value"}}))
+    fb = FreeBench(str(path), handler_type="check")
+    assert fb.config.free_benchmark.pert_mode == "change_value" and fb.config.dump_path == d
+    with pytest.raises(ConfigError, match="task"):
+        FreeBench(make_config("grad_probe", dump_path=d))
+    with pytest.raises(ConfigError):
+        FreeBench(dump_path=d, pert_mode="to_cpu")            # needs fuzz_device cpu
+    with pytest.raises(ConfigError):
+        FreeBench(42)
+    assert isinstance(open_session(cfg), FreeBench)
+    assert probekit.FreeBench is FreeBench
+
+
+# -- filters ------------------------------------------------------------------------------------
+def test_scope_selects_exact_calls(tmp_path):
+    x = torch.randn(4, 4)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change",
+                   scope=["Torch.matmul.1.forward", "Tensor.sum.0"])
+    with fb:
+        for _ in range(3):
+            torch.matmul(x, x)
+        x.sum(), x.sum(), F.relu(x)
+    assert fb.summary["checked"] == 2
+    assert fb.summary["skipped"] == {"out_of_scope": 4}
+    assert fb.api_counts == {"Torch.matmul": 3, "Tensor.sum": 2}   # only scoped APIs counted
+
+
+def test_list_selects_by_substring(tmp_path):
+    x = torch.randn(4, 4)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change", list=["relu"])
+    with fb:
+        F.relu(x), torch.relu(x), x.relu(), torch.matmul(x, x), F.gelu(x)
+    assert fb.summary["checked"] == 3
+    assert fb.summary["skipped"] == {"out_of_scope": 2}
+
+
+def test_step_filter(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", step=[1, 3])
+    for _ in range(4):
+        with fb:
+            cancellation()
+        fb.step()
+    assert fb.results["step"].tolist() == [1, 3]
+    s = fb.summary
+    assert (s["calls"], s["checked"], s["steps"]) == (4, 2, 4)
+    assert s["skipped"] == {"step_filter": 2}
+
+
+def test_rank_filter(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", rank=[0])
+    depth = mode_stack_depth()
+    with fb:
+        assert mode_stack_depth() == depth and not fb.active
+        cancellation()
+    assert fb.summary["calls"] == 0 and fb.results.empty
+    monkeypatch.setenv("RANK", "0")
+    with fb:
+        cancellation()
+    assert len(fb.results) == 1 and fb.results["rank"].tolist() == [0]
+
+
+def test_thresholds_configurable(tmp_path):
+    x = torch.tensor([1e4 + 0.01])
+    loose = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise",
+                      thresholds={"float32": 0.5})
+    with loose:
+        x + torch.tensor([-1e4])
+    assert loose.results.empty and loose.summary["checked"] == 1
+
+
+# -- fix ----------------------------------------------------------------------------------------
+def test_fix_returns_upcast_result_cast_back(tmp_path):
+    a = torch.tensor([256.0, 1.0], dtype=torch.bfloat16, requires_grad=True)
+    b = torch.tensor([1.0, 2.0 ** -9], dtype=torch.bfloat16)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision", handler_type="fix")
+    with fb:
+        y = torch.mul(a, 1.0078125)          # bf16: 258.0 rounds to 258, 1.0078125 exact
+        z = torch.add(a, b)                  # 257 -> 256 in bf16, computed in fp32 then rounded
+    assert y.dtype == z.dtype == torch.bfloat16
+    assert z.tolist() == (a.float() + b.float()).to(torch.bfloat16).tolist()
+    assert z.grad_fn is not None             # autograd flows through the upcast computation
+    z.sum().backward()
+    assert a.grad.tolist() == [1.0, 1.0]
+    assert fb.summary["checked"] == 2 and fb.results.empty
+
+
+def test_fix_fp32_computes_in_fp64(tmp_path):
+    x = torch.tensor([1e8, 1.0, -1e8])
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision", handler_type="fix")
+    with fb:
+        s = torch.cumsum(x, 0)
+    assert s.dtype == torch.float32
+    assert s.tolist() == torch.cumsum(x.double(), 0).float().tolist()
+
+
+def test_fix_to_cpu(tmp_path):
+    x = torch.randn(8, dtype=torch.float16)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="to_cpu", fuzz_device="cpu",
+                   handler_type="fix")
+    with fb:
+        y = torch.exp(x)
+    assert y.dtype == torch.float16 and y.device == x.device
+    assert torch.equal(y, torch.exp(x.float()).half())
+
+
+# -- isolation ----------------------------------------------------------------------------------
+def test_exceptions_are_logged_and_never_disable_later_checks(tmp_path, monkeypatch, caplog):
+    real = perturb.PERTURBATIONS["bit_noise"]
+    calls = {"n": 0}
+
+    def flaky(call, leaves):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real(call, leaves)
+
+    monkeypatch.setitem(perturb.PERTURBATIONS, "bit_noise", flaky)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with caplog.at_level(logging.WARNING, logger="probekit"):
+        with fb:
+            y1 = cancellation()
+            y2 = cancellation()
+    assert y1.tolist() == y2.tolist() == cancellation().tolist()
+    assert fb.summary["skipped"] == {"error": 1} and fb.summary["checked"] == 1
+    assert len(fb.results) == 1 and fb.results["api_name"].tolist() == ["Tensor.__add__.1.forward"]
+    assert any("Tensor.__add__.0.forward, the check failed and was skipped (RuntimeError: boom)"
+               in r.getMessage() for r in caplog.records)
+
+
+def test_broken_comparison_is_isolated(tmp_path, monkeypatch):
+    from probekit.freebench import intercept
+
+    def broken(pairs):
+        raise ValueError("comparison exploded")
+
+    monkeypatch.setattr(intercept, "compare_many", broken)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change")
+    x = torch.ones(3)
+    with fb:
+        y = torch.exp(x)
+    assert y.tolist() == torch.exp(x).tolist()
+    assert fb.summary["skipped"] == {"error": 1}
+
+
+def test_user_errors_still_raise_and_the_mode_is_removed(tmp_path):
+    depth = mode_stack_depth()
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with pytest.raises(RuntimeError):
+        with fb:
+            assert mode_stack_depth() == depth + 1
+            torch.matmul(torch.ones(2, 3), torch.ones(2, 3))   # shape error: the user's
+    assert mode_stack_depth() == depth and not fb.active
+    with fb:                                                    # usable again
+        cancellation()
+    assert len(fb.results) == 1
+    fb.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        fb.start()
+
+
+def test_optimizer_hooks_removed_on_stop(tmp_path):
+    from torch.optim import optimizer as opt_mod
+
+    before = (len(opt_mod._global_optimizer_pre_hooks), len(opt_mod._global_optimizer_post_hooks))
+    fb = FreeBench(dump_path=str(tmp_path))
+    with fb:
+        assert len(opt_mod._global_optimizer_pre_hooks) == before[0] + 1
+    assert (len(opt_mod._global_optimizer_pre_hooks),
+            len(opt_mod._global_optimizer_post_hooks)) == before
+
+
+def test_optimizer_update_not_rerun(tmp_path):
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 0.5)
+    opt = torch.optim.Adam([p], lr=0.1, foreach=False)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change")
+    with fb:
+        opt.step()
+    s = fb.summary
+    assert s["checked"] == 0
+    assert s["skipped"].get("optimizer", 0) > 0
+
+
+# -- logging ------------------------------------------------------------------------------------
+def test_perturbation_logged_once_per_api_per_step(tmp_path, caplog):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    x = torch.rand(4) + 1
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        for _ in range(2):
+            with fb:
+                torch.exp(x), torch.exp(x), torch.log(x)
+            fb.step()
+    msgs = [r.getMessage() for r in caplog.records if "Perturbation is" in r.getMessage()]
+    assert msgs == ["[probekit] Free benchmark: Perturbation is bit_noise of Torch.exp.0.forward.",
+                    "[probekit] Free benchmark: Perturbation is bit_noise of Torch.log.0.forward.",
+                    ] * 2
+
+
+def test_cancel_logged_with_reason(tmp_path, caplog):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="change_value")
+    x = torch.tensor([2.0])
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        with fb:
+            torch.exp(x)
+    assert fb.summary["skipped"] == {"cancelled": 1}
+    assert ("[probekit] Free benchmark: For Torch.exp.0.forward, the input has fewer than 2 "
+            "elements. Cancel perturbation.") in [r.getMessage() for r in caplog.records]
+
+
+def test_summary_and_repr(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        cancellation()
+    fb.step()
+    assert fb.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1}
+    assert "1 finding(s)" in repr(fb) and "stopped" in repr(fb)
+
+
+def test_other_modes_see_only_the_users_calls(tmp_path):
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Recorder(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", "?"))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.rand(4, requires_grad=True)
+    for stage in ("forward", "backward"):
+        seen.clear()
+        fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", fuzz_stage=stage)
+        with Recorder():
+            with fb:
+                torch.exp(x).sum().backward()
+        assert seen == ["exp", "sum", "backward"], (stage, seen)
+        assert fb.summary["checked"] == 2
+
+
+def test_meta_tensors_are_skipped(tmp_path):
+    x = torch.empty(4, 4, device="meta")
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        torch.matmul(x, x)
+    assert fb.summary["skipped"] == {"meta": 1}
