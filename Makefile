@@ -44,8 +44,10 @@ demo: $(VENV)/.installed
 bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed
 	$(PY) benchmarks/run.py --msprobe-python $(MSPROBE_VENV)/bin/python
 
+# the venv's python3 kernel runs `python` from PATH: put the venv first; MPLBACKEND would turn
+# off inline plots in the kernels
 lab: $(VENV)/.installed
-	$(VENV)/bin/jupyter lab notebooks/
+	env -u MPLBACKEND PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/jupyter lab notebooks/
 
 clean:
 	rm -rf demo_out test-artifacts bench_out .pytest_cache

@@ -30,3 +30,23 @@ def msprobe_config_dict():
 @pytest.fixture
 def python_exe():
     return sys.executable
+
+
+# -- synthetic grad-probe datasets (tests/synthetic_grads.py) --------------------------------------
+from synthetic_grads import GRAD_PARAMS_DIVERGING, compare_synthetic, make_grads  # noqa: E402
+
+
+@pytest.fixture
+def grads_l2():
+    return make_grads()
+
+
+@pytest.fixture
+def grads_pair():
+    """Two runs of rank 0; run b diverges on the attention weight from step 4."""
+    return make_grads(seed=1), make_grads(seed=2, diverge_param=GRAD_PARAMS_DIVERGING, diverge_at=4)
+
+
+@pytest.fixture
+def grads_cmp(grads_pair):
+    return compare_synthetic([grads_pair[0]], [grads_pair[1]])

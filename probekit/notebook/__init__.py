@@ -1,5 +1,34 @@
-"""The notebook layer: the only package of probekit that imports IPython and ipywidgets."""
+"""The notebook layer: the only package of probekit that imports IPython and ipywidgets.
+
+* ``%load_ext probekit``: the ``%%freebench`` cell magic and ``%freebench_config`` (``magics``)
+* ``FreeBenchPanel``, ``GradProbePanel``: config panels (``widgets``)
+* ``GradExplorer``: per-parameter view of grad-probe runs (``explorer``)
+* ``Findings``: the findings table the magic displays (``display``)
+* ``run_notebook``: execute a notebook headless and export HTML (``run``)
+"""
 from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "FreeBenchPanel": "widgets", "GradProbePanel": "widgets", "GradExplorer": "explorer",
+    "Findings": "display", "set_defaults": "magics", "get_defaults": "magics",
+    "run_notebook": "run",
+}
+__all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'probekit.notebook' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 def load_ipython_extension(ipython) -> None:

@@ -1,0 +1,351 @@
+"""matplotlib figures for both features. Headless: no IPython, no ipywidgets.
+
+Every function takes ``ax=None`` (a new figure is made through pyplot, so it shows inline in a
+notebook) or an existing Axes (nothing touches pyplot then), draws, and returns the Axes.
+
+Grad probe (datasets of ``probekit.open_grads`` / ``probekit.compare_grads``):
+
+* :func:`similarity` - direction similarity per parameter over steps, threshold line, flags
+* :func:`total_similarity` - element-weighted similarity per rank over steps, flags
+* :func:`interval_distribution` - share of elements per interval, a step x interval heatmap
+* :func:`grad_stats` - max / min / norm of one parameter's gradient over steps
+
+Free benchmark (``FreeBench.results`` or a DataFrame with its columns):
+
+* :func:`findings` - APIs ranked by max_rel / threshold
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+FLAG_COLOR = "#d62728"
+THRESHOLD_COLOR = "#7f7f7f"
+KIND_COLORS = {"nan_inf": "#7b1fa2", "sign_flip": "#d62728", "rel_error": "#ff7f0e",
+               "abs_error": "#1f77b4"}
+
+
+def _axes(ax, figsize):
+    if ax is not None:
+        return ax
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=figsize, layout="constrained")[1]
+
+
+def short_name(name: str, width: int = 36) -> str:
+    """``name`` cut in the middle to at most ``width`` characters (keeps prefix and suffix)."""
+    name = str(name)
+    if len(name) <= width:
+        return name
+    keep = width - 1
+    head = keep // 2
+    return name[:head] + "…" + name[len(name) - (keep - head):]
+
+
+def _one_rank(cmp, rank):
+    if "rank" not in cmp.dims:
+        return cmp, None
+    if rank is None:
+        rank = int(cmp["rank"].values[0])
+    if rank not in set(int(r) for r in cmp["rank"].values):
+        raise ValueError(f"rank {rank!r} is not in this comparison; accepted: "
+                         f"{', '.join(str(int(r)) for r in cmp['rank'].values)}")
+    return cmp.sel(rank=rank), rank
+
+
+def _params(ds, params):
+    names = [str(p) for p in ds["param"].values]
+    if params is None:
+        return names
+    params = [params] if isinstance(params, str) else list(params)
+    missing = [p for p in params if p not in names]
+    if missing:
+        raise ValueError(f"param {missing[0]!r} is not in this dataset; accepted: "
+                         f"{', '.join(names)}")
+    return params
+
+
+def _threshold_line(ax, value, label):
+    ax.axhline(value, color=THRESHOLD_COLOR, linestyle="--", linewidth=1, label=label, zorder=1)
+
+
+def _legend(ax, n, where="outside"):
+    """Legend right of the axes (``"outside"``, keeps long names off the data) or inside."""
+    if n <= 0:
+        return
+    if where == "outside":
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+                  frameon=False, borderaxespad=0)
+    else:
+        ax.legend(loc="best", fontsize="small", framealpha=0.8)
+
+
+def _step_ticks(ax, steps):
+    steps = np.asarray(steps)
+    if len(steps) <= 12 and len(steps):
+        ax.set_xticks(steps)
+
+
+def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
+               legend: str = "outside"):
+    """Direction similarity of each parameter over steps for one rank of a comparison.
+
+    A dashed line marks ``step0_threshold`` (0.97 by default), red crosses mark flagged
+    (step, param) points. With more than ``max_lines`` parameters (and ``params`` not given), the
+    flagged ones and the lowest ones are drawn, up to ``max_lines``.
+    """
+    ds, rank = _one_rank(cmp, rank)
+    ax = _axes(ax, (9, 4.2))
+    names = _params(ds, params)
+    sim = ds["similarity"]
+    flag = ds["flag"]
+    if params is None and len(names) > max_lines:
+        worst = sim.min("step").to_series()
+        flagged = flag.any("step").to_series()
+        order = sorted(names, key=lambda p: (not flagged[p], worst[p]))
+        names = [p for p in ds["param"].values if p in set(order[:max_lines])]
+    steps = ds["step"].values
+    for p in names:
+        ax.plot(steps, sim.sel(param=p).values, marker="o", markersize=3, linewidth=1.5,
+                label=short_name(p), gid=f"similarity:{p}")
+    fx, fy = [], []
+    for p in names:
+        f = flag.sel(param=p).values
+        fx.extend(steps[f])
+        fy.extend(sim.sel(param=p).values[f])
+    thr = float(cmp.attrs.get("step0_threshold", 0.97))
+    _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
+    if fx:
+        ax.scatter(fx, fy, marker="X", s=70, color=FLAG_COLOR, zorder=5,
+                   label=f"flagged ({len(fx)})", gid="flags")
+    lo = float(np.nanmin(sim.sel(param=names).values)) if names else thr
+    ax.set_ylim(min(lo, thr) - 0.02, 1.005)
+    _step_ticks(ax, steps)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("share of equal gradient signs")
+    title = "Gradient direction similarity per parameter"
+    ax.set_title(title + (f" (rank {rank})" if rank is not None else ""))
+    first = _first_flag(ds)
+    if first:
+        ax.text(0.01, 0.02, first, transform=ax.transAxes, fontsize="small", color=FLAG_COLOR,
+                va="bottom")
+    ax.grid(True, alpha=0.3)
+    _legend(ax, len(names), legend)
+    return ax
+
+
+def _first_flag(ds) -> str:
+    if "first_step" not in ds:
+        return ""
+    step = int(ds["first_step"].values)
+    if step < 0:
+        return ""
+    return f"first flag: step {step}, {short_name(str(ds['first_param'].values), 48)}"
+
+
+def total_similarity(cmp, *, rank=None, ax=None):
+    """Element-weighted direction similarity over steps, one line per rank, flags marked."""
+    ax = _axes(ax, (8, 3.6))
+    ranks = [rank] if rank is not None else [int(r) for r in cmp["rank"].values]
+    steps = cmp["step"].values
+    flagged = 0
+    for r in ranks:
+        ds, _ = _one_rank(cmp, r)
+        total = ds["total"].values
+        ax.plot(steps, total, marker="o", markersize=3, linewidth=1.8, label=f"rank {r}",
+                gid=f"total:{r}")
+        f = ds["flag_total"].values
+        if f.any():
+            ax.scatter(steps[f], total[f], marker="X", s=70, color=FLAG_COLOR, zorder=5,
+                       label="flagged" if not flagged else None, gid=f"flags:{r}")
+            flagged += int(f.sum())
+    thr = float(cmp.attrs.get("step0_threshold", 0.97))
+    _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
+    lo = float(np.nanmin(cmp["total"].sel(rank=ranks).values))
+    ax.set_ylim(min(lo, thr) - 0.02, 1.005)
+    _step_ticks(ax, steps)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("similarity (element-weighted)")
+    ax.set_title("Total gradient direction similarity")
+    ax.grid(True, alpha=0.3)
+    _legend(ax, len(ranks))
+    return ax
+
+
+def _flag_steps(ax, steps, flag_steps, *, label=True):
+    for i, s in enumerate(sorted(set(int(s) for s in flag_steps))):
+        ax.axvspan(s - 0.5, s + 0.5, color=FLAG_COLOR, alpha=0.12, linewidth=0,
+                   label="flagged step" if (label and i == 0) else None, gid=f"flagstep:{s}")
+
+
+def interval_distribution(ds, param: str, *, ax=None, flag_steps=(), cmap="viridis"):
+    """Share of ``param``'s gradient elements per ``bounds`` interval: rows are intervals
+    (lowest at the bottom), columns are steps; flagged steps are outlined in red."""
+    if "dist" not in ds:
+        raise ValueError(f"the interval distribution needs grad_level L2; this run is "
+                         f"{ds.attrs.get('level', '?')}")
+    _params(ds, param)
+    ax = _axes(ax, (8, 3.4))
+    data = ds["dist"].sel(param=param).transpose("interval", "step").values
+    steps = ds["step"].values
+    labels = [str(i) for i in ds["interval"].values]
+    image = ax.imshow(data, aspect="auto", origin="lower", cmap=cmap, vmin=0, vmax=1,
+                      extent=(-0.5, len(steps) - 0.5, -0.5, len(labels) - 0.5),
+                      interpolation="nearest")
+    image.set_gid("dist")
+    ax.set_yticks(range(len(labels)), labels)
+    ticks = range(len(steps)) if len(steps) <= 16 else np.linspace(0, len(steps) - 1, 9).astype(int)
+    ax.set_xticks(list(ticks), [str(int(steps[i])) for i in ticks])
+    if len(labels) * len(steps) <= 160:
+        for (i, j), v in np.ndenumerate(data):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                    color="white" if v < 0.55 else "black")
+    index = {int(s): i for i, s in enumerate(steps)}
+    from matplotlib.patches import Rectangle
+
+    for s in sorted(set(int(s) for s in flag_steps)):
+        if s in index:
+            ax.add_patch(Rectangle((index[s] - 0.5, -0.5), 1, len(labels), fill=False,
+                                   edgecolor=FLAG_COLOR, linewidth=2, gid=f"flagstep:{s}"))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("gradient value interval")
+    ax.set_title(f"Gradient value distribution: {short_name(param, 48)}")
+    ax.figure.colorbar(image, ax=ax, label="share of elements", fraction=0.05, pad=0.02)
+    return ax
+
+
+def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_steps=(),
+               legend: str = "outside"):
+    """``max``, ``min`` and ``norm`` of ``param``'s gradient over steps (flagged steps shaded)."""
+    _params(ds, param)
+    ax = _axes(ax, (8, 3.4))
+    steps = ds["step"].values
+    styles = {"max": ("#2ca02c", "^"), "min": ("#1f77b4", "v"), "norm": ("#000000", "o")}
+    for name in stats:
+        if name not in ds:
+            raise ValueError(f"stat {name!r} is not in this dataset; accepted: max, min, norm")
+        color, marker = styles.get(name, (None, "o"))
+        ax.plot(steps, ds[name].sel(param=param).values, color=color, marker=marker,
+                markersize=3, linewidth=1.5, label=name, gid=f"stat:{name}")
+    _flag_steps(ax, steps, flag_steps)
+    ax.axhline(0, color=THRESHOLD_COLOR, linewidth=0.8)
+    _step_ticks(ax, steps)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("gradient value")
+    shape = f" {ds['shape'].sel(param=param).values}" if "shape" in ds.coords else ""
+    ax.set_title(f"Gradient statistics: {short_name(param, 48)}{shape}")
+    ax.grid(True, alpha=0.3)
+    _legend(ax, len(stats), legend)
+    return ax
+
+
+# -- free benchmark ---------------------------------------------------------------------------
+
+#: what makes two findings "the same API call" across steps
+CALL_KEYS = ("api_name", "stage", "kind", "dtype", "shape", "output_index")
+
+
+def merged_findings(results):
+    """One row per API call (``CALL_KEYS``) over all steps, most severe first (the free
+    benchmark's own ``by_severity`` order): the worst row's values plus ``steps`` (sorted step
+    numbers) and ``count`` (rows merged)."""
+    import pandas as pd
+
+    from .freebench.results import by_severity
+
+    df = by_severity(_frame(results))
+    if df.empty:
+        return df.assign(steps=pd.Series(dtype=object), count=pd.Series(dtype="int64"))
+    keys = [k for k in CALL_KEYS if k in df]
+    rows = []
+    for _, group in df.groupby(keys, sort=False, dropna=False):
+        row = group.iloc[0].copy()
+        row["steps"] = sorted({int(s) for s in group["step"]})
+        row["count"] = len(group)
+        rows.append(row)
+    return pd.DataFrame(rows).reset_index(drop=True)
+
+
+def step_ranges(steps) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0–2, 5, 7–8"``."""
+    parts, steps = [], sorted(steps)
+    i = 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        parts.append(str(steps[i]) if i == j else f"{steps[i]}–{steps[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _steps_label(steps) -> str:
+    if list(steps) == [0]:
+        return ""
+    return f"  step{'s' if len(steps) > 1 else ''} {step_ranges(steps)}"
+
+
+def _frame(results):
+    import pandas as pd
+
+    if hasattr(results, "results") and not isinstance(results, pd.DataFrame):
+        results = results.results
+    if not isinstance(results, pd.DataFrame):
+        raise TypeError(f"expected a FreeBench or its results DataFrame, got "
+                        f"{type(results).__name__}")
+    return results
+
+
+def findings(results, *, ax=None, top: int = 15):
+    """Free-benchmark findings ranked by ``max_rel / threshold`` (log scale, 1 = threshold).
+
+    Rows of the same API call over several steps are merged (``merged_findings``: the worst is
+    drawn, its steps named). NaN/Inf findings are drawn as hatched bars at the right edge.
+    """
+    merged = merged_findings(results)
+    n_all = len(merged)
+    groups = [row for _, row in merged.head(top).iterrows()]
+    ax = _axes(ax, (9, 0.9 + 0.38 * max(len(groups), 2)))
+    if not groups:
+        ax.text(0.5, 0.5, "No findings: every checked output is within its threshold",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        ax.set_title("Free benchmark findings")
+        return ax
+    ratios = np.array([row["ratio"] for row in groups], dtype=float)
+    finite = ratios[np.isfinite(ratios) & (ratios > 0)]
+    right = max(float(finite.max()) if finite.size else 10.0, 2.0) * 3
+    left = min(float(finite.min()) if finite.size else 1.0, 1.0) / 3
+    y = np.arange(len(groups))[::-1]
+    seen_kinds = set()
+    for yi, row, r in zip(y, groups, ratios):
+        kind = row["kind"]
+        bad = not math.isfinite(r)
+        width = right if bad else max(r, left)
+        color = KIND_COLORS.get(kind, "#8c564b")
+        ax.barh(yi, width, height=0.6, left=0, color=color, hatch="//" if bad else None,
+                alpha=0.85, label=kind if kind not in seen_kinds else None,
+                gid=f"finding:{row['api_name']}")
+        seen_kinds.add(kind)
+        text = "NaN/Inf" if bad else (f"max_rel {float(row['max_rel']):.2g} vs "
+                                      f"{float(row['threshold']):.2g} "
+                                      f"({str(row['dtype']).removeprefix('torch.')})")
+        # label inside the bar when the bar is long (log position), else just right of it
+        inside = bad or math.log(width / left) > 0.6 * math.log(right * 1.5 / left)
+        ax.text(width * (0.85 if inside else 1.1), yi, text, va="center",
+                ha="right" if inside else "left", fontsize="small",
+                color="white" if inside else "black")
+    # API names carry the stage (….forward / ….backward); steps say when it was seen
+    labels = [short_name(row["api_name"], 40) + _steps_label(row["steps"]) for row in groups]
+    ax.set_yticks(y, labels)
+    ax.set_xscale("log")
+    ax.set_xlim(left, right * 1.5)
+    ax.axvline(1.0, color=THRESHOLD_COLOR, linestyle="--", linewidth=1, label="threshold")
+    ax.set_xlabel("max_rel / threshold (log scale; > 1 is flagged)")
+    more = f" (top {len(groups)} of {n_all})" if n_all > len(groups) else ""
+    ax.set_title(f"Free benchmark findings by severity{more}")
+    ax.grid(True, axis="x", alpha=0.3, which="both")
+    ax.legend(loc="lower right", fontsize="small")
+    return ax
