@@ -22,7 +22,9 @@ SHAPES = [(300, 400), (1000,), (64, 64, 5)]
 SERVER = textwrap.dedent("""
     import os, signal, sys, torch
     torch.set_num_threads(1)
+    import zarr  # imported once here, not in every forked recorder
     from probekit.grads import GradProbe
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)  # its first use imports dynamo
     SHAPES = %r
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     def grads(step):
