@@ -21,8 +21,9 @@ def main():
     gen = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(32, 8, generator=gen), torch.randn(32, 2, generator=gen)
     probe = probekit.GradProbe(ddp, level="L2", ranks=ranks, dump_path=dump_path).start()
-    bench = probekit.FreeBench(dump_path=dump_path, rank=ranks, pert_mode="improve_precision") \
-        if with_freebench else None
+    # a threshold so small that any upcast difference is a row: every checked rank writes rows
+    bench = probekit.FreeBench(dump_path=dump_path, rank=ranks, pert_mode="improve_precision",
+                               thresholds={"float32": 1e-12}) if with_freebench else None
     for _ in range(4):
         if bench is not None:
             bench.start()
@@ -34,7 +35,9 @@ def main():
             bench.stop()
             bench.step()
     probe.stop()
-    print(f"rank {rank} done steps={probe.steps_seen} world={dist.get_world_size()}", flush=True)
+    checked = bench.summary["checked"] if bench is not None else 0
+    print(f"rank {rank} done steps={probe.steps_seen} world={dist.get_world_size()} "
+          f"checked={checked}", flush=True)
     dist.destroy_process_group()
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from probekit.grads import compare_grads, open_grads
@@ -31,7 +32,8 @@ def torchrun(dump_path, ranks="", *extra):
 @pytest.mark.slow
 def test_grad_probe_under_torchrun(tmp_path):
     out = torchrun(tmp_path / "all")
-    assert "rank 0 done steps=4 world=2" in out and "rank 1 done steps=4 world=2" in out
+    assert "rank 0 done steps=4 world=2 checked=0" in out
+    assert "rank 1 done steps=4 world=2 checked=0" in out
     store = tmp_path / "all" / "grads.zarr"
     assert sorted(os.listdir(store)) == ["rank0", "rank1", "zarr.json"]
     r0, r1 = open_grads(store, rank=0), open_grads(store, rank=1)
@@ -44,4 +46,21 @@ def test_grad_probe_under_torchrun(tmp_path):
     assert cmp["rank"].values.tolist() == [0, 1]
     assert np.all(cmp["similarity"].values == 1.0)
     torchrun(tmp_path / "one", "1")
+    assert sorted(os.listdir(tmp_path / "one" / "grads.zarr")) == ["rank1", "zarr.json"]
+
+
+@pytest.mark.slow
+def test_both_probes_under_torchrun(tmp_path):
+    out = torchrun(tmp_path / "all", "", "freebench")
+    for r in (0, 1):
+        line = next(x for x in out.splitlines() if x.startswith(f"rank {r} done"))
+        assert int(line.split("checked=")[1]) > 10
+    rows = pd.read_csv(tmp_path / "all" / "free_benchmark.csv")
+    assert sorted(rows["rank"].unique().tolist()) == [0, 1]
+    assert sorted(rows["step"].unique().tolist()) == [0, 1, 2, 3]
+    assert sorted(os.listdir(tmp_path / "all" / "grads.zarr")) == ["rank0", "rank1", "zarr.json"]
+    out = torchrun(tmp_path / "one", "1", "freebench")
+    assert "rank 0 done steps=0 world=2 checked=0" in out
+    rows = pd.read_csv(tmp_path / "one" / "free_benchmark.csv")
+    assert rows["rank"].unique().tolist() == [1]
     assert sorted(os.listdir(tmp_path / "one" / "grads.zarr")) == ["rank1", "zarr.json"]
