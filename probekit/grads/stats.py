@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,7 +124,7 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         out.dist = np.full((p, len(bounds) + 1), np.nan)
     offsets = layout.offsets
     bounds_arr = np.asarray(bounds, dtype=np.float64)
-    device_jobs = []
+    device_jobs, cpu_jobs = [], []
     for i, g in enumerate(grads):
         if g is None:
             continue
@@ -135,10 +137,14 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         dir_view = (out.direction[offsets[i]:offsets[i] + padded_nbytes(layout.numels[i])]
                     if want_dir else None)
         if g.device.type == "cpu":
-            scratch = scratch or _Scratch()
-            _cpu_param(g, i, out, bounds_arr, level, hash_name, dir_view, scratch)
+            if not g.dtype.is_floating_point:
+                raise TypeError(f"gradient of {layout.names[i]!r} has dtype {g.dtype}, not a "
+                                "floating-point type")
+            cpu_jobs.append((i, g.detach().reshape(-1), dir_view))
         else:
             device_jobs.append((i, g, dir_view))
+    if cpu_jobs:
+        _cpu_params(cpu_jobs, out, bounds_arr, level, hash_name, scratch)
     if device_jobs:
         _device_params(device_jobs, out, bounds_arr, level, hash_name)
     return out
@@ -165,65 +171,149 @@ def _chunk_sumsq(a: np.ndarray, mx: float, mn: float) -> float:
     return total
 
 
-def _cpu_param(g, i, out: StepStats, bounds, level, hash_name, dir_view, s: _Scratch) -> None:
-    flat = g.detach().reshape(-1)
-    n = flat.numel()
-    native = flat.dtype in (torch.float32, torch.float64)
-    if not flat.dtype.is_floating_point:
-        raise TypeError(f"gradient dtype {flat.dtype} is not a floating-point type")
-    maxes, mins = [], []
-    sumsq = 0.0
-    counts = np.zeros(len(bounds), np.int64)
-    zeros = nans = 0
-    digest = hasher(hash_name) if level == "L0" else None
-    for start in range(0, n, CHUNK):
-        part = flat[start:start + CHUNK]
-        m = part.numel()
-        if native:
-            a = part.numpy()
-        else:  # float16/bfloat16: widen into the scratch buffer (exact)
-            part = s.f32[:m].copy_(part)
-            a = s.f32_np[:m]
-        lo, hi = torch.aminmax(part)
-        mx, mn = float(hi), float(lo)
-        maxes.append(mx)
-        mins.append(mn)
-        sumsq += _chunk_sumsq(a, mx, mn)
-        if digest is not None:
-            digest.update((a if a.dtype == np.float32 else a.astype(np.float32)).tobytes())
-        if dir_view is not None:
-            mask = np.greater(a, 0, out=s.mask[:m])
-            packed = np.packbits(mask)
-            dir_view[start // 8:start // 8 + packed.size] = packed
-        if level == "L2":
-            # A bound outside [min, max) of a NaN-free chunk needs no pass over the data, and
-            # ``x <= 0`` is the complement of the sign mask just built. Only bounds inside the
-            # chunk's range (and the zero count, when 0 is in range) cost a pass.
-            clean = not (math.isnan(mx) or math.isnan(mn))
-            if not clean:
-                nans += np.count_nonzero(np.isnan(a))
-            npos = None
-            for k, b in enumerate(bounds):
-                if clean and b >= mx:
-                    counts[k] += m
-                elif clean and b < mn:
-                    continue
-                elif clean and b == 0:
-                    npos = np.count_nonzero(s.mask[:m]) if npos is None else npos
-                    counts[k] += m - npos
-                else:
-                    counts[k] += np.count_nonzero(np.less_equal(a, b, out=s.mask2[:m]))
-            if not (clean and (mn > 0 or mx < 0)):
-                zeros += np.count_nonzero(np.equal(a, 0, out=s.mask2[:m]))
-    if n:
-        out.max[i] = np.max(maxes)
-        out.min[i] = np.min(mins)
-        out.norm[i] = np.sqrt(sumsq)
+def _chunk(part, start, native, level, bounds, dir_view, s: _Scratch, digest=None) -> tuple:
+    """Statistics of one chunk of a flat gradient: (max, min, sum of squares, ``<= bound``
+    counts, zeros, NaNs); its sign bits are packed into ``dir_view`` and ``digest`` updated."""
+    m = part.numel()
+    if native:
+        a = part.numpy()
+    else:  # float16/bfloat16: widen into the scratch buffer (exact)
+        part = s.f32[:m].copy_(part)
+        a = s.f32_np[:m]
+    lo, hi = torch.aminmax(part)
+    mx, mn = float(hi), float(lo)
+    sumsq = _chunk_sumsq(a, mx, mn)
     if digest is not None:
-        out.hash[i] = np.frombuffer(digest.digest(), np.uint8)
+        digest.update((a if a.dtype == np.float32 else a.astype(np.float32)).tobytes())
+    if dir_view is not None:
+        packed = np.packbits(np.greater(a, 0, out=s.mask[:m]))
+        dir_view[start // 8:start // 8 + packed.size] = packed
+    counts, zeros, nans = None, 0, 0
     if level == "L2":
-        out.zeros[i] = zeros / n if n else np.nan
-        out.dist[i] = _interval_shares(counts, nans, n)
+        # A bound outside [min, max) of a NaN-free chunk needs no pass over the data, and
+        # ``x <= 0`` is the complement of the sign mask just built. Only bounds inside the
+        # chunk's range (and the zero count, when 0 is in range) cost a pass.
+        counts = np.zeros(len(bounds), np.int64)
+        clean = not (math.isnan(mx) or math.isnan(mn))
+        if not clean:
+            nans = int(np.count_nonzero(np.isnan(a)))
+        npos = None
+        for k, b in enumerate(bounds):
+            if clean and b >= mx:
+                counts[k] = m
+            elif clean and b < mn:
+                continue
+            elif clean and b == 0:
+                npos = np.count_nonzero(s.mask[:m]) if npos is None else npos
+                counts[k] = m - npos
+            else:
+                counts[k] = np.count_nonzero(np.less_equal(a, b, out=s.mask2[:m]))
+        if not (clean and (mn > 0 or mx < 0)):
+            zeros = int(np.count_nonzero(np.equal(a, 0, out=s.mask2[:m])))
+    return mx, mn, sumsq, counts, zeros, nans
+
+
+def _run_units(units, jobs, level, bounds, hash_name, s: _Scratch | None) -> list:
+    """Partial statistics of work units: ``(job, start)`` is one chunk; ``(job, None)`` a whole
+    parameter (L0: its digest needs the chunks in order)."""
+    s = s or _thread_scratch()
+    results = []
+    for j, start in units:
+        _, flat, dir_view = jobs[j]
+        native = flat.dtype in (torch.float32, torch.float64)
+        if start is not None:
+            results.append((j, _chunk(flat[start:start + CHUNK], start, native, level, bounds,
+                                      dir_view, s), None))
+            continue
+        digest = hasher(hash_name) if level == "L0" else None
+        for st in range(0, flat.numel(), CHUNK):
+            results.append((j, _chunk(flat[st:st + CHUNK], st, native, level, bounds, dir_view,
+                                      s, digest), None))
+        results.append((j, None, digest.digest() if digest is not None else None))
+    return results
+
+
+_TLS = threading.local()
+_POOL = None
+_PARALLEL_MIN = 4 * CHUNK  # below this many elements a step is not worth splitting
+
+
+def _thread_scratch() -> _Scratch:
+    s = getattr(_TLS, "scratch", None)
+    if s is None:
+        s = _TLS.scratch = _Scratch()
+    return s
+
+
+def _workers(total: int) -> int:
+    """Threads for a step: as many as torch may use (the user's setting), at most 4."""
+    if total < _PARALLEL_MIN:
+        return 1
+    return max(1, min(4, torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def _split(units, sizes, k):
+    """``k`` contiguous groups of ``units`` with about equal numbers of elements."""
+    target = sum(sizes) / k
+    groups, cur, acc = [], [], 0.0
+    for u, n in zip(units, sizes):
+        cur.append(u)
+        acc += n
+        if acc >= target * (len(groups) + 1) and len(groups) < k - 1:
+            groups.append(cur)
+            cur = []
+    groups.append(cur)
+    return [g for g in groups if g]
+
+
+def _cpu_params(jobs, out: StepStats, bounds, level, hash_name, scratch) -> None:
+    """Statistics of CPU gradients ``jobs`` = [(param index, flat tensor, sign-bit view)].
+
+    Chunks are independent (each writes its own bytes of the sign bits), so a step is split
+    between up to ``torch.get_num_threads()`` threads; numpy and torch release the GIL in the
+    loops that matter. L0 keeps each parameter in one thread (its digest reads chunks in order).
+    """
+    units, sizes = [], []
+    for j, (_, flat, _) in enumerate(jobs):
+        n = flat.numel()
+        if level == "L0":
+            units.append((j, None))
+            sizes.append(n)
+        else:
+            for st in range(0, n, CHUNK):
+                units.append((j, st))
+                sizes.append(min(CHUNK, n - st))
+    k = _workers(sum(sizes))
+    if k > 1 and len(units) > 1:
+        global _POOL
+        if _POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="probekit-grads")
+        futures = [_POOL.submit(_run_units, g, jobs, level, bounds, hash_name, None)
+                   for g in _split(units, sizes, k)]
+        partials = [r for f in futures for r in f.result()]
+    else:
+        partials = _run_units(units, jobs, level, bounds, hash_name, scratch)
+    by_job: dict = {}
+    digests = {}
+    for j, part, digest in partials:
+        if part is None:
+            digests[j] = digest
+        else:
+            by_job.setdefault(j, []).append(part)
+    for j, parts in by_job.items():
+        i, flat, _ = jobs[j]
+        n = flat.numel()
+        out.max[i] = np.max([p[0] for p in parts])
+        out.min[i] = np.min([p[1] for p in parts])
+        out.norm[i] = np.sqrt(sum(p[2] for p in parts))
+        if level == "L2":
+            counts = np.sum([p[3] for p in parts], axis=0)
+            out.zeros[i] = sum(p[4] for p in parts) / n
+            out.dist[i] = _interval_shares(counts, sum(p[5] for p in parts), n)
+        if j in digests and digests[j] is not None:
+            out.hash[i] = np.frombuffer(digests[j], np.uint8)
 
 
 def _interval_shares(le_counts: np.ndarray, nans: int, n: int) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Exact statistics on small tensors, chunk boundaries, dtypes, accuracy and edge cases."""
 import hashlib
+import os
 
 import numpy as np
 import pytest
@@ -169,3 +170,29 @@ def test_size_mismatch_is_an_error():
     lay = Layout(("w",), (4,), ((4,),))
     with pytest.raises(ValueError, match="gradient of 'w' has 3 elements; the recording started with 4"):
         compute([g], lay, "L1", BOUNDS)
+
+
+@pytest.mark.parametrize("level", ["L0", "L1", "L2"])
+def test_threaded_split_equals_single_thread(monkeypatch, level):
+    """A step split across threads gives exactly the single-thread statistics."""
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(3 * CHUNK + 5, generator=gen), torch.randn(77, generator=gen),
+             torch.randn(CHUNK + 9, generator=gen).to(torch.bfloat16), None,
+             torch.randn(2 * CHUNK, generator=gen).double()]
+    grads[0][CHUNK + 3] = float("nan")
+    lay = Layout(tuple("abcde"), (3 * CHUNK + 5, 77, CHUNK + 9, 4, 2 * CHUNK),
+                 ((3 * CHUNK + 5,), (77,), (CHUNK + 9,), (4,), (2 * CHUNK,)))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = compute(grads, lay, level, (-1, 0, 0.5))
+        torch.set_num_threads(3)
+        monkeypatch.setattr(stats, "_PARALLEL_MIN", 0)
+        split = compute(grads, lay, level, (-1, 0, 0.5))
+    finally:
+        workers = stats._workers(10)
+        torch.set_num_threads(before)
+    assert workers == min(3, os.cpu_count())  # the split really ran on 3 threads
+    for name in ("present", "max", "min", "norm", "hash", "zeros", "dist", "direction"):
+        a, b = getattr(single, name), getattr(split, name)
+        assert (a is None and b is None) or np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), name
