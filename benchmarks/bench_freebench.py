@@ -69,7 +69,7 @@ def run_probekit(options: dict, repeats: int, warmup: int, dump: str) -> dict:
         plain.append(timed(step))
         runs.append(timed(probed))
     return {"plain": plain, "probed": runs, "rows": int(fb.summary["flagged"]),
-            "checked": int(fb.summary["checked"])}
+            "checked": int(fb.summary["checked"]), "warmup": warmup}
 
 
 def run_msprobe(python: str, options: dict, repeats: int, warmup: int, dump: str) -> dict | None:
@@ -90,7 +90,7 @@ def ratio(res: dict | None):
     pc, pw = medians(res["plain"])
     qc, qw = medians(res["probed"])
     return {"cpu": qc / pc, "wall": qw / pw, "plain_ms": pc * 1e3, "rows": res["rows"],
-            "checked": res.get("checked")}
+            "checked": res.get("checked"), "steps": len(res["probed"]) + res.get("warmup", 0)}
 
 
 def fmt(x, digits=2):
@@ -99,9 +99,9 @@ def fmt(x, digits=2):
 
 def table(results: list[dict]) -> str:
     lines = ["| configuration | probekit × plain (CPU) | probekit × plain (wall) | "
-             "msprobe × plain (CPU) | msprobe × plain (wall) | target | probekit rows | "
-             "msprobe rows |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "msprobe × plain (CPU) | msprobe × plain (wall) | target | probekit checked "
+             "calls/step | probekit rows | msprobe rows |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         p, m = r["probekit"], r["msprobe"]
         target = TARGETS.get(r["label"])
@@ -111,9 +111,12 @@ def table(results: list[dict]) -> str:
             ms = [f"crashed: {m['error'][:60]}", "", "n/a"]
         else:
             ms = [f"{fmt(m['cpu'])}×", f"{fmt(m['wall'])}×", str(m["rows"])]
+        per_step = (f"{p['checked'] / p['steps']:.0f}" if p.get("checked") is not None
+                    and p.get("steps") else "n/a")
         lines.append(
             f"| {r['label']} | {fmt(p['cpu'])}× | {fmt(p['wall'])}× | {ms[0]} | {ms[1]} | "
-            f"{'≤ ' + format(target, 'g') + '×' if target else ''} | {p['rows']} | {ms[2]} |")
+            f"{'≤ ' + format(target, 'g') + '×' if target else ''} | {per_step} | {p['rows']} | "
+            f"{ms[2]} |")
     return "\n".join(lines)
 
 

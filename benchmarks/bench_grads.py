@@ -73,23 +73,27 @@ def _wrap_msprobe_hook(timings: list) -> None:
         om._global_optimizer_pre_hooks[key] = timed
 
 
-def run_steps(tool: str, model, level: str, steps: int, dump: str, seed: int = 0) -> dict:
-    """Record ``steps`` optimizer steps; returns per-step hook seconds (flush included)."""
+def run_steps(tool: str, model, level: str, steps: int, dump: str, seed: int = 0,
+              hash_name: str = "md5") -> dict:
+    """Record ``steps`` optimizer steps. Returns the cost per step: the mean over the steps of
+    the hook time plus the writes (probekit buffers and writes its block on ``stop()``; msprobe
+    writes inside its hook), and the bytes the steps added on disk."""
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     if tool == "probekit":
         from probekit import GradProbe
 
         probe = GradProbe(model, optimizer=opt, level=level, dump_path=dump,
-                          flush_every=steps).start()
+                          hash=hash_name).start()
+        empty = du(dump)  # the store's fixed part (metadata), written once per run
         for s in range(steps):
             set_grads(model, seed + s)
             opt.step()
         t0 = time.perf_counter()
         probe.stop()
         flush = time.perf_counter() - t0
-        # the write of the block is shared by its steps
-        per_step = [h + flush / steps for h in probe.hook_seconds]
-        return {"hook_s": per_step, "flush_s": flush}
+        return {"hook_s": list(probe.hook_seconds),
+                "per_step_s": (sum(probe.hook_seconds) + flush) / steps,
+                "bytes_per_step": (du(dump) - empty) / steps, "fixed_bytes": empty}
     import torch.optim.optimizer as om
     from msprobe.pytorch import PrecisionDebugger
 
@@ -98,6 +102,7 @@ def run_steps(tool: str, model, level: str, steps: int, dump: str, seed: int = 0
     cfg = {"task": "grad_probe", "dump_path": dump, "rank": [], "step": [],
            "grad_probe": {"grad_level": level, "param_list": [], "bounds": [-1, 0, 1]}}
     cfg_path = os.path.join(os.path.dirname(dump), f"cfg_{os.path.basename(dump)}.json")
+    os.makedirs(os.path.dirname(dump), exist_ok=True)
     with open(cfg_path, "w") as fh:
         json.dump(cfg, fh)
     import logging
@@ -111,7 +116,8 @@ def run_steps(tool: str, model, level: str, steps: int, dump: str, seed: int = 0
         set_grads(model, seed + s)
         opt.step()
     om._global_optimizer_pre_hooks.clear()
-    return {"hook_s": timings}
+    return {"hook_s": timings, "per_step_s": sum(timings) / steps,
+            "bytes_per_step": du(dump) / steps, "fixed_bytes": 0}
 
 
 def cmd_hook(args) -> dict:
@@ -122,13 +128,15 @@ def cmd_hook(args) -> dict:
     read = read_time(model)
     tmp = tempfile.mkdtemp(prefix="bench_grads_")
     try:
-        dump = os.path.join(tmp, "dump")
-        res = run_steps(args.tool, model, args.level, args.steps, dump)
-        hook = statistics.median(res["hook_s"])
-        return {"tool": args.tool, "level": args.level, "params": nparams,
-                "n_tensors": len(list(model.parameters())), "read_s": read, "hook_s": hook,
-                "hook_over_read": hook / read, "steps": args.steps,
-                "bytes_per_step": du(dump) / args.steps, "all_hook_s": res["hook_s"]}
+        res = run_steps(args.tool, model, args.level, args.steps, os.path.join(tmp, "dump"),
+                        hash_name=args.hash)
+        return {"tool": args.tool, "level": args.level, "hash": args.hash, "params": nparams,
+                "n_tensors": len(list(model.parameters())), "read_s": read,
+                "hook_s": res["per_step_s"], "hook_over_read": res["per_step_s"] / read,
+                "compute_s": statistics.median(res["hook_s"]),
+                "compute_over_read": statistics.median(res["hook_s"]) / read,
+                "steps": args.steps, "bytes_per_step": res["bytes_per_step"],
+                "fixed_bytes": res["fixed_bytes"], "all_hook_s": res["hook_s"]}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -194,7 +202,8 @@ def main(argv=None) -> None:
         p.add_argument("--tool", choices=("probekit", "msprobe"), required=True)
         p.add_argument("--params", type=float, default=16.8, help="millions of parameters")
         p.add_argument("--level", default="L2")
-        p.add_argument("--steps", type=int, default=6)
+        p.add_argument("--steps", type=int, default=10)
+        p.add_argument("--hash", default="md5", choices=("md5", "xxh3"))
         p.add_argument("--repeats", type=int, default=5)
         p.add_argument("--workdir", default=None)
         p.add_argument("--out", required=True)

@@ -12,15 +12,18 @@ steps or parameters in Python.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..log import get_logger
+from .store import raw_direction
 
 log = get_logger(__name__)
 
 STEP0_THRESHOLD = 0.97
 DROP_THRESHOLD = 0.03
-_BLOCK_BYTES = 64 << 20
+_BLOCK_BYTES = 8 << 20  # sign bytes of one run per block (two runs' blocks are in memory)
 
 
 class GradCompareError(ValueError):
@@ -97,20 +100,64 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     if not same_layout:
         words_a, words_b = _word_index(a, pos_a), _word_index(b, pos_b)
     nwords = -(-numel_a // 64)
-    nonempty = nwords > 0
-    starts = np.concatenate([[0], np.cumsum(nwords)[:-1]])[nonempty]
+    word0 = np.concatenate([[0], np.cumsum(nwords)[:-1]]).astype(np.int64)
+    # Per-parameter sums of the per-word bit counts: a large parameter sums its own columns
+    # (numpy's reduce is far faster than reduceat over long segments); the small ones are
+    # gathered and summed with one reduceat.
+    big = np.flatnonzero(nwords >= 1024)
+    small = np.flatnonzero((nwords > 0) & (nwords < 1024))
+    small_cols = (np.concatenate([np.arange(word0[j], word0[j] + nwords[j]) for j in small])
+                  if small.size else np.zeros(0, np.int64))
+    small_starts = np.concatenate([[0], np.cumsum(nwords[small])[:-1]]).astype(np.int64)
     differ = np.zeros((steps.size, len(common)), np.int64)
     block = max(1, block_bytes // max(1, nbytes_a))
-    for s0 in range(0, steps.size, block):
+
+    def one_block(s0: int) -> None:
         ra, rb = rows_a[s0:s0 + block], rows_b[s0:s0 + block]
         wa = _read_rows(a["direction"], ra).view(np.uint64)
         wb = _read_rows(b["direction"], rb).view(np.uint64)
         if not same_layout:
             wa, wb = wa[:, words_a], wb[:, words_b]
+        count_block(s0, wa, wb)
+
+    def count_block(s0: int, wa, wb) -> None:
         bits = np.bitwise_count(np.bitwise_xor(wa, wb, out=wa))
-        if starts.size:
-            differ[s0:s0 + len(ra), nonempty] = np.add.reduceat(bits, starts, axis=1,
-                                                                dtype=np.int64)
+        rows = slice(s0, s0 + wa.shape[0])
+        if small.size:
+            differ[rows, small] = np.add.reduceat(bits[:, small_cols], small_starts, axis=1,
+                                                  dtype=np.int64)
+        for j in big:  # uint32 cannot overflow below 2**26 words (2**32 bits)
+            acc = np.uint32 if nwords[j] < 1 << 26 else np.int64
+            differ[rows, j] = bits[:, word0[j]:word0[j] + nwords[j]].sum(axis=1, dtype=acc)
+
+    blocks = range(0, steps.size, block)
+    raw_a, raw_b = raw_direction(a), raw_direction(b)
+    if raw_a is not None and raw_b is not None and not same_layout:
+        raw_a = raw_b = None
+    if raw_a is not None and raw_b is not None:
+        # straight from the chunk files into two buffers reused for every block
+        bufs = [np.empty((block, nbytes_a), np.uint8) for _ in range(2)]
+
+        def read_rows(raw, rows, buf):
+            if rows.size and np.all(np.diff(rows) == 1):
+                return raw.read(int(rows[0]), int(rows[-1]) + 1, out=buf[:rows.size])
+            return raw.read(int(rows.min()), int(rows.max()) + 1)[rows - rows.min()]
+
+        for s0 in blocks:
+            ra, rb = rows_a[s0:s0 + block], rows_b[s0:s0 + block]
+            wa = read_rows(raw_a, ra, bufs[0]).view(np.uint64)
+            wb = read_rows(raw_b, rb, bufs[1]).view(np.uint64)
+            count_block(s0, wa, wb)
+        blocks = ()
+    workers = min(len(blocks), os.cpu_count() or 1, 4)
+    if workers > 1:  # file reads and the numpy loops release the GIL: blocks in parallel
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="probekit-compare") as pool:
+            list(pool.map(one_block, blocks))
+    else:
+        for s0 in blocks:
+            one_block(s0)
     present = _present(a, rows_a, pos_a) & _present(b, rows_b, pos_b)
     numel = numel_a.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):

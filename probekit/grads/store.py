@@ -126,6 +126,13 @@ class GradWriter:
             "direction": "grad > 0 per element, numpy.packbits order (first element = most "
                          "significant bit), each param padded with 0 bits to 64-bit boundary",
         })
+        # the static coordinates once more as attributes: one JSON read gives them to readers
+        self.group.attrs.update({
+            "params": list(layout.names), "numels": [int(x) for x in layout.numels],
+            "shapes": [str(tuple(x)) for x in layout.shapes],
+            "offsets": [int(x) for x in layout.offsets] if level != "L0" else None,
+            "intervals": interval_labels(self.bounds) if level == "L2" else None,
+        })
         self._create_arrays()
         _write_commit(self.path, {"steps": 0, "format": FORMAT})
 
@@ -137,10 +144,13 @@ class GradWriter:
             arr[...] = np.asarray(values) if dtype is str else np.asarray(values, dtype=dtype)
         return arr
 
-    def _growing(self, name, tail, dims, dtype, chunks=None, compress=True):
-        kwargs = {} if compress else {"compressors": None}
+    def _growing(self, name, tail, dims, dtype, chunks=None):
+        # Uncompressed: sign bits are random, the statistics barely compress, and plain chunk
+        # files are read straight from disk (``read_plain``, ``RawChunks``).
+        kwargs = {"compressors": None}
+        # statistics: at most 16 steps per chunk, so a run's unfilled last chunk stays small
         return self.group.create_array(
-            name, shape=(0, *tail), chunks=chunks or (self.block, *tail), dtype=dtype,
+            name, shape=(0, *tail), chunks=chunks or (min(self.block, 16), *tail), dtype=dtype,
             dimension_names=dims, fill_value=0, **kwargs)
 
     def _create_arrays(self) -> None:
@@ -162,7 +172,7 @@ class GradWriter:
         else:
             self._static("offset", lay.offsets, ("param",), "int64")
             self.arrays["direction"] = self._growing("direction", (lay.nbytes,), ("step", "byte"),
-                                                     "uint8", self.dir_chunks, compress=False)
+                                                     "uint8", self.dir_chunks)
         if self.level == "L2":
             labels = interval_labels(self.bounds)
             self._static("interval", labels, ("interval",), str)
@@ -184,11 +194,14 @@ class GradWriter:
         n0, k = self.committed, len(rows)
         columns = {"step": np.array([s for s, _ in rows], np.int64)}
         for name in self.arrays:
-            if name != "step":
+            if name not in ("step", "direction"):
                 columns[name] = np.stack([getattr(st, name) for _, st in rows])
-        for name, arr in self.arrays.items():
-            arr.resize((n0 + k, *arr.shape[1:]))
-            arr[n0:n0 + k] = columns[name]
+        if "direction" in self.arrays:  # the bulk: chunk files written directly (RawChunks)
+            write_raw_rows(os.path.join(self.path, "direction"), self.dir_chunks, n0,
+                           [st.direction for _, st in rows], self.layout.nbytes)
+            columns["direction"] = None  # only its shape (metadata) changes
+        _grow_and_write([(arr, (n0 + k, *arr.shape[1:]), n0, columns[name])
+                         for name, arr in self.arrays.items()])
         self.committed = n0 + k
         _write_commit(self.path, {"steps": self.committed, "format": FORMAT,
                                   "last_step": int(columns["step"][-1])})
@@ -231,39 +244,56 @@ def open_rank(store: str, rank: int, chunks=None):
         raise GradStoreError(f"{store!r} has no group for rank {rank}; ranks stored: "
                              f"{store_ranks(store)}")
     n = read_commit(group_path)["steps"]
-    group = zarr.open_group(group_path, mode="r", zarr_format=3)
-    attrs = dict(group.attrs)
     # Look members up by path rather than listing the group (the listing would meet commit.json)
-    names = {name for name in ("step", "param", "numel", "shape", "offset", "interval",
+    names = [name for name in ("step", "param", "numel", "shape", "offset", "interval",
                                "present", "max", "min", "norm", "zeros", "dist", "direction",
                                "hash") if os.path.isfile(os.path.join(group_path, name,
-                                                                     "zarr.json"))}
+                                                                     "zarr.json"))]
+    lazy = set() if chunks is None else {k for k in names if k not in ("step", "hash")}
+    attrs = _group_attrs(group_path)
+    eager, meta = {}, {}
+    static = {"param": "params", "numel": "numels", "shape": "shapes", "offset": "offsets",
+              "interval": "intervals"}
+    for name in names:
+        if name in static and attrs.get(static[name]) is not None:
+            eager[name] = np.asarray(attrs[static[name]])
+            meta[name] = ("interval",) if name == "interval" else ("param",)
+        elif name not in lazy and name != "direction":
+            plain = read_plain(os.path.join(group_path, name), n)
+            if plain is not None:
+                meta[name], eager[name] = plain
+    rest = [k for k in names if k not in eager and k not in lazy and k != "direction"]
+    if rest:  # arrays stored another way (compressed, other writer): through Zarr
+        _, m2, e2 = _fetch(group_path, rest, n)
+        meta.update(m2)
+        eager.update(e2)
+    for k in static.values():
+        attrs.pop(k, None)
+    group = zarr.open_group(group_path, mode="r", zarr_format=3) if lazy else None
 
     def load(name, lazy_ok=True):
-        arr = group[name]
-        dims = tuple(arr.metadata.dimension_names)
         if name == "direction":
+            dims = ("step", "byte")
             raw = RawChunks.open(os.path.join(group_path, name), n)
             if raw is not None:
                 if chunks is not None and lazy_ok:
                     import dask.array as dsa
 
-                    return dims, dsa.from_array(raw, chunks=_dask_chunks(arr, dims, chunks),
-                                                asarray=False)
+                    return dims, dsa.from_array(raw, chunks=_dask_chunks(
+                        group[name], dims, chunks), asarray=False)
                 return dims, _lazy(raw)
+            data = zarr.open_array(os.path.join(group_path, name), mode="r")[:n]
+            return dims, data
+        if name in eager:
+            return meta[name], eager[name]
+        arr = group[name]
+        dims = tuple(arr.metadata.dimension_names)
         if dims and dims[0] == "step":
-            if arr.shape[0] < n:
-                raise GradStoreError(f"{group_path}/{name}: {arr.shape[0]} steps stored but "
-                                     f"{n} committed; the store is damaged")
-            if chunks is not None and lazy_ok:
-                import dask.array as dsa
+            _check_rows(arr.shape[0], n, group_path, name)
+            import dask.array as dsa
 
-                data = dsa.from_array(arr, chunks=_dask_chunks(arr, dims, chunks))[:n]
-            else:
-                data = arr[:n]
-        else:
-            data = arr[...]
-        return dims, data
+            return dims, dsa.from_array(arr, chunks=_dask_chunks(arr, dims, chunks))[:n]
+        return dims, arr[...]
 
     coords = {"step": load("step", lazy_ok=False)}
     for name in ("param", "numel", "shape", "offset", "interval"):
@@ -282,6 +312,68 @@ def open_rank(store: str, rank: int, chunks=None):
     attrs["rank"] = int(rank)
     attrs["committed_steps"] = n
     return xr.Dataset(data_vars, coords=coords, attrs=_clean_attrs(attrs))
+
+
+def _grow_and_write(updates) -> None:
+    """Resize every array of a flush, then write its new rows: all in one round trip through
+    Zarr's event loop (one ``sync`` call per phase instead of two per array)."""
+    try:
+        import asyncio
+
+        from zarr.core.sync import sync
+    except ImportError:  # pragma: no cover - another zarr layout: one array at a time
+        for arr, shape, n0, data in updates:
+            arr.resize(shape)
+            if data is not None:
+                arr[n0:shape[0]] = data
+        return
+
+    async def run():
+        await asyncio.gather(*(arr.async_array.resize(shape) for arr, shape, _, _ in updates))
+        await asyncio.gather(*(arr.async_array.setitem(slice(n0, shape[0]), data)
+                               for arr, shape, n0, data in updates if data is not None))
+
+    sync(run())
+
+
+def _atomic_write(path: str, data, pad: int = 0) -> None:
+    tmp = f"{path}.{os.getpid()}.partial"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        if pad:
+            fh.write(bytes(pad))
+    os.replace(tmp, path)
+
+
+def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int) -> None:
+    """Write ``rows`` (1-D uint8 arrays of ``ncols`` bytes) as rows ``n0...`` of an
+    uncompressed Zarr v3 array whose chunks are ``chunks`` = (rows, cols), chunk file by chunk
+    file: the C-order bytes of the whole chunk (unfilled rows/cols = 0, the fill value), each
+    written to a temporary file and renamed, as Zarr's own LocalStore does. A chunk that already
+    holds rows below ``n0`` is read back first, so those rows are kept."""
+    cr, cc = chunks
+    ncol_chunks = -(-ncols // cc)
+    k = len(rows)
+    for i in range(n0 // cr, (n0 + k - 1) // cr + 1):
+        folder = os.path.join(array_path, "c", str(i))
+        os.makedirs(folder, exist_ok=True)
+        r0, r1 = i * cr, (i + 1) * cr
+        if cr == 1:  # one step per chunk (large models): write the row's pieces as they are
+            row = rows[r0 - n0]
+            for j in range(ncol_chunks):
+                piece = row[j * cc:(j + 1) * cc]
+                _atomic_write(os.path.join(folder, str(j)), piece,
+                              pad=cc - piece.size)
+            continue
+        block = np.zeros((cr, ncol_chunks * cc), np.uint8)
+        if r0 < n0:  # a chunk begun by an earlier flush
+            block[:, :ncols] = RawChunks(array_path, (r1, ncols), chunks, "uint8", 0, r1)[
+                r0:r1, 0:ncols]
+        for r in range(max(r0, n0), min(r1, n0 + k)):
+            block[r - r0, :ncols] = rows[r - n0]
+        for j in range(ncol_chunks):
+            _atomic_write(os.path.join(folder, str(j)),
+                          np.ascontiguousarray(block[:, j * cc:(j + 1) * cc]))
 
 
 class RawChunks:
@@ -328,9 +420,18 @@ class RawChunks:
             None, None, None)
         if r0 is None or c0 is None or rs != 1 or cs != 1:
             raise IndexError(f"RawChunks supports unit-step slices only, got {key!r}")
-        out = np.empty((max(0, r1 - r0), max(0, c1 - c0)), self.dtype)
+        return self.read(r0, r1, c0, c1)
+
+    def read(self, r0: int, r1: int, c0: int = 0, c1: int | None = None, out=None):
+        """Rows ``r0:r1``, columns ``c0:c1``; into ``out`` when given (a buffer reused across
+        calls reads faster: fresh memory costs a page fault per page)."""
+        c1 = self.shape[1] if c1 is None else c1
+        shape = (max(0, r1 - r0), max(0, c1 - c0))
+        out = np.empty(shape, self.dtype) if out is None else out
+        if out.shape != shape:
+            raise ValueError(f"out has shape {out.shape}, expected {shape}")
         cr, cc = self.chunk_shape
-        buf = np.empty(cr * cc, self.dtype)
+        buf = None
         for i in range(r0 // cr, -(-r1 // cr) if r1 > r0 else r0 // cr):
             for j in range(c0 // cc, -(-c1 // cc) if c1 > c0 else c0 // cc):
                 rows = slice(max(r0, i * cr), min(r1, (i + 1) * cr))
@@ -338,20 +439,38 @@ class RawChunks:
                 dest = out[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0]
                 path = os.path.join(self.path, "c", str(i), str(j))
                 whole = dest.shape == (cr, cc) and dest.flags.c_contiguous
+                if not whole and buf is None:
+                    buf = np.empty(cr * cc, self.dtype)
                 try:
                     with open(path, "rb", buffering=0) as fh:
                         got = fh.readinto(dest if whole else buf)
                 except FileNotFoundError:
                     dest[...] = self.fill
                     continue
-                if got != buf.size:
-                    raise GradStoreError(f"{path}: {got} bytes, expected {buf.size}")
+                if got != cr * cc:
+                    raise GradStoreError(f"{path}: {got} bytes, expected {cr * cc}")
                 if whole:
                     continue
                 chunk = buf.reshape(cr, cc)
                 dest[...] = chunk[rows.start - i * cr:rows.stop - i * cr,
                                   cols.start - j * cc:cols.stop - j * cc]
         return out
+
+
+def raw_direction(ds):
+    """The ``RawChunks`` behind ``ds["direction"]`` when it is exactly as ``open_grads``
+    returned it (no selection applied since), else None: lets the comparison read rows
+    straight into reusable buffers."""
+    from xarray.core import indexing
+
+    data = getattr(ds["direction"].variable, "_data", None)
+    if not isinstance(data, indexing.LazilyIndexedArray):
+        return None
+    backend = getattr(data, "array", None)
+    raw = getattr(backend, "arr", None)
+    full = tuple(data.key.tuple) == (slice(None), slice(None))
+    return raw if isinstance(raw, RawChunks) and full and raw.shape == ds["direction"].shape \
+        else None
 
 
 def _lazy(raw: "RawChunks"):
@@ -382,6 +501,99 @@ def _lazy(raw: "RawChunks"):
             return self.arr[rows, cols]
 
     return indexing.LazilyIndexedArray(_Backend(raw))
+
+
+def _group_attrs(group_path: str) -> dict:
+    with open(os.path.join(group_path, "zarr.json"), encoding="utf-8") as fh:
+        return dict(json.load(fh).get("attributes", {}))
+
+
+_PLAIN_DTYPES = {"bool": np.bool_, "uint8": np.uint8, "int64": np.int64, "float64": np.float64}
+
+
+def read_plain(array_path: str, n: int):
+    """(dimension names, the first ``n`` rows) of an uncompressed Zarr v3 array chunked along its
+    first dimension only, read straight from its chunk files; None for any other layout."""
+    try:
+        with open(os.path.join(array_path, "zarr.json"), encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except OSError:
+        return None
+    codecs = meta.get("codecs", [])
+    dtype = _PLAIN_DTYPES.get(meta.get("data_type"))
+    shape = meta.get("shape", [])
+    grid = meta.get("chunk_grid", {})
+    key_enc = meta.get("chunk_key_encoding", {})
+    if (dtype is None or [c.get("name") for c in codecs] != ["bytes"]
+            or codecs[0].get("configuration", {}).get("endian", "little") != "little"
+            or grid.get("name") != "regular" or key_enc.get("name") != "default"
+            or key_enc.get("configuration", {}).get("separator", "/") != "/"
+            or not shape):
+        return None
+    chunk = grid["configuration"]["chunk_shape"]
+    if list(chunk[1:]) != list(shape[1:]):
+        return None
+    _check_rows(shape[0], n, os.path.dirname(array_path), os.path.basename(array_path))
+    cr, tail = chunk[0], tuple(shape[1:])
+    out = np.empty((n, *tail), dtype=np.dtype(dtype).newbyteorder("<"))
+    per_chunk = cr * int(np.prod(tail, dtype=np.int64)) * out.dtype.itemsize
+    zero_idx = "/".join("0" for _ in tail)
+    for i in range(-(-n // cr)):
+        rows = out[i * cr:min(n, (i + 1) * cr)]
+        name = f"c/{i}/{zero_idx}" if tail else f"c/{i}"
+        try:
+            with open(os.path.join(array_path, name), "rb") as fh:
+                raw = fh.read()
+        except FileNotFoundError:
+            rows[...] = meta.get("fill_value", 0)
+            continue
+        if len(raw) != per_chunk:
+            raise GradStoreError(f"{array_path}/{name}: {len(raw)} bytes, expected {per_chunk}")
+        rows[...] = np.frombuffer(raw, out.dtype).reshape(cr, *tail)[:rows.shape[0]]
+    return tuple(meta.get("dimension_names") or ()), out.astype(dtype, copy=False)
+
+
+def _check_rows(stored: int, n: int, group_path: str, name: str) -> None:
+    if stored < n:
+        raise GradStoreError(f"{group_path}/{name}: {stored} steps stored but {n} committed; "
+                             "the store is damaged")
+
+
+def _fetch(group_path: str, names, n: int):
+    """Group attributes, dimension names and the committed data of ``names``, read in one
+    round trip through Zarr's event loop (metadata of all arrays together, then all data)."""
+    import asyncio
+
+    import zarr
+
+    try:
+        from zarr.api.asynchronous import open_group
+        from zarr.core.sync import sync
+    except ImportError:  # pragma: no cover - another zarr layout: one array at a time
+        group = zarr.open_group(group_path, mode="r", zarr_format=3)
+        meta = {k: tuple(group[k].metadata.dimension_names) for k in names}
+        data = {}
+        for k in names:
+            arr = group[k]
+            step_dim = meta[k] and meta[k][0] == "step"
+            if step_dim:
+                _check_rows(arr.shape[0], n, group_path, k)
+            data[k] = arr[:n] if step_dim else arr[...]
+        return dict(group.attrs), meta, data
+
+    async def run():
+        group = await open_group(group_path, mode="r", zarr_format=3)
+        arrays = await asyncio.gather(*(group.getitem(k) for k in names))
+        meta = {k: tuple(a.metadata.dimension_names) for k, a in zip(names, arrays)}
+        for k, a in zip(names, arrays):
+            if meta[k] and meta[k][0] == "step":
+                _check_rows(a.shape[0], n, group_path, k)
+        values = await asyncio.gather(*(
+            a.getitem(slice(0, n) if meta[k] and meta[k][0] == "step" else ...)
+            for k, a in zip(names, arrays)))
+        return dict(group.attrs), meta, {k: np.asarray(v) for k, v in zip(names, values)}
+
+    return sync(run())
 
 
 def _dask_chunks(arr, dims, chunks):
