@@ -35,12 +35,7 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'probekit' has no attribute {name!r}")
-    try:
-        value = getattr(importlib.import_module(module), name)
-    except (ModuleNotFoundError, AttributeError) as exc:
-        if isinstance(exc, ModuleNotFoundError) and exc.name and not module.startswith(exc.name):
-            raise
-        raise NotImplementedError(f"probekit.{name} is not implemented in this version") from None
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -18,7 +18,9 @@ class SimilarityFigure:
         self.params = [str(p) for p in r["param"].values]
         self.t0 = float(r.attrs.get("step0_threshold", 0.97))
         self.rank = int(r["rank"].item()) if "rank" in r.coords else 0
-        self.fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+        # fixed margins: a layout engine would lay the figure out again at every savefig
+        self.fig = Figure(figsize=(width, height), dpi=dpi)
+        self.fig.subplots_adjust(left=0.11, right=0.98, top=0.9, bottom=0.14)
         FigureCanvasAgg(self.fig)
         ax = self.ax = self.fig.add_subplot()
         (self.line,) = ax.plot([], [], marker="o", markersize=3, lw=1.5, color="C0",
@@ -32,7 +34,7 @@ class SimilarityFigure:
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("sign similarity")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower left", fontsize=8)
+        self.legend = ax.legend(loc="best", fontsize=8)
         x0 = self.steps.min() if self.steps.size else 0
         x1 = self.steps.max() if self.steps.size else 1
         ax.set_xlim(x0 - 0.5, x1 + 0.5)

@@ -38,14 +38,14 @@ HASH_DESCRIPTION = {
     "md5": "md5 of the gradient as C-order float32 bytes (msprobe's MD5 column)",
     "xxh3": "xxh3_128 of the gradient as C-order float32 bytes",
 }
-_TARGET_CHUNK_BYTES = 4 << 20
+_TARGET_CHUNK_BYTES = 1 << 20
 _MAX_BUFFER_BYTES = 256 << 20
 
 
 def direction_chunks(nbytes: int, flush_every: int) -> tuple[int, int, int]:
     """(steps per chunk, bytes per chunk, steps per flush) for ``nbytes`` of signs per step.
 
-    Chunks hold about 4 MiB: several steps of a small model, or one step split in near-equal
+    Chunks hold about 1 MiB: several steps of a small model, or one step split in near-equal
     parts for a large one (so edge chunks waste at most a few bytes). An unfilled last chunk
     wastes at most one chunk per run, since the direction array is stored uncompressed. The
     flush block is a multiple of the steps per chunk, and its buffer stays under 256 MiB.
