@@ -42,7 +42,7 @@ def is_grad_dump(path: str) -> bool:
     return os.path.isdir(path) and bool(grad_dump_ranks(path))
 
 
-def _parse_number(text: str):
+def parse_number(text: str):
     text = text.strip()
     try:
         return int(text)
@@ -51,7 +51,7 @@ def _parse_number(text: str):
 
 
 def _bounds_from_labels(labels: list[str]) -> tuple:
-    bounds = [_parse_number(lab[1:-1].split(",")[1]) for lab in labels[:-1]]
+    bounds = [parse_number(lab[1:-1].split(",")[1]) for lab in labels[:-1]]
     if interval_labels(bounds) != labels:
         raise MsprobeDumpError(f"interval columns {labels} do not follow msprobe's pattern")
     return tuple(bounds)

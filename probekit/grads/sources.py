@@ -26,12 +26,18 @@ def load_runs(source, *, chunks=None) -> dict:
     path = os.fspath(source)
     if not os.path.isdir(path):
         raise GradStoreError(f"grad run: {path!r} is not a folder")
+    ranks, reader = _rank_reader(path, chunks)
+    return {r: reader(r) for r in ranks}
+
+
+def _rank_reader(path: str, chunks):
+    """(ranks recorded at ``path``, a function reading one of them): msprobe dump or our store."""
     from ..compat import msprobe
 
-    if msprobe.is_grad_dump(path):
-        return {r: msprobe.read_grad_dump(path, r) for r in msprobe.grad_dump_ranks(path)}
+    if os.path.isdir(path) and msprobe.is_grad_dump(path):
+        return msprobe.grad_dump_ranks(path), lambda r: msprobe.read_grad_dump(path, r)
     store = find_store(path)
-    return {r: open_rank(store, r, chunks=chunks) for r in store_ranks(store)}
+    return store_ranks(store), lambda r: open_rank(store, r, chunks=chunks)
 
 
 def open_grads(path, rank=None, chunks=None):
@@ -47,15 +53,7 @@ def open_grads(path, rank=None, chunks=None):
     ``interval``.
     """
     path = os.fspath(path)
-    from ..compat import msprobe
-
-    if os.path.isdir(path) and msprobe.is_grad_dump(path):
-        ranks = msprobe.grad_dump_ranks(path)
-        reader = lambda r: msprobe.read_grad_dump(path, r)  # noqa: E731
-    else:
-        store = find_store(path)
-        ranks = store_ranks(store)
-        reader = lambda r: open_rank(store, r, chunks=chunks)  # noqa: E731
+    ranks, reader = _rank_reader(path, chunks)
     if rank is None:
         if len(ranks) != 1:
             raise GradStoreError(f"{path!r} holds ranks {ranks}; pass rank= one of them")

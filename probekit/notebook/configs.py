@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 
+from ..compat.msprobe import parse_number
 from ..config import Config, ConfigError, FreeBenchmarkConfig, GradProbeConfig, load_config
 
 #: "free_benchmark.thresholds.float16: ..." -> whole key "free_benchmark.thresholds.float16",
@@ -35,29 +36,22 @@ def split(text: str) -> list:
     return [v for v in re.split(r"[,\s]+", text.strip()) if v]
 
 
+def _parse_list(key: str, text: str, convert, accepted: str) -> list:
+    try:
+        return [convert(v) for v in split(text)]
+    except ValueError:
+        raise ConfigError(f"{key}: {text!r} is not valid; accepted: {accepted}") from None
+
+
 def parse_ints(key: str, text: str) -> list:
     """Comma-separated integers (``rank``/``step``); ``ConfigError`` naming ``key`` otherwise."""
-    try:
-        return [int(v) for v in split(text)]
-    except ValueError:
-        raise ConfigError(f"{key}: {text!r} is not valid; accepted: integers >= 0 separated by "
-                          f"commas (empty = all)") from None
+    return _parse_list(key, text, int, "integers >= 0 separated by commas (empty = all)")
 
 
 def parse_numbers(key: str, text: str) -> list:
     """Comma-separated numbers (``bounds``), ints kept as ints; ``ConfigError`` otherwise."""
-    try:
-        return [_number(v) for v in split(text)]
-    except ValueError:
-        raise ConfigError(f"{key}: {text!r} is not valid; accepted: numbers in ascending order "
-                          f"separated by commas, e.g. -1, 0, 1") from None
-
-
-def _number(text: str):
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
+    return _parse_list(key, text, parse_number,
+                       "numbers in ascending order separated by commas, e.g. -1, 0, 1")
 
 
 def error_key(message: str) -> tuple:
