@@ -15,32 +15,13 @@ import os
 
 import torch
 
-from ..config import Config, ConfigError, FreeBenchmarkConfig, load_config, make_config
+from ..config import Config, config_for
 from ..dist import get_rank, rank_selected
 from ..log import ensure_handler, get_logger
 from . import results as _results
 from .intercept import Engine, make_mode
 
 log = get_logger("probekit.freebench")
-
-
-def resolve_config(config=None, **options) -> Config:
-    """A validated ``Config`` (task free_benchmark) from any accepted form plus keyword options."""
-    if config is None:
-        return make_config("free_benchmark", **options)
-    if isinstance(config, FreeBenchmarkConfig):
-        cfg = Config(task="free_benchmark", free_benchmark=config)
-    elif isinstance(config, Config):
-        cfg = config
-    elif isinstance(config, (str, os.PathLike)):
-        cfg = load_config(config)
-    else:
-        raise ConfigError(f"config: {config!r} is not valid; accepted: a probekit Config, a "
-                          "FreeBenchmarkConfig, a path to config.json, or None")
-    if cfg.task != "free_benchmark":
-        raise ConfigError(f"task: {cfg.task!r} is not valid for FreeBench; accepted: "
-                          "'free_benchmark'")
-    return cfg.replace(**options) if options else cfg
 
 
 class FreeBench:
@@ -53,7 +34,7 @@ class FreeBench:
 
     def __init__(self, config=None, **options) -> None:
         ensure_handler()
-        self.config: Config = resolve_config(config, **options)
+        self.config: Config = config_for("free_benchmark", config, **options)
         self._rows: list[dict] = []
         self._sink = _results.CsvSink(self.config.dump_path)
         self._engine = Engine(self.config, self._emit, get_rank())

@@ -17,9 +17,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..config import THRESHOLD_KEYS, Config, ConfigError, make_config
+from ..config import THRESHOLD_KEYS, Config, ConfigError, config_for, make_config
 from ..log import ROOT as LOGGER
-from .configs import as_config, describe, error_key, parse_ints
+from .configs import describe, parse_ints
 from .display import Findings
 
 TASK = "free_benchmark"
@@ -116,8 +116,8 @@ def changes_from_args(args) -> dict:
 def usage_error(exc: ConfigError, source: str | None = None) -> UsageError:
     """A ``UsageError`` whose message names the magic option behind the config key."""
     message = str(exc)
-    key, field = error_key(message)
-    source = source or _KEY_OPTIONS.get(field)
+    key = exc.key or ""
+    source = source or _KEY_OPTIONS.get(exc.field)
     if not source:
         return UsageError(message)
     if key and message.startswith(key + ":"):
@@ -137,7 +137,7 @@ class FreeBenchMagics(Magics):
     def build_config(self, args) -> Config:
         if args.config:
             try:
-                base = as_config(args.config, TASK)
+                base = config_for(TASK, args.config)
             except ConfigError as exc:
                 raise usage_error(exc, "--config") from None
         else:
@@ -286,7 +286,7 @@ def set_defaults(config, shell=None) -> Config:
     """Make ``config`` (Config, FreeBenchmarkConfig or path) the defaults of ``%%freebench``
     (registers the magics if ``%load_ext probekit`` was not run yet). ``None`` clears them."""
     magics = register(_shell(shell))
-    magics.defaults = None if config is None else as_config(config, TASK)
+    magics.defaults = None if config is None else config_for(TASK, config)
     return magics.defaults
 
 

@@ -19,8 +19,8 @@ import ipywidgets as w
 
 from ..config import (FUZZ_DEVICES, FUZZ_LEVELS, FUZZ_STAGES, GRAD_LEVELS, HANDLER_TYPES,
                       HASH_ALGORITHMS, PERT_MODES, THRESHOLD_KEYS, Config, ConfigError,
-                      make_config)
-from .configs import as_config, describe, error_key, parse_ints, parse_numbers
+                      config_for)
+from .configs import describe, parse_ints, parse_numbers
 
 #: enumerated keys -> accepted values (the config module's own tuples)
 CHOICES = {"pert_mode": PERT_MODES, "handler_type": HANDLER_TYPES, "fuzz_stage": FUZZ_STAGES,
@@ -102,7 +102,7 @@ class ConfigPanel(w.VBox):
 
     # -- building --------------------------------------------------------------------------
     def _initial(self, config) -> Config:
-        return make_config(self.TASK) if config is None else as_config(config, self.TASK)
+        return config_for(self.TASK, config)
 
     def _json_values(self, config: Config) -> dict:
         data = config.to_dict()
@@ -172,7 +172,7 @@ class ConfigPanel(w.VBox):
         try:
             config = self.config
         except ConfigError as exc:
-            self._show_error(str(exc))
+            self._show_error(str(exc), exc.field)
             return None
         self._show_error("")
         self.preview.value = (f"<pre style='margin:0;font-size:11px'>"
@@ -183,9 +183,8 @@ class ConfigPanel(w.VBox):
             self._status("pending", "✓ valid, not applied yet: press Apply")
         return config
 
-    def _show_error(self, message: str) -> None:
+    def _show_error(self, message: str, key: str | None = None) -> None:
         self.error = message
-        key = error_key(message)[1]
         key = "list" if key == "api_list" else key
         self.error_key = key if key in self.controls else ""
         for name, control in self.controls.items():

@@ -40,8 +40,11 @@ def test_config_forms(tmp_path):
                                 "free_benchmark": {"pert_mode": "change_value"}}))
     fb = FreeBench(str(path), handler_type="check")
     assert fb.config.free_benchmark.pert_mode == "change_value" and fb.config.dump_path == d
-    with pytest.raises(ConfigError, match="task"):
-        FreeBench(make_config("grad_probe", dump_path=d))
+    # a config written for the grad probe: its common keys and its free_benchmark section apply
+    other = make_config("grad_probe", dump_path=d, rank=[0], grad_level="L2")
+    switched = FreeBench(other).config
+    assert (switched.task, switched.dump_path, switched.rank) == ("free_benchmark", d, (0,))
+    assert switched.free_benchmark == FreeBenchmarkConfig()
     with pytest.raises(ConfigError):
         FreeBench(dump_path=d, pert_mode="to_cpu")            # needs fuzz_device cpu
     with pytest.raises(ConfigError):
