@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cli import command
+from ..commands import command
 
 
 def _declare_compare(p):
