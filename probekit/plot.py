@@ -88,11 +88,18 @@ def _step_ticks(ax, steps):
         ax.set_xticks(steps)
 
 
+def _step0_threshold(cmp) -> float:
+    """The comparison's step-0 threshold (its attribute; the comparison's default otherwise)."""
+    from .grads.compare import STEP0_THRESHOLD
+
+    return float(cmp.attrs.get("step0_threshold", STEP0_THRESHOLD))
+
+
 def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
                legend: str = "outside"):
     """Direction similarity of each parameter over steps for one rank of a comparison.
 
-    A dashed line marks ``step0_threshold`` (0.97 by default), red crosses mark flagged
+    A dashed line marks the comparison's ``step0_threshold``, red crosses mark flagged
     (step, param) points. With more than ``max_lines`` parameters (and ``params`` not given), the
     flagged ones and the lowest ones are drawn, up to ``max_lines``.
     """
@@ -115,7 +122,7 @@ def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
         f = flag.sel(param=p).values
         fx.extend(steps[f])
         fy.extend(sim.sel(param=p).values[f])
-    thr = float(cmp.attrs.get("step0_threshold", 0.97))
+    thr = _step0_threshold(cmp)
     _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
     if fx:
         ax.scatter(fx, fy, marker="X", s=70, color=FLAG_COLOR, zorder=5,
@@ -161,7 +168,7 @@ def total_similarity(cmp, *, rank=None, ax=None):
             ax.scatter(steps[f], total[f], marker="X", s=70, color=FLAG_COLOR, zorder=5,
                        label="flagged" if not flagged else None, gid=f"flags:{r}")
             flagged += int(f.sum())
-    thr = float(cmp.attrs.get("step0_threshold", 0.97))
+    thr = _step0_threshold(cmp)
     _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
     lo = float(np.nanmin(cmp["total"].sel(rank=ranks).values))
     ax.set_ylim(min(lo, thr) - 0.02, 1.005)
