@@ -36,8 +36,9 @@ def main():
             bench.step()
     probe.stop()
     checked = bench.summary["checked"] if bench is not None else 0
-    print(f"rank {rank} done steps={probe.steps_seen} world={dist.get_world_size()} "
-          f"checked={checked}", flush=True)
+    # one write() of less than PIPE_BUF bytes: the two ranks' lines never interleave
+    os.write(1, f"rank {rank} done steps={probe.steps_seen} world={dist.get_world_size()} "
+                f"checked={checked}\n".encode())
     dist.destroy_process_group()
 
 
