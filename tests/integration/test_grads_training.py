@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -110,13 +111,18 @@ def test_filters_steps_params_and_hooks_removed(tmp_path):
 
 def test_old_keyword_spellings_warn_and_still_work(tmp_path):
     model = make_model()
-    with pytest.warns(DeprecationWarning, match=r"GradProbe\(level=\.\.\.\) is deprecated; use grad_level="):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         old = GradProbe(model, level="L2", steps=(0, 2), ranks=[0], dump_path=str(tmp_path))
+    assert [(w.category, str(w.message).split(";")[0]) for w in caught] == [
+        (DeprecationWarning, f"GradProbe({k}=...) is deprecated") for k in ("level", "steps",
+                                                                            "ranks")]
     new = GradProbe(model, grad_level="L2", step=[0, 2], rank=[0], dump_path=str(tmp_path))
     assert old.config == new.config
     assert (new.config.grad_probe.grad_level, new.config.step, new.config.rank) == \
         ("L2", (0, 2), (0,))
-    with pytest.raises(TypeError, match="steps= and step= were both given"):
+    with pytest.raises(TypeError, match="steps= and step= were both given"), \
+            pytest.warns(DeprecationWarning):
         GradProbe(model, steps=[1], step=[1], dump_path=str(tmp_path))
     cfg = probekit.make_config("grad_probe", dump_path=str(tmp_path), grad_level="L0")
     assert GradProbe(model, config=cfg, bounds=[0]).config == cfg.replace(bounds=[0])
