@@ -250,59 +250,12 @@ def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_st
 
 # -- free benchmark ---------------------------------------------------------------------------
 
-#: what makes two findings "the same API call" across steps
-CALL_KEYS = ("api_name", "stage", "kind", "dtype", "shape", "output_index")
-
-
-def merged_findings(results):
-    """One row per API call (``CALL_KEYS``) over all steps, most severe first (the free
-    benchmark's own ``by_severity`` order): the worst row's values plus ``steps`` (sorted step
-    numbers) and ``count`` (rows merged)."""
-    import pandas as pd
-
-    from .freebench.results import by_severity
-
-    df = by_severity(_frame(results))
-    if df.empty:
-        return df.assign(steps=pd.Series(dtype=object), count=pd.Series(dtype="int64"))
-    keys = [k for k in CALL_KEYS if k in df]
-    rows = []
-    for _, group in df.groupby(keys, sort=False, dropna=False):
-        row = group.iloc[0].copy()
-        row["steps"] = sorted({int(s) for s in group["step"]})
-        row["count"] = len(group)
-        rows.append(row)
-    return pd.DataFrame(rows).reset_index(drop=True)
-
-
-def step_ranges(steps) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0–2, 5, 7–8"``."""
-    parts, steps = [], sorted(steps)
-    i = 0
-    while i < len(steps):
-        j = i
-        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
-            j += 1
-        parts.append(str(steps[i]) if i == j else f"{steps[i]}–{steps[j]}")
-        i = j + 1
-    return ", ".join(parts)
-
-
 def _steps_label(steps) -> str:
+    from .freebench.view import step_ranges
+
     if list(steps) == [0]:
         return ""
     return f"  step{'s' if len(steps) > 1 else ''} {step_ranges(steps)}"
-
-
-def _frame(results):
-    import pandas as pd
-
-    if hasattr(results, "results") and not isinstance(results, pd.DataFrame):
-        results = results.results
-    if not isinstance(results, pd.DataFrame):
-        raise TypeError(f"expected a FreeBench or its results DataFrame, got "
-                        f"{type(results).__name__}")
-    return results
 
 
 def findings(results, *, ax=None, top: int = 15):
@@ -311,6 +264,8 @@ def findings(results, *, ax=None, top: int = 15):
     Rows of the same API call over several steps are merged (``merged_findings``: the worst is
     drawn, its steps named). NaN/Inf findings are drawn as hatched bars at the right edge.
     """
+    from .freebench.view import merged_findings
+
     merged = merged_findings(results)
     n_all = len(merged)
     groups = [row for _, row in merged.head(top).iterrows()]

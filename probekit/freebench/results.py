@@ -1,4 +1,5 @@
-"""Findings: the row layout, the CSV they are appended to, and their DataFrame/HTML views.
+"""Findings: the row layout, the CSV they are appended to, and their DataFrame (rendered by
+``view.py``).
 
 The first nine columns are msprobe's ``free_benchmark.csv`` columns, in its order; probekit adds
 ``kind`` (nan_inf, sign_flip, rel_error, abs_error), ``max_abs``, ``threshold``, ``ratio``
@@ -7,7 +8,6 @@ The first nine columns are msprobe's ``free_benchmark.csv`` columns, in its orde
 from __future__ import annotations
 
 import csv
-import html
 import io
 import os
 
@@ -123,21 +123,3 @@ def by_severity(df):
     order = df["kind"].map(KIND_ORDER).fillna(3)
     return (df.assign(_o=order, _r=-df["ratio"]).sort_values(["_o", "_r"], kind="stable")
             .drop(columns=["_o", "_r"]))
-
-
-def summary_line(summary: dict) -> str:
-    skipped = sum(summary["skipped"].values())
-    return (f"free benchmark: {summary['flagged']} finding(s); {summary['checked']} call(s) "
-            f"checked, {skipped} skipped, {summary['calls']} seen over {summary['steps']} step(s)")
-
-
-def to_html(df, summary: dict, max_rows: int = 50) -> str:
-    """HTML table of the findings by severity, under a one-line summary."""
-    head = f"<p><b>probekit</b> {html.escape(summary_line(summary))}</p>"
-    if df.empty:
-        return head
-    shown = by_severity(df).head(max_rows)
-    table = shown.to_html(index=False, escape=True, float_format=lambda v: f"{v:.4g}")
-    more = len(df) - len(shown)
-    tail = f"<p>... {more} more row(s)</p>" if more > 0 else ""
-    return head + table + tail

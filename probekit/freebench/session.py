@@ -20,6 +20,7 @@ from ..dist import get_rank, rank_selected
 from ..log import ensure_handler, get_logger
 from . import results as _results
 from .intercept import Engine, make_mode
+from .view import Findings, summary_line
 
 log = get_logger("probekit.freebench")
 
@@ -150,14 +151,14 @@ class FreeBench:
             else self._sink.path
 
     def _repr_html_(self) -> str:
-        return _results.to_html(self.results, self.summary)
+        return Findings.of(self)._repr_html_()
 
     def __repr__(self) -> str:
         fb = self.config.free_benchmark
         state = "active" if self.active else ("closed" if self._closed else "stopped")
         return (f"FreeBench(pert_mode={fb.pert_mode!r}, handler_type={fb.handler_type!r}, "
                 f"fuzz_stage={fb.fuzz_stage!r}, {state}; "
-                f"{_results.summary_line(self.summary)})")
+                f"{summary_line(self.summary)})")
 
 
 def open_session(config: Config) -> FreeBench:

@@ -239,7 +239,8 @@ def findings_png(bench_or_results, top: int = 25) -> bytes:
     """The findings chart as PNG bytes (no pyplot state involved)."""
     from matplotlib.figure import Figure
 
-    from ..plot import findings, merged_findings
+    from ..freebench.view import merged_findings
+    from ..plot import findings
 
     n = min(len(merged_findings(bench_or_results)), top)       # one bar per API call
     fig = Figure(figsize=(9, 0.9 + 0.38 * max(n, 2)), layout="constrained")

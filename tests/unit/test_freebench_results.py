@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from probekit.freebench import COLUMNS, FreeBench, results
+from probekit.freebench.view import Findings
 
 
 def row(**kw):
@@ -76,10 +77,10 @@ def test_severity_order_and_html():
     df = results.frame(rows)
     assert results.by_severity(df)["api_name"].tolist() == ["b", "d", "c", "a"]
     summary = {"calls": 10, "checked": 4, "skipped": {"view": 6}, "flagged": 4, "steps": 1}
-    html = results.to_html(df, summary)
+    html = Findings(df, summary)._repr_html_()
     assert html.index(">b<") < html.index(">d<") < html.index(">c<") < html.index(">a<")
-    assert "4 finding(s); 4 call(s) checked, 6 skipped, 10 seen over 1 step(s)" in html
-    assert results.to_html(results.frame([]), summary).count("<table") == 0
+    assert "10 calls seen · 4 checked · 6 skipped (view 6) · 4 flagged · 1 step" in html
+    assert Findings(results.frame([]), summary)._repr_html_().count("<table") == 0
 
 
 def test_session_writes_rows_as_found_even_without_process_group(tmp_path):

@@ -256,7 +256,11 @@ def test_summary_and_repr(tmp_path):
         cancellation()
     fb.step()
     assert fb.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1}
-    assert "1 finding(s)" in repr(fb) and "stopped" in repr(fb)
+    assert repr(fb) == ("FreeBench(pert_mode='bit_noise', handler_type='check', fuzz_stage="
+                        "'forward', stopped; 1 call seen · 1 checked · 0 skipped · 1 flagged · "
+                        "1 step)")
+    html = fb._repr_html_()          # the same findings view as the notebook's, one row
+    assert "⚠ 1 finding in 1 API call" in html and html.count("<tr class=") == 1
 
 
 def test_other_modes_see_only_the_users_calls(tmp_path):
