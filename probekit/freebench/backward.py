@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import handlers, perturb
-from .intercept import _no_autocast, modes_off
+from .guards import modes_off, no_autocast
 from .metric import compare_many, floor_for
 from .names import call_site
 
@@ -124,7 +124,7 @@ class _BackwardCheck:
                 p_leaves[i] = x
                 p_in.append(x)
             pa, pkw = perturb.unflatten(p_leaves, self.spec)
-            with _no_autocast(e.upcast_mode):
+            with no_autocast(e.upcast_mode):
                 yp = self._output(self.func(*pa, **pkw))
             gp_out = g.to(dtype=yp.dtype, device=yp.device)
             if pert.post is not None:

@@ -8,7 +8,6 @@ internally (``F.layer_norm`` -> ``torch.layer_norm``) and probekit's own re-runs
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -19,6 +18,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
 from . import handlers, perturb
+from .backward import watch
+from .guards import modes_off, no_autocast
 from .metric import compare_many, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
 from .preheat import Preheat
@@ -36,35 +37,6 @@ EXTRA_REASONS = {
 
 def _reason_text(reason: str) -> str:
     return REASONS.get(reason) or EXTRA_REASONS.get(reason) or reason
-
-
-@contextlib.contextmanager
-def _no_autocast(enabled: bool):
-    """Disable autocast (so an upcast re-run really computes in the upcast dtype)."""
-    with contextlib.ExitStack() as stack:
-        if enabled:
-            for dev in ("cpu", "cuda"):
-                try:
-                    on = torch.is_autocast_enabled(dev)
-                except (TypeError, RuntimeError):
-                    on = False
-                if on:
-                    stack.enter_context(torch.autocast(dev, enabled=False))
-        yield
-
-
-@contextlib.contextmanager
-def modes_off():
-    """Pop every TorchFunctionMode of this thread while probekit works, so that no mode (ours or
-    one the user entered, e.g. a FLOP counter) sees the re-runs; restored in ``finally``."""
-    popped = []
-    try:
-        while torch._C._len_torch_function_stack():
-            popped.append(torch._C._pop_torch_function_stack())
-        yield
-    finally:
-        for mode in reversed(popped):
-            torch._C._push_on_torch_function_stack(mode)
 
 
 class _Mode(TorchFunctionMode):
@@ -238,8 +210,6 @@ class Engine:
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
         if self.stage == "backward":
-            from .backward import watch
-
             return watch(self, call, key, name, func, leaves, spec, frame)
         return self._check_forward(call, key, name, func, leaves, spec, frame)
 
@@ -271,7 +241,7 @@ class Engine:
         out = func(*call.args, **call.kwargs)
         self.busy = True
         try:
-            with modes_off(), torch.no_grad(), _no_autocast(self.upcast_mode):
+            with modes_off(), torch.no_grad(), no_autocast(self.upcast_mode):
                 self._compare_rerun(call, key, name, func, leaves, spec, frame, out)
         except perturb.Cancel as exc:
             self.cancelled(key, name, str(exc))
@@ -332,7 +302,7 @@ class Engine:
             with modes_off():
                 pert = perturb.apply(self.mode_name, call, leaves, spec)
                 self.applied(key, name)
-                with _no_autocast(True):
+                with no_autocast(True):
                     p_out = func(*pert.args, **pert.kwargs)
                 floats = [x for x in leaves if perturb.is_float(x)]
                 back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
