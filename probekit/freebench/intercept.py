@@ -92,7 +92,7 @@ class Engine:
         self.upcast_mode = fb.pert_mode in ("improve_precision", "to_cpu")
         classifier = Classifier()
         self.classify = classifier
-        self.cache = classifier._cache
+        self.cache = classifier.cache
         # scope: exact names (stage suffix optional); list: substrings of the API key
         self.scope_ids = {self._strip_stage(s) for s in fb.scope}
         self.scope_keys = {s.rsplit(".", 1)[0] for s in self.scope_ids}
@@ -163,6 +163,13 @@ class Engine:
         handles, self.handles = self.handles, []
         for h in handles:
             h.remove()
+
+    def stopped(self) -> None:
+        """The session stopped intercepting: pending backward hooks removed, per-call state reset
+        (an exception inside a check or an optimizer step may have left it set)."""
+        self.remove_hooks()
+        self.in_optimizer = 0
+        self.busy = False
 
     # -- logging -------------------------------------------------------------------------------
     def note_skip(self, reason: str, key: str, name: str) -> None:

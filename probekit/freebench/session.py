@@ -97,9 +97,7 @@ class FreeBench:
             handles, self._opt_handles = self._opt_handles, []
             for h in handles:
                 h.remove()
-            self._engine.remove_hooks()
-            self._engine.in_optimizer = 0
-            self._engine.busy = False
+            self._engine.stopped()
 
     def step(self) -> None:
         """End of a training step: per-API counters reset, the step number grows by one."""

@@ -195,7 +195,7 @@ def test_rank_filter(tmp_path, monkeypatch):
     with GradProbe(model, rank=[0], dump_path=str(tmp_path)) as probe:
         train(model, steps=2)
     assert not os.path.exists(tmp_path / "grads.zarr")
-    assert probe.steps_seen == 0
+    assert probe.steps_seen == 0 and not probe.has_store
 
 
 def test_compare_distributed_layout_and_csv(tmp_path):
