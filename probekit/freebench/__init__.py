@@ -4,9 +4,9 @@
 Modules: ``names`` (API naming/classification), ``intercept`` (the TorchFunctionMode),
 ``perturb`` (perturbations), ``metric`` (error metric), ``handlers`` (thresholds, check/fix),
 ``preheat`` (sampling rule), ``backward`` (gradient checks), ``results`` (CSV, DataFrame, HTML),
-``session`` (``FreeBench``).
+``bench`` (``FreeBench``).
 """
 from .results import COLUMNS
-from .session import FreeBench, open_session
+from .bench import FreeBench, open_session
 
 __all__ = ["FreeBench", "open_session", "COLUMNS"]

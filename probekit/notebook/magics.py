@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..config import THRESHOLD_KEYS, Config, ConfigError, config_for, make_config
 from ..log import ROOT as LOGGER
-from .configs import describe, parse_ints
+from .forms import describe, parse_ints
 from .display import Findings
 
 TASK = "free_benchmark"

@@ -20,7 +20,7 @@ import ipywidgets as w
 from ..config import (FUZZ_DEVICES, FUZZ_LEVELS, FUZZ_STAGES, GRAD_LEVELS, HANDLER_TYPES,
                       HASH_ALGORITHMS, PERT_MODES, THRESHOLD_KEYS, Config, ConfigError,
                       config_for)
-from .configs import describe, parse_ints, parse_numbers
+from .forms import describe, parse_ints, parse_numbers
 
 #: enumerated keys -> accepted values (the config module's own tuples)
 CHOICES = {"pert_mode": PERT_MODES, "handler_type": HANDLER_TYPES, "fuzz_stage": FUZZ_STAGES,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import probekit
 from probekit.config import ConfigError, FreeBenchmarkConfig, make_config
 from probekit.freebench import FreeBench, perturb
-from probekit.freebench.session import open_session
+from probekit.freebench.bench import open_session
 
 
 A, B = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
