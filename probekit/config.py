@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .freebench.modes import FIX_PERT_MODES, MODES, PERT_MODES
 from .log import get_logger
 
 log = get_logger(__name__)
@@ -26,9 +27,7 @@ TASKS = ("free_benchmark", "grad_probe")
 #: msprobe tasks probekit does not implement (their sections are accepted in a config and ignored)
 MSPROBE_OTHER_TASKS = ("statistics", "tensor", "overflow_check", "run_ut")
 LEVELS = ("L0", "L1", "L2", "mix")
-PERT_MODES = ("improve_precision", "bit_noise", "add_noise", "change_value", "no_change", "to_cpu")
 HANDLER_TYPES = ("check", "fix")
-FIX_PERT_MODES = ("improve_precision", "to_cpu")
 FUZZ_STAGES = ("forward", "backward")
 FUZZ_DEVICES = ("npu", "cpu")
 FUZZ_LEVELS = ("L1",)
@@ -119,16 +118,19 @@ class FreeBenchmarkConfig:
                 f"free_benchmark.scope {list(self.scope)!r} and free_benchmark.list "
                 f"{list(self.api_list)!r} were both given; accepted: one of them (or neither)",
                 key=s + "scope", value=list(self.scope), accepted="one of scope, list (or neither)")
-        if self.pert_mode == "to_cpu" and self.fuzz_device != "cpu":
+        needs = MODES[self.pert_mode].fuzz_device
+        if needs != "npu" and self.fuzz_device != needs:
             raise ConfigError(
                 f"free_benchmark.fuzz_device: {self.fuzz_device!r} is not valid with pert_mode "
-                f"'to_cpu'; accepted: 'cpu'", key=s + "fuzz_device", value=self.fuzz_device,
-                accepted="'cpu'")
-        if self.fuzz_device == "cpu" and self.pert_mode != "to_cpu":
+                f"{self.pert_mode!r}; accepted: {needs!r}", key=s + "fuzz_device",
+                value=self.fuzz_device, accepted=repr(needs))
+        if self.fuzz_device != "npu" and needs != self.fuzz_device:
+            fitting = ", ".join(repr(n) for n, m in MODES.items()
+                                if m.fuzz_device == self.fuzz_device)
             raise ConfigError(
                 f"free_benchmark.pert_mode: {self.pert_mode!r} is not valid with fuzz_device "
-                f"'cpu'; accepted: 'to_cpu'", key=s + "pert_mode", value=self.pert_mode,
-                accepted="'to_cpu'")
+                f"{self.fuzz_device!r}; accepted: {fitting}", key=s + "pert_mode",
+                value=self.pert_mode, accepted=fitting)
         if self.handler_type == "fix" and self.pert_mode not in FIX_PERT_MODES:
             raise ConfigError(
                 f"free_benchmark.pert_mode: {self.pert_mode!r} is not valid with handler_type "

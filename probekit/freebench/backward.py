@@ -134,7 +134,7 @@ class _BackwardCheck:
         for i, gr, gq in zip(self.diff, g_ref, g_pert):
             if gr is None or gq is None:
                 continue
-            if mode == "change_value" and i in pert.replaced and gq.dim() >= 1:
+            if e.mode.swap_back and i in pert.replaced and gq.dim() >= 1:
                 gq = perturb.swap_last(gq)
             items.append((i, gr))
             pairs.append((gr, gq, floor_for(gr.dtype)))

@@ -20,6 +20,7 @@ from ..log import Once, get_logger
 from . import handlers, perturb
 from .backward import watch
 from .guards import modes_off, no_autocast
+from .modes import MODES
 from .metric import compare_many, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
 from .preheat import Preheat
@@ -89,7 +90,8 @@ class Engine:
         self.mode_name = fb.pert_mode
         self.stage = fb.fuzz_stage
         self.fix = fb.handler_type == "fix"
-        self.upcast_mode = fb.pert_mode in ("improve_precision", "to_cpu")
+        self.mode = MODES[fb.pert_mode]
+        self.upcast_mode = self.mode.upcast
         classifier = Classifier()
         self.classify = classifier
         self.cache = classifier.cache
@@ -313,10 +315,7 @@ class Engine:
                     p_out = func(*pert.args, **pert.kwargs)
                 floats = [x for x in leaves if perturb.is_float(x)]
                 back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
-                target = pert.in_dtype
-                if self.mode_name == "to_cpu":
-                    target = torch.float32 if back in perturb.LOW_PRECISION else None
-                out = handlers.cast_back(p_out, target, back, floats[0].device)
+                out = handlers.cast_back(p_out, pert.in_dtype, back, floats[0].device)
             self.checked += 1
             return out
         except perturb.Cancel as exc:

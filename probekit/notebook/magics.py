@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..config import THRESHOLD_KEYS, Config, ConfigError, config_for, make_config
+from ..config import FIX_PERT_MODES, PERT_MODES, THRESHOLD_KEYS, Config, ConfigError, config_for, make_config
 from ..log import ROOT as LOGGER
 from .forms import describe, parse_ints
 from .display import Findings
@@ -40,10 +40,9 @@ def _config_options(func):
     """The options shared by ``%%freebench`` and ``%freebench_config``."""
     decorators = [
         argument("--pert-mode", metavar="MODE",
-                 help="perturbation: improve_precision, bit_noise, add_noise, change_value, "
-                      "no_change, to_cpu"),
+                 help=f"perturbation: {', '.join(PERT_MODES)}"),
         argument("--handler", metavar="TYPE", help="check (record findings) or fix (use the "
-                 "improved output; improve_precision and to_cpu only)"),
+                 f"improved output; {' and '.join(FIX_PERT_MODES)} only)"),
         argument("--stage", metavar="STAGE", help="forward or backward"),
         argument("--device", metavar="DEVICE", help="npu (perturb in place) or cpu (to_cpu)"),
         argument("--scope", action="append", metavar="NAMES",
