@@ -25,6 +25,7 @@ _LAZY = {
     "open_grads": "probekit.grads",
     "compare_grads": "probekit.grads",
     "GradComparator": "probekit.grads",
+    "suspects": "probekit.grads",
 }
 
 __all__ = ["__version__", "Config", "ConfigError", "FreeBenchmarkConfig", "GradProbeConfig",
