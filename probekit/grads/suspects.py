@@ -2,8 +2,9 @@
 
 ``suspects(cmp, model=None)`` takes what ``compare_grads`` returns and gives one row per module
 that owns a flagged parameter: the module's earliest flagged step (over its parameters and the
-ranks), the lowest similarity among its parameters flagged at that step, and those parameters.
-Rows are ranked by that step (earliest first), then by that similarity (lowest first). The same
+ranks), the module's similarity at that step (element-weighted over its parameters) and its
+parameters flagged then. Rows are ranked by that step (earliest first), then by that similarity
+(lowest first). The same
 is reachable as ``cmp.probekit.suspects()`` (an xarray Dataset accessor registered on import).
 
 A parameter's module is its name without the last dotted component
@@ -46,9 +47,11 @@ def suspects(cmp, model=None, top: int | None = None):
     """Modules owning flagged parameters, ranked (earliest flagged step, then lowest similarity).
 
     ``cmp``: a ``compare_grads`` result; ``model``: optional ``nn.Module`` to check names against.
-    Returns a pandas DataFrame with ``COLUMNS``: ``module``, ``step`` (its earliest flagged step),
-    ``similarity`` (lowest similarity of its parameters flagged at that step), ``params`` (those
-    parameters, lowest similarity first) and ``rank``; ``top`` keeps the first rows.
+    Returns a pandas DataFrame with ``COLUMNS``: ``module``, ``step`` (its earliest flagged step,
+    over its parameters and the ranks), ``similarity`` (the module's sign similarity at that step:
+    over all its parameters, element-weighted, so a 4-element bias does not outweigh its
+    weight matrix), ``params`` (its parameters flagged at that step, lowest similarity first)
+    and ``rank``; ``top`` keeps the first rows.
     """
     import pandas as pd
 
@@ -56,33 +59,32 @@ def suspects(cmp, model=None, top: int | None = None):
     if "rank" not in cmp.dims:
         cmp = cmp.expand_dims(rank=[0])
     params = [str(p) for p in cmp["param"].values]
-    owner = [param_module(p, modules) for p in params]
+    owner = np.array([param_module(p, modules) for p in params], dtype=object)
+    numel = (np.asarray(cmp["numel"].values, np.float64) if "numel" in cmp.coords
+             else np.ones(len(params)))
+    if numel.ndim > 1:   # concatenated ranks carry numel per rank; the sizes are the same
+        numel = numel.max(axis=0)
     steps = np.asarray(cmp["step"].values)
-    best: dict[str, tuple] = {}     # module -> (step, similarity, rank, [(sim, param)])
+    rows = []
     for r in cmp["rank"].values:
         sub = cmp.sel(rank=r)
         flag = np.asarray(sub["flag"].transpose("step", "param").values, bool)
         sim = np.asarray(sub["similarity"].transpose("step", "param").values, np.float64)
-        for j in np.flatnonzero(flag.any(axis=0)):
-            i = int(np.argmax(flag[:, j]))
-            key = (int(steps[i]), _nan_high(sim[i, j]), int(r))
-            mod = owner[j]
-            cur = best.get(mod)
-            if cur is not None and key[0] == cur[0] and key[2] == cur[2]:
-                cur[3].append((sim[i, j], params[j]))     # same step and rank: one more param
-                best[mod] = (key[0], min(key[1], cur[1]), key[2], cur[3])
-            elif cur is None or key < cur[:3]:
-                best[mod] = (*key, [(sim[i, j], params[j])])
-    rows = []
-    for mod, (step, s, rank, ps) in best.items():
-        ps = [p for _, p in sorted(ps, key=lambda t: (_nan_high(t[0]), t[1]))]
-        rows.append({"module": mod, "step": step, "similarity": s if s != np.inf else np.nan,
-                     "params": tuple(ps), "rank": rank})
+        for mod in dict.fromkeys(owner[flag.any(axis=0)]):
+            cols = np.flatnonzero(owner == mod)
+            i = int(np.flatnonzero(flag[:, cols].any(axis=1))[0])
+            s, n = sim[i, cols], numel[cols]
+            ok = ~np.isnan(s)
+            msim = float((s[ok] * n[ok]).sum() / n[ok].sum()) if ok.any() and n[ok].sum() else \
+                np.nan
+            hit = [(_nan_high(s[k]), params[c]) for k, c in enumerate(cols) if flag[i, c]]
+            rows.append({"module": mod, "step": int(steps[i]), "similarity": msim,
+                         "params": tuple(p for _, p in sorted(hit)), "rank": int(r)})
     df = pd.DataFrame(rows, columns=list(COLUMNS))
-    if not df.empty:
+    if not df.empty:   # one row per module: its earliest step, then its lowest similarity
         df = (df.assign(_s=df["similarity"].fillna(np.inf))
-              .sort_values(["step", "_s", "module"], kind="stable").drop(columns="_s")
-              .reset_index(drop=True))
+              .sort_values(["step", "_s", "module", "rank"], kind="stable")
+              .drop_duplicates("module").drop(columns="_s").reset_index(drop=True))
     df = df.astype({"module": object, "step": "int64", "similarity": "float64", "rank": "int64"})
     return df.head(top) if top is not None else df
 

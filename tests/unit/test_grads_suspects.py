@@ -12,6 +12,7 @@ from probekit.grads.suspects import param_module
 
 PARAMS = ["embed.weight", "h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias", "h.0.mlp.fc.weight",
           "h.1.attn.c_attn.weight", "scale"]
+NUMEL = [100, 30, 10, 40, 30, 4]
 
 
 def comparison(flagged, ranks=(0,), steps=4):
@@ -24,11 +25,12 @@ def comparison(flagged, ranks=(0,), steps=4):
         sim[idx], flag[idx] = v, True
     return xr.Dataset({"similarity": (("rank", "step", "param"), sim),
                        "flag": (("rank", "step", "param"), flag)},
-                      coords={"rank": list(ranks), "step": np.arange(steps), "param": PARAMS})
+                      coords={"rank": list(ranks), "step": np.arange(steps), "param": PARAMS,
+                              "numel": ("param", NUMEL)})
 
 
-FLAGGED = {(0, 2, "h.1.attn.c_attn.weight"): 0.90, (0, 2, "h.0.attn.c_attn.weight"): 0.80,
-           (0, 2, "h.0.attn.c_attn.bias"): 0.85, (0, 3, "h.0.attn.c_attn.bias"): 0.70,
+FLAGGED = {(0, 2, "h.1.attn.c_attn.weight"): 0.90, (0, 2, "h.0.attn.c_attn.weight"): 0.75,
+           (0, 2, "h.0.attn.c_attn.bias"): 0.875, (0, 3, "h.0.attn.c_attn.bias"): 0.70,
            (0, 3, "h.0.mlp.fc.weight"): 0.50, (0, 1, "embed.weight"): 0.95}
 
 
@@ -37,7 +39,8 @@ def test_ranked_by_earliest_step_then_lowest_similarity():
     assert list(df.columns) == ["module", "step", "similarity", "params", "rank"]
     assert df.to_dict("records") == [
         {"module": "embed", "step": 1, "similarity": 0.95, "params": ("embed.weight",), "rank": 0},
-        {"module": "h.0.attn.c_attn", "step": 2, "similarity": 0.80,
+        # element-weighted over the module's parameters: (0.75 * 30 + 0.875 * 10) / 40
+        {"module": "h.0.attn.c_attn", "step": 2, "similarity": 0.78125,
          "params": ("h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias"), "rank": 0},
         {"module": "h.1.attn.c_attn", "step": 2, "similarity": 0.90,
          "params": ("h.1.attn.c_attn.weight",), "rank": 0},
