@@ -26,6 +26,8 @@ _LAZY = {
     "compare_grads": "probekit.grads",
     "GradComparator": "probekit.grads",
     "suspects": "probekit.grads",
+    "triage": "probekit.triaging",       # a module named probekit.triage would shadow the function
+    "TriageReport": "probekit.triaging",
 }
 
 __all__ = ["__version__", "Config", "ConfigError", "FreeBenchmarkConfig", "GradProbeConfig",
