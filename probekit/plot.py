@@ -360,7 +360,7 @@ def triage(report, *, ax=None, top: int = 15):
     """A ``probekit.triage`` report: its flagged calls by ``max_rel / threshold`` (log scale),
     coloured by suspect module (in suspect order, most severe first within each)."""
     df = report.findings.head(top)
-    ax = _axes(ax, (9, 1.2 + 0.38 * max(len(df), 2)))
+    ax = _axes(ax, (10, 1.2 + 0.38 * max(len(df), 2)))
     d = report.divergence
     title = (f"Triage: runs part at step {d['step']}, {short_name(d['param'], 40)}"
              if d["step"] >= 0 else "Triage: the runs do not diverge")
@@ -403,5 +403,6 @@ def triage(report, *, ax=None, top: int = 15):
     ax.set_xlabel("max_rel / threshold (log scale)")
     ax.set_title(title)
     ax.grid(True, axis="x", alpha=0.3, which="both")
-    ax.legend(loc="lower right", fontsize="small", title="suspect module")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+              title="suspect module", title_fontsize="small")
     return ax

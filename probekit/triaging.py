@@ -31,13 +31,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import html
+import logging
 import math
 import random
 import tempfile
 
 import torch
 
-from .log import get_logger
+from .log import ROOT as LOG_ROOT, get_logger
 
 log = get_logger(__name__)
 
@@ -190,15 +191,17 @@ class TriageReport:
         for i, s in self.suspects.iterrows():
             rows = self.findings[self.findings["suspect"] == s["module"]]
             head = (f"{i + 1}. {s['module']} (flagged at step {s['step']}, similarity "
-                    f"{s['similarity']:.3f}; {', '.join(s['params'])})")
+                    f"{s['similarity']:.3f}; {_names(s['params'])})")
             if rows.empty:
                 lines.append(f"{head}: no flagged call" + (f" ({s['minor']} below "
                              f"{self.min_ratio:g}x threshold)" if s["minor"] else ""))
                 continue
             lines.append(f"{head}: {len(rows)} flagged call(s)")
+            sites = _cell_sites()
             for _, r in rows.head(top).iterrows():
                 lines.append(f"     {r['api_name']} [{r['pert_modes']}] {r['kind']} "
-                             f"{_ratio(r['ratio'])} threshold, {r['module']}, {r['call_site']}")
+                             f"{_ratio(r['ratio'])} threshold, {r['module']}, "
+                             f"{_site(r['call_site'], sites)}")
             if len(rows) > top:
                 lines.append(f"     ... {len(rows) - top} more")
         return "\n".join(lines)
@@ -213,7 +216,9 @@ class TriageReport:
         d = self.divergence
         esc = html.escape
         th = "text-align:left;padding:3px 8px;border-bottom:1px solid #999"
-        td = "text-align:left;padding:2px 8px;border-bottom:1px solid #ddd;font-family:monospace"
+        td = ("text-align:left;padding:2px 8px;border-bottom:1px solid #ddd;font-family:monospace;"
+              "white-space:nowrap")
+        sites = _cell_sites()
         if d["step"] < 0:
             return f"<p><b>probekit triage</b>: {esc(self.summary())}</p>"
         out = [f"<div class='probekit-triage'><p><b>probekit triage</b>: runs diverge first at "
@@ -232,7 +237,7 @@ class TriageReport:
             out.append(f"<tr><td style='{td}'>{i + 1}</td><td style='{td}'>{esc(s['module'])}</td>"
                        f"<td style='{td}'>{s['step']}</td><td style='{td}'>"
                        f"{s['similarity']:.3f}</td><td style='{td}'>"
-                       f"{esc(', '.join(s['params']))}</td><td style='{td};{style}'>{n}</td>"
+                       f"{esc(_names(s['params']))}</td><td style='{td};{style}'>{n}</td>"
                        f"<td style='{td}'>{int(s['minor'])}</td></tr>")
         out.append("</tbody></table>")
         if not self.findings.empty:
@@ -247,7 +252,8 @@ class TriageReport:
                 cells = []
                 for _, c in cols:
                     v = r[c]
-                    v = _ratio(v) if c == "ratio" else str(v).removeprefix("torch.")
+                    v = (_ratio(v) if c == "ratio" else _site(v, sites) if c == "call_site"
+                         else str(v).removeprefix("torch."))
                     cells.append(f"<td style='{td}'>{esc(v)}</td>")
                 out.append("<tr>" + "".join(cells) + "</tr>")
             out.append("</tbody></table>")
@@ -260,6 +266,36 @@ class TriageReport:
         return plot_triage(self, ax=ax, top=top)
 
 
+def _names(names, n: int = 3) -> str:
+    names = list(names)
+    more = f", +{len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _cell_sites() -> dict:
+    """Notebook cell file names -> ``In [n]`` when an IPython shell is running (else empty);
+    the notebook layer is only imported then."""
+    import sys
+
+    if "IPython" not in sys.modules:
+        return {}
+    try:
+        from IPython import get_ipython
+
+        if get_ipython() is None:
+            return {}
+        from .notebook.display import cell_sites
+
+        return cell_sites()
+    except Exception:  # a display nicety: never fail the report over it
+        return {}
+
+
+def _site(site, sites: dict) -> str:
+    name, sep, line = str(site).rpartition(":")
+    return f"{sites[name]} line {line}" if sep and name in sites else str(site)
+
+
 def _ratio(v) -> str:
     v = float(v)
     return "∞×" if math.isinf(v) else f"{v:,.1f}×"
@@ -268,7 +304,7 @@ def _ratio(v) -> str:
 # -- triage ----------------------------------------------------------------------------------------
 def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int = 3, up: int = 1,
            pert_modes=None, stages=STAGES, min_ratio: float = MIN_RATIO, optimizer=None,
-           dump_path=None, rank=None) -> TriageReport:
+           dump_path=None, rank=None, verbose: bool = False) -> TriageReport:
     """Compare two runs, check their top suspect modules with the free benchmark, report.
 
     ``model``: the ``nn.Module`` to check (as in the run under suspicion); ``step_fn()``: runs
@@ -279,7 +315,8 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
     backward; ``min_ratio``: findings listed from this ``max_rel / threshold`` on (NaN/Inf and
     sign flips always); ``optimizer``: restored too if ``step_fn`` steps it; ``dump_path``: where
     the free benchmark's CSV goes (default: a temporary folder); ``rank``: the rank whose
-    divergence is reported (default: the first with a flag).
+    divergence is reported (default: the first with a flag); ``verbose``: keep the free
+    benchmark's per-API INFO log lines (default: warnings only while it runs).
     """
     import pandas as pd
 
@@ -322,6 +359,10 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
     if modules:
         folder = dump_path or tempfile.mkdtemp(prefix="probekit-triage-")
         state = _State(model, optimizer)
+        logger = logging.getLogger(LOG_ROOT)
+        level = logger.level
+        if not verbose:
+            logger.setLevel(logging.WARNING)
         try:
             for mode in pert_modes:
                 for stage in stages:
@@ -333,6 +374,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
                     runs.append({"pert_mode": mode, "stage": stage, **fb.summary})
                     frames.append(fb.results)
         finally:
+            logger.setLevel(level)
             state.restore()
     results = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
         columns=list(COLUMNS))
