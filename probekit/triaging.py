@@ -314,9 +314,9 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
     ``pert_modes``: default ``pert_modes_for`` the suspects' dtype; ``stages``: forward,
     backward; ``min_ratio``: findings listed from this ``max_rel / threshold`` on (NaN/Inf and
     sign flips always); ``optimizer``: restored too if ``step_fn`` steps it; ``dump_path``: where
-    the free benchmark's CSV goes (default: a temporary folder); ``rank``: the rank whose
-    divergence is reported (default: the first with a flag); ``verbose``: keep the free
-    benchmark's per-API INFO log lines (default: warnings only while it runs).
+    the free benchmark's CSV goes (default: a temporary folder, removed afterwards); ``rank``:
+    the rank whose divergence is reported (default: the first with a flag); ``verbose``: keep
+    the free benchmark's per-API INFO log lines (default: warnings only while it runs).
     """
     import pandas as pd
 
@@ -357,7 +357,9 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
                               f"{', '.join(m for m in PERT_MODES if m != 'to_cpu')}")
     runs, frames = [], []
     if modules:
-        folder = dump_path or tempfile.mkdtemp(prefix="probekit-triage-")
+        tmp = tempfile.TemporaryDirectory(prefix="probekit-triage-") if dump_path is None \
+            else None
+        folder = tmp.name if tmp is not None else dump_path
         state = _State(model, optimizer)
         logger = logging.getLogger(LOG_ROOT)
         level = logger.level
@@ -376,6 +378,8 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
         finally:
             logger.setLevel(level)
             state.restore()
+            if tmp is not None:
+                tmp.cleanup()
     results = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
         columns=list(COLUMNS))
     findings, counts = _findings(results, modules, min_ratio)

@@ -73,7 +73,8 @@ def test_planted_op_found_in_its_module_and_clean_blocks_clean(runs):
     assert list(f["ratio"]) == sorted(f["ratio"], reverse=True)
     text = str(report)
     assert text.startswith("Triage: runs diverge first at step 0, parameter 'blocks.2.fc1.weight'")
-    assert "1. blocks.2 (flagged at step 0" in text and "Tensor.__sub__.0.forward [add_noise]" in text
+    assert "1. blocks.2 (flagged at step 0" in text
+    assert "Tensor.__sub__.0.forward [add_noise]" in text
     assert "2. blocks.0 (flagged at step 0" in text and ": no flagged call (" in text
     page = report._repr_html_()
     assert "<code>blocks.2.fc1.weight</code>" in page and "Tensor.__sub__.0.forward" in page
@@ -139,3 +140,33 @@ def test_plot(runs, tmp_path):
     assert bars[0].get_facecolor()[:3] == matplotlib.colors.to_rgb("#d62728")
     ax.figure.savefig(tmp_path / "triage.png", dpi=80)
     assert (tmp_path / "triage.png").stat().st_size > 5000
+
+
+def test_step_fn_error_propagates_with_everything_restored(runs, tmp_path):
+    fp32, bf16, model, opt = runs
+    before = snapshot(model, opt)
+    calls = []
+
+    def failing():
+        calls.append(1)
+        stepper(model)()
+        raise RuntimeError("user code failed")
+
+    with pytest.raises(RuntimeError, match="user code failed"):
+        probekit.triage(model, failing, fp32, bf16, dump_path=str(tmp_path))
+    assert calls == [1]
+    assert_same(before, snapshot(model, opt))
+    assert torch._C._len_torch_function_stack() == 0
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
+    assert (tmp_path / "free_benchmark.csv").exists()      # dump_path given: the CSV is kept
+
+
+def test_perturbations_fit_the_dtype():
+    from probekit.triaging import pert_modes_for
+
+    model = make_model(torch.bfloat16)
+    assert pert_modes_for(model, ["blocks.2"]) == ("improve_precision", "add_noise")
+    assert pert_modes_for(model, ["blocks.1"]) == ("improve_precision", "add_noise")
+    model.blocks[1].double()
+    assert pert_modes_for(model, ["blocks.1"]) == ("add_noise",)
+    assert pert_modes_for(model, ["blocks.1", "blocks.2"]) == ("improve_precision", "add_noise")

@@ -2,7 +2,6 @@
 then lowest similarity; the cmp.probekit accessor; names checked against a model."""
 import numpy as np
 import pytest
-import torch
 import xarray as xr
 from torch import nn
 
