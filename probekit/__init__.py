@@ -27,6 +27,9 @@ _LAZY = {
     "open_grads": "probekit.grads",
     "compare_grads": "probekit.grads",
     "GradComparator": "probekit.grads",
+    "suspects": "probekit.grads",
+    "triage": "probekit.triaging",       # a module named probekit.triage would shadow the function
+    "TriageReport": "probekit.triaging",
 }
 
 __all__ = ["__version__", "Config", "FreeBenchmarkConfig", "GradProbeConfig", "PrecisionDebugger",

@@ -98,6 +98,9 @@ class FreeBenchmarkConfig:
     max_sample: int = 20
     #: probekit extension: relative-error thresholds by output dtype
     thresholds: Mapping = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
+    #: probekit extension: check only calls made inside these modules (names as in
+    #: ``model.named_modules()``; a single name is accepted; empty = everywhere)
+    module: tuple = ()
 
     JSON_KEYS = {"api_list": "list"}
 
@@ -142,6 +145,8 @@ class FreeBenchmarkConfig:
                 "accepted: false (preheat only samples in check mode)", key=s + "if_preheat",
                 value=True, accepted="false (preheat only samples in check mode)")
         _set(self, "thresholds", _thresholds(self.thresholds))
+        module = (self.module,) if isinstance(self.module, str) else self.module
+        _set(self, "module", tuple(dict.fromkeys(_str_tuple(s + "module", module))))
 
     def threshold_for(self, dtype_name: str) -> float:
         """The relative-error threshold for an output of ``dtype_name`` (e.g. ``"bfloat16"``)."""

@@ -10,7 +10,10 @@ call site gives a more specific one.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
+
+_KEY = re.compile(r"[A-Za-z_][\w.]*(?: key)?")
 
 #: ``ConfigError.value`` when the error is about a missing key rather than a bad value
 MISSING = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
@@ -24,7 +27,9 @@ class ConfigError(ProbekitError, ValueError):
     """A configuration value is not accepted.
 
     ``ConfigError(key=..., value=..., accepted=...)`` builds the standard message;
-    ``ConfigError("message", key=...)`` keeps a specific message and still names the key.
+    ``ConfigError("message", key=...)`` keeps a specific message and still names the key. A
+    message in the standard form given without ``key`` names its key by its first word
+    (``"free_benchmark.module: ..."``), so every ConfigError has one.
     """
 
     def __init__(self, message: str | None = None, *, key: str | None = None,
@@ -32,6 +37,9 @@ class ConfigError(ProbekitError, ValueError):
         if message is None:
             message = f"{key}: {value!r} is not valid; accepted: {accepted}"
         super().__init__(message)
+        if key is None:
+            head, sep, _ = message.partition(": ")
+            key = head if sep and _KEY.fullmatch(head) else None
         self.key = key
         self.value = value
         self.accepted = accepted

@@ -13,6 +13,8 @@ Grad probe (datasets of ``probekit.open_grads`` / ``probekit.compare_grads``):
 Free benchmark (``FreeBench.results`` or a DataFrame with its columns):
 
 * :func:`findings` - APIs ranked by max_rel / threshold
+
+Triage (``probekit.triage``): :func:`triage` - the flagged calls of the suspect modules
 """
 from __future__ import annotations
 
@@ -310,4 +312,59 @@ def findings(results, *, ax=None, top: int = 15):
     ax.set_title(f"Free benchmark findings by severity{more}")
     ax.grid(True, axis="x", alpha=0.3, which="both")
     ax.legend(loc="lower right", fontsize="small")
+    return ax
+
+
+SUSPECT_COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
+
+
+def triage(report, *, ax=None, top: int = 15):
+    """A ``probekit.triage`` report: its flagged calls by ``max_rel / threshold`` (log scale),
+    coloured by suspect module (in suspect order, most severe first within each)."""
+    df = report.findings.head(top)
+    ax = _axes(ax, (10, 1.2 + 0.38 * max(len(df), 2)))
+    d = report.divergence
+    title = (f"Triage: runs part at step {d['step']}, {short_name(d['param'], 40)}"
+             if d["step"] >= 0 else "Triage: the runs do not diverge")
+    if df.empty:
+        names = ", ".join(report.suspects["module"]) or "none"
+        ax.text(0.5, 0.5, f"No flagged call in the suspect modules ({short_name(names, 60)})",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        ax.set_title(title)
+        return ax
+    ratios = np.array(df["ratio"], dtype=float)
+    finite = ratios[np.isfinite(ratios) & (ratios > 0)]
+    right = max(float(finite.max()) if finite.size else 10.0, 2.0) * 3
+    left = min(float(finite.min()) if finite.size else 1.0, 1.0) / 3
+    colors = {m: SUSPECT_COLORS[i % len(SUSPECT_COLORS)]
+              for i, m in enumerate(report.suspects["module"])}
+    y = np.arange(len(df))[::-1]
+    seen = set()
+    for yi, (_, row), r in zip(y, df.iterrows(), ratios):
+        bad = not math.isfinite(r)
+        width = right if bad else max(r, left)
+        ax.barh(yi, width, height=0.6, color=colors.get(row["suspect"], "#7f7f7f"),
+                hatch="//" if bad else None, alpha=0.85,
+                label=row["suspect"] if row["suspect"] not in seen else None,
+                gid=f"triage:{row['api_name']}")
+        seen.add(row["suspect"])
+        text = "NaN/Inf" if bad else f"{r:,.0f}× {row['kind']} ({row['pert_modes']})"
+        inside = bad or math.log(width / left) > 0.6 * math.log(right * 1.5 / left)
+        ax.text(width * (0.85 if inside else 1.1), yi, text, va="center",
+                ha="right" if inside else "left", fontsize="small",
+                color="white" if inside else "black")
+    labels = [f"{short_name(row['api_name'], 34)}  in {short_name(row['module'], 24)}"
+              for _, row in df.iterrows()]
+    ax.set_yticks(y, labels)
+    ax.set_xscale("log")
+    ax.set_xlim(left, right * 1.5)
+    ax.axvline(1.0, color=THRESHOLD_COLOR, linestyle="--", linewidth=1, label="threshold")
+    ax.axvline(report.min_ratio, color=THRESHOLD_COLOR, linestyle=":", linewidth=1,
+               label=f"listed from {report.min_ratio:g}×")
+    ax.set_xlabel("max_rel / threshold (log scale)")
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3, which="both")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+              title="suspect module", title_fontsize="small")
     return ax

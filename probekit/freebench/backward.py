@@ -44,6 +44,7 @@ def watch(engine, call, key, name, func, leaves, spec, frame):
                 return out
             check = _BackwardCheck(engine, call, key, name, func, leaves, spec, diff, sel[0],
                                    call_site(frame), engine.step)
+            check.module = engine.current_module()  # the module running at the forward call
             engine.handles.append(sel[1].register_hook(check))
     except Exception as exc:  # never reaches the training code
         engine.failed(key, name, exc)
@@ -64,6 +65,7 @@ class _BackwardCheck:
         self.out_index = out_index
         self.site = site
         self.step = step
+        self.module = ""
 
     def __call__(self, grad):
         e = self.engine
@@ -144,4 +146,4 @@ class _BackwardCheck:
             stats = compare_many(pairs)
         e.checked += 1
         e.record(self.key, self.name, [(i, gr, s) for (i, gr), s in zip(items, stats)],
-                 pert.in_dtype, self.site, stage="backward", step=self.step)
+                 pert.in_dtype, self.site, stage="backward", step=self.step, module=self.module)

@@ -15,11 +15,12 @@ import os
 
 import torch
 
-from ..config import Config, config_for
+from ..config import Config, ConfigError, config_for
 from ..dist import get_rank, rank_selected
 from ..log import ensure_handler, get_logger
 from . import results as _results
 from .intercept import Engine, make_mode
+from .modules import ModuleScope
 from .view import Findings, summary_line
 
 log = get_logger("probekit.freebench")
@@ -31,11 +32,25 @@ class FreeBench:
     ``config``: a probekit ``Config`` (task free_benchmark), a ``FreeBenchmarkConfig``, a path to a
     msprobe/probekit config.json, or None; ``**options`` as ``probekit.make_config`` takes them
     (``dump_path``, ``pert_mode``, ``handler_type``, ``fuzz_stage``, ``scope``, ``list``, ...).
+    ``module="h.2.attn"`` (or ``modules=[...]``) checks only the calls made while those modules
+    of ``model`` run (``model=`` here or ``start(model)``), nested submodules included; the
+    ``module`` column of the results names the innermost one.
     """
 
-    def __init__(self, config=None, **options) -> None:
+    def __init__(self, config=None, *, model=None, **options) -> None:
         ensure_handler()
+        if "modules" in options:  # plural spelling of the ``module`` key
+            modules = options.pop("modules")
+            if "module" in options:
+                raise ConfigError("free_benchmark.module: given both as module= and modules=; "
+                                  "accepted: one of them", key="free_benchmark.module",
+                                  value=modules, accepted="one of module=, modules=")
+            options["module"] = list(modules) if isinstance(modules, (list, tuple)) else modules
         self.config: Config = config_for("free_benchmark", config, **options)
+        self._model = None
+        self._scope = None
+        if model is not None:
+            self._set_model(model)
         self._rows: list[dict] = []
         self._sink = _results.CsvSink(self.config.dump_path)
         self._engine = Engine(self.config, self._emit, get_rank())
@@ -49,13 +64,32 @@ class FreeBench:
         """True between start() and stop()."""
         return self._mode is not None
 
+    def _set_model(self, model) -> None:
+        """Resolve the module scope against ``model`` (unknown names: ``ConfigError``)."""
+        names = self.config.free_benchmark.module
+        if model is self._model:
+            return
+        if names:
+            if not isinstance(model, torch.nn.Module):
+                raise ConfigError(f"model: {type(model).__name__} is not valid; accepted: a "
+                                  "torch.nn.Module (free_benchmark.module names its submodules)")
+            self._scope = ModuleScope(model, names)
+        self._model = model
+
     def start(self, model=None) -> None:
-        """Begin intercepting torch calls on this thread (``model`` is accepted and unused:
-        every API call is seen, inside or outside a model)."""
+        """Begin intercepting torch calls on this thread. With ``module`` set, only calls made
+        inside those modules of ``model`` (here or ``FreeBench(model=...)``) are checked; without
+        it ``model`` is unused: every API call is seen, inside or outside a model."""
         if self._closed:
             raise RuntimeError("this FreeBench was closed")
         if self._mode is not None:
             return
+        if model is not None:
+            self._set_model(model)
+        names = self.config.free_benchmark.module
+        if names and self._scope is None:
+            raise ConfigError(f"free_benchmark.module: {list(names)!r} needs the model; "
+                              "accepted: FreeBench(..., model=model) or start(model)")
         if not rank_selected(self.config.rank):
             log.debug("free benchmark inactive: rank %d is not in %s", get_rank(),
                       list(self.config.rank))
@@ -69,10 +103,14 @@ class FreeBench:
         handles = [register_optimizer_step_pre_hook(self._engine.optimizer_pre),
                    register_optimizer_step_post_hook(self._engine.optimizer_post)]
         try:
+            if self._scope is not None:
+                self._scope.attach()
+                self._engine.modules = self._scope
             mode.__enter__()
         except BaseException:
             for h in handles:
                 h.remove()
+            self._detach_scope()
             raise
         self._opt_handles = handles
         self._mode = mode
@@ -98,6 +136,12 @@ class FreeBench:
             for h in handles:
                 h.remove()
             self._engine.stopped()
+            self._detach_scope()
+
+    def _detach_scope(self) -> None:
+        self._engine.modules = None
+        if self._scope is not None:
+            self._scope.detach()
 
     def step(self) -> None:
         """End of a training step: per-API counters reset, the step number grows by one."""
@@ -154,8 +198,9 @@ class FreeBench:
     def __repr__(self) -> str:
         fb = self.config.free_benchmark
         state = "active" if self.active else ("closed" if self._closed else "stopped")
+        where = f"module={list(fb.module)!r}, " if fb.module else ""
         return (f"FreeBench(pert_mode={fb.pert_mode!r}, handler_type={fb.handler_type!r}, "
-                f"fuzz_stage={fb.fuzz_stage!r}, {state}; "
+                f"fuzz_stage={fb.fuzz_stage!r}, {where}{state}; "
                 f"{summary_line(self.summary)})")
 
 

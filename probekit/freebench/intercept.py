@@ -75,6 +75,9 @@ class _Mode(TorchFunctionMode):
         if e.scope_ids and f"{key}.{n}" not in e.scope_ids:
             e.out_of_scope += 1
             return func(*args, **kwargs)
+        if e.modules is not None and not e.modules.depth:  # module scope (modules.py)
+            e.out_of_module += 1
+            return func(*args, **kwargs)
         return e.handle(info, key, n, func, args, kwargs, sys._getframe(1))
 
 
@@ -118,6 +121,9 @@ class Engine:
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
+        #: module scope (a ``modules.ModuleScope`` while attached, else None)
+        self.modules = None
+        self.out_of_module = 0
 
     # -- filters -------------------------------------------------------------------------------
     @staticmethod
@@ -158,6 +164,8 @@ class Engine:
             skipped["out_of_scope"] = self.out_of_scope
         if self.step_filtered:
             skipped["step_filter"] = self.step_filtered
+        if self.out_of_module:
+            skipped["out_of_module"] = self.out_of_module
         return {"calls": self.calls, "checked": self.checked, "skipped": skipped,
                 "flagged": self.flagged, "steps": self.step}
 
@@ -277,9 +285,15 @@ class Engine:
         self.checked += 1
         self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype, frame)
 
-    def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None) -> None:
+    def current_module(self) -> str:
+        """The innermost running named module under module scope ("" without module scope)."""
+        return self.modules.current if self.modules is not None else ""
+
+    def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None,
+               module=None) -> None:
         """Judge ``(output_index, original_tensor, Stats)`` items; emit rows for the findings."""
         step = self.step if step is None else step
+        module = self.current_module() if module is None else module
         rows = []
         worst = 0.0
         for index, o, st in items:
@@ -296,6 +310,7 @@ class Engine:
                 "dtype": str(o.dtype), "shape": str(tuple(o.shape)), "output_index": int(index),
                 "kind": kind, "max_abs": float(st.max_abs), "threshold": float(thr),
                 "ratio": float(handlers.ratio(st.max_rel, thr)), "call_site": frame_or_site,
+                "module": module,
             })
         if self.preheat is not None and self.preheat.in_preheat(step):
             self.preheat.record(key, worst if not math.isnan(worst) else math.inf)

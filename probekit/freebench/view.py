@@ -13,7 +13,8 @@ from .results import KIND_ORDER, by_severity
 #: columns shown, in order: (header, column of ``merged_findings``)
 COLUMNS = (("API", "api_name"), ("steps", "steps"), ("kind", "kind"), ("max_rel", "max_rel"),
            ("threshold", "threshold"), ("× threshold", "ratio"), ("dtype", "dtype"),
-           ("shape", "shape"), ("output", "output_index"), ("call site", "call_site"))
+           ("shape", "shape"), ("output", "output_index"), ("call site", "call_site"),
+           ("module", "module"))
 NUMERIC = ("max_rel", "threshold", "ratio", "output_index")
 
 # Inline styles: notebook front-ends (and nbconvert's templates) style tables with selectors
@@ -197,6 +198,8 @@ class Findings:
         cols = [(h, c) for h, c in COLUMNS if c in calls.columns]
         if "output_index" in calls and (calls["output_index"].fillna(0) == 0).all():
             cols = [(h, c) for h, c in cols if c != "output_index"]
+        if "module" in calls and not (calls["module"].fillna("") != "").any():
+            cols = [(h, c) for h, c in cols if c != "module"]   # no module scope
         return cols
 
     def _cell(self, column: str, value) -> str:

@@ -30,7 +30,7 @@ OPTION_KEYS = {
     "--pert-mode": "pert_mode", "--handler": "handler_type", "--stage": "fuzz_stage",
     "--device": "fuzz_device", "--scope": "scope", "--list": "list", "--preheat": "if_preheat",
     "--preheat-step": "preheat_step", "--max-sample": "max_sample", "--threshold": "thresholds",
-    "--dump-path": "dump_path", "--rank": "rank", "--step": "step",
+    "--dump-path": "dump_path", "--rank": "rank", "--step": "step", "--module": "module",
 }
 _KEY_OPTIONS = {key: opt for opt, key in OPTION_KEYS.items()}
 _KEY_OPTIONS["api_list"] = "--list"
@@ -51,6 +51,11 @@ def _config_options(func):
         argument("--list", action="append", metavar="NAMES",
                  help="API names to check (every call whose name contains one), comma separated; "
                       "repeatable"),
+        argument("--module", action="append", metavar="NAMES",
+                 help="module names (as in model.named_modules()); only calls made inside "
+                      "them are checked, submodules included; comma separated, repeatable; "
+                      "the model is --model NAME or the one nn.Module in the namespace that "
+                      "has them"),
         argument("--preheat", action=argparse.BooleanOptionalAction, default=None,
                  help="sample calls during the first steps, then check the risky APIs only"),
         argument("--preheat-step", type=int, metavar="N", help="steps of preheat sampling"),
@@ -100,6 +105,8 @@ def changes_from_args(args) -> dict:
         changes["scope"] = _names(args.scope)
     if args.list is not None:
         changes["list"] = _names(args.list)
+    if args.module is not None:
+        changes["module"] = _names(args.module)
     if args.threshold is not None:
         changes["thresholds"] = _thresholds(args.threshold)
     try:
@@ -156,6 +163,8 @@ class FreeBenchMagics(Magics):
     @argument("--top", type=int, default=25, metavar="N", help="rows shown in the table")
     @argument("--plot", action="store_true", help="also show the findings ranked in a chart")
     @argument("--quiet", action="store_true", help="display nothing (results still stored)")
+    @argument("--model", metavar="NAME", help="user-namespace variable holding the model "
+              "whose modules --module names")
     @argument("--verbose", action="store_true",
               help="show probekit's INFO log lines (perturbation of each API...) while the "
                    "cell runs; by default only warnings")
@@ -175,7 +184,11 @@ class FreeBenchMagics(Magics):
         config = self.build_config(args)
         from .. import FreeBench
 
-        bench = FreeBench(config=config)
+        model = self._model(args, config)
+        try:
+            bench = FreeBench(config=config, model=model)
+        except ConfigError as exc:
+            raise usage_error(exc) from None
         self.shell.user_ns[args.name] = bench
         code = self._compile(line, cell)
         logger = logging.getLogger(LOGGER)
@@ -189,6 +202,33 @@ class FreeBenchMagics(Magics):
             logger.setLevel(level)
             if not args.quiet:
                 self._show(bench, args)
+
+    def _model(self, args, config):
+        """The model for ``--module``: ``--model NAME``, else the one ``nn.Module`` of the
+        user namespace that has every named module (None without module scope)."""
+        names = config.free_benchmark.module
+        ns = self.shell.user_ns
+        if args.model is not None:
+            model = ns.get(args.model)
+            if not hasattr(model, "named_modules"):
+                raise UsageError(f"--model: {args.model!r} is not valid; accepted: the name of "
+                                 "a torch.nn.Module variable")
+            return model
+        if not names:
+            return None
+        import torch
+
+        found = {}
+        for var, value in ns.items():
+            if not var.startswith("_") and isinstance(value, torch.nn.Module):
+                have = dict(value.named_modules())
+                if all(n in have for n in names):
+                    found.setdefault(id(value), (var, value))
+        if len(found) == 1:
+            return next(iter(found.values()))[1]
+        which = ", ".join(sorted(v for v, _ in found.values())) or "none"
+        raise UsageError(f"--module ({', '.join(names)}): the model is ambiguous (nn.Module "
+                         f"variables having these modules: {which}); accepted: --model NAME")
 
     def _compile(self, line: str, cell: str):
         """Compile the body as part of the running cell: cached for tracebacks under the cell's

@@ -36,6 +36,8 @@ HELP = {
     "fuzz_level": "msprobe's only level",
     "scope": "Exact API call names, e.g. Torch.matmul.0.forward (empty = all)",
     "list": "API names; every call whose name contains one is checked (empty = all)",
+    "module": "Module names (model.named_modules()); only calls made inside them are checked, "
+              "submodules included (empty = everywhere)",
     "if_preheat": "Sample calls during the first steps, then check risky APIs only",
     "preheat_step": "Number of preheat steps",
     "max_sample": "Calls sampled per API per preheat step",
@@ -53,7 +55,7 @@ LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "devi
           "fuzz_level": "level", "if_preheat": "preheat", "preheat_step": "preheat steps",
           "max_sample": "max samples", "dump_path": "dump path", "param_list": "params",
           "grad_level": "level", "flush_every": "flush every", "pert_mode": "perturbation",
-          "list": "API names"}
+          "list": "API names", "module": "modules"}
 
 _DESC = {"description_width": "100px"}
 class ConfigPanel(w.VBox):
@@ -126,7 +128,7 @@ class ConfigPanel(w.VBox):
             control = w.Checkbox(value=value, indent=True, **common)
         elif isinstance(value, int):
             control = w.IntText(value=value, **common)
-        elif key in ("scope", "list", "param_list"):
+        elif key in ("scope", "list", "module", "param_list"):
             control = w.TagsInput(value=list(value), allow_duplicates=False,
                                   placeholder="all (type a name, Enter)",
                                   tooltip=HELP.get(key, key), layout=w.Layout(flex="1 1 auto"))
@@ -273,7 +275,7 @@ class FreeBenchPanel(ConfigPanel):
     GROUPS = (
         ("What to check", ["pert_mode", "handler_type", "fuzz_stage", "fuzz_device",
                            "fuzz_level"]),
-        ("Which APIs", ["scope", "list"]),
+        ("Which APIs", ["scope", "list", "module"]),
         ("Preheat", ["if_preheat", "preheat_step", "max_sample"]),
         ("Thresholds (max_rel by output dtype)", ["thresholds"]),
         ("Where", ["dump_path", "rank", "step"]),

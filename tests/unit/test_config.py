@@ -279,3 +279,9 @@ def test_one_error_base():
 
     assert (GradStoreError, GradCompareError, MsprobeDumpError) == \
         (errors.GradStoreError, errors.GradCompareError, errors.MsprobeDumpError)
+
+
+def test_config_error_key_from_a_standard_message():
+    assert ConfigError("free_benchmark.module: 'x' is not a module; accepted: ...").field == "module"
+    assert ConfigError("grad_probe.bounds key: 'x' ...").key == "grad_probe.bounds key"
+    assert ConfigError("no key in this sentence").key is None

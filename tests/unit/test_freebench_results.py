@@ -15,7 +15,7 @@ def row(**kw):
     base = {"rank": 0, "pert_mode": "bit_noise", "stage": "forward", "step": 0,
             "api_name": "Torch.matmul.0.forward", "max_rel": 0.5, "dtype": "torch.bfloat16",
             "shape": "(4, 8)", "output_index": 0, "kind": "rel_error", "max_abs": 0.25,
-            "threshold": 0.015625, "ratio": 32.0, "call_site": "train.py:12"}
+            "threshold": 0.015625, "ratio": 32.0, "call_site": "train.py:12", "module": ""}
     base.update(kw)
     return base
 
@@ -28,7 +28,7 @@ def read(path):
 def test_columns_start_with_msprobes():
     assert COLUMNS[:9] == ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype",
                            "shape", "output_index")
-    assert COLUMNS[9:] == ("kind", "max_abs", "threshold", "ratio", "call_site")
+    assert COLUMNS[9:] == ("kind", "max_abs", "threshold", "ratio", "call_site", "module")
 
 
 def test_header_once_whole_rows_and_reopen_appends(tmp_path):
