@@ -43,14 +43,16 @@ GRAPH_MODE_MESSAGE = (
 def get_rank() -> int:
     """This process's rank: MindSpore's communication group when initialised, else RANK, else 0."""
     try:
-        from mindspore.communication import get_rank as ms_rank
+        from mindspore.communication.management import GlobalComm, get_rank as ms_rank
 
-        return int(ms_rank())
-    except Exception:  # not initialised (the usual single-process case)
-        try:
-            return int(os.environ.get("RANK", "0"))
-        except ValueError:
-            return 0
+        if GlobalComm.INITED:  # get_rank() answers 0 before init()
+            return int(ms_rank())
+    except (ImportError, AttributeError, RuntimeError):  # pragma: no cover - other versions
+        pass
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def _as_config(config, options) -> Config:
