@@ -37,6 +37,22 @@ def seed_all(seed: int, deterministic: bool) -> None:
         ms.set_context(deterministic="ON")
 
 
+def _before_executors_shut_down(func) -> None:
+    """Run ``func`` at interpreter exit *before* ``concurrent.futures`` refuses new work: Zarr
+    writes through an executor, so a flush from a plain ``atexit`` handler fails with "cannot
+    schedule new futures after interpreter shutdown" and the last, unflushed steps are lost.
+    ``threading._register_atexit`` callbacks run in reverse order of registration, ahead of
+    the executors' own (registered when ``concurrent.futures`` was imported, earlier)."""
+    import threading
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(func)
+        except RuntimeError:  # pragma: no cover - already shutting down
+            pass
+
+
 class _ClassOrInstance:
     """A method callable on an instance, or on the class (then on the newest instance)."""
 
@@ -92,6 +108,7 @@ class PrecisionDebugger:
         seed_all(cfg.seed, cfg.is_deterministic)
         type(self)._newest = weakref.ref(self)
         atexit.register(self._close_quietly)
+        _before_executors_shut_down(self._close_quietly)
 
     @property
     def task(self) -> str:
