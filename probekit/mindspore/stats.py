@@ -1,7 +1,12 @@
-"""Gradient statistics of one optimizer step, computed with MindSpore's own ops on the device.
+"""Gradient statistics of one optimizer step of a MindSpore model.
 
-The same statistics and byte layout as ``probekit.grads.stats`` (so the result is a
-``StepStats`` the store's ``GradWriter`` takes as it is), computed over the whole step at once:
+Two paths give the same ``StepStats``. On an accelerator (Ascend, GPU) the statistics are
+computed with MindSpore's own ops on the device (``compute_device``, below). When MindSpore runs
+on the CPU the gradients already are host memory: ``compute_host`` hands them (without a copy) to
+probekit's chunked CPU path, which MindSpore's CPU kernels are several times slower than.
+
+Both give the statistics and byte layout of ``probekit.grads.stats`` (a ``StepStats`` the
+store's ``GradWriter`` takes as it is). The device path works on the whole step at once:
 
 * every gradient is flattened (fp16/bf16 widened to float32, exactly; a step holding a float64
   gradient is processed in float64) and all are concatenated,
@@ -56,6 +61,7 @@ class Plan:
         self.zero_pads = {}
         self.weights = ms.Tensor(np.array([128, 64, 32, 16, 8, 4, 2, 1], np.float32))
         self.numels = np.asarray(layout.numels, np.int64)
+        self.scratch = None  # the host path's reusable buffers
 
     def pad(self, k: int, dtype):
         if (k, dtype) not in self.zero_pads:
@@ -63,8 +69,54 @@ class Plan:
         return self.zero_pads[k, dtype]
 
 
-def compute(grads, plan: Plan, level: str, bounds, hash_name: str = "md5") -> StepStats:
-    """Statistics of ``grads`` (one MindSpore Tensor or None per parameter of the plan's layout)."""
+def on_cpu() -> bool:
+    """True when MindSpore runs on the CPU (its tensors live in host memory)."""
+    return ms.get_context("device_target") == "CPU"
+
+
+def compute(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
+            where: str = "auto") -> StepStats:
+    """Statistics of ``grads`` (one MindSpore Tensor or None per parameter of the plan's layout).
+
+    ``where``: ``"device"`` = MindSpore's ops on the device, one transfer (``compute_device``);
+    ``"host"`` = the gradients' host memory read by probekit's chunked CPU path
+    (``probekit.grads.stats.compute``); ``"auto"`` = host when MindSpore runs on the CPU (the
+    gradients are already in host memory, and the cache-resident chunked pass is several times
+    faster there than MindSpore's CPU kernels), else device.
+    """
+    if where == "auto":
+        where = "host" if on_cpu() else "device"
+    if where == "host":
+        return compute_host(grads, plan, level, bounds, hash_name)
+    if where != "device":
+        raise ValueError(f"where: {where!r} is not valid; accepted: auto, host, device")
+    return compute_device(grads, plan, level, bounds, hash_name)
+
+
+def compute_host(grads, plan: Plan, level: str, bounds, hash_name: str = "md5") -> StepStats:
+    """The gradients as host arrays (no copy for CPU tensors), through probekit's CPU path."""
+    import torch
+
+    from ..grads import stats as host_stats
+
+    if plan.scratch is None:
+        plan.scratch = host_stats._Scratch()
+    views = []
+    for name, g in zip(plan.layout.names, grads):
+        if g is None:
+            views.append(None)
+            continue
+        if not _is_float(g.dtype):
+            raise TypeError(f"gradient of {name!r} has dtype {g.dtype}, not a floating-point "
+                            "type")
+        if g.dtype == ms.bfloat16:  # numpy has no bfloat16: widen on the device (exact)
+            g = g.astype(ms.float32)
+        views.append(torch.from_numpy(g.asnumpy()))
+    return host_stats.compute(views, plan.layout, level, bounds, hash_name, plan.scratch)
+
+
+def compute_device(grads, plan: Plan, level: str, bounds, hash_name: str = "md5") -> StepStats:
+    """Every statistic with MindSpore's ops on the gradients' device; one transfer per step."""
     layout = plan.layout
     p = plan.p
     out = StepStats(present=np.zeros(p, bool), max=np.full(p, np.nan), min=np.full(p, np.nan),

@@ -43,13 +43,14 @@ def grads_set(rng):
     return [a, b, c, d, e]
 
 
+@pytest.mark.parametrize("where", ["device", "host"])
 @pytest.mark.parametrize("level", ["L0", "L1", "L2"])
-def test_statistics_equal_numpy(level):
+def test_statistics_equal_numpy(level, where):
     rng = np.random.default_rng(3)
     arrays = grads_set(rng)
     names = tuple(f"p{i}" for i in range(len(arrays)))
     layout = Layout(names, tuple(a.size for a in arrays), tuple(a.shape for a in arrays))
-    out = compute([ms.Tensor(a) for a in arrays], Plan(layout), level, BOUNDS)
+    out = compute([ms.Tensor(a) for a in arrays], Plan(layout), level, BOUNDS, where=where)
     offsets = layout.offsets
     assert out.present.tolist() == [True] * 5
     for i, a in enumerate(arrays):
@@ -73,11 +74,12 @@ def test_statistics_equal_numpy(level):
         assert out.zeros[0] == 6 / 407  # five zeros set, and the bound 0
 
 
-def test_missing_gradient_and_float64():
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_missing_gradient_and_float64(where):
     rng = np.random.default_rng(5)
     a = rng.standard_normal((4, 9))  # float64: kept float64, not narrowed
     layout = Layout(("a", "b"), (36, 10), ((4, 9), (10,)))
-    out = compute([ms.Tensor(a), None], Plan(layout), "L2", BOUNDS)
+    out = compute([ms.Tensor(a), None], Plan(layout), "L2", BOUNDS, where=where)
     assert out.present.tolist() == [True, False]
     assert out.max[0] == a.max() and out.min[0] == a.min()
     assert out.norm[0] == pytest.approx(np.linalg.norm(a), rel=1e-15)
@@ -86,9 +88,25 @@ def test_missing_gradient_and_float64():
     assert not out.direction[5:].any()  # padding, and no gradient: no sign bit
 
 
-def test_wrong_size_and_dtype_are_named():
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_wrong_size_and_dtype_are_named(where):
     layout = Layout(("w",), (6,), ((2, 3),))
     with pytest.raises(ValueError, match="'w' has 5 elements"):
-        compute([ms.Tensor(np.zeros(5, np.float32))], Plan(layout), "L1", BOUNDS)
+        compute([ms.Tensor(np.zeros(5, np.float32))], Plan(layout), "L1", BOUNDS, where=where)
     with pytest.raises(TypeError, match="'w' has dtype Int32"):
-        compute([ms.Tensor(np.zeros(6, np.int32))], Plan(layout), "L1", BOUNDS)
+        compute([ms.Tensor(np.zeros(6, np.int32))], Plan(layout), "L1", BOUNDS, where=where)
+
+
+def test_bfloat16_and_auto_path():
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((5, 13)).astype(np.float32)
+    g = ms.Tensor(a).astype(ms.bfloat16)
+    exact = g.astype(ms.float32).asnumpy()  # the bf16 values, widened exactly
+    layout = Layout(("w",), (65,), ((5, 13),))
+    outs = [compute([g], Plan(layout), "L2", BOUNDS, where=w) for w in ("device", "host", "auto")]
+    for out in outs:
+        assert out.max[0] == exact.max() and out.min[0] == exact.min()
+        assert np.array_equal(out.direction[:9], np.packbits(exact.reshape(-1) > 0))
+    assert np.array_equal(outs[0].dist, outs[1].dist)
+    with pytest.raises(ValueError, match="where: 'gpu' is not valid; accepted: auto, host, device"):
+        compute([g], Plan(layout), "L1", BOUNDS, where="gpu")
