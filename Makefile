@@ -56,8 +56,10 @@ test: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m probekit.demo --out demo_out
 
-bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed
+bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed
 	$(PY) benchmarks/run.py --msprobe-python $(MSPROBE_VENV)/bin/python
+	$(MINDSPORE_VENV)/bin/python benchmarks/bench_mindspore.py --out bench_out/mindspore.json \
+	  --results benchmarks/RESULTS.md
 
 # the venv's python3 kernel runs `python` from PATH: put the venv first; MPLBACKEND would turn
 # off inline plots in the kernels

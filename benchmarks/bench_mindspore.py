@@ -7,7 +7,8 @@ cost (hook + writes, as in bench_grads) and each against one plain read of every
 the same framework (``torch.sum`` / ``ops.sum`` of each gradient). With ``--msprobe`` the
 MindSpore grad probe of mindstudio-probe (if importable here) is timed on the same optimizer.
 
-    .venv-mindspore/bin/python benchmarks/bench_mindspore.py --out bench_out/ms.json
+    .venv-mindspore/bin/python benchmarks/bench_mindspore.py --out bench_out/ms.json \
+        --results benchmarks/RESULTS.md     # (re)writes its section of RESULTS.md (make bench)
 """
 from __future__ import annotations
 
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--msprobe", action="store_true")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--results", help="RESULTS.md whose MindSpore section is (re)written")
     args = parser.parse_args(argv)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     import logging
@@ -156,7 +158,59 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump({"rows": rows, "versions": versions}, fh, indent=1)
+    if args.results:
+        write_section(args.results, render(rows, versions, args))
     return 0
+
+
+BEGIN, END = "<!-- mindspore: written by bench_mindspore.py -->", "<!-- /mindspore -->"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f} ms"
+
+
+def render(rows, versions, args) -> str:
+    load = os.getloadavg()[0]
+    lines = [BEGIN, "## Grad probe: MindSpore hook cost per step, next to PyTorch", "",
+             f"`benchmarks/bench_mindspore.py` in `.venv-mindspore` (mindspore "
+             f"{versions['mindspore']}, torch {versions['torch']}, numpy {versions['numpy']}); "
+             f"load average {load:.2f} at the end. The same parameter shapes as above, "
+             f"{args.steps} steps, recorded by probekit's PyTorch probe and its MindSpore probe "
+             f"alternately, {args.repeats} times, in one process; per step = hook + writes (as "
+             "above), medians. `read` = `torch.sum` / `ops.sum` of every gradient. On the CPU "
+             "the MindSpore probe reads the gradients in place through the same chunked host "
+             "path as PyTorch (docs/mindspore.md), so the two should cost about the same.", "",
+             "| params | level | PyTorch per step | MindSpore per step | MindSpore / PyTorch | "
+             "MindSpore hook alone | read torch / MindSpore | disk/step (both) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['params'] / 1e6:.1f}M | {r['level']} | {_ms(r['torch_per_step_s'])} | "
+            f"{_ms(r['ms_per_step_s'])} | **{r['ms_per_step_s'] / r['torch_per_step_s']:.2f}×** | "
+            f"{_ms(r['ms_hook_s'])} | {_ms(r['torch_read_s'])} / {_ms(r['ms_read_s'])} | "
+            f"{r['ms_bytes_per_step'] / 1e3:.1f} KB |")
+    errors = {r["msprobe"]["error"] for r in rows if "error" in r.get("msprobe", {})}
+    lines += ["", "msprobe's MindSpore grad probe: " + (
+        "not measured: `mindstudio-probe` 1.0.4's `msprobe.mindspore` does not import with "
+        "MindSpore 2.10.0 (`_MindsporeFunctionExecutor` is gone from `mindspore.common.api`), "
+        "and 26.2.0 has no grad_probe task." if not args.msprobe or errors else "see the JSON."),
+        END]
+    return "\n".join(lines)
+
+
+def write_section(path: str, section: str) -> None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError:
+        text = ""
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
 
 
 if __name__ == "__main__":

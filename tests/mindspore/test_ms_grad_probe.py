@@ -155,6 +155,11 @@ def test_same_readers_compare_and_msprobe_export(tmp_path):
         runs.append(tmp_path / name)
     res = probekit.compare_grads(*runs)
     assert np.asarray(res["similarity"].values).min() == 1.0
+    probekit.GradComparator.compare_distributed(*runs, str(tmp_path / "cmp"), plots="summary")
+    csv = (tmp_path / "cmp" / "rank0" / "similarities.csv").read_text(encoding="utf-8-sig")
+    assert csv.splitlines()[1].startswith("fc1.weight,1.0,1.0,1.0")
+    assert (tmp_path / "cmp" / "rank0" / "similarities_picture" /
+            "summary_similarities.png").stat().st_size > 1000
     # msprobe's layout, written by the CLI and read back: the same statistics and signs
     out = subprocess.run([sys.executable, "-m", "probekit.cli", "grads", "export", str(runs[0]),
                           "--to", "msprobe", str(tmp_path / "ms_dump")],
