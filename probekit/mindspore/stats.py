@@ -42,31 +42,67 @@ def _is_float(dtype) -> bool:
     return dtype in _FLOAT_TYPES
 
 
-class Plan:
-    """Per-layout constants kept on the device between steps (segment ids, pads, bit weights)."""
+#: elements (with padding) per group of parameters reduced together on the device: bounds the
+#: float64 copy of the device path to 128 MiB (a larger parameter makes a group of its own)
+GROUP_ELEMS = 1 << 24
 
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
-        p = len(layout.names)
-        pads, ids = [], []
-        for i, n in enumerate(layout.numels):
-            pad = padded_nbytes(n) * 8 - n
-            pads.append(pad)
-            ids.append(np.full(n, i, np.int32))
-            ids.append(np.full(pad, p, np.int32))
-        self.pads = pads
-        self.p = p
-        self.nbits = layout.nbytes * 8
+
+class Group:
+    """Consecutive parameters reduced together: their indices, segment ids and pads."""
+
+    def __init__(self, index, numels) -> None:
+        self.index = list(index)
+        self.pads = [padded_nbytes(numels[i]) * 8 - numels[i] for i in self.index]
+        k = len(self.index)
+        ids = []
+        for j, i in enumerate(self.index):
+            ids.append(np.full(numels[i], j, np.int32))
+            ids.append(np.full(self.pads[j], k, np.int32))  # the pads' own, discarded segment
         self.ids = ms.Tensor(np.concatenate(ids) if ids else np.zeros(0, np.int32))
-        self.zero_pads = {}
-        self.weights = ms.Tensor(np.array([128, 64, 32, 16, 8, 4, 2, 1], np.float32))
+        self.nbytes = sum(padded_nbytes(numels[i]) for i in self.index)
+
+
+class Plan:
+    """Per-layout constants kept between steps: device groups (built on first device use) and the
+    host path's scratch buffers."""
+
+    def __init__(self, layout: Layout, group_elems: int = GROUP_ELEMS) -> None:
+        self.layout = layout
+        self.p = len(layout.names)
         self.numels = np.asarray(layout.numels, np.int64)
+        self.group_elems = group_elems
         self.scratch = None  # the host path's reusable buffers
+        self._groups = None
+        self._zero_pads = {}
+        self._weights = None
+
+    @property
+    def groups(self) -> list:
+        if self._groups is None:
+            groups, cur, size = [], [], 0
+            for i, n in enumerate(self.layout.numels):
+                padded = padded_nbytes(n) * 8
+                if cur and size + padded > self.group_elems:
+                    groups.append(cur)
+                    cur, size = [], 0
+                cur.append(i)
+                size += padded
+            if cur:
+                groups.append(cur)
+            self._groups = [Group(g, self.layout.numels) for g in groups]
+        return self._groups
+
+    @property
+    def weights(self):
+        if self._weights is None:
+            self._weights = ms.Tensor(np.array([[128], [64], [32], [16], [8], [4], [2], [1]],
+                                               np.float32))
+        return self._weights
 
     def pad(self, k: int, dtype):
-        if (k, dtype) not in self.zero_pads:
-            self.zero_pads[k, dtype] = ops.zeros(k, dtype)
-        return self.zero_pads[k, dtype]
+        if (k, dtype) not in self._zero_pads:
+            self._zero_pads[k, dtype] = ops.zeros(k, dtype)
+        return self._zero_pads[k, dtype]
 
 
 def on_cpu() -> bool:
@@ -128,79 +164,110 @@ def compute_device(grads, plan: Plan, level: str, bounds, hash_name: str = "md5"
     if level == "L2":
         out.zeros = np.full(p, np.nan)
         out.dist = np.full((p, len(bounds) + 1), np.nan)
-    pieces = []
-    # float64 gradients keep float64 (then the whole step is float64); the rest become float32
-    wide_t = ms.float64 if any(g is not None and g.dtype == ms.float64 for g in grads) \
-        else ms.float32
     for i, g in enumerate(grads):
-        n = layout.numels[i]
         if g is None:
-            pieces.append(plan.pad(padded_nbytes(n) * 8, wide_t))  # zeros: no sign bit, ignored below
             continue
-        if g.size != n:
+        if g.size != layout.numels[i]:
             raise ValueError(f"gradient of {layout.names[i]!r} has {g.size} elements; the "
-                             f"recording started with {n}")
+                             f"recording started with {layout.numels[i]}")
         if not _is_float(g.dtype):
             raise TypeError(f"gradient of {layout.names[i]!r} has dtype {g.dtype}, not a "
                             "floating-point type")
         out.present[i] = True
+    parts, done = [], []
+    for grp in plan.groups:
+        if not out.present[grp.index].any():
+            continue
+        parts += _group_parts([grads[i] for i in grp.index], grp, plan, level, bounds)
+        done.append(grp)
+    if not done:
+        return out
+    host = ops.cat(parts).asnumpy() if len(parts) > 1 else parts[0].asnumpy()  # one transfer
+    pos = 0
+    offsets = layout.offsets
+    for grp in done:
+        pos = _unpack_group(host, pos, grp, plan, out, level, bounds, hash_name, offsets)
+    return out
+
+
+def _group_parts(grads, grp: Group, plan: Plan, level: str, bounds) -> list:
+    """Device tensors (uint8) holding one group's statistics, sign bits and (L0) float32 bytes."""
+    # float64 gradients keep float64 (then the whole group is float64); the rest become float32
+    wide_t = ms.float64 if any(g is not None and g.dtype == ms.float64 for g in grads) \
+        else ms.float32
+    pieces = []
+    for j, g in enumerate(grads):
+        if g is None:  # zeros: no sign bit; its statistics are discarded
+            pieces.append(plan.pad(padded_nbytes(plan.numels[grp.index[j]]) * 8, wide_t))
+            continue
         flat = g.reshape(-1)
         if flat.dtype != wide_t:
             flat = flat.astype(wide_t)  # fp16/bf16 -> float32/float64: exact
         pieces.append(flat)
-        if plan.pads[i]:
-            pieces.append(plan.pad(plan.pads[i], wide_t))
-    if not out.present.any():
-        return out
+        if grp.pads[j]:
+            pieces.append(plan.pad(grp.pads[j], wide_t))
     flat = ops.cat(pieces) if len(pieces) > 1 else pieces[0]
-    segs = p + 1
+    segs = len(grp.index) + 1
     wide = flat.astype(ms.float64)
-    rows = [ops.unsorted_segment_max(wide, plan.ids, segs),
-            ops.unsorted_segment_min(wide, plan.ids, segs),
-            ops.unsorted_segment_sum(wide * wide, plan.ids, segs),
-            ops.unsorted_segment_sum(ops.isnan(flat).astype(ms.float64), plan.ids, segs)]
+    rows = [ops.unsorted_segment_max(wide, grp.ids, segs),
+            ops.unsorted_segment_min(wide, grp.ids, segs),
+            ops.unsorted_segment_sum(wide * wide, grp.ids, segs),
+            ops.unsorted_segment_sum(ops.isnan(flat).astype(ms.float64), grp.ids, segs)]
+    del wide
     if level == "L2":
-        rows += [ops.unsorted_segment_sum((flat <= float(b)).astype(ms.float64), plan.ids, segs)
+        rows += [ops.unsorted_segment_sum((flat <= float(b)).astype(ms.float64), grp.ids, segs)
                  for b in bounds]
-        rows.append(ops.unsorted_segment_sum((flat == 0).astype(ms.float64), plan.ids, segs))
+        rows.append(ops.unsorted_segment_sum((flat == 0).astype(ms.float64), grp.ids, segs))
     parts = [ops.stack(rows).view(ms.uint8).reshape(-1)]
     if level in ("L1", "L2"):
         bits = (flat > 0).astype(ms.float32).reshape(-1, 8)
-        parts.append(ops.matmul(bits, plan.weights.reshape(8, 1)).astype(ms.uint8).reshape(-1))
+        parts.append(ops.matmul(bits, plan.weights).astype(ms.uint8).reshape(-1))
     if level == "L0":
         f32 = flat if flat.dtype == ms.float32 else flat.astype(ms.float32)
         parts.append(f32.view(ms.uint8).reshape(-1))
-    host = ops.cat(parts).asnumpy() if len(parts) > 1 else parts[0].asnumpy()  # one transfer
-    k = len(rows)
-    stat = host[:k * segs * 8].view(np.float64).reshape(k, segs)[:, :p]
-    pos = k * segs * 8
-    have = out.present
+    return parts
+
+
+def _unpack_group(host, pos, grp: Group, plan: Plan, out: StepStats, level, bounds, hash_name,
+                  offsets) -> int:
+    """Fill ``out`` from one group's bytes of the transfer at ``pos``; returns the next ``pos``."""
+    idx = np.asarray(grp.index)
+    segs = idx.size + 1
+    k = 4 + (len(bounds) + 1 if level == "L2" else 0)
+    stat = host[pos:pos + k * segs * 8].view(np.float64).reshape(k, segs)[:, :-1]
+    pos += k * segs * 8
+    have = out.present[idx]
+    sel = idx[have]
+    numels = plan.numels[idx]
     nan = stat[3] > 0
-    out.max[have] = np.where(nan, np.nan, stat[0])[have]
-    out.min[have] = np.where(nan, np.nan, stat[1])[have]
-    out.norm[have] = np.sqrt(stat[2])[have]
-    empty = plan.numels == 0
-    if empty.any():  # a zero-element gradient: present, no values
-        for name in ("max", "min", "norm"):
-            getattr(out, name)[empty] = np.nan
+    out.max[sel] = np.where(nan, np.nan, stat[0])[have]
+    out.min[sel] = np.where(nan, np.nan, stat[1])[have]
+    out.norm[sel] = np.sqrt(stat[2])[have]
+    empty = sel[plan.numels[sel] == 0]  # a zero-element gradient: present, no values
+    out.max[empty] = out.min[empty] = out.norm[empty] = np.nan
     if level == "L2":
         nb = len(bounds)
-        le = stat[4:4 + nb].T  # (p, bounds): count of x <= b
-        n = np.maximum(plan.numels, 1).astype(np.float64)
+        le = stat[4:4 + nb].T  # (params, bounds): count of x <= b
+        n = np.maximum(numels, 1).astype(np.float64)
         inner = np.diff(le, axis=1, prepend=0)
-        last = plan.numels - stat[3] - le[:, -1]
+        last = numels - stat[3] - le[:, -1]
         dist = np.concatenate([inner, last[:, None]], axis=1) / n[:, None]
-        out.dist[have] = dist[have]
-        out.zeros[have] = (stat[4 + nb] / n)[have]
+        out.dist[sel] = dist[have]
+        out.zeros[sel] = (stat[4 + nb] / n)[have]
         out.dist[empty], out.zeros[empty] = np.nan, np.nan
     if level in ("L1", "L2"):
-        out.direction[:] = host[pos:pos + layout.nbytes]
+        lo = offsets[idx[0]]
+        out.direction[lo:lo + grp.nbytes] = host[pos:pos + grp.nbytes]
+        pos += grp.nbytes
     if level == "L0":
-        f32 = host[pos:].view(np.float32)
-        offsets = np.concatenate([[0], np.cumsum([padded_nbytes(n) * 8
-                                                  for n in layout.numels])[:-1]]).astype(np.int64)
-        for i in np.flatnonzero(have):
-            d = hasher(hash_name)
-            d.update(f32[offsets[i]:offsets[i] + layout.numels[i]].tobytes())
-            out.hash[i] = np.frombuffer(d.digest(), np.uint8)
-    return out
+        nf = grp.nbytes * 8
+        f32 = host[pos:pos + nf * 4].view(np.float32)
+        start = 0
+        for j, i in enumerate(grp.index):
+            if out.present[i]:
+                d = hasher(hash_name)
+                d.update(f32[start:start + plan.numels[i]].tobytes())
+                out.hash[i] = np.frombuffer(d.digest(), np.uint8)
+            start += padded_nbytes(plan.numels[i]) * 8
+        pos += nf * 4
+    return pos

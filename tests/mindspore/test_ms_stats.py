@@ -110,3 +110,27 @@ def test_bfloat16_and_auto_path():
     assert np.array_equal(outs[0].dist, outs[1].dist)
     with pytest.raises(ValueError, match="where: 'gpu' is not valid; accepted: auto, host, device"):
         compute([g], Plan(layout), "L1", BOUNDS, where="gpu")
+
+
+def test_device_groups_give_the_same_result():
+    """Parameters split in several device groups (bounded float64 copy): the same statistics."""
+    rng = np.random.default_rng(11)
+    arrays = grads_set(rng)
+    names = tuple(f"p{i}" for i in range(len(arrays)))
+    layout = Layout(names, tuple(a.size for a in arrays), tuple(a.shape for a in arrays))
+    grads = [ms.Tensor(a) for a in arrays]
+    grads[1] = None
+    one = compute(grads, Plan(layout), "L2", BOUNDS, where="device")
+    plan = Plan(layout, group_elems=512)
+    assert [g.index for g in plan.groups] == [[0, 1], [2, 3], [4]]  # padded: 448+64, 128+64, 640
+    for level in ("L0", "L2"):
+        split = compute(grads, plan, level, BOUNDS, where="device")
+        ref = compute(grads, Plan(layout), level, BOUNDS, where="host")
+        for k in ("present", "max", "min", "hash", "dist", "zeros", "direction"):
+            a, b = getattr(split, k), getattr(ref, k)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), (level, k)
+        assert np.allclose(split.norm, ref.norm, rtol=2 ** -24, equal_nan=True)
+    assert np.array_equal(one.direction, compute(grads, plan, "L1", BOUNDS,
+                                                  where="device").direction)
