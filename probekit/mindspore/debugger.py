@@ -1,4 +1,4 @@
-"""``PrecisionDebugger`` for MindSpore: msprobe's ``from msprobe.mindspore import PrecisionDebugger``.
+"""``PrecisionDebugger`` for MindSpore, as msprobe's ``msprobe.mindspore.PrecisionDebugger``.
 
 msprobe's MindSpore users write::
 
