@@ -62,6 +62,13 @@ def test_pytorch_and_mindspore_mlp_agree_for_every_step(tmp_path):
     # the statistics agree too, within float32 rounding of two different kernels
     a, b = probekit.open_grads(pt), probekit.open_grads(msr)
     assert np.allclose(a["norm"].values, b["norm"].values, rtol=1e-4)
+    # the notebook's explorer opens the MindSpore run against that comparison
+    from probekit.notebook import GradExplorer
+
+    ex = GradExplorer(b, comparison=res, param="fc2.weight")
+    titles = [ax.get_title() for ax in ex.figure.axes if ax.get_title()]
+    assert titles[0] == "Direction similarity: fc2.weight"
+    assert ex.flagged_params() == [] and ex.image.value[:4] == b"\x89PNG"
 
 
 def test_transposed_weight_and_renamed_params_are_reconciled(tmp_path):
