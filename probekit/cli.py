@@ -44,7 +44,7 @@ config_check.declare = _args_config_check
 
 
 def _load_feature_commands() -> None:
-    for module in ("probekit.grads.cli", "probekit.freebench.cli"):
+    for module in ("probekit.grads.cli", "probekit.freebench.cli", "probekit.mindspore.cli"):
         try:
             __import__(module)
         except ModuleNotFoundError as exc:

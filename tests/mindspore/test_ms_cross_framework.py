@@ -71,6 +71,19 @@ def test_pytorch_and_mindspore_mlp_agree_for_every_step(tmp_path):
     assert ex.flagged_params() == [] and ex.image.value[:4] == b"\x89PNG"
 
 
+def test_cli_compares_the_two_frameworks(tmp_path):
+    import subprocess
+    import sys
+
+    pt, msr = record_both(tmp_path, level="L1")
+    out = subprocess.run([sys.executable, "-m", "probekit.cli", "mindspore", "compare", str(pt),
+                          str(msr), "-o", str(tmp_path / "cmp")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0: 6 params compared over 6 steps; total similarity 1.0000..1.0000" in out.stdout
+    csv = (tmp_path / "cmp" / "rank0" / "similarities.csv").read_text(encoding="utf-8-sig")
+    assert csv.splitlines()[0] == "step," + ",".join(str(s) for s in range(STEPS))
+
+
 def test_transposed_weight_and_renamed_params_are_reconciled(tmp_path):
     pt, msr = record_both(tmp_path, level="L1")
     ref = probekit.open_grads(pt)
