@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
 from . import handlers, perturb
-from .metric import compare_many, floor_for
+from .deferred import OutMeta, Pending, Verdicts
+from .metric import device_stats, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
 from .preheat import Preheat
 
@@ -144,6 +145,8 @@ class Engine:
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
+        self.verdicts = Verdicts()
+        self._thresholds: dict = {}           # (output dtype, input dtype) -> threshold
 
     # -- filters -------------------------------------------------------------------------------
     @staticmethod
@@ -184,8 +187,11 @@ class Engine:
             skipped["out_of_scope"] = self.out_of_scope
         if self.step_filtered:
             skipped["step_filter"] = self.step_filtered
-        return {"calls": self.calls, "checked": self.checked, "skipped": skipped,
-                "flagged": self.flagged, "steps": self.step}
+        out = {"calls": self.calls, "checked": self.checked, "skipped": skipped,
+               "flagged": self.flagged, "steps": self.step}
+        if self.verdicts.inconclusive:
+            out["inconclusive"] = self.verdicts.inconclusive
+        return out
 
     def remove_hooks(self) -> None:
         handles, self.handles = self.handles, []
@@ -240,8 +246,8 @@ class Engine:
         if self.stage == "backward":
             from .backward import watch
 
-            return watch(self, call, key, name, func, leaves, spec, frame)
-        return self._check_forward(call, key, name, func, leaves, spec, frame)
+            return watch(self, call, key, n, name, func, leaves, spec, frame)
+        return self._check_forward(call, key, n, name, func, leaves, spec, frame)
 
     def _decide(self, info, key, n, name, args, kwargs):
         """A skip reason, or the call's flattened arguments when it is to be checked."""
@@ -267,12 +273,12 @@ class Engine:
                 return "preheat"
         return leaves, spec
 
-    def _check_forward(self, call, key, name, func, leaves, spec, frame):
+    def _check_forward(self, call, key, n, name, func, leaves, spec, frame):
         out = func(*call.args, **call.kwargs)
         self.busy = True
         try:
             with modes_off(), torch.no_grad(), _no_autocast(self.upcast_mode):
-                self._compare_rerun(call, key, name, func, leaves, spec, frame, out)
+                self._compare_rerun(call, key, n, name, func, leaves, spec, frame, out)
         except perturb.Cancel as exc:
             self.cancelled(key, name, str(exc))
         except Exception as exc:  # never reaches the training code
@@ -281,7 +287,7 @@ class Engine:
             self.busy = False
         return out
 
-    def _compare_rerun(self, call, key, name, func, leaves, spec, frame, out) -> None:
+    def _compare_rerun(self, call, key, n, name, func, leaves, spec, frame, out) -> None:
         outs = handlers.float_outputs(out)
         if not outs:
             self.note_skip("no_float_output", key, name)
@@ -294,17 +300,51 @@ class Engine:
             raise RuntimeError("the perturbed call returned outputs of another structure")
         if pert.post is not None:
             p_outs = [(i, pert.post(t)) for i, t in p_outs]
-        stats = compare_many([(o, p, floor_for(o.dtype)) for (_, o), (_, p) in zip(outs, p_outs)])
-        self.checked += 1
-        self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype, frame)
+        self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
+                   [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)])
 
-    def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None) -> None:
-        """Judge ``(output_index, original_tensor, Stats)`` items; emit rows for the findings."""
+    def defer(self, key, n, name, stage, step, frame_or_site, in_dtype, triples) -> None:
+        """Compare ``(output_index, original, perturbed)`` on the device; the verdict is read
+        back at the next gather (``gather``), nothing here waits for the device."""
+        site = (stage, key, n)
+        exact = self.verdicts.want_exact(site)
+        outputs, values = [], []
+        for i, o, p in triples:
+            f = floor_for(o.dtype)
+            values.append(device_stats(o, p, f, exact))
+            outputs.append((i, o.dtype, tuple(o.shape), f))
+        if not isinstance(frame_or_site, str):
+            frame_or_site = call_site(frame_or_site)
+        self.checked += 1
+        self.verdicts.add(Pending(site, key, name, stage, step, frame_or_site, in_dtype, outputs,
+                                  values), exact)
+
+    def gather(self) -> None:
+        """Read back every pending verdict (one transfer per device) and record the findings."""
+        with modes_off(), torch.no_grad():  # invisible to every function mode, as the checks are
+            done = self.verdicts.gather()
+        rows: list = []
+        for e, stats in done:
+            items = [(i, OutMeta(dt, shape), st) for (i, dt, shape, _), st in zip(e.outputs, stats)]
+            if self.record(e.key, e.name, items, e.in_dtype, e.call_site, stage=e.stage,
+                           step=e.step, out=rows):
+                self.verdicts.flagged_sites.add(e.site)
+        if rows:
+            self.emit(rows)  # one CSV append per gather
+
+    def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None,
+               out=None) -> bool:
+        """Judge ``(output_index, original_tensor_or_OutMeta, Stats)`` items; emit rows for the
+        findings (or append them to ``out``); True when there were any."""
         step = self.step if step is None else step
         rows = []
         worst = 0.0
         for index, o, st in items:
-            thr = handlers.threshold(self.fb, self.mode_name, o.dtype, in_dtype)
+            tkey = (o.dtype, in_dtype)
+            thr = self._thresholds.get(tkey)
+            if thr is None:
+                thr = self._thresholds[tkey] = handlers.threshold(self.fb, self.mode_name,
+                                                                  o.dtype, in_dtype)
             worst = max(worst, handlers.risk(st, thr))
             kind = handlers.judge(st, thr)
             if kind is None:
@@ -322,7 +362,11 @@ class Engine:
             self.preheat.record(key, worst if not math.isnan(worst) else math.inf)
         if rows:
             self.flagged += len(rows)
-            self.emit(rows)
+            if out is None:
+                self.emit(rows)
+            else:
+                out.extend(rows)
+        return bool(rows)
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):

@@ -32,6 +32,7 @@ import torch
 FLOORS = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-8}
 DEFAULT_FLOOR = 1e-4
 CHUNK = 1 << 20
+_WIDE = (torch.float32, torch.float64)
 
 
 def floor_for(dtype: torch.dtype) -> float:
@@ -142,6 +143,69 @@ def compare_many(pairs) -> list[Stats]:
         else:
             out.append(Stats(rmax, dmax, 0, 0, a_at >= f))
     return out
+
+
+# -- deferred comparison: device-resident values, read back once per step ----------------------
+#: number of values ``device_stats`` returns per pair, by kind
+FAST_LEN, EXACT_LEN = 3, 5
+
+
+def device_stats(o: torch.Tensor, p: torch.Tensor, floor: float, exact: bool = False) -> tuple:
+    """The comparison of one pair as 0-dim tensors on ``p``'s device; nothing is read back.
+
+    fast (``exact=False``, 3 values): ``max err`` (NaN when any difference is NaN), ``|o|`` at
+    that element, ``max |p-o|`` (NaN/Inf when a difference is). ``stats_from`` turns them into
+    ``Stats`` when they are conclusive: every difference finite and ``max err < 1`` (a sign flip
+    needs an error above 1, a NaN/Inf mismatch a non-finite difference); otherwise it answers
+    None and the pair must be compared exactly (``exact=True``: the 5 values of
+    ``exact_stats``). Small tensors take one pass of plain kernels (no chunking, no stack)."""
+    n = o.numel()
+    if not exact and 0 < n <= CHUNK and o.shape == p.shape and o.device == p.device:
+        # the fast path of small tensors: one pass, no chunking, no stack
+        cdt = o.dtype if o.dtype == p.dtype else torch.promote_types(o.dtype, p.dtype)
+        if cdt not in _WIDE:
+            cdt = torch.promote_types(cdt, torch.float32)
+        oc = o if o.dtype == cdt else o.to(cdt)
+        pc = p if p.dtype == cdt else p.to(cdt)
+        ad = (pc - oc).abs_()
+        ao = oc.abs()
+        rmax, idx = ad.div(ao.clamp_min(floor)).reshape(-1).max(0)
+        return rmax, ao.reshape(-1)[idx], ad.amax()
+    cdt, device, parts = _plan(o, p)
+    if n == 0:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return (zero,) * (EXACT_LEN if exact else FAST_LEN)
+    if exact:
+        s = torch.stack([_exact_chunk(a, b, floor, cdt, device) for a, b in parts])
+        if len(parts) > 1:
+            s = torch.cat([s[:, :3].amax(0), s[:, 3:].sum(0)])
+        else:
+            s = s[0]
+        return tuple(s.unbind())
+    s = torch.stack([_fast_chunk_raw(a, b, floor, cdt, device) for a, b in parts])
+    i = s[:, 0].argmax()
+    return s[i, 0], s[i, 1], s[:, 2].amax()
+
+
+def _fast_chunk_raw(o, p, floor: float, cdt, device) -> torch.Tensor:
+    """[max err, |o| at it, max |p-o|] of one chunk, NaN propagating (NaN counts as largest)."""
+    oc = o.to(device=device, dtype=cdt)
+    ad = (p.to(device=device, dtype=cdt) - oc).abs_()
+    ao = oc.abs().reshape(-1)
+    rmax, idx = ad.reshape(-1).div(ao.clamp_min(floor)).max(0)
+    return torch.stack([rmax, ao[idx], ad.amax()])
+
+
+def stats_from(values, floor: float) -> Stats | None:
+    """``Stats`` from the values ``device_stats`` returned (read back as floats); None when fast
+    values are inconclusive (the pair must be compared exactly)."""
+    if len(values) == EXACT_LEN:
+        r_hi, r_lo, a_max, mis, flips = values
+        return Stats(max(r_hi, r_lo), a_max, int(mis), int(flips), r_hi >= r_lo)
+    rmax, a_at, dmax = values
+    if not (math.isfinite(dmax) and math.isfinite(rmax)) or rmax >= 1.0:
+        return None
+    return Stats(rmax, dmax, 0, 0, a_at >= floor)
 
 
 def compare(o: torch.Tensor, p: torch.Tensor, floor: float | None = None) -> Stats:

@@ -56,9 +56,14 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def bit_noise(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with the lowest mantissa bit flipped in each finite element >= the smallest normal."""
+    """``t`` with the lowest mantissa bit flipped in each finite element >= the smallest normal.
+
+    The mask is ``clamp(|t|, smallest normal, max) == |t|`` (NaN, Inf, zeros and subnormals fail
+    it): three kernels, and the XOR takes the boolean mask as 0/1 directly."""
     bits = _int_view(t)
-    return (bits ^ _noise_mask(t).to(bits.dtype)).view(t.dtype)
+    info = torch.finfo(t.dtype)
+    a = t.abs()
+    return (bits ^ (a.clamp(info.smallest_normal, info.max) == a)).view(t.dtype)
 
 
 def add_noise(t: torch.Tensor) -> torch.Tensor:

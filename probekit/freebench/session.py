@@ -118,9 +118,21 @@ class FreeBench:
             self._engine.remove_hooks()
             self._engine.in_optimizer = 0
             self._engine.busy = False
+            self._gather()
+
+    def _gather(self) -> None:
+        """Read back the pending verdicts (one device-to-host transfer) and write the findings."""
+        try:
+            self._engine.gather()
+        except Exception as exc:  # never reaches the training code
+            self._engine.verdicts.drop()
+            log.warning("Free benchmark: reading back the pending checks failed (%s: %s); they "
+                        "were dropped", type(exc).__name__, exc)
 
     def step(self) -> None:
-        """End of a training step: per-API counters reset, the step number grows by one."""
+        """End of a training step: pending verdicts gathered, per-API counters reset, the step
+        number grows by one."""
+        self._gather()
         self._engine.next_step()
 
     def monitor(self, model, optimizer=None) -> None:
@@ -151,10 +163,12 @@ class FreeBench:
     @property
     def results(self):
         """pandas DataFrame, one row per inconsistent output (``probekit.freebench.COLUMNS``)."""
+        self._gather()
         return _results.frame(self._rows)
 
     @property
     def summary(self) -> dict:
+        self._gather()
         return self._engine.summary()
 
     @property

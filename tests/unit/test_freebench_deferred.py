@@ -1,0 +1,73 @@
+"""Deferred verdicts: comparisons stay on the device until the step's gather point."""
+import math
+
+import torch
+
+from probekit.freebench import FreeBench, metric
+
+
+def cancellation():
+    return torch.tensor([1e4 + 0.01]) + torch.tensor([-1e4])
+
+
+def test_one_read_back_per_step_and_rows_only_at_the_gather(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    a, b = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
+    x = torch.rand(8, 8) + 1
+    for step in range(3):
+        with fb:
+            for _ in range(5):
+                torch.exp(x)
+            a + b
+            assert fb._engine.flagged == step        # nothing read back inside the step
+            assert len(fb._engine.verdicts.pending) == 6
+        fb.step()
+        assert fb._engine.verdicts.syncs == step + 1  # one read-back for the 6 checked calls
+    df = fb.results
+    assert df["api_name"].tolist() == ["Tensor.__add__.0.forward"] * 3
+    assert df["step"].tolist() == [0, 1, 2]
+    assert df["call_site"].str.startswith("test_freebench_deferred.py:").all()
+    assert fb.summary["checked"] == 18 and fb._engine.verdicts.syncs == 3
+
+
+def test_first_check_of_a_site_is_exact_then_fast():
+    o = torch.tensor([1.0, -2.0, 0.5])
+    p = torch.tensor([1.0, -2.0, 0.5 + 2 ** -10])
+    exact = [v.item() for v in metric.device_stats(o, p, 1e-4, exact=True)]
+    fast = [v.item() for v in metric.device_stats(o, p, 1e-4)]
+    assert metric.stats_from(exact, 1e-4) == metric.stats_from(fast, 1e-4) == \
+        metric.Stats(2 ** -9, 2 ** -10, 0, 0, True)
+    assert metric.stats_from(fast, 1e-4) == metric.compare(o, p)
+
+
+def test_fast_values_are_inconclusive_for_nan_inf_and_large_errors():
+    f = 1e-4
+    nan = [v.item() for v in metric.device_stats(torch.tensor([1.0, math.nan]),
+                                                 torch.tensor([1.0, math.nan]), f)]
+    assert metric.stats_from(nan, f) is None               # consistent NaN or not: unknown
+    flip = [v.item() for v in metric.device_stats(torch.tensor([1.0]), torch.tensor([-1.0]), f)]
+    assert metric.stats_from(flip, f) is None              # error 2: a sign flip is possible
+
+
+def test_inconclusive_fast_verdict_is_rechecked_exactly_at_the_sites_next_run(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+    big = torch.full((4,), 60000.0, dtype=torch.float16)
+    small = torch.full((4,), 1.0, dtype=torch.float16)
+    for x in (small, big, big):   # step 1: fp16 overflow appears at a site checked before
+        with fb:
+            torch.add(x, x)
+        fb.step()
+    df = fb.results
+    # step 0 exact and clean; step 1 fast and inconclusive (not reported); step 2 exact: nan_inf
+    assert df["kind"].tolist() == ["nan_inf"] and df["step"].tolist() == [2]
+    assert fb.summary["inconclusive"] == 1 and fb.summary["checked"] == 3
+
+
+def test_backward_stage_is_deferred_too(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision", fuzz_stage="backward")
+    x = torch.linspace(-3, 3, 64, dtype=torch.bfloat16).requires_grad_(True)
+    with fb:
+        torch.nn.functional.layer_norm(x, (64,)).pow(3).sum().backward()
+        assert len(fb._engine.verdicts.pending) >= 1 and fb._engine.verdicts.syncs == 0
+    assert fb._engine.verdicts.syncs == 1                 # read back at stop()
+    assert fb.summary["checked"] == len(fb._engine.verdicts.exact_done)
