@@ -39,33 +39,47 @@ def _reason_text(reason: str) -> str:
     return REASONS.get(reason) or EXTRA_REASONS.get(reason) or reason
 
 
-@contextlib.contextmanager
+_NULL = contextlib.nullcontext()
+
+
 def _no_autocast(enabled: bool):
-    """Disable autocast (so an upcast re-run really computes in the upcast dtype)."""
-    with contextlib.ExitStack() as stack:
-        if enabled:
-            for dev in ("cpu", "cuda"):
-                try:
-                    on = torch.is_autocast_enabled(dev)
-                except (TypeError, RuntimeError):
-                    on = False
-                if on:
-                    stack.enter_context(torch.autocast(dev, enabled=False))
-        yield
+    """Disable autocast (so an upcast re-run really computes in the upcast dtype); a shared null
+    context when autocast is off (the common case costs two flag reads)."""
+    if not enabled:
+        return _NULL
+    on = []
+    for dev in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                on.append(dev)
+        except (TypeError, RuntimeError):
+            pass
+    if not on:
+        return _NULL
+    stack = contextlib.ExitStack()
+    for dev in on:
+        stack.enter_context(torch.autocast(dev, enabled=False))
+    return stack
 
 
-@contextlib.contextmanager
-def modes_off():
+class modes_off:
     """Pop every TorchFunctionMode of this thread while probekit works, so that no mode (ours or
-    one the user entered, e.g. a FLOP counter) sees the re-runs; restored in ``finally``."""
-    popped = []
-    try:
+    one the user entered, e.g. a FLOP counter) sees the re-runs; restored on exit (also on
+    errors). A class, not a generator: it is entered on every checked call."""
+
+    __slots__ = ("popped",)
+
+    def __enter__(self):
+        popped = self.popped = []
         while torch._C._len_torch_function_stack():
             popped.append(torch._C._pop_torch_function_stack())
-        yield
-    finally:
-        for mode in reversed(popped):
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.popped):
             torch._C._push_on_torch_function_stack(mode)
+        self.popped = []
+        return False
 
 
 class _Mode(TorchFunctionMode):
@@ -257,9 +271,14 @@ class Engine:
         if reason is not None:
             return reason
         leaves, spec = perturb.flatten(args, kwargs)
-        if not any(perturb.is_float(x) for x in leaves):
+        has_float = has_meta = False
+        for x in leaves:  # one pass: floating input? meta tensor?
+            if isinstance(x, torch.Tensor):
+                has_float = has_float or x.is_floating_point()
+                has_meta = has_meta or x.is_meta
+        if not has_float:
             return "no_float_input"
-        if any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves):
+        if has_meta:
             return "meta"
         if self.preheat is not None:
             if self.preheat.in_preheat(self.step):
@@ -296,7 +315,7 @@ class Engine:
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
         p_outs = handlers.float_outputs(p_out)
-        if [i for i, _ in p_outs] != [i for i, _ in outs]:
+        if len(p_outs) != len(outs) or any(a[0] != b[0] for a, b in zip(p_outs, outs)):
             raise RuntimeError("the perturbed call returned outputs of another structure")
         if pert.post is not None:
             p_outs = [(i, pert.post(t)) for i, t in p_outs]

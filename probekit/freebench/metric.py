@@ -153,8 +153,10 @@ FAST_LEN, EXACT_LEN = 3, 5
 def device_stats(o: torch.Tensor, p: torch.Tensor, floor: float, exact: bool = False) -> tuple:
     """The comparison of one pair as 0-dim tensors on ``p``'s device; nothing is read back.
 
-    fast (``exact=False``, 3 values): ``max err`` (NaN when any difference is NaN), ``|o|`` at
-    that element, ``max |p-o|`` (NaN/Inf when a difference is). ``stats_from`` turns them into
+    fast (``exact=False``, 3 values): the min and max of ``err_i`` carrying the sign of
+    ``|o_i| - floor`` (so ``max`` is the worst error above the floor and ``-min`` the worst below
+    it; NaN when any difference is NaN) and ``max |p-o|`` (NaN/Inf when a difference is).
+    ``stats_from`` turns them into
     ``Stats`` when they are conclusive: every difference finite and ``max err < 1`` (a sign flip
     needs an error above 1, a NaN/Inf mismatch a non-finite difference); otherwise it answers
     None and the pair must be compared exactly (``exact=True``: the 5 values of
@@ -169,8 +171,10 @@ def device_stats(o: torch.Tensor, p: torch.Tensor, floor: float, exact: bool = F
         pc = p if p.dtype == cdt else p.to(cdt)
         ad = (pc - oc).abs_()
         ao = oc.abs()
-        rmax, idx = ad.div(ao.clamp_min(floor)).reshape(-1).max(0)
-        return rmax, ao.reshape(-1)[idx], ad.amax()
+        # err carrying the sign of |o| - floor: its max is the worst error above the floor, minus
+        # its min the worst below it (one aminmax instead of an argmax and a gather)
+        lo, hi = torch.aminmax(ad.div(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
+        return lo, hi, ad.amax()
     cdt, device, parts = _plan(o, p)
     if n == 0:
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -183,17 +187,16 @@ def device_stats(o: torch.Tensor, p: torch.Tensor, floor: float, exact: bool = F
             s = s[0]
         return tuple(s.unbind())
     s = torch.stack([_fast_chunk_raw(a, b, floor, cdt, device) for a, b in parts])
-    i = s[:, 0].argmax()
-    return s[i, 0], s[i, 1], s[:, 2].amax()
+    return s[:, 0].amin(), s[:, 1].amax(), s[:, 2].amax()
 
 
 def _fast_chunk_raw(o, p, floor: float, cdt, device) -> torch.Tensor:
-    """[max err, |o| at it, max |p-o|] of one chunk, NaN propagating (NaN counts as largest)."""
+    """[min signed err, max signed err, max |p-o|] of one chunk (NaN propagating)."""
     oc = o.to(device=device, dtype=cdt)
     ad = (p.to(device=device, dtype=cdt) - oc).abs_()
-    ao = oc.abs().reshape(-1)
-    rmax, idx = ad.reshape(-1).div(ao.clamp_min(floor)).max(0)
-    return torch.stack([rmax, ao[idx], ad.amax()])
+    ao = oc.abs()
+    lo, hi = torch.aminmax(ad.div(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
+    return torch.stack([lo, hi, ad.amax()])
 
 
 def stats_from(values, floor: float) -> Stats | None:
@@ -202,10 +205,14 @@ def stats_from(values, floor: float) -> Stats | None:
     if len(values) == EXACT_LEN:
         r_hi, r_lo, a_max, mis, flips = values
         return Stats(max(r_hi, r_lo), a_max, int(mis), int(flips), r_hi >= r_lo)
-    rmax, a_at, dmax = values
-    if not (math.isfinite(dmax) and math.isfinite(rmax)) or rmax >= 1.0:
+    lo, hi, dmax = values
+    if not (math.isfinite(dmax) and math.isfinite(lo) and math.isfinite(hi)):
         return None
-    return Stats(rmax, dmax, 0, 0, a_at >= floor)
+    r_hi, r_lo = max(hi, 0.0), max(-lo, 0.0)
+    rmax = max(r_hi, r_lo)
+    if rmax >= 1.0:
+        return None
+    return Stats(rmax, dmax, 0, 0, r_hi >= r_lo)
 
 
 def compare(o: torch.Tensor, p: torch.Tensor, floor: float | None = None) -> Stats:
