@@ -26,6 +26,9 @@ from .preheat import Preheat
 
 log = get_logger("probekit.freebench")
 
+#: one INFO summary line every this many steps (the per-API lines appear once per run)
+SUMMARY_EVERY = 100
+
 EXTRA_REASONS = {
     "no_float_input": "unsupported input type (no floating-point tensor input)",
     "no_float_output": "the output holds no floating-point tensor",
@@ -150,8 +153,10 @@ class Engine:
         self.in_optimizer = 0
         self.counts: dict[str, int] = {}
         self.handles: list = []
-        self.once = Once()        # per session (skip reasons)
-        self.once_step = Once()   # per step (perturbation applied / cancelled / preheat lines)
+        self.once = Once()        # per run: perturbation applied / skip and cancel reasons, per API
+        self.once_step = Once()   # per step: preheat sampling lines
+        self.summary_every = SUMMARY_EVERY
+        self._logged = (0, 0, 0)  # (step, checked, flagged) at the last summary line
         # summary counters
         self.calls = 0
         self.checked = 0
@@ -189,11 +194,22 @@ class Engine:
         self.counts.clear()
         self.once_step.clear()
         self.step += 1
+        if self.summary_every and self.step % self.summary_every == 0:
+            self.log_summary()
         self.enabled = self._step_selected(self.step)
         if self.preheat is not None and self.step == self.preheat.preheat_step:
             log.info("Free benchmark: preheat finished after %d step(s); APIs still checked: %s; "
                      "no longer checked (risk < %.2g of threshold): %s", self.step,
                      self.preheat.at_risk() or "none", 0.5, self.preheat.low_risk() or "none")
+
+    def log_summary(self) -> None:
+        """One INFO line: what the last steps checked and found (every ``summary_every`` steps)."""
+        step0, checked0, flagged0 = self._logged
+        self._logged = (self.step, self.checked, self.flagged)
+        if log.isEnabledFor(logging.INFO):
+            log.info("Free benchmark: steps %d-%d: %d call(s) checked, %d finding(s); %d step(s), "
+                     "%d finding(s) in all", step0, self.step - 1, self.checked - checked0,
+                     self.flagged - flagged0, self.step, self.flagged)
 
     def summary(self) -> dict:
         skipped = dict(self.skipped)
@@ -214,10 +230,10 @@ class Engine:
 
     # -- logging -------------------------------------------------------------------------------
     def note_skip(self, reason: str, key: str, name: str) -> None:
-        """Count a call that is not checked and log why (once per API; per step for inputs)."""
+        """Count a call that is not checked and log why (once per API per run)."""
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         if reason == "no_float_input":
-            if self.once_step(("input", key)):
+            if self.once(("input", key)):
                 log.warning("Free benchmark: unsupported input type for %s (no floating-point "
                             "tensor input).", name)
         elif reason != "preheat" and self.once((reason, key)):
@@ -229,17 +245,17 @@ class Engine:
 
     def cancelled(self, key: str, name: str, why: str) -> None:
         self.skipped["cancelled"] = self.skipped.get("cancelled", 0) + 1
-        if self.once_step(("cancel", key)):
+        if self.once(("cancel", key)):
             log.info("Free benchmark: For %s, %s. Cancel perturbation.", name, why)
 
     def failed(self, key: str, name: str, exc: BaseException) -> None:
         self.skipped["error"] = self.skipped.get("error", 0) + 1
-        if self.once_step(("error", key)):
+        if self.once(("error", key)):
             log.warning("Free benchmark: For %s, the check failed and was skipped (%s: %s).",
                         name, type(exc).__name__, exc)
 
     def applied(self, key: str, name: str) -> None:
-        if self.once_step(("applied", key)) and log.isEnabledFor(logging.INFO):
+        if self.once(("applied", key)) and log.isEnabledFor(logging.INFO):
             log.info("Free benchmark: Perturbation is %s of %s.", self.mode_name, name)
 
     # -- one in-scope call -----------------------------------------------------------------------
