@@ -101,6 +101,9 @@ class FreeBenchmarkConfig:
     max_sample: int = 20
     #: probekit extension: relative-error thresholds by output dtype
     thresholds: Mapping = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
+    #: probekit extension: checks may cost at most this fraction of the plain step time
+    #: (None: every call is checked)
+    budget: float | None = None
 
     JSON_KEYS = {"api_list": "list"}
 
@@ -137,6 +140,17 @@ class FreeBenchmarkConfig:
                 "free_benchmark.if_preheat: True is not valid with handler_type 'fix'; "
                 "accepted: false (preheat only samples in check mode)")
         _set(self, "thresholds", _thresholds(self.thresholds))
+        if self.budget is not None:
+            b = self.budget
+            if not isinstance(b, (int, float)) or isinstance(b, bool) or not (
+                    b > 0 and math.isfinite(b)):
+                _fail(s + "budget", b, "a finite number > 0 (a fraction of the plain step time, "
+                      "e.g. 0.2), or null")
+            _set(self, "budget", float(b))
+            if self.handler_type == "fix":
+                raise ConfigError(
+                    f"free_benchmark.budget: {b!r} is not valid with handler_type 'fix'; "
+                    "accepted: null (fix replaces every call it covers)")
 
     def threshold_for(self, dtype_name: str) -> float:
         """The relative-error threshold for an output of ``dtype_name`` (e.g. ``"bfloat16"``)."""

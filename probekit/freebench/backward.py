@@ -21,6 +21,8 @@ Hooks still pending are removed when the probe stops.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from . import handlers, perturb
@@ -72,6 +74,7 @@ class _BackwardCheck:
         if self.leaves is None or e.busy:
             return None
         e.busy = True
+        t0 = time.perf_counter() if e.budget is not None else 0.0
         try:
             with modes_off():
                 self._check(grad)
@@ -82,6 +85,8 @@ class _BackwardCheck:
         finally:
             e.busy = False
             self.leaves = self.call = None  # release the inputs
+            if e.budget is not None:
+                e.budget.spent(time.perf_counter() - t0)
         return None
 
     def _output(self, out):

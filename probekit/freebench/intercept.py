@@ -13,12 +13,14 @@ import functools
 import logging
 import math
 import sys
+import time
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
 from . import handlers, perturb
+from .budget import Budget, Coverage
 from .deferred import OutMeta, Pending, Verdicts
 from .metric import device_stats, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
@@ -35,6 +37,7 @@ EXTRA_REASONS = {
     "no_grad": "no gradient flows through this call",
     "dtype_arg": "fix: the call fixes its output dtype explicitly",
     "meta": "meta tensors hold no values",
+    "budget": "the overhead budget leaves this call to a later step (call sites rotate)",
 }
 
 
@@ -165,6 +168,8 @@ class Engine:
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
         self.verdicts = Verdicts()
+        self.budget = Budget(fb.budget) if fb.budget is not None else None
+        self.coverage = Coverage()
         self._thresholds: dict = {}           # (output dtype, input dtype) -> threshold
 
     # -- filters -------------------------------------------------------------------------------
@@ -189,6 +194,8 @@ class Engine:
 
     # -- step / summary ------------------------------------------------------------------------
     def next_step(self) -> None:
+        if self.budget is not None:
+            self.budget.end_step()
         if self.preheat is not None:
             self.preheat.end_step(self.counts)
         self.counts.clear()
@@ -221,6 +228,9 @@ class Engine:
                "flagged": self.flagged, "steps": self.step}
         if self.verdicts.inconclusive:
             out["inconclusive"] = self.verdicts.inconclusive
+        if self.budget is not None:
+            out["coverage"] = self.coverage.share()
+            out["budget_limit"] = self.budget.limit
         return out
 
     def remove_hooks(self) -> None:
@@ -273,6 +283,9 @@ class Engine:
         call = perturb.Call(info, args, kwargs, self.fb.fuzz_device)
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
+        self.coverage.seen(f"{key}.{n}")
+        if self.budget is not None and not self.budget.admit():
+            return self._skip("budget", key, name, func, args, kwargs)
         if self.stage == "backward":
             from .backward import watch
 
@@ -311,6 +324,7 @@ class Engine:
     def _check_forward(self, call, key, n, name, func, leaves, spec, frame):
         out = func(*call.args, **call.kwargs)
         self.busy = True
+        t0 = time.perf_counter() if self.budget is not None else 0.0
         try:
             with modes_off(), torch.no_grad(), _no_autocast(self.upcast_mode):
                 self._compare_rerun(call, key, n, name, func, leaves, spec, frame, out)
@@ -320,6 +334,8 @@ class Engine:
             self.failed(key, name, exc)
         finally:
             self.busy = False
+            if self.budget is not None:
+                self.budget.spent(time.perf_counter() - t0)
         return out
 
     def _compare_rerun(self, call, key, n, name, func, leaves, spec, frame, out) -> None:
@@ -351,6 +367,7 @@ class Engine:
         if not isinstance(frame_or_site, str):
             frame_or_site = call_site(frame_or_site)
         self.checked += 1
+        self.coverage.check(f"{key}.{n}")
         self.verdicts.add(Pending(site, key, name, stage, step, frame_or_site, in_dtype, outputs,
                                   values), exact)
 

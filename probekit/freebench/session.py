@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -79,6 +80,8 @@ class FreeBench:
                       list(self.config.rank))
             return
         self._engine.rank = get_rank()
+        if self._engine.budget is not None:
+            self._engine.budget.started()
         self._sink.open()
         mode = make_mode(self._engine)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -122,12 +125,17 @@ class FreeBench:
 
     def _gather(self) -> None:
         """Read back the pending verdicts (one device-to-host transfer) and write the findings."""
+        budget = self._engine.budget
+        t0 = time.perf_counter()
         try:
             self._engine.gather()
         except Exception as exc:  # never reaches the training code
             self._engine.verdicts.drop()
             log.warning("Free benchmark: reading back the pending checks failed (%s: %s); they "
                         "were dropped", type(exc).__name__, exc)
+        finally:
+            if budget is not None:
+                budget.spent(time.perf_counter() - t0, checks=0)
 
     def step(self) -> None:
         """End of a training step: pending verdicts gathered, per-API counters reset, the step
@@ -170,6 +178,14 @@ class FreeBench:
     def summary(self) -> dict:
         self._gather()
         return self._engine.summary()
+
+    @property
+    def coverage(self):
+        """DataFrame, one row per call site eligible for a check (``api_name`` with its counter,
+        e.g. ``Torch.matmul.3``): ``calls`` (times it ran) and ``checked`` (times it was checked).
+        With ``budget``, ``summary["coverage"]`` is the share of these sites checked at least once."""
+        self._gather()
+        return self._engine.coverage.frame()
 
     @property
     def api_counts(self) -> dict:

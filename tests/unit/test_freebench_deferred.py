@@ -71,3 +71,47 @@ def test_backward_stage_is_deferred_too(tmp_path):
         assert len(fb._engine.verdicts.pending) >= 1 and fb._engine.verdicts.syncs == 0
     assert fb._engine.verdicts.syncs == 1                 # read back at stop()
     assert fb.summary["checked"] == len(fb._engine.verdicts.exact_done)
+
+
+# -- budget -----------------------------------------------------------------------------------
+def test_budget_window_rotates_over_the_eligible_calls():
+    from probekit.freebench.budget import Budget
+
+    b = Budget(0.2)
+    seen = []
+    for step in range(4):
+        seen.append([i for i in range(5) if b.admit()])
+        b.limit, b.prev_total = 2, 5      # as if end_step had measured: 2 checks per step
+        if step:
+            b.offset = (b.offset + 2) % 5
+        b.index = 0
+    # step 0 calibrates (every call), then a window of 2 moving by 2: sites 0..4 all within 3 steps
+    assert seen == [[0, 1, 2, 3, 4], [0, 1], [2, 3], [0, 4]]
+
+
+def test_budget_limit_from_measured_costs():
+    from probekit.freebench.budget import Budget
+
+    b = Budget(0.25)
+    b.t0 = 0.0
+    for _ in range(10):
+        b.admit()
+        b.spent(2 ** -10)                # 10 checks of ~1 ms (binary fractions: exact sums)
+    b.end_step(now=2 ** -3 + 10 * 2 ** -10)   # a 125 ms plain step plus the checks
+    assert b.per_check == 2 ** -10 and b.plain == 2 ** -3
+    assert b.limit == 32 and b.prev_total == 10   # 0.25 * 125 ms / ~1 ms
+
+
+def test_budget_config_is_validated():
+    import pytest
+
+    from probekit.config import ConfigError, make_config
+
+    assert make_config("free_benchmark", budget=0.2).free_benchmark.budget == 0.2
+    assert make_config("free_benchmark").free_benchmark.budget is None
+    with pytest.raises(ConfigError, match=r"free_benchmark.budget: -1 is not valid; accepted: a "
+                                          r"finite number > 0"):
+        make_config("free_benchmark", budget=-1)
+    with pytest.raises(ConfigError, match="free_benchmark.budget: 0.2 is not valid with "
+                                          "handler_type 'fix'"):
+        make_config("free_benchmark", budget=0.2, handler_type="fix")
