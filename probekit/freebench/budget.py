@@ -3,8 +3,8 @@
 ``Budget(fraction)``: checks may cost about ``fraction`` of the plain step time. The first step
 checks every eligible call and measures what a check costs (host time of the re-run, the
 perturbation and the comparison, plus the step's gather) and what the step costs without them
-(wall time between two ``step()`` calls minus the check time); both are then followed with an
-exponential average. From the next step on, ``limit = max(1, floor(fraction * plain / per_check))``
+(time under the probe — between ``start()`` and ``stop()`` — minus the check time); both are then
+followed with an exponential average. From the next step on, ``limit = max(1, floor(fraction * plain / per_check))``
 calls are checked per step, chosen by a window over the step's eligible calls (in call order):
 call ``i`` is checked when ``(i - offset) mod N < limit``, ``N`` being the number of eligible calls
 in the previous step, and the window moves by ``limit`` each step, so with a stable call sequence
@@ -35,11 +35,17 @@ class Budget:
         self.checks = 0
         self.per_check: float | None = None
         self.plain: float | None = None
-        self.t0: float | None = None
+        self.t0: float | None = None    # start() of the current active stretch (None: stopped)
+        self.active_s = 0.0             # time between start() and stop() in this step
 
     def started(self) -> None:
         if self.t0 is None:
             self.t0 = time.perf_counter()
+
+    def stopped(self, now: float | None = None) -> None:
+        if self.t0 is not None:
+            self.active_s += (time.perf_counter() if now is None else now) - self.t0
+            self.t0 = None
 
     def admit(self) -> bool:
         """Is the next eligible call of this step to be checked?"""
@@ -55,9 +61,14 @@ class Budget:
         self.checks += checks
 
     def end_step(self, now: float | None = None) -> None:
+        """Close the step: ``plain`` = time under the probe (start() to stop(), or to now while
+        active) minus the checks; the next step's limit follows."""
         now = time.perf_counter() if now is None else now
-        wall = now - self.t0 if self.t0 is not None else 0.0
-        self.t0 = now
+        wall = self.active_s
+        if self.t0 is not None:
+            wall += now - self.t0
+            self.t0 = now
+        self.active_s = 0.0
         if self.checks:
             self.per_check = _avg(self.per_check, self.check_s / self.checks)
         if wall > 0:

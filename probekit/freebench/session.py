@@ -115,6 +115,8 @@ class FreeBench:
                             "and is still active; stop() removes the top mode")
             mode.__exit__(None, None, None)
         finally:
+            if self._engine.budget is not None:
+                self._engine.budget.stopped()
             handles, self._opt_handles = self._opt_handles, []
             for h in handles:
                 h.remove()

@@ -97,7 +97,8 @@ def test_budget_limit_from_measured_costs():
     for _ in range(10):
         b.admit()
         b.spent(2 ** -10)                # 10 checks of ~1 ms (binary fractions: exact sums)
-    b.end_step(now=2 ** -3 + 10 * 2 ** -10)   # a 125 ms plain step plus the checks
+    b.stopped(now=2 ** -3 + 10 * 2 ** -10)    # under the probe: a 125 ms plain step + the checks
+    b.end_step(now=1.0)                  # time outside start()/stop() does not count
     assert b.per_check == 2 ** -10 and b.plain == 2 ** -3
     assert b.limit == 32 and b.prev_total == 10   # 0.25 * 125 ms / ~1 ms
 
