@@ -33,6 +33,8 @@ from . import names
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
              torch.float32: torch.int32, torch.float64: torch.int64}
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: per dtype: (smallest normal, largest finite below max, +inf as a 0-dim CPU tensor)
+_NEXT_UP: dict = {}
 
 
 class Cancel(Exception):
@@ -67,10 +69,21 @@ def bit_noise(t: torch.Tensor) -> torch.Tensor:
 
 
 def add_noise(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with each finite element above the smallest normal moved one ulp towards +inf."""
-    bits = _int_view(t)
-    step = torch.where(t > 0, 1, -1).to(bits.dtype)
-    return (bits + step * _noise_mask(t, below_max=True).to(bits.dtype)).view(t.dtype)
+    """``t`` with each finite element above the smallest normal moved one ulp towards +inf.
+
+    ``nextafter(t, +inf)`` where ``smallest normal <= |t| < max`` (``clamp(|t|, ...) == |t|``),
+    ``t`` elsewhere: five kernels."""
+    _int_view(t)  # Cancel for dtypes without a bit-level perturbation
+    consts = _NEXT_UP.get(t.dtype)
+    if consts is None:
+        info = torch.finfo(t.dtype)
+        inf = torch.tensor(float("inf"), dtype=t.dtype)  # 0-dim CPU: a scalar on any device
+        below_max = torch.nextafter(torch.tensor(info.max, dtype=t.dtype),
+                                    torch.tensor(0.0, dtype=t.dtype)).item()
+        consts = _NEXT_UP[t.dtype] = (info.smallest_normal, below_max, inf)
+    lo, hi, inf = consts
+    a = t.abs()
+    return torch.where(a.clamp(lo, hi) == a, torch.nextafter(t, inf), t)
 
 
 def change_value(t: torch.Tensor) -> torch.Tensor:
