@@ -119,9 +119,15 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- call arguments as a flat list of leaves ----------------------------------------------------
+_CONTAINERS = (list, tuple, dict)
+#: the spec of ``(args, {})`` whose args hold no list/tuple/dict
+_FLAT = ("flat",)
+
 def flatten(args: tuple, kwargs: dict):
     """(leaves, spec): tensors and other values found in args/kwargs (descending into plain
     lists, tuples and dicts); ``unflatten(leaves, spec)`` rebuilds ``(args, kwargs)``."""
+    if not kwargs and type(args) is tuple and not any(type(a) in _CONTAINERS for a in args):
+        return list(args), _FLAT  # the common case: positional leaves only
     leaves: list = []
 
     def walk(obj):
@@ -138,6 +144,8 @@ def flatten(args: tuple, kwargs: dict):
 
 
 def unflatten(leaves: list, spec):
+    if spec is _FLAT:
+        return tuple(leaves), {}
     it = iter(leaves)
 
     def build(node):

@@ -210,3 +210,12 @@ def test_every_mode_leaves_inputs_and_rng_alone(mode, dtype):
                   perturb.Call(names.classify(torch.mul), (w, x), {}))
     assert torch.equal(x, before_x) and torch.equal(w.detach(), before_w)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_flatten_fast_path_for_positional_leaves():
+    t = torch.ones(1)
+    leaves, spec = perturb.flatten((t, 2, None), {})
+    assert leaves == [t, 2, None] and leaves[0] is t
+    assert perturb.unflatten([t, 3, None], spec) == ((t, 3, None), {})
+    # a container or a keyword argument takes the general path
+    assert perturb.flatten((t, [t]), {})[1] != spec and perturb.flatten((t,), {"dim": 0})[1] != spec
