@@ -31,7 +31,7 @@ import torch
 #: small-value floor per output dtype (msprobe's forward floors, the square roots of its tolerances)
 FLOORS = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-8}
 DEFAULT_FLOOR = 1e-4
-CHUNK = 1 << 20
+CHUNK = 1 << 18  # 2 MiB of float64 per temporary
 _WIDE = (torch.float32, torch.float64)
 
 
@@ -170,11 +170,13 @@ def device_stats(o: torch.Tensor, p: torch.Tensor, floor: float, exact: bool = F
         oc = o if o.dtype == cdt else o.to(cdt)
         pc = p if p.dtype == cdt else p.to(cdt)
         ad = (pc - oc).abs_()
+        dmax = ad.amax()
         ao = oc.abs()
         # err carrying the sign of |o| - floor: its max is the worst error above the floor, minus
-        # its min the worst below it (one aminmax instead of an argmax and a gather)
-        lo, hi = torch.aminmax(ad.div(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
-        return lo, hi, ad.amax()
+        # its min the worst below it (one aminmax instead of an argmax and a gather); in place,
+        # so a chunk needs at most four temporaries
+        lo, hi = torch.aminmax(ad.div_(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
+        return lo, hi, dmax
     cdt, device, parts = _plan(o, p)
     if n == 0:
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -194,9 +196,10 @@ def _fast_chunk_raw(o, p, floor: float, cdt, device) -> torch.Tensor:
     """[min signed err, max signed err, max |p-o|] of one chunk (NaN propagating)."""
     oc = o.to(device=device, dtype=cdt)
     ad = (p.to(device=device, dtype=cdt) - oc).abs_()
+    dmax = ad.amax()
     ao = oc.abs()
-    lo, hi = torch.aminmax(ad.div(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
-    return torch.stack([lo, hi, ad.amax()])
+    lo, hi = torch.aminmax(ad.div_(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
+    return torch.stack([lo, hi, dmax])
 
 
 def stats_from(values, floor: float) -> Stats | None:

@@ -116,3 +116,16 @@ def test_budget_config_is_validated():
     with pytest.raises(ConfigError, match="free_benchmark.budget: 0.2 is not valid with "
                                           "handler_type 'fix'"):
         make_config("free_benchmark", budget=0.2, handler_type="fix")
+
+
+def test_fast_values_are_the_same_in_chunks(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    o = torch.randn(7, 53, generator=g)
+    o[2, 5] = 1e-6                                      # an element below the floor
+    p = o + torch.randn(7, 53, generator=g) * 1e-5
+    whole = [v.item() for v in metric.device_stats(o, p, 1e-4)]
+    monkeypatch.setattr(metric, "CHUNK", 100)           # rows of 53: one row per chunk
+    chunked = [v.item() for v in metric.device_stats(o, p, 1e-4)]
+    assert chunked == whole
+    st = metric.stats_from(chunked, 1e-4)
+    assert st == metric.compare(o, p)                   # the exact comparison agrees
