@@ -6,7 +6,8 @@ GPT-2-shaped model (``bench_freebench_msprobe.Block``: LayerNorm, attention matm
 MLP; 4 layers, width 512, 8 x 256 tokens, SGD, one torch thread), fp32 and bf16. Each
 configuration runs in its own process; the number is the peak resident memory of that process
 (``ru_maxrss``) above its resident memory once the model, optimizer and batch exist, so torch's
-own libraries do not dilute the ratio. CPU only: on accelerators the same question is asked of
+own libraries do not dilute the ratio (glibc set to mmap tensors above 64 KiB, ``MALLOC_ENV``, so
+freed tensors leave the resident set). CPU only: on accelerators the same question is asked of
 the device allocator (``torch.cuda.max_memory_allocated``).
 """
 from __future__ import annotations
@@ -20,6 +21,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: glibc: tensors above 64 KiB are mmapped and returned on free, so the resident peak follows the
+#: live tensors instead of the allocator's retained heap
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 CONFIGS = [("plain", None), ("check improve_precision", {"pert_mode": "improve_precision"}),
            ("check bit_noise", {"pert_mode": "bit_noise"}),
@@ -88,7 +93,8 @@ def main(argv=None) -> int:
         for label, options in CONFIGS:
             out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--child",
                                   dtype, json.dumps(options)], capture_output=True, text=True,
-                                 check=True, env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
+                                 check=True, env={**os.environ, **MALLOC_ENV,
+                                                  "PYTHONPATH": os.path.dirname(HERE)})
             r = json.loads(out.stdout.strip().splitlines()[-1])
             res.append({"dtype": dtype, "label": label, **r})
             print(dtype, label, r, file=sys.stderr, flush=True)

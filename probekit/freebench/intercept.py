@@ -19,7 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
-from . import handlers, perturb
+from . import blocks, handlers, perturb
 from .budget import Budget, Coverage
 from .deferred import OutMeta, Pending, Verdicts
 from .metric import device_stats, floor_for
@@ -343,6 +343,9 @@ class Engine:
         if not outs:
             self.note_skip("no_float_output", key, name)
             return
+        rows = blocks.row_blocks(self.mode_name, call.info, leaves, outs)
+        if rows is not None:
+            return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs, rows)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
@@ -354,16 +357,39 @@ class Engine:
         self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
                    [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)])
 
-    def defer(self, key, n, name, stage, step, frame_or_site, in_dtype, triples) -> None:
+    def _compare_blocks(self, call, key, n, name, func, leaves, spec, frame, outs, rows) -> None:
+        """An element-wise call on a large input: perturbed, re-run and compared block by block
+        of rows, so only one block's upcast input and output exist at a time."""
+        (i, o), = outs
+        exact = self.verdicts.want_exact((self.stage, key, n))
+        f = floor_for(o.dtype)
+        parts, in_dtype = [], None
+        for start, length in rows:
+            b_leaves = blocks.narrow_leaves(leaves, start, length)
+            b_args, b_kwargs = perturb.unflatten(b_leaves, spec)
+            pert = perturb.apply(self.mode_name, perturb.Call(call.info, b_args, b_kwargs,
+                                                               call.fuzz_device), b_leaves, spec)
+            in_dtype = pert.in_dtype
+            p = func(*pert.args, **pert.kwargs)
+            parts.append(device_stats(o.narrow(0, start, length), p, f, exact))
+            del pert, p  # free this block's re-run before the next one
+        self.applied(key, name)
+        self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
+                   values=[blocks.combine(parts, exact)], exact=exact)
+
+    def defer(self, key, n, name, stage, step, frame_or_site, in_dtype, triples, values=None,
+              exact=None) -> None:
         """Compare ``(output_index, original, perturbed)`` on the device; the verdict is read
-        back at the next gather (``gather``), nothing here waits for the device."""
+        back at the next gather (``gather``), nothing here waits for the device. ``values``:
+        comparisons already made (blocked re-runs), one per triple."""
         site = (stage, key, n)
-        exact = self.verdicts.want_exact(site)
-        outputs, values = [], []
-        for i, o, p in triples:
-            f = floor_for(o.dtype)
-            values.append(device_stats(o, p, f, exact))
-            outputs.append((i, o.dtype, tuple(o.shape), f))
+        if exact is None:
+            exact = self.verdicts.want_exact(site)
+        outputs = []
+        if values is None:
+            values = [device_stats(o, p, floor_for(o.dtype), exact) for _, o, p in triples]
+        for i, o, _ in triples:
+            outputs.append((i, o.dtype, tuple(o.shape), floor_for(o.dtype)))
         if not isinstance(frame_or_site, str):
             frame_or_site = call_site(frame_or_site)
         self.checked += 1

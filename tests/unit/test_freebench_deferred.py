@@ -4,6 +4,7 @@ import math
 import torch
 
 from probekit.freebench import FreeBench, metric
+from probekit.freebench.names import Classifier
 
 
 def cancellation():
@@ -129,3 +130,28 @@ def test_fast_values_are_the_same_in_chunks(monkeypatch):
     assert chunked == whole
     st = metric.stats_from(chunked, 1e-4)
     assert st == metric.compare(o, p)                   # the exact comparison agrees
+
+
+def test_blocked_rerun_gives_the_whole_tensors_verdict(tmp_path, monkeypatch):
+    from probekit.freebench import blocks
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 48, generator=g) * 4).to(torch.bfloat16)
+
+    def run(block):
+        monkeypatch.setattr(blocks, "BLOCK", block)
+        fb = FreeBench(dump_path=str(tmp_path / str(block)), pert_mode="improve_precision",
+                       thresholds={"bfloat16": 1e-4})
+        for _ in range(2):                       # the exact first check, then the fast one
+            with fb:
+                torch.nn.functional.gelu(x)
+            fb.step()
+        return fb.results.drop(columns=["call_site"])
+
+    whole, blocked = run(1 << 20), run(500)      # 500 elements: blocks of 10 rows
+    assert len(whole) == 2 and whole.equals(blocked)   # same rows, same numbers
+    gelu = Classifier()(torch.nn.functional.gelu)
+    assert blocks.row_blocks("bit_noise", gelu, [x], [(0, x)]) == \
+        [(s, min(10, 64 - s)) for s in range(0, 64, 10)]
+    assert blocks.row_blocks("change_value", gelu, [x], [(0, x)]) is None
+    assert blocks.row_blocks("bit_noise", Classifier()(torch.matmul), [x, x], [(0, x)]) is None
