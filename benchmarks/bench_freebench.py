@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from bench_freebench_msprobe import B, D, H, T, build, medians, timed  # noqa: E402
+import bench_freebench_msprobe as model_def  # noqa: E402
+from bench_freebench_msprobe import build, medians, timed  # noqa: E402
 
 #: (label, probekit/msprobe free_benchmark options)
 CONFIGS = [
@@ -43,11 +44,17 @@ CONFIGS = [
     ("backward bit_noise", {"pert_mode": "bit_noise", "fuzz_stage": "backward"}),
     ("fix improve_precision", {"pert_mode": "improve_precision", "handler_type": "fix"}),
     ("nothing in scope", {"scope": ["Torch.not_called_anywhere.0.forward"]}),
+    # probekit only (msprobe has no budget): at least 30 timed steps, for the coverage column
+    ("check bit_noise, budget 0.2", {"pert_mode": "bit_noise", "budget": 0.2}),
 ]
+#: configurations msprobe cannot run (probekit extensions)
+PROBEKIT_ONLY = {"check bit_noise, budget 0.2"}
+#: steps the budget configuration runs at least (every call site must be checked within 30)
+BUDGET_STEPS = 30
 TARGETS = {"check improve_precision": 2.5, "check bit_noise": 2.5, "check add_noise": 2.5,
            "check change_value": 2.5, "check no_change": 2.5, "check to_cpu": 2.5,
            "backward improve_precision": 5.0, "backward bit_noise": 5.0,
-           "nothing in scope": 1.05}
+           "nothing in scope": 1.05, "check bit_noise, budget 0.2": 1.25}
 
 
 def run_probekit(options: dict, repeats: int, warmup: int, dump: str) -> dict:
@@ -61,20 +68,53 @@ def run_probekit(options: dict, repeats: int, warmup: int, dump: str) -> dict:
             step()
         fb.step()
 
+    if options.get("budget") is not None:
+        repeats = max(repeats, BUDGET_STEPS - warmup)
+    budget = options.get("budget") is not None
+    history = []  # with a budget: per step, {call site: times checked so far}
+
+    def note():
+        if budget:
+            cov = fb.coverage
+            history.append(dict(zip(cov["api_name"], cov["checked"])))
+
     for _ in range(warmup):
         step()
         probed()
+        note()
     plain, runs = [], []
     for _ in range(repeats):
         plain.append(timed(step))
         runs.append(timed(probed))
+        note()
+    e = fb._engine
     return {"plain": plain, "probed": runs, "rows": int(fb.summary["flagged"]),
-            "checked": int(fb.summary["checked"]), "warmup": warmup}
+            "checked": int(fb.summary["checked"]), "warmup": warmup,
+            "syncs_per_check": e.verdicts.syncs / max(1, e.checked),
+            "max_gap": max_gap(history) if budget else None}
 
 
-def run_msprobe(python: str, options: dict, repeats: int, warmup: int, dump: str) -> dict | None:
+def max_gap(history: list[dict]) -> int:
+    """The most steps any call site waited between two checks (its first check, step 0, the
+    calibration, counts; a site not checked again by the last step counts up to the end)."""
+    worst = 0
+    for site in history[-1]:
+        last = -1
+        before = 0
+        for k, counts in enumerate(history):
+            c = counts.get(site, 0)
+            if c > before:
+                worst = max(worst, k - last)
+                last, before = k, c
+        worst = max(worst, len(history) - 1 - last)
+    return worst
+
+
+def run_msprobe(python: str, options: dict, repeats: int, warmup: int, dump: str,
+                size: str = "block") -> dict | None:
     cmd = [python, os.path.join(HERE, "bench_freebench_msprobe.py"), "--section",
-           json.dumps(options), "--repeats", str(repeats), "--warmup", str(warmup), "--dump", dump]
+           json.dumps(options), "--repeats", str(repeats), "--warmup", str(warmup), "--dump", dump,
+           "--size", size]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
@@ -90,7 +130,9 @@ def ratio(res: dict | None):
     pc, pw = medians(res["plain"])
     qc, qw = medians(res["probed"])
     return {"cpu": qc / pc, "wall": qw / pw, "plain_ms": pc * 1e3, "rows": res["rows"],
-            "checked": res.get("checked"), "steps": len(res["probed"]) + res.get("warmup", 0)}
+            "checked": res.get("checked"), "steps": len(res["probed"]) + res.get("warmup", 0),
+            "syncs_per_check": res.get("syncs_per_check"),
+            "max_gap": res.get("max_gap")}
 
 
 def fmt(x, digits=2):
@@ -100,13 +142,14 @@ def fmt(x, digits=2):
 def table(results: list[dict]) -> str:
     lines = ["| configuration | probekit × plain (CPU) | probekit × plain (wall) | "
              "msprobe × plain (CPU) | msprobe × plain (wall) | target | probekit checked "
-             "calls/step | probekit rows | msprobe rows |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "calls/step | probekit rows | msprobe rows | probekit syncs per checked call | "
+             "every call site checked within (steps) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         p, m = r["probekit"], r["msprobe"]
         target = TARGETS.get(r["label"])
         if m is None:
-            ms = ["n/a", "n/a", "n/a"]
+            ms = ["n/a (no budget)" if r["label"] in PROBEKIT_ONLY else "n/a", "n/a", "n/a"]
         elif "error" in m:
             ms = [f"crashed: {m['error'][:60]}", "", "n/a"]
         else:
@@ -116,7 +159,8 @@ def table(results: list[dict]) -> str:
         lines.append(
             f"| {r['label']} | {fmt(p['cpu'])}× | {fmt(p['wall'])}× | {ms[0]} | {ms[1]} | "
             f"{'≤ ' + format(target, 'g') + '×' if target else ''} | {per_step} | {p['rows']} | "
-            f"{ms[2]} |")
+            f"{ms[2]} | {fmt(p.get('syncs_per_check'), 3)} | "
+            f"{'' if p.get('max_gap') is None else p['max_gap']} |")
     return "\n".join(lines)
 
 
@@ -128,7 +172,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="labels to run (default: all)")
+    ap.add_argument("--size", default="block", choices=sorted(model_def.SIZES),
+                    help="model size: block (D=128, 4x32 tokens) or small (d=256, 4x64 tokens)")
     a = ap.parse_args(argv)
+    model_def.set_size(a.size)
     if a.repeats < 5:
         ap.error("--repeats must be >= 5 (medians of at least 5 steps)")
     logging.getLogger("probekit").setLevel(logging.WARNING)
@@ -143,7 +190,8 @@ def main(argv=None) -> int:
                 continue
             p = ratio(run_probekit(options, a.repeats, a.warmup, os.path.join(tmp, f"pk{i}")))
             m = ratio(run_msprobe(a.msprobe_python, options, a.repeats, a.warmup,
-                                  os.path.join(tmp, f"ms{i}"))) if has_msprobe else None
+                                  os.path.join(tmp, f"ms{i}"), a.size)) \
+                if has_msprobe and label not in PROBEKIT_ONLY else None
             results.append({"label": label, "options": options, "probekit": p, "msprobe": m})
             m_txt = "n/a" if m is None else m.get("error") or f"{fmt(m['cpu'])}x"
             print(f"{label}: probekit {fmt(p['cpu'])}x, msprobe {m_txt}", file=sys.stderr)
@@ -154,7 +202,8 @@ def main(argv=None) -> int:
         f"Command: `python benchmarks/bench_freebench.py {shlex.join(argv or sys.argv[1:])}`",
         "",
         f"Model: `build()` in `benchmarks/bench_freebench_msprobe.py` (bf16, 2 blocks of "
-        f"LayerNorm/matmul/softmax/Linear/GELU, D={D}, H={H}, T={T}, batch {B},"
+        f"LayerNorm/matmul/softmax/Linear/GELU, D={model_def.D}, H={model_def.H}, "
+        f"T={model_def.T}, batch {model_def.B},"
         f" SGD; one torch thread); plain step ≈ {plain:.1f} ms CPU; medians of {a.repeats} steps "
         f"after {a.warmup} warm-up steps; torch {torch.__version__}; total run "
         f"{time.time() - t0:.0f} s.",
@@ -170,7 +219,10 @@ def main(argv=None) -> int:
         "counts differ in kind: msprobe also re-runs in-place calls (e.g. SGD's bf16 "
         "`Tensor.add_` updates, all of its improve_precision rows here) and applies change_value "
         "to any API; probekit never re-runs in-place calls and judges bit_noise/add_noise "
-        "against twice the input's one-ulp change.",
+        "against twice the input's one-ulp change. Syncs per checked call: device-to-host reads "
+        "of verdicts (one per step's gather point) divided by the checked calls. The budget row "
+        f"runs at least {BUDGET_STEPS} steps (step 0 checks every call to measure the costs); its "
+        "last column is the most steps any eligible call site waited between two checks.",
     ])
     print(md)
     if a.out:

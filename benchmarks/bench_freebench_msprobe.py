@@ -24,6 +24,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 D, H, T, B = 128, 512, 32, 4
+#: named model sizes (D, H, T, B): "block" is the default above; "small" the issue-11 model
+#: (d=256, 4 x 64 tokens), whose per-call costs dominate its step
+SIZES = {"block": (128, 512, 32, 4), "small": (256, 1024, 64, 4)}
+
+
+def set_size(name: str) -> None:
+    """Select the model size ``build`` uses (``SIZES``)."""
+    global D, H, T, B
+    D, H, T, B = SIZES[name]
 
 
 class Block(nn.Module):
@@ -81,7 +90,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dump", required=True)
+    ap.add_argument("--size", default="block", choices=sorted(SIZES))
     a = ap.parse_args()
+    set_size(a.size)
     os.makedirs(a.dump, exist_ok=True)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1,
                                          init_method=f"tcp://127.0.0.1:{free_port()}")

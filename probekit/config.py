@@ -101,6 +101,9 @@ class FreeBenchmarkConfig:
     #: probekit extension: check only calls made inside these modules (names as in
     #: ``model.named_modules()``; a single name is accepted; empty = everywhere)
     module: tuple = ()
+    #: probekit extension: checks may cost at most this fraction of the plain step time
+    #: (None: every call is checked)
+    budget: float | None = None
 
     JSON_KEYS = {"api_list": "list"}
 
@@ -147,6 +150,17 @@ class FreeBenchmarkConfig:
         _set(self, "thresholds", _thresholds(self.thresholds))
         module = (self.module,) if isinstance(self.module, str) else self.module
         _set(self, "module", tuple(dict.fromkeys(_str_tuple(s + "module", module))))
+        if self.budget is not None:
+            b = self.budget
+            if not isinstance(b, (int, float)) or isinstance(b, bool) or not (
+                    b > 0 and math.isfinite(b)):
+                _fail(s + "budget", b, "a finite number > 0 (a fraction of the plain step time, "
+                      "e.g. 0.2), or null")
+            _set(self, "budget", float(b))
+            if self.handler_type == "fix":
+                raise ConfigError(
+                    f"free_benchmark.budget: {b!r} is not valid with handler_type 'fix'; "
+                    "accepted: null (fix replaces every call it covers)")
 
     def threshold_for(self, dtype_name: str) -> float:
         """The relative-error threshold for an output of ``dtype_name`` (e.g. ``"bfloat16"``)."""

@@ -12,7 +12,8 @@ backward pass, the hook
 3. does the same on the perturbed inputs (change_value: the output gradient is swapped like the
    output and the input gradient swapped back);
 4. compares the gradients input by input (``output_index`` = the input's position in the call's
-   flattened arguments) and returns ``None``, so the gradient flowing on is the real one.
+   flattened arguments) on the device, the verdict read back at the step's gather point
+   (``deferred.py``), and returns ``None``, so the gradient flowing on is the real one.
 
 An input modified in place between the call and its backward cancels the check. For APIs with
 several differentiable outputs, the check covers the gradient flowing through the first one.
@@ -20,15 +21,16 @@ Hooks still pending are removed when the probe stops.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from . import handlers, perturb
 from .guards import modes_off, no_autocast
-from .metric import compare_many, floor_for
 from .names import call_site
 
 
-def watch(engine, call, key, name, func, leaves, spec, frame):
+def watch(engine, call, key, n, name, func, leaves, spec, frame):
     """Run the call; hook its first differentiable output for a backward check."""
     out = func(*call.args, **call.kwargs)
     try:
@@ -42,7 +44,7 @@ def watch(engine, call, key, name, func, leaves, spec, frame):
             if not diff or sel is None or not torch.is_grad_enabled():
                 engine.note_skip("no_grad", key, name)
                 return out
-            check = _BackwardCheck(engine, call, key, name, func, leaves, spec, diff, sel[0],
+            check = _BackwardCheck(engine, call, key, n, name, func, leaves, spec, diff, sel[0],
                                    call_site(frame), engine.step)
             check.module = engine.current_module()  # the module running at the forward call
             engine.handles.append(sel[1].register_hook(check))
@@ -52,10 +54,12 @@ def watch(engine, call, key, name, func, leaves, spec, frame):
 
 
 class _BackwardCheck:
-    def __init__(self, engine, call, key, name, func, leaves, spec, diff, out_index, site, step):
+    def __init__(self, engine, call, key, n, name, func, leaves, spec, diff, out_index, site,
+                 step):
         self.engine = engine
         self.call = call
         self.key = key
+        self.n = n
         self.name = name
         self.func = func
         self.leaves = leaves
@@ -72,6 +76,7 @@ class _BackwardCheck:
         if self.leaves is None or e.busy:
             return None
         e.busy = True
+        t0 = time.perf_counter() if e.budget is not None else 0.0
         try:
             with modes_off():
                 self._check(grad)
@@ -82,6 +87,8 @@ class _BackwardCheck:
         finally:
             e.busy = False
             self.leaves = self.call = None  # release the inputs
+            if e.budget is not None:
+                e.budget.spent(time.perf_counter() - t0)
         return None
 
     def _output(self, out):
@@ -132,18 +139,15 @@ class _BackwardCheck:
             if pert.post is not None:
                 gp_out = pert.post(gp_out)
             g_pert = torch.autograd.grad(yp, p_in, gp_out, allow_unused=True)
-        items, pairs = [], []
+        triples = []
         for i, gr, gq in zip(self.diff, g_ref, g_pert):
             if gr is None or gq is None:
                 continue
             if e.mode.swap_back and i in pert.replaced and gq.dim() >= 1:
                 gq = perturb.swap_last(gq)
-            items.append((i, gr))
-            pairs.append((gr, gq, floor_for(gr.dtype)))
-        if not pairs:
+            triples.append((i, gr, gq))
+        if not triples:
             raise perturb.Cancel("no input gradient to compare")
         with torch.no_grad():
-            stats = compare_many(pairs)
-        e.checked += 1
-        e.record(self.key, self.name, [(i, gr, s) for (i, gr), s in zip(items, stats)],
-                 pert.in_dtype, self.site, stage="backward", step=self.step, module=self.module)
+            e.defer(self.key, self.n, self.name, "backward", self.step, self.site, pert.in_dtype,
+                    triples, module=self.module)

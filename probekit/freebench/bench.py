@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -95,6 +96,8 @@ class FreeBench:
                       list(self.config.rank))
             return
         self._engine.rank = get_rank()
+        if self._engine.budget is not None:
+            self._engine.budget.started()
         self._sink.open()
         mode = make_mode(self._engine)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -132,19 +135,38 @@ class FreeBench:
                             "and is still active; stop() removes the top mode")
             mode.__exit__(None, None, None)
         finally:
+            if self._engine.budget is not None:
+                self._engine.budget.stopped()
             handles, self._opt_handles = self._opt_handles, []
             for h in handles:
                 h.remove()
             self._engine.stopped()
             self._detach_scope()
+            self._gather()
 
     def _detach_scope(self) -> None:
         self._engine.modules = None
         if self._scope is not None:
             self._scope.detach()
 
+    def _gather(self) -> None:
+        """Read back the pending verdicts (one device-to-host transfer) and write the findings."""
+        budget = self._engine.budget
+        t0 = time.perf_counter()
+        try:
+            self._engine.gather()
+        except Exception as exc:  # never reaches the training code
+            self._engine.verdicts.drop()
+            log.warning("Free benchmark: reading back the pending checks failed (%s: %s); they "
+                        "were dropped", type(exc).__name__, exc)
+        finally:
+            if budget is not None:
+                budget.spent(time.perf_counter() - t0, checks=0)
+
     def step(self) -> None:
-        """End of a training step: per-API counters reset, the step number grows by one."""
+        """End of a training step: pending verdicts gathered, per-API counters reset, the step
+        number grows by one."""
+        self._gather()
         self._engine.next_step()
 
     def monitor(self, model, optimizer=None) -> None:
@@ -175,11 +197,21 @@ class FreeBench:
     @property
     def results(self):
         """pandas DataFrame, one row per inconsistent output (``probekit.freebench.COLUMNS``)."""
+        self._gather()
         return _results.frame(self._rows)
 
     @property
     def summary(self) -> dict:
+        self._gather()
         return self._engine.summary()
+
+    @property
+    def coverage(self):
+        """DataFrame, one row per call site eligible for a check (``api_name`` with its counter,
+        e.g. ``Torch.matmul.3``): ``calls`` (times it ran) and ``checked`` (times it was checked).
+        With ``budget``, ``summary["coverage"]`` is the share of these sites checked at least once."""
+        self._gather()
+        return self._engine.coverage.frame()
 
     @property
     def api_counts(self) -> dict:

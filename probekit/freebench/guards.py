@@ -1,6 +1,8 @@
 """Guards probekit's own work runs under: no TorchFunctionMode sees it, no autocast recasts it.
 
-Both the forward checks (``intercept.py``) and the backward checks (``backward.py``) use them.
+Both the forward checks (``intercept.py``) and the backward checks (``backward.py``) use them;
+both are entered on every checked call, so they are cheap: a class rather than a generator for
+``modes_off``, a shared null context for ``no_autocast`` when autocast is off.
 """
 from __future__ import annotations
 
@@ -8,31 +10,44 @@ import contextlib
 
 import torch
 
+_NULL = contextlib.nullcontext()
 
-@contextlib.contextmanager
+
 def no_autocast(enabled: bool):
-    """Disable autocast (so an upcast re-run really computes in the upcast dtype)."""
-    with contextlib.ExitStack() as stack:
-        if enabled:
-            for dev in ("cpu", "cuda"):
-                try:
-                    on = torch.is_autocast_enabled(dev)
-                except (TypeError, RuntimeError):
-                    on = False
-                if on:
-                    stack.enter_context(torch.autocast(dev, enabled=False))
-        yield
+    """Disable autocast (so an upcast re-run really computes in the upcast dtype); a shared null
+    context when autocast is off (the common case costs two flag reads)."""
+    if not enabled:
+        return _NULL
+    on = []
+    for dev in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                on.append(dev)
+        except (TypeError, RuntimeError):
+            pass
+    if not on:
+        return _NULL
+    stack = contextlib.ExitStack()
+    for dev in on:
+        stack.enter_context(torch.autocast(dev, enabled=False))
+    return stack
 
 
-@contextlib.contextmanager
-def modes_off():
+class modes_off:
     """Pop every TorchFunctionMode of this thread while probekit works, so that no mode (ours or
-    one the user entered, e.g. a FLOP counter) sees the re-runs; restored in ``finally``."""
-    popped = []
-    try:
+    one the user entered, e.g. a FLOP counter) sees the re-runs; restored on exit (also on
+    errors)."""
+
+    __slots__ = ("popped",)
+
+    def __enter__(self):
+        popped = self.popped = []
         while torch._C._len_torch_function_stack():
             popped.append(torch._C._pop_torch_function_stack())
-        yield
-    finally:
-        for mode in reversed(popped):
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.popped):
             torch._C._push_on_torch_function_stack(mode)
+        self.popped = []
+        return False

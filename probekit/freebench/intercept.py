@@ -12,20 +12,26 @@ import functools
 import logging
 import math
 import sys
+import time
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
-from . import handlers, perturb
+from . import blocks, handlers, perturb
 from .backward import watch
+from .budget import Budget, Coverage
+from .deferred import OutMeta, Pending, Verdicts
 from .guards import modes_off, no_autocast
+from .metric import device_stats, floor_for
 from .modes import MODES
-from .metric import compare_many, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
 from .preheat import Preheat
 
 log = get_logger("probekit.freebench")
+
+#: one INFO summary line every this many steps (the per-API lines appear once per run)
+SUMMARY_EVERY = 100
 
 EXTRA_REASONS = {
     "no_float_input": "unsupported input type (no floating-point tensor input)",
@@ -33,6 +39,7 @@ EXTRA_REASONS = {
     "no_grad": "no gradient flows through this call",
     "dtype_arg": "fix: the call fixes its output dtype explicitly",
     "meta": "meta tensors hold no values",
+    "budget": "the overhead budget leaves this call to a later step (call sites rotate)",
 }
 
 
@@ -112,8 +119,10 @@ class Engine:
         self.in_optimizer = 0
         self.counts: dict[str, int] = {}
         self.handles: list = []
-        self.once = Once()        # per session (skip reasons)
-        self.once_step = Once()   # per step (perturbation applied / cancelled / preheat lines)
+        self.once = Once()        # per run: perturbation applied / skip and cancel reasons, per API
+        self.once_step = Once()   # per step: preheat sampling lines
+        self.summary_every = SUMMARY_EVERY
+        self._logged = (0, 0, 0)  # (step, checked, flagged) at the last summary line
         # summary counters
         self.calls = 0
         self.checked = 0
@@ -124,6 +133,10 @@ class Engine:
         #: module scope (a ``modules.ModuleScope`` while attached, else None)
         self.modules = None
         self.out_of_module = 0
+        self.verdicts = Verdicts()
+        self.budget = Budget(fb.budget) if fb.budget is not None else None
+        self.coverage = Coverage()
+        self._thresholds: dict = {}           # (output dtype, input dtype) -> threshold
 
     # -- filters -------------------------------------------------------------------------------
     @staticmethod
@@ -147,16 +160,29 @@ class Engine:
 
     # -- step / summary ------------------------------------------------------------------------
     def next_step(self) -> None:
+        if self.budget is not None:
+            self.budget.end_step()
         if self.preheat is not None:
             self.preheat.end_step(self.counts)
         self.counts.clear()
         self.once_step.clear()
         self.step += 1
+        if self.summary_every and self.step % self.summary_every == 0:
+            self.log_summary()
         self.enabled = self._step_selected(self.step)
         if self.preheat is not None and self.step == self.preheat.preheat_step:
             log.info("Free benchmark: preheat finished after %d step(s); APIs still checked: %s; "
                      "no longer checked (risk < %.2g of threshold): %s", self.step,
                      self.preheat.at_risk() or "none", 0.5, self.preheat.low_risk() or "none")
+
+    def log_summary(self) -> None:
+        """One INFO line: what the last steps checked and found (every ``summary_every`` steps)."""
+        step0, checked0, flagged0 = self._logged
+        self._logged = (self.step, self.checked, self.flagged)
+        if log.isEnabledFor(logging.INFO):
+            log.info("Free benchmark: steps %d-%d: %d call(s) checked, %d finding(s); %d step(s), "
+                     "%d finding(s) in all", step0, self.step - 1, self.checked - checked0,
+                     self.flagged - flagged0, self.step, self.flagged)
 
     def summary(self) -> dict:
         skipped = dict(self.skipped)
@@ -166,8 +192,14 @@ class Engine:
             skipped["step_filter"] = self.step_filtered
         if self.out_of_module:
             skipped["out_of_module"] = self.out_of_module
-        return {"calls": self.calls, "checked": self.checked, "skipped": skipped,
-                "flagged": self.flagged, "steps": self.step}
+        out = {"calls": self.calls, "checked": self.checked, "skipped": skipped,
+               "flagged": self.flagged, "steps": self.step}
+        if self.verdicts.inconclusive:
+            out["inconclusive"] = self.verdicts.inconclusive
+        if self.budget is not None:
+            out["coverage"] = self.coverage.share()
+            out["budget_limit"] = self.budget.limit
+        return out
 
     def remove_hooks(self) -> None:
         handles, self.handles = self.handles, []
@@ -183,10 +215,10 @@ class Engine:
 
     # -- logging -------------------------------------------------------------------------------
     def note_skip(self, reason: str, key: str, name: str) -> None:
-        """Count a call that is not checked and log why (once per API; per step for inputs)."""
+        """Count a call that is not checked and log why (once per API per run)."""
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         if reason == "no_float_input":
-            if self.once_step(("input", key)):
+            if self.once(("input", key)):
                 log.warning("Free benchmark: unsupported input type for %s (no floating-point "
                             "tensor input).", name)
         elif reason != "preheat" and self.once((reason, key)):
@@ -198,17 +230,17 @@ class Engine:
 
     def cancelled(self, key: str, name: str, why: str) -> None:
         self.skipped["cancelled"] = self.skipped.get("cancelled", 0) + 1
-        if self.once_step(("cancel", key)):
+        if self.once(("cancel", key)):
             log.info("Free benchmark: For %s, %s. Cancel perturbation.", name, why)
 
     def failed(self, key: str, name: str, exc: BaseException) -> None:
         self.skipped["error"] = self.skipped.get("error", 0) + 1
-        if self.once_step(("error", key)):
+        if self.once(("error", key)):
             log.warning("Free benchmark: For %s, the check failed and was skipped (%s: %s).",
                         name, type(exc).__name__, exc)
 
     def applied(self, key: str, name: str) -> None:
-        if self.once_step(("applied", key)) and log.isEnabledFor(logging.INFO):
+        if self.once(("applied", key)) and log.isEnabledFor(logging.INFO):
             log.info("Free benchmark: Perturbation is %s of %s.", self.mode_name, name)
 
     # -- one in-scope call -----------------------------------------------------------------------
@@ -226,9 +258,12 @@ class Engine:
         call = perturb.Call(info, args, kwargs, self.fb.fuzz_device)
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
+        self.coverage.seen(f"{key}.{n}")
+        if self.budget is not None and not self.budget.admit():
+            return self._skip("budget", key, name, func, args, kwargs)
         if self.stage == "backward":
-            return watch(self, call, key, name, func, leaves, spec, frame)
-        return self._check_forward(call, key, name, func, leaves, spec, frame)
+            return watch(self, call, key, n, name, func, leaves, spec, frame)
+        return self._check_forward(call, key, n, name, func, leaves, spec, frame)
 
     def _decide(self, info, key, n, name, args, kwargs):
         """A skip reason, or the call's flattened arguments when it is to be checked."""
@@ -238,9 +273,14 @@ class Engine:
         if reason is not None:
             return reason
         leaves, spec = perturb.flatten(args, kwargs)
-        if not any(perturb.is_float(x) for x in leaves):
+        has_float = has_meta = False
+        for x in leaves:  # one pass: floating input? meta tensor?
+            if isinstance(x, torch.Tensor):
+                has_float = has_float or x.is_floating_point()
+                has_meta = has_meta or x.is_meta
+        if not has_float:
             return "no_float_input"
-        if any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves):
+        if has_meta:
             return "meta"
         if self.preheat is not None:
             if self.preheat.in_preheat(self.step):
@@ -254,50 +294,115 @@ class Engine:
                 return "preheat"
         return leaves, spec
 
-    def _check_forward(self, call, key, name, func, leaves, spec, frame):
+    def _check_forward(self, call, key, n, name, func, leaves, spec, frame):
         out = func(*call.args, **call.kwargs)
         self.busy = True
+        t0 = time.perf_counter() if self.budget is not None else 0.0
         try:
             with modes_off(), torch.no_grad(), no_autocast(self.upcast_mode):
-                self._compare_rerun(call, key, name, func, leaves, spec, frame, out)
+                self._compare_rerun(call, key, n, name, func, leaves, spec, frame, out)
         except perturb.Cancel as exc:
             self.cancelled(key, name, str(exc))
         except Exception as exc:  # never reaches the training code
             self.failed(key, name, exc)
         finally:
             self.busy = False
+            if self.budget is not None:
+                self.budget.spent(time.perf_counter() - t0)
         return out
 
-    def _compare_rerun(self, call, key, name, func, leaves, spec, frame, out) -> None:
+    def _compare_rerun(self, call, key, n, name, func, leaves, spec, frame, out) -> None:
         outs = handlers.float_outputs(out)
         if not outs:
             self.note_skip("no_float_output", key, name)
             return
+        rows = blocks.row_blocks(self.mode_name, call.info, leaves, outs)
+        if rows is not None:
+            return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs, rows)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
         p_outs = handlers.float_outputs(p_out)
-        if [i for i, _ in p_outs] != [i for i, _ in outs]:
+        if len(p_outs) != len(outs) or any(a[0] != b[0] for a, b in zip(p_outs, outs)):
             raise RuntimeError("the perturbed call returned outputs of another structure")
         if pert.post is not None:
             p_outs = [(i, pert.post(t)) for i, t in p_outs]
-        stats = compare_many([(o, p, floor_for(o.dtype)) for (_, o), (_, p) in zip(outs, p_outs)])
-        self.checked += 1
-        self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype, frame)
+        self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
+                   [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)])
 
     def current_module(self) -> str:
         """The innermost running named module under module scope ("" without module scope)."""
         return self.modules.current if self.modules is not None else ""
 
+    def _compare_blocks(self, call, key, n, name, func, leaves, spec, frame, outs, rows) -> None:
+        """An element-wise call on a large input: perturbed, re-run and compared block by block
+        of rows, so only one block's upcast input and output exist at a time."""
+        (i, o), = outs
+        exact = self.verdicts.want_exact((self.stage, key, n))
+        f = floor_for(o.dtype)
+        parts, in_dtype = [], None
+        for start, length in rows:
+            b_leaves = blocks.narrow_leaves(leaves, start, length)
+            b_args, b_kwargs = perturb.unflatten(b_leaves, spec)
+            pert = perturb.apply(self.mode_name, perturb.Call(call.info, b_args, b_kwargs,
+                                                               call.fuzz_device), b_leaves, spec)
+            in_dtype = pert.in_dtype
+            p = func(*pert.args, **pert.kwargs)
+            parts.append(device_stats(o.narrow(0, start, length), p, f, exact))
+            del pert, p  # free this block's re-run before the next one
+        self.applied(key, name)
+        self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
+                   values=[blocks.combine(parts, exact)], exact=exact)
+
+    def defer(self, key, n, name, stage, step, frame_or_site, in_dtype, triples, values=None,
+              exact=None, module=None) -> None:
+        """Compare ``(output_index, original, perturbed)`` on the device; the verdict is read
+        back at the next gather (``gather``), nothing here waits for the device. ``values``:
+        comparisons already made (blocked re-runs), one per triple. ``module``: the innermost
+        scoped module of the call (default: the one running now)."""
+        site = (stage, key, n)
+        if exact is None:
+            exact = self.verdicts.want_exact(site)
+        outputs = []
+        if values is None:
+            values = [device_stats(o, p, floor_for(o.dtype), exact) for _, o, p in triples]
+        for i, o, _ in triples:
+            outputs.append((i, o.dtype, tuple(o.shape), floor_for(o.dtype)))
+        if not isinstance(frame_or_site, str):
+            frame_or_site = call_site(frame_or_site)
+        self.checked += 1
+        self.coverage.check(f"{key}.{n}")
+        module = self.current_module() if module is None else module
+        self.verdicts.add(Pending(site, key, name, stage, step, frame_or_site, in_dtype, outputs,
+                                  values, module), exact)
+
+    def gather(self) -> None:
+        """Read back every pending verdict (one transfer per device) and record the findings."""
+        with modes_off(), torch.no_grad():  # invisible to every function mode, as the checks are
+            done = self.verdicts.gather()
+        rows: list = []
+        for e, stats in done:
+            items = [(i, OutMeta(dt, shape), st) for (i, dt, shape, _), st in zip(e.outputs, stats)]
+            if self.record(e.key, e.name, items, e.in_dtype, e.call_site, stage=e.stage,
+                           step=e.step, out=rows, module=e.module):
+                self.verdicts.flagged_sites.add(e.site)
+        if rows:
+            self.emit(rows)  # one CSV append per gather
+
     def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None,
-               module=None) -> None:
-        """Judge ``(output_index, original_tensor, Stats)`` items; emit rows for the findings."""
+               out=None, module=None) -> bool:
+        """Judge ``(output_index, original_tensor_or_OutMeta, Stats)`` items; emit rows for the
+        findings (or append them to ``out``); True when there were any."""
         step = self.step if step is None else step
         module = self.current_module() if module is None else module
         rows = []
         worst = 0.0
         for index, o, st in items:
-            thr = handlers.threshold(self.fb, self.mode_name, o.dtype, in_dtype)
+            tkey = (o.dtype, in_dtype)
+            thr = self._thresholds.get(tkey)
+            if thr is None:
+                thr = self._thresholds[tkey] = handlers.threshold(self.fb, self.mode_name,
+                                                                  o.dtype, in_dtype)
             worst = max(worst, handlers.risk(st, thr))
             kind = handlers.judge(st, thr)
             if kind is None:
@@ -316,7 +421,11 @@ class Engine:
             self.preheat.record(key, worst if not math.isnan(worst) else math.inf)
         if rows:
             self.flagged += len(rows)
-            self.emit(rows)
+            if out is None:
+                self.emit(rows)
+            else:
+                out.extend(rows)
+        return bool(rows)
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):

@@ -31,7 +31,8 @@ import torch
 #: small-value floor per output dtype (msprobe's forward floors, the square roots of its tolerances)
 FLOORS = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-8}
 DEFAULT_FLOOR = 1e-4
-CHUNK = 1 << 20
+CHUNK = 1 << 18  # 2 MiB of float64 per temporary
+_WIDE = (torch.float32, torch.float64)
 
 
 def floor_for(dtype: torch.dtype) -> float:
@@ -142,6 +143,79 @@ def compare_many(pairs) -> list[Stats]:
         else:
             out.append(Stats(rmax, dmax, 0, 0, a_at >= f))
     return out
+
+
+# -- deferred comparison: device-resident values, read back once per step ----------------------
+#: number of values ``device_stats`` returns per pair, by kind
+FAST_LEN, EXACT_LEN = 3, 5
+
+
+def device_stats(o: torch.Tensor, p: torch.Tensor, floor: float, exact: bool = False) -> tuple:
+    """The comparison of one pair as 0-dim tensors on ``p``'s device; nothing is read back.
+
+    fast (``exact=False``, 3 values): the min and max of ``err_i`` carrying the sign of
+    ``|o_i| - floor`` (so ``max`` is the worst error above the floor and ``-min`` the worst below
+    it; NaN when any difference is NaN) and ``max |p-o|`` (NaN/Inf when a difference is).
+    ``stats_from`` turns them into
+    ``Stats`` when they are conclusive: every difference finite and ``max err < 1`` (a sign flip
+    needs an error above 1, a NaN/Inf mismatch a non-finite difference); otherwise it answers
+    None and the pair must be compared exactly (``exact=True``: the 5 values of
+    ``exact_stats``). Small tensors take one pass of plain kernels (no chunking, no stack)."""
+    n = o.numel()
+    if not exact and 0 < n <= CHUNK and o.shape == p.shape and o.device == p.device:
+        # the fast path of small tensors: one pass, no chunking, no stack
+        cdt = o.dtype if o.dtype == p.dtype else torch.promote_types(o.dtype, p.dtype)
+        if cdt not in _WIDE:
+            cdt = torch.promote_types(cdt, torch.float32)
+        oc = o if o.dtype == cdt else o.to(cdt)
+        pc = p if p.dtype == cdt else p.to(cdt)
+        ad = (pc - oc).abs_()
+        dmax = ad.amax()
+        ao = oc.abs()
+        # err carrying the sign of |o| - floor: its max is the worst error above the floor, minus
+        # its min the worst below it (one aminmax instead of an argmax and a gather); in place,
+        # so a chunk needs at most four temporaries
+        lo, hi = torch.aminmax(ad.div_(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
+        return lo, hi, dmax
+    cdt, device, parts = _plan(o, p)
+    if n == 0:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return (zero,) * (EXACT_LEN if exact else FAST_LEN)
+    if exact:
+        s = torch.stack([_exact_chunk(a, b, floor, cdt, device) for a, b in parts])
+        if len(parts) > 1:
+            s = torch.cat([s[:, :3].amax(0), s[:, 3:].sum(0)])
+        else:
+            s = s[0]
+        return tuple(s.unbind())
+    s = torch.stack([_fast_chunk_raw(a, b, floor, cdt, device) for a, b in parts])
+    return s[:, 0].amin(), s[:, 1].amax(), s[:, 2].amax()
+
+
+def _fast_chunk_raw(o, p, floor: float, cdt, device) -> torch.Tensor:
+    """[min signed err, max signed err, max |p-o|] of one chunk (NaN propagating)."""
+    oc = o.to(device=device, dtype=cdt)
+    ad = (p.to(device=device, dtype=cdt) - oc).abs_()
+    dmax = ad.amax()
+    ao = oc.abs()
+    lo, hi = torch.aminmax(ad.div_(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
+    return torch.stack([lo, hi, dmax])
+
+
+def stats_from(values, floor: float) -> Stats | None:
+    """``Stats`` from the values ``device_stats`` returned (read back as floats); None when fast
+    values are inconclusive (the pair must be compared exactly)."""
+    if len(values) == EXACT_LEN:
+        r_hi, r_lo, a_max, mis, flips = values
+        return Stats(max(r_hi, r_lo), a_max, int(mis), int(flips), r_hi >= r_lo)
+    lo, hi, dmax = values
+    if not (math.isfinite(dmax) and math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    r_hi, r_lo = max(hi, 0.0), max(-lo, 0.0)
+    rmax = max(r_hi, r_lo)
+    if rmax >= 1.0:
+        return None
+    return Stats(rmax, dmax, 0, 0, r_hi >= r_lo)
 
 
 def compare(o: torch.Tensor, p: torch.Tensor, floor: float | None = None) -> Stats:

@@ -34,6 +34,8 @@ from .modes import MODES
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
              torch.float32: torch.int32, torch.float64: torch.int64}
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: per dtype: (smallest normal, largest finite below max, +inf as a 0-dim CPU tensor)
+_NEXT_UP: dict = {}
 
 
 class Cancel(Exception):
@@ -57,16 +59,32 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def bit_noise(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with the lowest mantissa bit flipped in each finite element >= the smallest normal."""
+    """``t`` with the lowest mantissa bit flipped in each finite element >= the smallest normal.
+
+    The mask is ``clamp(|t|, smallest normal, max) == |t|`` (NaN, Inf, zeros and subnormals fail
+    it): three kernels, and the XOR takes the boolean mask as 0/1 directly."""
     bits = _int_view(t)
-    return (bits ^ _noise_mask(t).to(bits.dtype)).view(t.dtype)
+    info = torch.finfo(t.dtype)
+    a = t.abs()
+    return (bits ^ (a.clamp(info.smallest_normal, info.max) == a)).view(t.dtype)
 
 
 def add_noise(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with each finite element above the smallest normal moved one ulp towards +inf."""
-    bits = _int_view(t)
-    step = torch.where(t > 0, 1, -1).to(bits.dtype)
-    return (bits + step * _noise_mask(t, below_max=True).to(bits.dtype)).view(t.dtype)
+    """``t`` with each finite element above the smallest normal moved one ulp towards +inf.
+
+    ``nextafter(t, +inf)`` where ``smallest normal <= |t| < max`` (``clamp(|t|, ...) == |t|``),
+    ``t`` elsewhere: five kernels."""
+    _int_view(t)  # Cancel for dtypes without a bit-level perturbation
+    consts = _NEXT_UP.get(t.dtype)
+    if consts is None:
+        info = torch.finfo(t.dtype)
+        inf = torch.tensor(float("inf"), dtype=t.dtype)  # 0-dim CPU: a scalar on any device
+        below_max = torch.nextafter(torch.tensor(info.max, dtype=t.dtype),
+                                    torch.tensor(0.0, dtype=t.dtype)).item()
+        consts = _NEXT_UP[t.dtype] = (info.smallest_normal, below_max, inf)
+    lo, hi, inf = consts
+    a = t.abs()
+    return torch.where(a.clamp(lo, hi) == a, torch.nextafter(t, inf), t)
 
 
 def change_value(t: torch.Tensor) -> torch.Tensor:
@@ -102,9 +120,15 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- call arguments as a flat list of leaves ----------------------------------------------------
+_CONTAINERS = (list, tuple, dict)
+#: the spec of ``(args, {})`` whose args hold no list/tuple/dict
+_FLAT = ("flat",)
+
 def flatten(args: tuple, kwargs: dict):
     """(leaves, spec): tensors and other values found in args/kwargs (descending into plain
     lists, tuples and dicts); ``unflatten(leaves, spec)`` rebuilds ``(args, kwargs)``."""
+    if not kwargs and type(args) is tuple and not any(type(a) in _CONTAINERS for a in args):
+        return list(args), _FLAT  # the common case: positional leaves only
     leaves: list = []
 
     def walk(obj):
@@ -121,6 +145,8 @@ def flatten(args: tuple, kwargs: dict):
 
 
 def unflatten(leaves: list, spec):
+    if spec is _FLAT:
+        return tuple(leaves), {}
     it = iter(leaves)
 
     def build(node):

@@ -31,6 +31,7 @@ OPTION_KEYS = {
     "--device": "fuzz_device", "--scope": "scope", "--list": "list", "--preheat": "if_preheat",
     "--preheat-step": "preheat_step", "--max-sample": "max_sample", "--threshold": "thresholds",
     "--dump-path": "dump_path", "--rank": "rank", "--step": "step", "--module": "module",
+    "--budget": "budget",
 }
 _KEY_OPTIONS = {key: opt for opt, key in OPTION_KEYS.items()}
 _KEY_OPTIONS["api_list"] = "--list"
@@ -64,6 +65,9 @@ def _config_options(func):
         argument("--threshold", action="append", metavar="DTYPE=VALUE",
                  help=f"relative-error threshold for an output dtype "
                       f"({', '.join(THRESHOLD_KEYS)}); repeatable"),
+        argument("--budget", type=float, metavar="FRACTION",
+                 help="overhead budget: check only as many calls per step as this fraction of "
+                      "the plain step time allows, rotating through the call sites (e.g. 0.2)"),
         argument("--dump-path", metavar="PATH", help="folder for free_benchmark.csv"),
         argument("--rank", metavar="RANKS", help="ranks to probe, comma separated (default all)"),
         argument("--step", metavar="STEPS", help="steps to probe, comma separated (default all)"),
@@ -99,7 +103,7 @@ def changes_from_args(args) -> dict:
     simple = {"pert_mode": args.pert_mode, "handler_type": args.handler,
               "fuzz_stage": args.stage, "fuzz_device": args.device, "if_preheat": args.preheat,
               "preheat_step": args.preheat_step, "max_sample": args.max_sample,
-              "dump_path": args.dump_path}
+              "dump_path": args.dump_path, "budget": args.budget}
     changes.update({k: v for k, v in simple.items() if v is not None})
     if args.scope is not None:
         changes["scope"] = _names(args.scope)

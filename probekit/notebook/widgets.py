@@ -41,6 +41,8 @@ HELP = {
     "if_preheat": "Sample calls during the first steps, then check risky APIs only",
     "preheat_step": "Number of preheat steps",
     "max_sample": "Calls sampled per API per preheat step",
+    "budget": "Overhead budget: fraction of the plain step time the checks may cost (e.g. 0.2); "
+              "empty: every call is checked",
     "dump_path": "Folder for the outputs",
     "rank": "Ranks to probe, comma separated (empty = all)",
     "step": "Steps to probe, comma separated (empty = all)",
@@ -138,6 +140,9 @@ class ConfigPanel(w.VBox):
                           f"{html.escape(label)}</div>", layout=w.Layout(width="100px"))
             return [w.HBox([name, control], layout=w.Layout(width="auto",
                                                             align_items="center"))]
+        elif key == "budget":
+            control = w.Text(value="" if value is None else str(value),
+                             placeholder="off (every call)", **common)
         elif key in ("bounds", "rank", "step"):
             control = w.Text(value=", ".join(str(v) for v in value),
                              placeholder="all" if key != "bounds" else "-1, 0, 1", **common)
@@ -157,6 +162,8 @@ class ConfigPanel(w.VBox):
                 out[key] = parse_ints(key, control.value)
             elif key == "bounds":
                 out[key] = parse_numbers(f"{self.TASK}.bounds", control.value)
+            elif key == "budget":
+                out[key] = _optional_number(f"{self.TASK}.budget", control.value)
             else:
                 value = control.value
                 out[key] = list(value) if isinstance(control, w.TagsInput) else value
@@ -277,6 +284,7 @@ class FreeBenchPanel(ConfigPanel):
                            "fuzz_level"]),
         ("Which APIs", ["scope", "list", "module"]),
         ("Preheat", ["if_preheat", "preheat_step", "max_sample"]),
+        ("Overhead budget", ["budget"]),
         ("Thresholds (max_rel by output dtype)", ["thresholds"]),
         ("Where", ["dump_path", "rank", "step"]),
     )
@@ -322,3 +330,15 @@ class GradProbePanel(ConfigPanel):
 
 
 __all__ = ["ConfigPanel", "FreeBenchPanel", "GradProbePanel"]
+
+
+def _optional_number(key: str, text: str):
+    """``None`` for empty text, else the number (``ConfigError`` naming ``key`` otherwise)."""
+    text = text.strip()
+    if not text or text.lower() in ("none", "null", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{key}: {text!r} is not valid; accepted: a number > 0 (e.g. 0.2), or "
+                          "empty for no budget") from None

@@ -147,6 +147,8 @@ def baseline(dtype):
     (torch.float32, dict(pert_mode="improve_precision", fuzz_stage="backward")),
     (torch.bfloat16, dict(pert_mode="bit_noise")),
     (torch.bfloat16, dict(pert_mode="no_change", fuzz_stage="backward")),
+    (torch.float32, dict(pert_mode="bit_noise", budget=0.05)),
+    (torch.bfloat16, dict(pert_mode="improve_precision", fuzz_stage="backward", budget=0.05)),
 ], ids=lambda o: "-".join(map(str, o.values())) if isinstance(o, dict) else str(o)[6:])
 def test_check_mode_is_bitwise_invisible(tmp_path, dtype, options):
     """20 training steps (dropout on, so the RNG is in play) with and without the probe:
@@ -159,3 +161,18 @@ def test_check_mode_is_bitwise_invisible(tmp_path, dtype, options):
     assert torch.equal(losses, ref_losses)
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     assert torch.equal(rng, ref_rng)
+
+
+def test_budget_checks_a_share_of_the_calls_and_rotates_through_every_call_site(tmp_path):
+    """A tight budget checks a few calls per step, and every eligible call site within
+    ceil(sites / limit) steps of a stable call sequence."""
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=0.05)
+    train(30, torch.float32, fb)
+    s, cov = fb.summary, fb.coverage
+    assert list(cov.columns) == ["api_name", "calls", "checked"]
+    assert (cov["calls"] == 30).all() and cov["api_name"].is_unique
+    sites, limit = len(cov), s["budget_limit"]
+    assert 1 <= limit < sites                          # the budget really limits the checks
+    assert s["skipped"]["budget"] == int((cov["calls"] - cov["checked"]).sum())
+    assert s["checked"] == int(cov["checked"].sum()) < 30 * sites
+    assert s["coverage"] == 1.0 and (cov["checked"] >= 1).all()

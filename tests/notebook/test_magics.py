@@ -152,6 +152,7 @@ def test_exception_propagates_and_probe_is_removed(ip):
     ("--preheat", "if_preheat", True),
     ("--preheat --preheat-step 2 --max-sample 3", "preheat_step", 2),
     ("--preheat --preheat-step 2 --max-sample 3", "max_sample", 3),
+    ("--budget 0.2", "budget", 0.2),
     ("--threshold float16=0.001 --threshold other=1e-5", "thresholds",
      {"float16": 0.001, "bfloat16": 0.004, "float32": 0.0002, "other": 1e-5}),
 ])
@@ -208,6 +209,8 @@ def test_cell_magic_options_reach_the_bench(ip):
                             "accepted: float16, bfloat16, float32, other"),
     ("--threshold float16=-1", "--threshold (free_benchmark.thresholds.float16): -1.0 is not "
                                "valid; accepted: a finite number > 0"),
+    ("--budget -0.5", "--budget (free_benchmark.budget): -0.5 is not valid; accepted: a finite "
+                      "number > 0"),
     ("--rank a", "--rank (rank): 'a' is not valid; accepted: integers >= 0 separated by commas"),
     ("--config missing.json", "--config (config_path): 'missing.json' is not valid; accepted: "
                               "an existing JSON file"),

@@ -84,6 +84,8 @@ def test_set_values_and_apply_returns_frozen_config(tmp_path):
     ("handler_type", "fix", None),     # with bit_noise: fix needs improve_precision / to_cpu
     ("preheat_step", 0, "free_benchmark.preheat_step: 0 is not valid; accepted: an integer > 0"),
     ("max_sample", -3, "free_benchmark.max_sample: -3 is not valid; accepted: an integer > 0"),
+    ("budget", "fast", "free_benchmark.budget: 'fast' is not valid; accepted: a number > 0"),
+    ("budget", "-1", "free_benchmark.budget: -1.0 is not valid; accepted: a finite number > 0"),
     ("rank", "0, x", "rank: '0, x' is not valid; accepted: integers >= 0 separated by commas"),
     ("step", "-1", "step: -1 is not valid; accepted: integers >= 0 in the list"),
     ("dump_path", "", "dump_path: '' is not valid; accepted: a non-empty path string"),
@@ -107,7 +109,7 @@ def test_invalid_input_is_shown_and_never_applied(key, value, message):
         panel.config
     # fixing the value clears the message and the outline
     panel.controls[key].value = {"pert_mode": "bit_noise", "handler_type": "check",
-                                 "preheat_step": 15, "max_sample": 20, "rank": "",
+                                 "preheat_step": 15, "max_sample": 20, "rank": "", "budget": "",
                                  "step": "", "dump_path": "./dump_path"}[key]
     assert panel.error == "" and not panel.apply_button.disabled
     assert panel.controls[expected_key].layout.border == ""
@@ -192,3 +194,10 @@ def test_module_control_feeds_the_config():
     panel.set(module=["blocks.1", "head"], list=["matmul"])
     assert panel.config.free_benchmark.module == ("blocks.1", "head")
     assert panel.config.free_benchmark.api_list == ("matmul",)
+
+
+def test_budget_control_empty_means_no_budget():
+    panel = FreeBenchPanel(use_for_magic=False)
+    assert panel.controls["budget"].value == "" and panel.config.free_benchmark.budget is None
+    panel.controls["budget"].value = "0.2"
+    assert panel.error == "" and panel.config.free_benchmark.budget == 0.2

@@ -173,10 +173,10 @@ def test_exceptions_are_logged_and_never_disable_later_checks(tmp_path, monkeypa
 def test_broken_comparison_is_isolated(tmp_path, monkeypatch):
     from probekit.freebench import intercept
 
-    def broken(pairs):
+    def broken(o, p, floor, exact=False):
         raise ValueError("comparison exploded")
 
-    monkeypatch.setattr(intercept, "compare_many", broken)
+    monkeypatch.setattr(intercept, "device_stats", broken)
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change")
     x = torch.ones(3)
     with fb:
@@ -225,18 +225,26 @@ def test_optimizer_update_not_rerun(tmp_path):
 
 
 # -- logging ------------------------------------------------------------------------------------
-def test_perturbation_logged_once_per_api_per_step(tmp_path, caplog):
+def test_perturbation_logged_once_per_api_per_run_and_a_summary_every_n_steps(tmp_path, caplog):
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    fb._engine.summary_every = 2
     x = torch.rand(4) + 1
     with caplog.at_level(logging.INFO, logger="probekit"):
-        for _ in range(2):
+        for _ in range(5):
             with fb:
-                torch.exp(x), torch.exp(x), torch.log(x)
+                torch.exp(x), torch.exp(x), torch.log(x), cancellation()
             fb.step()
     msgs = [r.getMessage() for r in caplog.records if "Perturbation is" in r.getMessage()]
     assert msgs == ["[probekit] Free benchmark: Perturbation is bit_noise of Torch.exp.0.forward.",
                     "[probekit] Free benchmark: Perturbation is bit_noise of Torch.log.0.forward.",
-                    ] * 2
+                    "[probekit] Free benchmark: Perturbation is bit_noise of "
+                    "Tensor.__add__.0.forward."]
+    lines = [r.getMessage() for r in caplog.records if "steps " in r.getMessage()]
+    assert lines == [
+        "[probekit] Free benchmark: steps 0-1: 8 call(s) checked, 2 finding(s); 2 step(s), "
+        "2 finding(s) in all",
+        "[probekit] Free benchmark: steps 2-3: 8 call(s) checked, 2 finding(s); 4 step(s), "
+        "4 finding(s) in all"]
 
 
 def test_cancel_logged_with_reason(tmp_path, caplog):

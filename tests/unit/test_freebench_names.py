@@ -143,7 +143,7 @@ def test_never_rerun_reasons(fb, call, reason):
     assert s["skipped"].get(reason) == 1, s
 
 
-def test_no_float_input_warns_once_per_step(fb, caplog):
+def test_no_float_input_warns_once_per_api_per_run(fb, caplog):
     i = torch.arange(6)
     with caplog.at_level(logging.INFO, logger="probekit"):
         for _ in range(2):
@@ -158,7 +158,7 @@ def test_no_float_input_warns_once_per_step(fb, caplog):
         "(no floating-point tensor input).",
         "[probekit] Free benchmark: unsupported input type for Tensor.__mul__.0.forward "
         "(no floating-point tensor input).",
-    ] * 2
+    ]
     assert fb.summary["skipped"] == {"no_float_input": 6}
 
 

@@ -239,3 +239,10 @@ def test_import_probekit_config_loads_no_torch():
             "print(probekit.config.PERT_MODES[0], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["improve_precision", "False"]
+def test_flatten_fast_path_for_positional_leaves():
+    t = torch.ones(1)
+    leaves, spec = perturb.flatten((t, 2, None), {})
+    assert leaves == [t, 2, None] and leaves[0] is t
+    assert perturb.unflatten([t, 3, None], spec) == ((t, 3, None), {})
+    # a container or a keyword argument takes the general path
+    assert perturb.flatten((t, [t]), {})[1] != spec and perturb.flatten((t,), {"dim": 0})[1] != spec

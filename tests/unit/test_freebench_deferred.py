@@ -1,0 +1,157 @@
+"""Deferred verdicts: comparisons stay on the device until the step's gather point."""
+import math
+
+import torch
+
+from probekit.freebench import FreeBench, metric
+from probekit.freebench.names import Classifier
+
+
+def cancellation():
+    return torch.tensor([1e4 + 0.01]) + torch.tensor([-1e4])
+
+
+def test_one_read_back_per_step_and_rows_only_at_the_gather(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    a, b = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
+    x = torch.rand(8, 8) + 1
+    for step in range(3):
+        with fb:
+            for _ in range(5):
+                torch.exp(x)
+            a + b
+            assert fb._engine.flagged == step        # nothing read back inside the step
+            assert len(fb._engine.verdicts.pending) == 6
+        fb.step()
+        assert fb._engine.verdicts.syncs == step + 1  # one read-back for the 6 checked calls
+    df = fb.results
+    assert df["api_name"].tolist() == ["Tensor.__add__.0.forward"] * 3
+    assert df["step"].tolist() == [0, 1, 2]
+    assert df["call_site"].str.startswith("test_freebench_deferred.py:").all()
+    assert fb.summary["checked"] == 18 and fb._engine.verdicts.syncs == 3
+
+
+def test_first_check_of_a_site_is_exact_then_fast():
+    o = torch.tensor([1.0, -2.0, 0.5])
+    p = torch.tensor([1.0, -2.0, 0.5 + 2 ** -10])
+    exact = [v.item() for v in metric.device_stats(o, p, 1e-4, exact=True)]
+    fast = [v.item() for v in metric.device_stats(o, p, 1e-4)]
+    assert metric.stats_from(exact, 1e-4) == metric.stats_from(fast, 1e-4) == \
+        metric.Stats(2 ** -9, 2 ** -10, 0, 0, True)
+    assert metric.stats_from(fast, 1e-4) == metric.compare(o, p)
+
+
+def test_fast_values_are_inconclusive_for_nan_inf_and_large_errors():
+    f = 1e-4
+    nan = [v.item() for v in metric.device_stats(torch.tensor([1.0, math.nan]),
+                                                 torch.tensor([1.0, math.nan]), f)]
+    assert metric.stats_from(nan, f) is None               # consistent NaN or not: unknown
+    flip = [v.item() for v in metric.device_stats(torch.tensor([1.0]), torch.tensor([-1.0]), f)]
+    assert metric.stats_from(flip, f) is None              # error 2: a sign flip is possible
+
+
+def test_inconclusive_fast_verdict_is_rechecked_exactly_at_the_sites_next_run(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+    big = torch.full((4,), 60000.0, dtype=torch.float16)
+    small = torch.full((4,), 1.0, dtype=torch.float16)
+    for x in (small, big, big):   # step 1: fp16 overflow appears at a site checked before
+        with fb:
+            torch.add(x, x)
+        fb.step()
+    df = fb.results
+    # step 0 exact and clean; step 1 fast and inconclusive (not reported); step 2 exact: nan_inf
+    assert df["kind"].tolist() == ["nan_inf"] and df["step"].tolist() == [2]
+    assert fb.summary["inconclusive"] == 1 and fb.summary["checked"] == 3
+
+
+def test_backward_stage_is_deferred_too(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision", fuzz_stage="backward")
+    x = torch.linspace(-3, 3, 64, dtype=torch.bfloat16).requires_grad_(True)
+    with fb:
+        torch.nn.functional.layer_norm(x, (64,)).pow(3).sum().backward()
+        assert len(fb._engine.verdicts.pending) >= 1 and fb._engine.verdicts.syncs == 0
+    assert fb._engine.verdicts.syncs == 1                 # read back at stop()
+    assert fb.summary["checked"] == len(fb._engine.verdicts.exact_done)
+
+
+# -- budget -----------------------------------------------------------------------------------
+def test_budget_window_rotates_over_the_eligible_calls():
+    from probekit.freebench.budget import Budget
+
+    b = Budget(0.2)
+    seen = []
+    for step in range(4):
+        seen.append([i for i in range(5) if b.admit()])
+        b.limit, b.prev_total = 2, 5      # as if end_step had measured: 2 checks per step
+        if step:
+            b.offset = (b.offset + 2) % 5
+        b.index = 0
+    # step 0 calibrates (every call), then a window of 2 moving by 2: sites 0..4 all within 3 steps
+    assert seen == [[0, 1, 2, 3, 4], [0, 1], [2, 3], [0, 4]]
+
+
+def test_budget_limit_from_measured_costs():
+    from probekit.freebench.budget import Budget
+
+    b = Budget(0.25)
+    b.t0 = 0.0
+    for _ in range(10):
+        b.admit()
+        b.spent(2 ** -10)                # 10 checks of ~1 ms (binary fractions: exact sums)
+    b.stopped(now=2 ** -3 + 10 * 2 ** -10)    # under the probe: a 125 ms plain step + the checks
+    b.end_step(now=1.0)                  # time outside start()/stop() does not count
+    assert b.per_check == 2 ** -10 and b.plain == 2 ** -3
+    assert b.limit == 32 and b.prev_total == 10   # 0.25 * 125 ms / ~1 ms
+
+
+def test_budget_config_is_validated():
+    import pytest
+
+    from probekit.config import ConfigError, make_config
+
+    assert make_config("free_benchmark", budget=0.2).free_benchmark.budget == 0.2
+    assert make_config("free_benchmark").free_benchmark.budget is None
+    with pytest.raises(ConfigError, match=r"free_benchmark.budget: -1 is not valid; accepted: a "
+                                          r"finite number > 0"):
+        make_config("free_benchmark", budget=-1)
+    with pytest.raises(ConfigError, match="free_benchmark.budget: 0.2 is not valid with "
+                                          "handler_type 'fix'"):
+        make_config("free_benchmark", budget=0.2, handler_type="fix")
+
+
+def test_fast_values_are_the_same_in_chunks(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    o = torch.randn(7, 53, generator=g)
+    o[2, 5] = 1e-6                                      # an element below the floor
+    p = o + torch.randn(7, 53, generator=g) * 1e-5
+    whole = [v.item() for v in metric.device_stats(o, p, 1e-4)]
+    monkeypatch.setattr(metric, "CHUNK", 100)           # rows of 53: one row per chunk
+    chunked = [v.item() for v in metric.device_stats(o, p, 1e-4)]
+    assert chunked == whole
+    st = metric.stats_from(chunked, 1e-4)
+    assert st == metric.compare(o, p)                   # the exact comparison agrees
+
+
+def test_blocked_rerun_gives_the_whole_tensors_verdict(tmp_path, monkeypatch):
+    from probekit.freebench import blocks
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 48, generator=g) * 4).to(torch.bfloat16)
+
+    def run(block):
+        monkeypatch.setattr(blocks, "BLOCK", block)
+        fb = FreeBench(dump_path=str(tmp_path / str(block)), pert_mode="improve_precision",
+                       thresholds={"bfloat16": 1e-4})
+        for _ in range(2):                       # the exact first check, then the fast one
+            with fb:
+                torch.nn.functional.gelu(x)
+            fb.step()
+        return fb.results.drop(columns=["call_site"])
+
+    whole, blocked = run(1 << 20), run(500)      # 500 elements: blocks of 10 rows
+    assert len(whole) == 2 and whole.equals(blocked)   # same rows, same numbers
+    gelu = Classifier()(torch.nn.functional.gelu)
+    assert blocks.row_blocks("bit_noise", gelu, [x], [(0, x)]) == \
+        [(s, min(10, 64 - s)) for s in range(0, 64, 10)]
+    assert blocks.row_blocks("change_value", gelu, [x], [(0, x)]) is None
+    assert blocks.row_blocks("bit_noise", Classifier()(torch.matmul), [x, x], [(0, x)]) is None
