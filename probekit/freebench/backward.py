@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import handlers, perturb
+from . import handlers, perturb, state
 from .intercept import _no_autocast, modes_off
 from .metric import compare_many, floor_for
 from .names import call_site
@@ -93,6 +93,7 @@ class _BackwardCheck:
         leaves = self.leaves
         if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)):
             raise perturb.Cancel("an input was modified in place before the backward pass")
+        snap = self.call.snap  # state the call writes (running statistics...): fresh clones
         g = grad.detach()
         if g.numel():
             # power-of-two scale to max|g| in [0.5, 1), computed on the device (no sync)
@@ -102,16 +103,17 @@ class _BackwardCheck:
         mode = e.mode_name
         with torch.enable_grad():
             # reference: the API on detached copies of its inputs
-            ref = list(leaves)
+            ref = list(state.restore(leaves, snap))
             ref_in = []
             for i in self.diff:
-                ref[i] = leaves[i].detach().requires_grad_(True)
+                ref[i] = ref[i].detach().requires_grad_(True)
                 ref_in.append(ref[i])
             a, kw = perturb.unflatten(ref, self.spec)
             y = self._output(self.func(*a, **kw))
             g_ref = torch.autograd.grad(y, ref_in, g, allow_unused=True)
             # perturbed
-            plain = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+            plain = [x.detach() if isinstance(x, torch.Tensor) else x
+                     for x in state.restore(leaves, snap)]
             with torch.no_grad():
                 pert = perturb.apply(mode, perturb.Call(self.call.info, *perturb.unflatten(
                     plain, self.spec), self.call.fuzz_device), plain, self.spec)

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
-from . import handlers, perturb
+from . import handlers, perturb, state
 from .metric import compare_many, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
 from .preheat import Preheat
@@ -235,6 +235,10 @@ class Engine:
             return self._skip(decision, key, name, func, args, kwargs)
         leaves, spec = decision
         call = perturb.Call(info, args, kwargs, self.fb.fuzz_device)
+        if info.rule is not None:
+            stateful = self._stateful(call, key, name, func, leaves)
+            if stateful is not None:
+                return stateful
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
         if self.stage == "backward":
@@ -242,6 +246,28 @@ class Engine:
 
             return watch(self, call, key, name, func, leaves, spec, frame)
         return self._check_forward(call, key, name, func, leaves, spec, frame)
+
+    def _stateful(self, call, key, name, func, leaves):
+        """For a call that writes state: snapshot it (check), or skip it (fix; backward of an
+        in-place call). Returns the call's output when skipped, else None."""
+        try:
+            with modes_off():
+                call.state = state.written(call.info, call.args, call.kwargs, leaves)
+                if not call.state:
+                    return None
+                reason = None
+                if self.fix:  # fix would drop the state update into an upcast copy
+                    reason = "inplace" if state.writes_self(call.info) else "side_effect"
+                elif self.stage == "backward" and state.writes_self(call.info):
+                    reason = "inplace"
+                if reason is None:
+                    call.snap = state.snapshot(leaves, call.state)
+        except Exception as exc:
+            self.failed(key, name, exc)
+            return func(*call.args, **call.kwargs)
+        if reason is not None:
+            return self._skip(reason, key, name, func, call.args, call.kwargs)
+        return None
 
     def _decide(self, info, key, n, name, args, kwargs):
         """A skip reason, or the call's flattened arguments when it is to be checked."""
@@ -286,6 +312,7 @@ class Engine:
         if not outs:
             self.note_skip("no_float_output", key, name)
             return
+        leaves = state.restore(leaves, call.snap)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
