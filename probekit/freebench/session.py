@@ -19,6 +19,8 @@ from ..config import Config, ConfigError, FreeBenchmarkConfig, load_config, make
 from ..dist import get_rank, rank_selected
 from ..log import ensure_handler, get_logger
 from . import results as _results
+from .compiled import MESSAGE as COMPILED_MESSAGE
+from .compiled import CompileGuard, CompiledModelError, is_compiled_module
 from .intercept import Engine, make_mode
 
 log = get_logger("probekit.freebench")
@@ -59,6 +61,7 @@ class FreeBench:
         self._engine = Engine(self.config, self._emit, get_rank())
         self._mode = None
         self._opt_handles: list = []
+        self._compile_guard = CompileGuard()
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -68,10 +71,13 @@ class FreeBench:
         return self._mode is not None
 
     def start(self, model=None) -> None:
-        """Begin intercepting torch calls on this thread (``model`` is accepted and unused:
-        every API call is seen, inside or outside a model)."""
+        """Begin intercepting torch calls on this thread (``model`` is optional: every API call
+        is seen, inside or outside a model). A ``torch.compile``'d model is refused
+        (``CompiledModelError``): probe the uncompiled module."""
         if self._closed:
             raise RuntimeError("this FreeBench was closed")
+        if model is not None and is_compiled_module(model):
+            raise CompiledModelError(COMPILED_MESSAGE)
         if self._mode is not None:
             return
         if not rank_selected(self.config.rank):
@@ -87,8 +93,10 @@ class FreeBench:
         handles = [register_optimizer_step_pre_hook(self._engine.optimizer_pre),
                    register_optimizer_step_post_hook(self._engine.optimizer_post)]
         try:
+            self._compile_guard.install()
             mode.__enter__()
         except BaseException:
+            self._compile_guard.remove()
             for h in handles:
                 h.remove()
             raise
@@ -112,6 +120,7 @@ class FreeBench:
                             "and is still active; stop() removes the top mode")
             mode.__exit__(None, None, None)
         finally:
+            self._compile_guard.remove()
             handles, self._opt_handles = self._opt_handles, []
             for h in handles:
                 h.remove()
@@ -155,7 +164,10 @@ class FreeBench:
 
     @property
     def summary(self) -> dict:
-        return self._engine.summary()
+        s = self._engine.summary()
+        if self._compile_guard.refused:
+            s["compiled_refused"] = self._compile_guard.refused
+        return s
 
     @property
     def api_counts(self) -> dict:
