@@ -17,7 +17,8 @@ import torch
 
 from ..config import Config, ConfigError, FreeBenchmarkConfig, load_config, make_config
 from ..dist import get_rank, rank_selected
-from ..log import ensure_handler, get_logger
+from ..log import Once, ensure_handler, get_logger
+from . import coverage
 from . import results as _results
 from .compiled import MESSAGE as COMPILED_MESSAGE
 from .compiled import CompileGuard, CompiledModelError, is_compiled_module
@@ -63,6 +64,9 @@ class FreeBench:
         self._opt_handles: list = []
         self._compile_guard = CompileGuard()
         self._closed = False
+        self._coverage_once = Once()
+        self._step_start = coverage.counters(self._engine)
+        self._block_start = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -102,6 +106,7 @@ class FreeBench:
             raise
         self._opt_handles = handles
         self._mode = mode
+        self._block_start = coverage.counters(self._engine)
         if self.config.free_benchmark.handler_type == "fix" and \
                 self.config.free_benchmark.fuzz_stage == "backward":
             log.info("Free benchmark: fix applies to the forward call; the gradients of a fixed "
@@ -124,13 +129,32 @@ class FreeBench:
             handles, self._opt_handles = self._opt_handles, []
             for h in handles:
                 h.remove()
+            watched = len(self._engine.handles)
             self._engine.remove_hooks()
             self._engine.in_optimizer = 0
             self._engine.busy = False
+        if self._block_start is not None:
+            self._report(coverage.block_findings(self.config, self._block_start,
+                                                 coverage.counters(self._engine), watched))
+            self._block_start = None
+
+    def _report(self, findings) -> None:
+        """Log each coverage finding once per session (kind: rank, step, scope, backward...)."""
+        for kind, level, message in findings:
+            if self._coverage_once(kind):
+                log.log(level, message)
 
     def step(self) -> None:
-        """End of a training step: per-API counters reset, the step number grows by one."""
-        self._engine.next_step()
+        """End of a training step: per-API counters reset, the step number grows by one. A
+        filter or stage that left the step with nothing checked is reported once (WARNING)."""
+        e = self._engine
+        try:
+            now = coverage.counters(e)
+            self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
+                                                rank_selected(self.config.rank)))
+        finally:
+            e.next_step()
+            self._step_start = coverage.counters(e)
 
     def monitor(self, model, optimizer=None) -> None:
         log.warning("monitor() belongs to the grad probe; the free benchmark sees every API call "
