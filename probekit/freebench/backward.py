@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from . import handlers, perturb, state
+import contextlib
+
+from . import autocast, handlers, perturb, state
 from .intercept import _no_autocast, modes_off
 from .metric import compare_many, floor_for
 from .names import call_site
@@ -44,6 +46,8 @@ def watch(engine, call, key, name, func, leaves, spec, frame):
                 return out
             check = _BackwardCheck(engine, call, key, name, func, leaves, spec, diff, sel[0],
                                    call_site(frame), engine.step)
+            x = autocast.first_tensor(leaves)
+            check.autocast = (x.device.type, autocast.enabled_dtype(x.device))
             engine.handles.append(sel[1].register_hook(check))
     except Exception as exc:  # never reaches the training code
         engine.failed(key, name, exc)
@@ -64,6 +68,8 @@ class _BackwardCheck:
         self.out_index = out_index
         self.site = site
         self.step = step
+        #: (device type, autocast dtype or None) at the forward call: the re-runs use the same
+        self.autocast = None
 
     def __call__(self, grad):
         e = self.engine
@@ -101,7 +107,10 @@ class _BackwardCheck:
             _, exp = torch.frexp(torch.where(torch.isfinite(m) & (m > 0), m, torch.ones_like(m)))
             g = g * torch.ldexp(torch.ones_like(m), -exp)
         mode = e.mode_name
-        with torch.enable_grad():
+        dev, ac_dtype = self.autocast or (None, None)
+        same_autocast = torch.autocast(dev, dtype=ac_dtype) if ac_dtype is not None \
+            else contextlib.nullcontext()
+        with torch.enable_grad(), same_autocast:
             # reference: the API on detached copies of its inputs
             ref = list(state.restore(leaves, snap))
             ref_in = []
@@ -114,6 +123,9 @@ class _BackwardCheck:
             # perturbed
             plain = [x.detach() if isinstance(x, torch.Tensor) else x
                      for x in state.restore(leaves, snap)]
+            if e.noise_mode:  # one ulp of the precision the op computed in (autocast)
+                with torch.no_grad():
+                    plain = autocast.noise_leaves(plain, [(self.out_index, y)])
             with torch.no_grad():
                 pert = perturb.apply(mode, perturb.Call(self.call.info, *perturb.unflatten(
                     plain, self.spec), self.call.fuzz_device), plain, self.spec)

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
-from . import handlers, perturb, state
+from . import autocast, handlers, perturb, state
 from .metric import compare_many, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
 from .preheat import Preheat
@@ -118,6 +118,7 @@ class Engine:
         self.stage = fb.fuzz_stage
         self.fix = fb.handler_type == "fix"
         self.upcast_mode = fb.pert_mode in ("improve_precision", "to_cpu")
+        self.noise_mode = fb.pert_mode in ("bit_noise", "add_noise")
         classifier = Classifier()
         self.classify = classifier
         self.cache = classifier._cache
@@ -313,6 +314,8 @@ class Engine:
             self.note_skip("no_float_output", key, name)
             return
         leaves = state.restore(leaves, call.snap)
+        if self.noise_mode:
+            leaves = autocast.noise_leaves(leaves, outs)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
@@ -363,6 +366,8 @@ class Engine:
                     p_out = func(*pert.args, **pert.kwargs)
                 floats = [x for x in leaves if perturb.is_float(x)]
                 back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
+                # under autocast the caller sees the op's autocast dtype (bf16 linear...)
+                back = autocast.fix_dtype(func, call.args, call.kwargs, leaves) or back
                 target = pert.in_dtype
                 if self.mode_name == "to_cpu":
                     target = torch.float32 if back in perturb.LOW_PRECISION else None
