@@ -30,6 +30,26 @@ from .metric import compare_many, floor_for
 from .names import call_site
 
 
+#: floor of the backward metric, in units of the input gradient's scale (see ``unit_scaled``)
+BACKWARD_FLOOR = 0.5
+
+
+def unit_scaled(gr: torch.Tensor, gq: torch.Tensor) -> tuple:
+    """Both gradients (in at least fp32) times the power of two that brings ``max|gr|`` into
+    [0.5, 1): exact, on the device. With ``BACKWARD_FLOOR`` = 0.5 an element is then judged
+    relative to itself when it is at least the largest power of two <= max|gr| (the tensor's
+    scale S), and relative to S when it is smaller: ``|p_i - o_i| / max(|o_i|, S)``."""
+    cdt = torch.promote_types(torch.promote_types(gr.dtype, gq.dtype), torch.float32)
+    a, b = gr.detach().to(cdt), gq.detach().to(cdt)
+    if a.numel() == 0:
+        return a, b
+    m = a.abs().amax()
+    ok = torch.isfinite(m) & (m > 0)
+    _, exp = torch.frexp(torch.where(ok, m, torch.ones_like(m)))
+    f = torch.ldexp(torch.ones_like(m), -exp)
+    return a * f, b * f
+
+
 def watch(engine, call, key, name, func, leaves, spec, frame):
     """Run the call; hook its first differentiable output for a backward check."""
     out = func(*call.args, **call.kwargs)
@@ -151,7 +171,7 @@ class _BackwardCheck:
             if mode == "change_value" and i in pert.replaced and gq.dim() >= 1:
                 gq = perturb.swap_last(gq)
             items.append((i, gr))
-            pairs.append((gr, gq, floor_for(gr.dtype)))
+            pairs.append(unit_scaled(gr, gq) + (BACKWARD_FLOOR,))
         if not pairs:
             raise perturb.Cancel("no input gradient to compare")
         with torch.no_grad():
