@@ -6,11 +6,13 @@ eager calls are checked instead of the compiled kernels. Check mode must never c
 training computes, so the probe refuses: while it is active on a thread, a dynamo compilation
 started on that thread raises ``CompiledModelError`` before anything runs (dynamo reports it as
 ``InternalTorchDynamoError`` carrying this message), and ``start(model)`` refuses a compiled module
-up front. The way out is to probe the uncompiled module (``compiled._orig_mod`` or the module
+up front. The guard is installed when dynamo is loaded (``torch.compile`` loads it), so a model
+first compiled inside the probe's block is not caught in that block. The way out is to probe the uncompiled module (``compiled._orig_mod`` or the module
 given to ``torch.compile``) in the steps that are checked.
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 MESSAGE = ("the free benchmark cannot check a torch.compile'd model: under the probe dynamo would "
@@ -39,6 +41,10 @@ class CompileGuard:
         self._thread = None
 
     def install(self) -> None:
+        if "torch._dynamo" not in sys.modules:
+            # nothing was compiled in this process yet (torch.compile imports dynamo): no
+            # compiled model can run; importing dynamo here would cost ~1 s per process
+            return
         from torch._dynamo.callback import callback_handler
 
         self._thread = threading.get_ident()

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
-from . import autocast, handlers, perturb, state
+from . import autocast, cause, handlers, perturb, state
 from .metric import compare_many, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
 from .preheat import Preheat
@@ -313,6 +313,7 @@ class Engine:
         if not outs:
             self.note_skip("no_float_output", key, name)
             return
+        orig = leaves
         leaves = state.restore(leaves, call.snap)
         if self.noise_mode:
             leaves = autocast.noise_leaves(leaves, outs)
@@ -326,12 +327,20 @@ class Engine:
             p_outs = [(i, pert.post(t)) for i, t in p_outs]
         stats = compare_many([(o, p, floor_for(o.dtype)) for (_, o), (_, p) in zip(outs, p_outs)])
         self.checked += 1
-        self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype, frame)
 
-    def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None) -> None:
-        """Judge ``(output_index, original_tensor, Stats)`` items; emit rows for the findings."""
+        def explain(flagged):  # only for flagged calls: two float64 re-runs
+            return cause.analyse(func, lambda: state.restore(orig, call.snap), spec, flagged)
+
+        self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype, frame,
+                    explain=explain)
+
+    def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None,
+               explain=None) -> None:
+        """Judge ``(output_index, original_tensor, Stats)`` items; emit rows for the findings.
+        ``explain(flagged)`` -> ``{output_index: cause}`` is asked only when a row is emitted."""
         step = self.step if step is None else step
         rows = []
+        flagged = []
         worst = 0.0
         for index, o, st in items:
             thr = handlers.threshold(self.fb, self.mode_name, o.dtype, in_dtype)
@@ -339,6 +348,7 @@ class Engine:
             kind = handlers.judge(st, thr)
             if kind is None:
                 continue
+            flagged.append((index, o, thr))
             if not isinstance(frame_or_site, str):
                 frame_or_site = call_site(frame_or_site)
             rows.append({
@@ -347,12 +357,31 @@ class Engine:
                 "dtype": str(o.dtype), "shape": str(tuple(o.shape)), "output_index": int(index),
                 "kind": kind, "max_abs": float(st.max_abs), "threshold": float(thr),
                 "ratio": float(handlers.ratio(st.max_rel, thr)), "call_site": frame_or_site,
+                "cause": "",
             })
         if self.preheat is not None and self.preheat.in_preheat(step):
             self.preheat.record(key, worst if not math.isnan(worst) else math.inf)
         if rows:
+            self._causes(rows, flagged, explain, name)
             self.flagged += len(rows)
             self.emit(rows)
+
+    def _causes(self, rows, flagged, explain, name) -> None:
+        """Fill the ``cause`` of each row (see ``cause.py``); "" when it cannot be worked out."""
+        if self.mode_name == "no_change":
+            causes = {i: cause.NONDETERMINISTIC for i, _, _ in flagged}
+        elif explain is None:
+            return
+        else:
+            try:
+                causes = explain(flagged)
+            except Exception as exc:  # the finding stands; only its cause is unknown
+                if self.once(("cause", name.rsplit(".", 2)[0])):
+                    log.info("Free benchmark: no cause for %s (%s: %s).", name,
+                             type(exc).__name__, exc)
+                return
+        for row in rows:
+            row["cause"] = causes.get(row["output_index"], "")
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):

@@ -13,7 +13,8 @@ from ..freebench.results import KIND_ORDER
 from ..plot import merged_findings, step_ranges
 
 #: columns shown, in order: (header, column of ``merged_findings``)
-COLUMNS = (("API", "api_name"), ("steps", "steps"), ("kind", "kind"), ("max_rel", "max_rel"),
+COLUMNS = (("API", "api_name"), ("steps", "steps"), ("kind", "kind"), ("cause", "cause"),
+           ("max_rel", "max_rel"),
            ("threshold", "threshold"), ("× threshold", "ratio"), ("dtype", "dtype"),
            ("shape", "shape"), ("output", "output_index"), ("call site", "call_site"))
 NUMERIC = ("max_rel", "threshold", "ratio", "output_index")
@@ -173,6 +174,11 @@ class Findings:
             cols = [(h, c) for h, c in cols if c != "output_index"]
         return cols
 
+    @staticmethod
+    def _cause(row) -> str:
+        cause = _fmt("cause", row.get("cause"))
+        return f" ({cause})" if cause else ""
+
     def _cell(self, column: str, value) -> str:
         if column == "call_site":
             return readable_site(value, self.cells)
@@ -184,7 +190,8 @@ class Findings:
                  f"{summary_line(self.summary, len(self.results))}"]
         for i, (_, row) in enumerate(calls.head(self.top).iterrows(), 1):
             lines.append(f"{i:>3}. {row['api_name']} (steps {_fmt('steps', row['steps'])}) "
-                         f"{row['kind']} max_rel={_fmt('max_rel', row['max_rel'])} "
+                         f"{row['kind']}{self._cause(row)} "
+                         f"max_rel={_fmt('max_rel', row['max_rel'])} "
                          f"threshold={_fmt('threshold', row['threshold'])} "
                          f"{_fmt('dtype', row['dtype'])} {row['shape']} "
                          f"{self._cell('call_site', row['call_site'])}")

@@ -27,7 +27,7 @@ def read(path):
 def test_columns_start_with_msprobes():
     assert COLUMNS[:9] == ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype",
                            "shape", "output_index")
-    assert COLUMNS[9:] == ("kind", "max_abs", "threshold", "ratio", "call_site")
+    assert COLUMNS[9:] == ("kind", "max_abs", "threshold", "ratio", "call_site", "cause")
 
 
 def test_header_once_whole_rows_and_reopen_appends(tmp_path):
