@@ -90,6 +90,16 @@ QUIET = [
     ("bf16_abs", torch.abs, (torch.randn(1000, generator=gen()).to(bf16),)),
     ("bf16_neg", torch.neg, (torch.randn(1000, generator=gen()).to(bf16),)),
     ("bf16_amax", torch.amax, (torch.randn(10, 100, generator=gen()).to(bf16), -1)),
+    # fixed bugs / sums that accumulate in fp32 (torch 2.13 CPU): fp16 sum once accumulated in
+    # fp16 (pytorch/pytorch#93708, inductor); scatter_add and embedding_bag accumulate fp16 in fp32
+    ("fp16_positive_sum_fp32_accumulation", torch.sum,
+     (torch.rand(100_000, generator=gen()).to(fp16),)),
+    ("fp16_scatter_add_fp32_accumulation", torch.scatter_add,
+     (torch.zeros(4, dtype=fp16), 0, torch.randint(0, 4, (20_000,), generator=gen()),
+      torch.rand(20_000, generator=gen()).to(fp16))),
+    ("fp32_index_add_positive", torch.index_add,
+     (torch.zeros(4), 0, torch.randint(0, 4, (1000,), generator=gen()),
+      torch.rand(1000, generator=gen()))),
 ]
 
 
