@@ -327,3 +327,15 @@ def test_findings_table_merges_steps_and_names_cells():
                                     "threshold=0.0002 float32 (4, 4) In [7] line 7")
     assert len(Findings(df, summary, top=1, name="fb")._repr_html_().split("</tr>")) == 3
     assert "… 1 more API call in fb.results" in Findings(df, summary, top=1, name="fb")._repr_html_()
+
+
+def test_findings_table_shows_the_cause(tmp_path):
+    from probekit.freebench import FreeBench
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        torch.add(torch.tensor([1e4 + 0.01]), torch.tensor([-1e4]))   # fp32 cancellation
+    view = Findings.of(fb, cells={})
+    page = view._repr_html_()
+    assert ">cause<" in page and ">ill-conditioned<" in page
+    assert "rel_error (ill-conditioned)" in repr(view)

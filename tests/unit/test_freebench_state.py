@@ -114,6 +114,7 @@ EXACT = [
 
 
 @pytest.mark.parametrize("name, fn", EXACT, ids=[c[0] for c in EXACT])
+@pytest.mark.filterwarnings("ignore:index_reduce")
 def test_selecting_variants_are_exact_copies(tmp_path, name, fn):
     idx, vals = data()
     fb, _ = probe(tmp_path, lambda: fn(idx, vals), mode="no_change")
