@@ -42,8 +42,13 @@ def noise_leaves(leaves: list, outs: list) -> list:
     x = first_tensor(leaves)
     if x is None or not outs:
         return leaves
-    dtype = enabled_dtype(x.device)
-    if dtype is None or dtype not in LOW or outs[0][1].dtype != dtype:
+    return cast_like(leaves, enabled_dtype(x.device), outs[0][1].dtype)
+
+
+def cast_like(leaves: list, dtype, out_dtype) -> list:
+    """The fp32 leaves cast to the autocast ``dtype`` when the op computed in it (its output
+    has that dtype); else ``leaves`` unchanged."""
+    if dtype is None or dtype not in LOW or out_dtype != dtype:
         return leaves
     return [t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
             for t in leaves]

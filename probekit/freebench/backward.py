@@ -24,7 +24,7 @@ import torch
 
 import contextlib
 
-from . import autocast, handlers, perturb, state
+from . import autocast, cause, handlers, perturb, state
 from .intercept import _no_autocast, modes_off
 from .metric import compare_many, floor_for
 from .names import call_site
@@ -177,5 +177,16 @@ class _BackwardCheck:
         with torch.no_grad():
             stats = compare_many(pairs)
         e.checked += 1
+
+        cast_to = ac_dtype if e.noise_mode else None   # inputs as the op computed with them
+        y_dtype = y.dtype
+
+        def fresh():
+            return autocast.cast_like(state.restore(leaves, snap), cast_to, y_dtype)
+
+        def explain(flagged):  # only for flagged gradients: float64 recomputations
+            return cause.analyse_backward(self.func, fresh, self.spec, self.diff,
+                                          self.out_index, g, flagged)
+
         e.record(self.key, self.name, [(i, gr, s) for (i, gr), s in zip(items, stats)],
-                 pert.in_dtype, self.site, stage="backward", step=self.step)
+                 pert.in_dtype, self.site, stage="backward", step=self.step, explain=explain)

@@ -21,6 +21,7 @@ than the input's own last bit explains: the kernel lost precision); else ``ill-c
 ``sensitivity > thr`` (the output itself moves that far under a one-ulp change); else
 ``unconfirmed`` (a float64 recomputation explains neither; e.g. change_value ordering effects);
 ``nondeterministic`` for no_change rows; ``""`` when the analysis could not run.
+``analyse_backward`` does the same for input gradients (backward metric, same upstream gradient).
 """
 from __future__ import annotations
 
@@ -85,6 +86,54 @@ def analyse(func, fresh, spec, items: list) -> dict:
     for k, (index, _, thr) in enumerate(items):
         acc = _score(stats[3 * k])
         sens = max(_score(stats[3 * k + 1]), _score(stats[3 * k + 2]))
+        if acc > thr and acc > sens:
+            out[index] = INACCURATE
+        elif sens > thr:
+            out[index] = ILL_CONDITIONED
+        else:
+            out[index] = UNCONFIRMED
+    return out
+
+
+def _grads64(func, leaves, spec, diff, out_index, g) -> list:
+    """Input gradients (for the leaves in ``diff``) of the call's output ``out_index`` with
+    upstream gradient ``g``, everything in float64."""
+    leaves = list(leaves)
+    ins = []
+    for i in diff:
+        leaves[i] = leaves[i].detach().requires_grad_(True)
+        ins.append(leaves[i])
+    y = dict(_run(func, leaves, spec))[out_index]
+    return list(torch.autograd.grad(y, ins, g.to(torch.float64), allow_unused=True))
+
+
+def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: list) -> dict:
+    """``analyse`` for the backward stage: ``items`` = [(input position, reference gradient,
+    thr)], judged with the backward metric (relative to the gradient's scale). ``g`` is the
+    (scaled) upstream gradient the check used."""
+    from .backward import BACKWARD_FLOOR, unit_scaled
+    from .intercept import _no_autocast
+
+    with _no_autocast(True), torch.enable_grad():
+        r = _grads64(func, [_to64(x) for x in fresh()], spec, diff, out_index, g)
+        nudged = [_grads64(func, [_to64(_nudge(noise)(x)) for x in fresh()], spec, diff,
+                           out_index, g) for noise in (perturb.add_noise, perturb.bit_noise)]
+    pos = {i: k for k, i in enumerate(diff)}
+    pairs, kept = [], []
+    for index, gr, thr in items:
+        k = pos[index]
+        if r[k] is None or any(s[k] is None for s in nudged):
+            continue
+        kept.append((index, thr))
+        pairs.append(unit_scaled(gr, r[k]) + (BACKWARD_FLOOR,))
+        for s in nudged:
+            pairs.append(unit_scaled(r[k], s[k]) + (BACKWARD_FLOOR,))
+    with torch.no_grad():
+        stats = compare_many(pairs)
+    out = {}
+    for j, (index, thr) in enumerate(kept):
+        acc = _score(stats[3 * j])
+        sens = max(_score(stats[3 * j + 1]), _score(stats[3 * j + 2]))
         if acc > thr and acc > sens:
             out[index] = INACCURATE
         elif sens > thr:

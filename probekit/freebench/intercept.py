@@ -313,10 +313,10 @@ class Engine:
         if not outs:
             self.note_skip("no_float_output", key, name)
             return
-        orig = leaves
         leaves = state.restore(leaves, call.snap)
         if self.noise_mode:
             leaves = autocast.noise_leaves(leaves, outs)
+        base = leaves  # the inputs as the op computed with them (autocast casts included)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
@@ -329,7 +329,7 @@ class Engine:
         self.checked += 1
 
         def explain(flagged):  # only for flagged calls: two float64 re-runs
-            return cause.analyse(func, lambda: state.restore(orig, call.snap), spec, flagged)
+            return cause.analyse(func, lambda: state.restore(base, call.snap), spec, flagged)
 
         self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype, frame,
                     explain=explain)

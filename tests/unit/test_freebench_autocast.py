@@ -39,6 +39,7 @@ def test_noise_under_autocast_is_one_ulp_of_bf16(tmp_path, mode):
     assert len(df) == 1 and df["dtype"].iloc[0] == "torch.bfloat16"
     # the same check as on the bf16 inputs autocast computes with
     assert df["max_rel"].iloc[0] == dref["max_rel"].iloc[0]
+    assert df["cause"].tolist() == dref["cause"].tolist() == ["ill-conditioned"]
     assert df["threshold"].iloc[0] == 2 * torch.finfo(bf16).eps
     assert df["ratio"].iloc[0] > 2
 
@@ -76,6 +77,8 @@ def test_backward_stage_reruns_under_the_forward_autocast(tmp_path):
     # re-runs were fp32 with fp32 noise)
     assert df["output_index"].tolist() == [1]
     assert df["max_rel"].tolist() == dref["max_rel"].tolist()
+    # the cause analysis nudges the inputs by one ulp of bf16 too (not of fp32)
+    assert df["cause"].tolist() == dref["cause"].tolist() == ["ill-conditioned"]
 
 
 def test_fix_under_autocast_keeps_the_callers_dtype(tmp_path):
