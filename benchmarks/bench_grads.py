@@ -82,7 +82,7 @@ def run_steps(tool: str, model, level: str, steps: int, dump: str, seed: int = 0
     if tool == "probekit":
         from probekit import GradProbe
 
-        probe = GradProbe(model, optimizer=opt, level=level, dump_path=dump,
+        probe = GradProbe(model, optimizer=opt, grad_level=level, dump_path=dump,
                           hash=hash_name).start()
         empty = du(dump)  # the store's fixed part (metadata), written once per run
         for s in range(steps):

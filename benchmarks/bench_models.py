@@ -86,7 +86,7 @@ def grad_probe(kind, dtype, steps, layers, width, dump):
         model = build(kind, dtype, layers, width)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1)
-        probe = probekit.GradProbe(model, optimizer=opt, level=level,
+        probe = probekit.GradProbe(model, optimizer=opt, grad_level=level,
                                    dump_path=os.path.join(dump, level)).start()
         for _ in range(steps):
             ids = torch.randint(0, VOCAB, (4, 32), generator=gen)

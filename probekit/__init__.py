@@ -14,9 +14,11 @@ from __future__ import annotations
 import importlib
 
 from ._version import __version__
-from .config import (Config, ConfigError, FreeBenchmarkConfig, GradProbeConfig, load_config,
+from .config import (Config, FreeBenchmarkConfig, GradProbeConfig, config_for, load_config,
                      make_config)
 from .debugger import PrecisionDebugger
+from .errors import (ConfigError, GradCompareError, GradStoreError, MsprobeDumpError,
+                     ProbekitError, UnsafePathError)
 
 #: public name -> module that defines it (imported on first access)
 _LAZY = {
@@ -25,10 +27,14 @@ _LAZY = {
     "open_grads": "probekit.grads",
     "compare_grads": "probekit.grads",
     "GradComparator": "probekit.grads",
+    "suspects": "probekit.grads",
+    "triage": "probekit.triaging",       # a module named probekit.triage would shadow the function
+    "TriageReport": "probekit.triaging",
 }
 
-__all__ = ["__version__", "Config", "ConfigError", "FreeBenchmarkConfig", "GradProbeConfig",
-           "PrecisionDebugger", "load_config", "make_config", *_LAZY]
+__all__ = ["__version__", "Config", "FreeBenchmarkConfig", "GradProbeConfig", "PrecisionDebugger",
+           "config_for", "load_config", "make_config", "ProbekitError", "ConfigError",
+           "GradStoreError", "GradCompareError", "MsprobeDumpError", "UnsafePathError", *_LAZY]
 
 
 def __getattr__(name: str):

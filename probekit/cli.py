@@ -1,7 +1,8 @@
 """The ``probekit`` command: ``probekit --version``, ``probekit config check FILE``, ...
 
-Each subcommand is a plain function taking the parsed arguments and returning an exit code;
-``COMMANDS`` maps ``(group, name)`` to it together with a function that declares its arguments.
+Each subcommand is a plain function taking the parsed arguments and returning an exit code,
+registered in ``probekit.commands.COMMANDS``; the feature CLIs (``grads/cli.py``,
+``freebench/cli.py``) are imported plainly when the parser is built.
 """
 from __future__ import annotations
 
@@ -10,22 +11,9 @@ import json
 import sys
 
 from ._version import __version__
-from .config import ConfigError, load_config
-
-COMMANDS: dict = {}
-
-
-def command(group: str, name: str, help: str):
-    """Register ``probekit GROUP NAME``; the decorated function gets ``args``, returns an exit code."""
-
-    def deco(func):
-        key = (group, name)
-        if key in COMMANDS:
-            raise ValueError(f"command {group} {name} registered twice")
-        COMMANDS[key] = (func, help)
-        return func
-
-    return deco
+from .commands import COMMANDS, command
+from .config import load_config
+from .errors import ProbekitError
 
 
 def _args_config_check(p: argparse.ArgumentParser) -> None:
@@ -43,17 +31,10 @@ def config_check(args) -> int:
 config_check.declare = _args_config_check
 
 
-def _load_feature_commands() -> None:
-    for module in ("probekit.grads.cli", "probekit.freebench.cli"):
-        try:
-            __import__(module)
-        except ModuleNotFoundError as exc:
-            if not (exc.name and module.startswith(exc.name)):
-                raise
-
-
 def build_parser() -> argparse.ArgumentParser:
-    _load_feature_commands()
+    from .freebench import cli as _freebench_cli  # noqa: F401  (registers its commands)
+    from .grads import cli as _grads_cli  # noqa: F401
+
     parser = argparse.ArgumentParser(prog="probekit", description="find numerical-precision "
                                      "problems in PyTorch training")
     parser.add_argument("--version", action="version", version=f"probekit {__version__}")
@@ -77,13 +58,10 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+    except (ProbekitError, FileNotFoundError, ValueError) as exc:
         print(f"probekit: error: {exc}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":  # pragma: no cover
-    # run through the imported module, so feature commands register in the same registry
-    from probekit.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -3,7 +3,8 @@
 One ``Config`` holds the common keys of msprobe's config.json and the section of its task
 (``free_benchmark`` or ``grad_probe``). Every object validates itself when built, so a config
 that exists is a valid one: ``dataclasses.replace`` re-validates too. Errors are ``ConfigError``
-(a ``ValueError``) naming the key, the bad value and what is accepted.
+(``probekit.errors``: a ``ProbekitError`` and a ``ValueError``) naming the key, the bad value and
+what is accepted, also as its attributes ``key``, ``value``, ``accepted``.
 
 Round trip: ``Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg``.
 """
@@ -16,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .errors import ConfigError
+from .freebench.modes import FIX_PERT_MODES, MODES, PERT_MODES
 from .log import get_logger
 
 log = get_logger(__name__)
@@ -24,9 +27,7 @@ TASKS = ("free_benchmark", "grad_probe")
 #: msprobe tasks probekit does not implement (their sections are accepted in a config and ignored)
 MSPROBE_OTHER_TASKS = ("statistics", "tensor", "overflow_check", "run_ut")
 LEVELS = ("L0", "L1", "L2", "mix")
-PERT_MODES = ("improve_precision", "bit_noise", "add_noise", "change_value", "no_change", "to_cpu")
 HANDLER_TYPES = ("check", "fix")
-FIX_PERT_MODES = ("improve_precision", "to_cpu")
 FUZZ_STAGES = ("forward", "backward")
 FUZZ_DEVICES = ("npu", "cpu")
 FUZZ_LEVELS = ("L1",)
@@ -36,12 +37,8 @@ THRESHOLD_KEYS = ("float16", "bfloat16", "float32", "other")
 DEFAULT_THRESHOLDS = {"float16": 0.002, "bfloat16": 0.004, "float32": 0.0002, "other": 0.0002}
 
 
-class ConfigError(ValueError):
-    """A configuration value is not accepted; the message names key, value and accepted values."""
-
-
 def _fail(key: str, value: Any, accepted: str) -> None:
-    raise ConfigError(f"{key}: {value!r} is not valid; accepted: {accepted}")
+    raise ConfigError(key=key, value=value, accepted=accepted)
 
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
@@ -101,6 +98,9 @@ class FreeBenchmarkConfig:
     max_sample: int = 20
     #: probekit extension: relative-error thresholds by output dtype
     thresholds: Mapping = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
+    #: probekit extension: check only calls made inside these modules (names as in
+    #: ``model.named_modules()``; a single name is accepted; empty = everywhere)
+    module: tuple = ()
 
     JSON_KEYS = {"api_list": "list"}
 
@@ -119,24 +119,34 @@ class FreeBenchmarkConfig:
         if self.scope and self.api_list:
             raise ConfigError(
                 f"free_benchmark.scope {list(self.scope)!r} and free_benchmark.list "
-                f"{list(self.api_list)!r} were both given; accepted: one of them (or neither)")
-        if self.pert_mode == "to_cpu" and self.fuzz_device != "cpu":
+                f"{list(self.api_list)!r} were both given; accepted: one of them (or neither)",
+                key=s + "scope", value=list(self.scope), accepted="one of scope, list (or neither)")
+        needs = MODES[self.pert_mode].fuzz_device
+        if needs != "npu" and self.fuzz_device != needs:
             raise ConfigError(
                 f"free_benchmark.fuzz_device: {self.fuzz_device!r} is not valid with pert_mode "
-                f"'to_cpu'; accepted: 'cpu'")
-        if self.fuzz_device == "cpu" and self.pert_mode != "to_cpu":
+                f"{self.pert_mode!r}; accepted: {needs!r}", key=s + "fuzz_device",
+                value=self.fuzz_device, accepted=repr(needs))
+        if self.fuzz_device != "npu" and needs != self.fuzz_device:
+            fitting = ", ".join(repr(n) for n, m in MODES.items()
+                                if m.fuzz_device == self.fuzz_device)
             raise ConfigError(
                 f"free_benchmark.pert_mode: {self.pert_mode!r} is not valid with fuzz_device "
-                f"'cpu'; accepted: 'to_cpu'")
+                f"{self.fuzz_device!r}; accepted: {fitting}", key=s + "pert_mode",
+                value=self.pert_mode, accepted=fitting)
         if self.handler_type == "fix" and self.pert_mode not in FIX_PERT_MODES:
             raise ConfigError(
                 f"free_benchmark.pert_mode: {self.pert_mode!r} is not valid with handler_type "
-                f"'fix'; accepted: {', '.join(FIX_PERT_MODES)}")
+                f"'fix'; accepted: {', '.join(FIX_PERT_MODES)}", key=s + "pert_mode",
+                value=self.pert_mode, accepted=", ".join(FIX_PERT_MODES))
         if self.if_preheat and self.handler_type == "fix":
             raise ConfigError(
                 "free_benchmark.if_preheat: True is not valid with handler_type 'fix'; "
-                "accepted: false (preheat only samples in check mode)")
+                "accepted: false (preheat only samples in check mode)", key=s + "if_preheat",
+                value=True, accepted="false (preheat only samples in check mode)")
         _set(self, "thresholds", _thresholds(self.thresholds))
+        module = (self.module,) if isinstance(self.module, str) else self.module
+        _set(self, "module", tuple(dict.fromkeys(_str_tuple(s + "module", module))))
 
     def threshold_for(self, dtype_name: str) -> float:
         """The relative-error threshold for an output of ``dtype_name`` (e.g. ``"bfloat16"``)."""
@@ -222,7 +232,8 @@ class Config:
         if self.task in MSPROBE_OTHER_TASKS:
             raise ConfigError(
                 f"task: {self.task!r} is an msprobe task probekit does not implement; "
-                f"accepted: {', '.join(TASKS)}")
+                f"accepted: {', '.join(TASKS)}", key="task", value=self.task,
+                accepted=", ".join(TASKS))
         _choice("task", self.task, TASKS)
         if not isinstance(self.dump_path, (str, os.PathLike)) or not str(self.dump_path):
             _fail("dump_path", self.dump_path, "a non-empty path string")
@@ -256,7 +267,8 @@ class Config:
         if unknown:
             _fail(f"{source} key", unknown[0], ", ".join(sorted(known)))
         if "task" not in data:
-            raise ConfigError(f"task: missing in {source}; accepted: {', '.join(TASKS)}")
+            raise ConfigError(f"task: missing in {source}; accepted: {', '.join(TASKS)}",
+                              key="task", accepted=", ".join(TASKS))
         if data.get("enable_dataloader", False) not in (False,):
             _fail("enable_dataloader", data["enable_dataloader"],
                   "false (probekit has no dataloader-driven mode: call start/stop/step)")
@@ -351,8 +363,41 @@ def load_config(path: str | os.PathLike) -> Config:
             data = json.load(fh)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"config_path: {path!r} is not valid JSON ({exc}); accepted: a JSON "
-                          "object as msprobe's config.json") from None
+                          "object as msprobe's config.json", key="config_path", value=path,
+                          accepted="a JSON object as msprobe's config.json") from None
     return Config.from_dict(data, source=path)
+
+
+def config_for(task: str, config: Any = None, /, **options) -> Config:
+    """The one way from anything a user may hand over to a validated ``Config`` of ``task``.
+
+    ``config``: ``None`` (the defaults), a ``Config``, a section object (``FreeBenchmarkConfig``
+    / ``GradProbeConfig``), a msprobe-shaped dict, or the path of a config.json. ``options`` are
+    then applied as ``make_config`` takes them. A config written for the other task keeps its
+    common keys and its section for ``task`` (msprobe's config.json holds every section; the
+    feature the user asked for decides which one applies), and says so in the log.
+    """
+    _choice("task", task, TASKS)
+    if config is None:
+        return make_config(task, **options)
+    if isinstance(config, tuple(SECTIONS.values())):
+        if not isinstance(config, SECTIONS[task]):
+            _fail("config", config, f"a {SECTIONS[task].__name__} for task {task!r}")
+        cfg = Config(task=task, **{task: config})
+    elif isinstance(config, Config):
+        cfg = config
+    elif isinstance(config, Mapping):
+        cfg = Config.from_dict({"task": task, **config}, source="config")
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = load_config(config)
+    else:
+        _fail("config", config, "None, a probekit Config, a FreeBenchmarkConfig or "
+              "GradProbeConfig, a dict shaped like msprobe's config.json, or a path to one")
+    if cfg.task != task:
+        log.info("config of task %r used for %r: its common keys and its %s section apply",
+                 cfg.task, task, task)
+        cfg = cfg.replace(task=task)
+    return cfg.replace(**options) if options else cfg
 
 
 def make_config(task: str | None = None, **options) -> Config:
@@ -364,5 +409,6 @@ def make_config(task: str | None = None, **options) -> Config:
     section may also be given as a dict: ``free_benchmark={...}``.
     """
     if task is None:
-        raise ConfigError(f"task: missing; accepted: {', '.join(TASKS)}")
+        raise ConfigError(f"task: missing; accepted: {', '.join(TASKS)}", key="task",
+                          accepted=", ".join(TASKS))
     return Config.from_dict({"task": task}, source="arguments").replace(**options)

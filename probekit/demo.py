@@ -1,6 +1,7 @@
 """``make demo``: execute ``notebooks/01_quickstart.ipynb`` headless (both probes on a model with
 a planted ill-conditioned op) and write ``{out}/quickstart.html`` (plots inline) and
-``{out}/quickstart_summary.txt``; the run's dumps land in ``{out}/quickstart_run``.
+``{out}/quickstart_summary.txt``; the run's dumps land in ``{out}/quickstart_run``. Then
+``notebooks/04_triage.ipynb`` the same way: ``{out}/triage.html``, ``{out}/triage_summary.txt``.
 """
 from __future__ import annotations
 

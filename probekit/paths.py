@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import re
 
+from .errors import UnsafePathError
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 MAX_NAME = 200
 
@@ -28,5 +30,5 @@ def safe_join(root: str | os.PathLike, *names: str) -> str:
     root_abs = os.path.realpath(root)
     path = os.path.realpath(os.path.join(root_abs, *(safe_name(n) for n in names)))
     if os.path.commonpath([root_abs, path]) != root_abs:
-        raise ValueError(f"refusing path {path!r}: it is outside {root_abs!r}")
+        raise UnsafePathError(f"refusing path {path!r}: it is outside {root_abs!r}")
     return path

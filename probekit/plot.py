@@ -13,6 +13,8 @@ Grad probe (datasets of ``probekit.open_grads`` / ``probekit.compare_grads``):
 Free benchmark (``FreeBench.results`` or a DataFrame with its columns):
 
 * :func:`findings` - APIs ranked by max_rel / threshold
+
+Triage (``probekit.triage``): :func:`triage` - the flagged calls of the suspect modules
 """
 from __future__ import annotations
 
@@ -88,11 +90,18 @@ def _step_ticks(ax, steps):
         ax.set_xticks(steps)
 
 
+def _step0_threshold(cmp) -> float:
+    """The comparison's step-0 threshold (its attribute; the comparison's default otherwise)."""
+    from .grads.compare import STEP0_THRESHOLD
+
+    return float(cmp.attrs.get("step0_threshold", STEP0_THRESHOLD))
+
+
 def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
                legend: str = "outside"):
     """Direction similarity of each parameter over steps for one rank of a comparison.
 
-    A dashed line marks ``step0_threshold`` (0.97 by default), red crosses mark flagged
+    A dashed line marks the comparison's ``step0_threshold``, red crosses mark flagged
     (step, param) points. With more than ``max_lines`` parameters (and ``params`` not given), the
     flagged ones and the lowest ones are drawn, up to ``max_lines``.
     """
@@ -115,7 +124,7 @@ def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
         f = flag.sel(param=p).values
         fx.extend(steps[f])
         fy.extend(sim.sel(param=p).values[f])
-    thr = float(cmp.attrs.get("step0_threshold", 0.97))
+    thr = _step0_threshold(cmp)
     _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
     if fx:
         ax.scatter(fx, fy, marker="X", s=70, color=FLAG_COLOR, zorder=5,
@@ -161,7 +170,7 @@ def total_similarity(cmp, *, rank=None, ax=None):
             ax.scatter(steps[f], total[f], marker="X", s=70, color=FLAG_COLOR, zorder=5,
                        label="flagged" if not flagged else None, gid=f"flags:{r}")
             flagged += int(f.sum())
-    thr = float(cmp.attrs.get("step0_threshold", 0.97))
+    thr = _step0_threshold(cmp)
     _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
     lo = float(np.nanmin(cmp["total"].sel(rank=ranks).values))
     ax.set_ylim(min(lo, thr) - 0.02, 1.005)
@@ -243,59 +252,12 @@ def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_st
 
 # -- free benchmark ---------------------------------------------------------------------------
 
-#: what makes two findings "the same API call" across steps
-CALL_KEYS = ("api_name", "stage", "kind", "dtype", "shape", "output_index")
-
-
-def merged_findings(results):
-    """One row per API call (``CALL_KEYS``) over all steps, most severe first (the free
-    benchmark's own ``by_severity`` order): the worst row's values plus ``steps`` (sorted step
-    numbers) and ``count`` (rows merged)."""
-    import pandas as pd
-
-    from .freebench.results import by_severity
-
-    df = by_severity(_frame(results))
-    if df.empty:
-        return df.assign(steps=pd.Series(dtype=object), count=pd.Series(dtype="int64"))
-    keys = [k for k in CALL_KEYS if k in df]
-    rows = []
-    for _, group in df.groupby(keys, sort=False, dropna=False):
-        row = group.iloc[0].copy()
-        row["steps"] = sorted({int(s) for s in group["step"]})
-        row["count"] = len(group)
-        rows.append(row)
-    return pd.DataFrame(rows).reset_index(drop=True)
-
-
-def step_ranges(steps) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0–2, 5, 7–8"``."""
-    parts, steps = [], sorted(steps)
-    i = 0
-    while i < len(steps):
-        j = i
-        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
-            j += 1
-        parts.append(str(steps[i]) if i == j else f"{steps[i]}–{steps[j]}")
-        i = j + 1
-    return ", ".join(parts)
-
-
 def _steps_label(steps) -> str:
+    from .freebench.view import step_ranges
+
     if list(steps) == [0]:
         return ""
     return f"  step{'s' if len(steps) > 1 else ''} {step_ranges(steps)}"
-
-
-def _frame(results):
-    import pandas as pd
-
-    if hasattr(results, "results") and not isinstance(results, pd.DataFrame):
-        results = results.results
-    if not isinstance(results, pd.DataFrame):
-        raise TypeError(f"expected a FreeBench or its results DataFrame, got "
-                        f"{type(results).__name__}")
-    return results
 
 
 def findings(results, *, ax=None, top: int = 15):
@@ -304,6 +266,8 @@ def findings(results, *, ax=None, top: int = 15):
     Rows of the same API call over several steps are merged (``merged_findings``: the worst is
     drawn, its steps named). NaN/Inf findings are drawn as hatched bars at the right edge.
     """
+    from .freebench.view import merged_findings
+
     merged = merged_findings(results)
     n_all = len(merged)
     groups = [row for _, row in merged.head(top).iterrows()]
@@ -348,4 +312,59 @@ def findings(results, *, ax=None, top: int = 15):
     ax.set_title(f"Free benchmark findings by severity{more}")
     ax.grid(True, axis="x", alpha=0.3, which="both")
     ax.legend(loc="lower right", fontsize="small")
+    return ax
+
+
+SUSPECT_COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
+
+
+def triage(report, *, ax=None, top: int = 15):
+    """A ``probekit.triage`` report: its flagged calls by ``max_rel / threshold`` (log scale),
+    coloured by suspect module (in suspect order, most severe first within each)."""
+    df = report.findings.head(top)
+    ax = _axes(ax, (10, 1.2 + 0.38 * max(len(df), 2)))
+    d = report.divergence
+    title = (f"Triage: runs part at step {d['step']}, {short_name(d['param'], 40)}"
+             if d["step"] >= 0 else "Triage: the runs do not diverge")
+    if df.empty:
+        names = ", ".join(report.suspects["module"]) or "none"
+        ax.text(0.5, 0.5, f"No flagged call in the suspect modules ({short_name(names, 60)})",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        ax.set_title(title)
+        return ax
+    ratios = np.array(df["ratio"], dtype=float)
+    finite = ratios[np.isfinite(ratios) & (ratios > 0)]
+    right = max(float(finite.max()) if finite.size else 10.0, 2.0) * 3
+    left = min(float(finite.min()) if finite.size else 1.0, 1.0) / 3
+    colors = {m: SUSPECT_COLORS[i % len(SUSPECT_COLORS)]
+              for i, m in enumerate(report.suspects["module"])}
+    y = np.arange(len(df))[::-1]
+    seen = set()
+    for yi, (_, row), r in zip(y, df.iterrows(), ratios):
+        bad = not math.isfinite(r)
+        width = right if bad else max(r, left)
+        ax.barh(yi, width, height=0.6, color=colors.get(row["suspect"], "#7f7f7f"),
+                hatch="//" if bad else None, alpha=0.85,
+                label=row["suspect"] if row["suspect"] not in seen else None,
+                gid=f"triage:{row['api_name']}")
+        seen.add(row["suspect"])
+        text = "NaN/Inf" if bad else f"{r:,.0f}× {row['kind']} ({row['pert_modes']})"
+        inside = bad or math.log(width / left) > 0.6 * math.log(right * 1.5 / left)
+        ax.text(width * (0.85 if inside else 1.1), yi, text, va="center",
+                ha="right" if inside else "left", fontsize="small",
+                color="white" if inside else "black")
+    labels = [f"{short_name(row['api_name'], 34)}  in {short_name(row['module'], 24)}"
+              for _, row in df.iterrows()]
+    ax.set_yticks(y, labels)
+    ax.set_xscale("log")
+    ax.set_xlim(left, right * 1.5)
+    ax.axvline(1.0, color=THRESHOLD_COLOR, linestyle="--", linewidth=1, label="threshold")
+    ax.axvline(report.min_ratio, color=THRESHOLD_COLOR, linestyle=":", linewidth=1,
+               label=f"listed from {report.min_ratio:g}×")
+    ax.set_xlabel("max_rel / threshold (log scale)")
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3, which="both")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+              title="suspect module", title_fontsize="small")
     return ax

@@ -5,11 +5,12 @@ import os
 import random
 
 import numpy as np
-import torch
 
 
 def seed_all(seed: int, deterministic: bool = False) -> None:
     """Seed python, numpy and torch (all devices); optionally force deterministic algorithms."""
+    import torch
+
     random.seed(seed)
     os.environ["PYTHONHASHSEED"] = str(seed)
     np.random.seed(seed % 2**32)

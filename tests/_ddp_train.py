@@ -20,7 +20,7 @@ def main():
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(32, 8, generator=gen), torch.randn(32, 2, generator=gen)
-    probe = probekit.GradProbe(ddp, level="L2", ranks=ranks, dump_path=dump_path).start()
+    probe = probekit.GradProbe(ddp, grad_level="L2", rank=ranks, dump_path=dump_path).start()
     # a threshold so small that any upcast difference is a row: every checked rank writes rows
     bench = probekit.FreeBench(dump_path=dump_path, rank=ranks, pert_mode="improve_precision",
                                thresholds={"float32": 1e-12}) if with_freebench else None
@@ -36,8 +36,9 @@ def main():
             bench.step()
     probe.stop()
     checked = bench.summary["checked"] if bench is not None else 0
-    print(f"rank {rank} done steps={probe.steps_seen} world={dist.get_world_size()} "
-          f"checked={checked}", flush=True)
+    # one write() of less than PIPE_BUF bytes: the two ranks' lines never interleave
+    os.write(1, f"rank {rank} done steps={probe.steps_seen} world={dist.get_world_size()} "
+                f"checked={checked}\n".encode())
     dist.destroy_process_group()
 
 

@@ -17,15 +17,12 @@ import re
 
 import numpy as np
 
+from ..errors import MsprobeDumpError
 from ..grads.stats import interval_labels, padded_nbytes
 from ..paths import safe_join
 
 SUMMARY_RE = re.compile(r"^grad_summary_(\d+)\.csv$")
 STEP_RE = re.compile(r"^step(\d+)$")
-
-
-class MsprobeDumpError(ValueError):
-    """An msprobe dump folder is missing pieces or is not in the expected format."""
 
 
 def grad_dump_ranks(path: str) -> list[int]:

@@ -25,7 +25,7 @@ import torch
 import contextlib
 
 from . import autocast, cause, handlers, perturb, state
-from .intercept import _no_autocast, modes_off
+from .guards import modes_off, no_autocast
 from .metric import compare_many, floor_for
 from .names import call_site
 
@@ -68,6 +68,7 @@ def watch(engine, call, key, name, func, leaves, spec, frame):
                                    call_site(frame), engine.step)
             x = autocast.first_tensor(leaves)
             check.autocast = (x.device.type, autocast.enabled_dtype(x.device))
+            check.module = engine.current_module()  # the module running at the forward call
             engine.handles.append(sel[1].register_hook(check))
     except Exception as exc:  # never reaches the training code
         engine.failed(key, name, exc)
@@ -90,6 +91,7 @@ class _BackwardCheck:
         self.step = step
         #: (device type, autocast dtype or None) at the forward call: the re-runs use the same
         self.autocast = None
+        self.module = ""
 
     def __call__(self, grad):
         e = self.engine
@@ -158,7 +160,7 @@ class _BackwardCheck:
                 p_leaves[i] = x
                 p_in.append(x)
             pa, pkw = perturb.unflatten(p_leaves, self.spec)
-            with _no_autocast(e.upcast_mode):
+            with no_autocast(e.upcast_mode):
                 yp = self._output(self.func(*pa, **pkw))
             gp_out = g.to(dtype=yp.dtype, device=yp.device)
             if pert.post is not None:
@@ -168,7 +170,7 @@ class _BackwardCheck:
         for i, gr, gq in zip(self.diff, g_ref, g_pert):
             if gr is None or gq is None:
                 continue
-            if mode == "change_value" and i in pert.replaced and gq.dim() >= 1:
+            if e.mode.swap_back and i in pert.replaced and gq.dim() >= 1:
                 gq = perturb.swap_last(gq)
             items.append((i, gr))
             pairs.append(unit_scaled(gr, gq) + (BACKWARD_FLOOR,))
@@ -189,4 +191,5 @@ class _BackwardCheck:
                                           self.out_index, g, flagged)
 
         e.record(self.key, self.name, [(i, gr, s) for (i, gr), s in zip(items, stats)],
-                 pert.in_dtype, self.site, stage="backward", step=self.step, explain=explain)
+                 pert.in_dtype, self.site, stage="backward", step=self.step, explain=explain,
+                 module=self.module)

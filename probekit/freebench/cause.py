@@ -70,9 +70,9 @@ def analyse(func, fresh, spec, items: list) -> dict:
     ``fresh()``: the call's inputs as the original call saw them, with the state it writes as
     fresh clones (``state.restore``), asked once per re-run. The caller runs this under
     ``no_grad`` with every function mode off; autocast is turned off here. Raises on failure."""
-    from .intercept import _no_autocast
+    from .guards import no_autocast
 
-    with _no_autocast(True):
+    with no_autocast(True):
         r = dict(_run(func, [_to64(x) for x in fresh()], spec))
         nudged = [dict(_run(func, [_to64(_nudge(noise)(x)) for x in fresh()], spec))
                   for noise in (perturb.add_noise, perturb.bit_noise)]
@@ -112,9 +112,9 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
     thr)], judged with the backward metric (relative to the gradient's scale). ``g`` is the
     (scaled) upstream gradient the check used."""
     from .backward import BACKWARD_FLOOR, unit_scaled
-    from .intercept import _no_autocast
+    from .guards import no_autocast
 
-    with _no_autocast(True), torch.enable_grad():
+    with no_autocast(True), torch.enable_grad():
         r = _grads64(func, [_to64(x) for x in fresh()], spec, diff, out_index, g)
         nudged = [_grads64(func, [_to64(_nudge(noise)(x)) for x in fresh()], spec, diff,
                            out_index, g) for noise in (perturb.add_noise, perturb.bit_noise)]

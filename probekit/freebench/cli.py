@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ..cli import command
+from ..commands import command
 from . import results
 
 

@@ -26,9 +26,8 @@ import math
 import torch
 
 from .metric import Stats
+from .modes import MODES, NOISE_FACTOR
 
-NOISE_MODES = ("bit_noise", "add_noise")
-NOISE_FACTOR = 2.0
 
 
 def dtype_key(dtype: torch.dtype) -> str:
@@ -36,10 +35,11 @@ def dtype_key(dtype: torch.dtype) -> str:
 
 
 def threshold(fb_config, pert_mode: str, out_dtype: torch.dtype, in_dtype) -> float:
-    if pert_mode == "no_change":
+    mode = MODES[pert_mode]
+    if mode.exact:
         return 0.0
     thr = fb_config.threshold_for(dtype_key(out_dtype))
-    noisy = pert_mode in NOISE_MODES and isinstance(in_dtype, torch.dtype)
+    noisy = mode.noise and isinstance(in_dtype, torch.dtype)
     if noisy and in_dtype.is_floating_point:
         thr = max(thr, NOISE_FACTOR * torch.finfo(in_dtype).eps)
     return thr

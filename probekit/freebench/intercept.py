@@ -8,7 +8,6 @@ internally (``F.layer_norm`` -> ``torch.layer_norm``) and probekit's own re-runs
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -19,6 +18,9 @@ from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
 from . import autocast, cause, handlers, perturb, state
+from .backward import watch
+from .guards import modes_off, no_autocast
+from .modes import MODES
 from .metric import compare_many, floor_for
 from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
 from .preheat import Preheat
@@ -36,35 +38,6 @@ EXTRA_REASONS = {
 
 def _reason_text(reason: str) -> str:
     return REASONS.get(reason) or EXTRA_REASONS.get(reason) or reason
-
-
-@contextlib.contextmanager
-def _no_autocast(enabled: bool):
-    """Disable autocast (so an upcast re-run really computes in the upcast dtype)."""
-    with contextlib.ExitStack() as stack:
-        if enabled:
-            for dev in ("cpu", "cuda"):
-                try:
-                    on = torch.is_autocast_enabled(dev)
-                except (TypeError, RuntimeError):
-                    on = False
-                if on:
-                    stack.enter_context(torch.autocast(dev, enabled=False))
-        yield
-
-
-@contextlib.contextmanager
-def modes_off():
-    """Pop every TorchFunctionMode of this thread while probekit works, so that no mode (ours or
-    one the user entered, e.g. a FLOP counter) sees the re-runs; restored in ``finally``."""
-    popped = []
-    try:
-        while torch._C._len_torch_function_stack():
-            popped.append(torch._C._pop_torch_function_stack())
-        yield
-    finally:
-        for mode in reversed(popped):
-            torch._C._push_on_torch_function_stack(mode)
 
 
 class _Mode(TorchFunctionMode):
@@ -102,6 +75,9 @@ class _Mode(TorchFunctionMode):
         if e.scope_ids and f"{key}.{n}" not in e.scope_ids:
             e.out_of_scope += 1
             return func(*args, **kwargs)
+        if e.modules is not None and not e.modules.depth:  # module scope (modules.py)
+            e.out_of_module += 1
+            return func(*args, **kwargs)
         return e.handle(info, key, n, func, args, kwargs, sys._getframe(1))
 
 
@@ -117,11 +93,12 @@ class Engine:
         self.mode_name = fb.pert_mode
         self.stage = fb.fuzz_stage
         self.fix = fb.handler_type == "fix"
-        self.upcast_mode = fb.pert_mode in ("improve_precision", "to_cpu")
-        self.noise_mode = fb.pert_mode in ("bit_noise", "add_noise")
+        self.mode = MODES[fb.pert_mode]
+        self.upcast_mode = self.mode.upcast
+        self.noise_mode = self.mode.noise
         classifier = Classifier()
         self.classify = classifier
-        self.cache = classifier._cache
+        self.cache = classifier.cache
         # scope: exact names (stage suffix optional); list: substrings of the API key
         self.scope_ids = {self._strip_stage(s) for s in fb.scope}
         self.scope_keys = {s.rsplit(".", 1)[0] for s in self.scope_ids}
@@ -145,6 +122,9 @@ class Engine:
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
+        #: module scope (a ``modules.ModuleScope`` while attached, else None)
+        self.modules = None
+        self.out_of_module = 0
 
     # -- filters -------------------------------------------------------------------------------
     @staticmethod
@@ -185,6 +165,8 @@ class Engine:
             skipped["out_of_scope"] = self.out_of_scope
         if self.step_filtered:
             skipped["step_filter"] = self.step_filtered
+        if self.out_of_module:
+            skipped["out_of_module"] = self.out_of_module
         return {"calls": self.calls, "checked": self.checked, "skipped": skipped,
                 "flagged": self.flagged, "steps": self.step}
 
@@ -192,6 +174,13 @@ class Engine:
         handles, self.handles = self.handles, []
         for h in handles:
             h.remove()
+
+    def stopped(self) -> None:
+        """The session stopped intercepting: pending backward hooks removed, per-call state reset
+        (an exception inside a check or an optimizer step may have left it set)."""
+        self.remove_hooks()
+        self.in_optimizer = 0
+        self.busy = False
 
     # -- logging -------------------------------------------------------------------------------
     def note_skip(self, reason: str, key: str, name: str) -> None:
@@ -243,8 +232,6 @@ class Engine:
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
         if self.stage == "backward":
-            from .backward import watch
-
             return watch(self, call, key, name, func, leaves, spec, frame)
         return self._check_forward(call, key, name, func, leaves, spec, frame)
 
@@ -298,7 +285,7 @@ class Engine:
         out = func(*call.args, **call.kwargs)
         self.busy = True
         try:
-            with modes_off(), torch.no_grad(), _no_autocast(self.upcast_mode):
+            with modes_off(), torch.no_grad(), no_autocast(self.upcast_mode):
                 self._compare_rerun(call, key, name, func, leaves, spec, frame, out)
         except perturb.Cancel as exc:
             self.cancelled(key, name, str(exc))
@@ -328,17 +315,22 @@ class Engine:
         stats = compare_many([(o, p, floor_for(o.dtype)) for (_, o), (_, p) in zip(outs, p_outs)])
         self.checked += 1
 
-        def explain(flagged):  # only for flagged calls: two float64 re-runs
+        def explain(flagged):  # only for flagged calls: float64 re-runs
             return cause.analyse(func, lambda: state.restore(base, call.snap), spec, flagged)
 
         self.record(key, name, [(i, o, s) for (i, o), s in zip(outs, stats)], pert.in_dtype, frame,
                     explain=explain)
 
+    def current_module(self) -> str:
+        """The innermost running named module under module scope ("" without module scope)."""
+        return self.modules.current if self.modules is not None else ""
+
     def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None,
-               explain=None) -> None:
+               module=None, explain=None) -> None:
         """Judge ``(output_index, original_tensor, Stats)`` items; emit rows for the findings.
         ``explain(flagged)`` -> ``{output_index: cause}`` is asked only when a row is emitted."""
         step = self.step if step is None else step
+        module = self.current_module() if module is None else module
         rows = []
         flagged = []
         worst = 0.0
@@ -357,6 +349,7 @@ class Engine:
                 "dtype": str(o.dtype), "shape": str(tuple(o.shape)), "output_index": int(index),
                 "kind": kind, "max_abs": float(st.max_abs), "threshold": float(thr),
                 "ratio": float(handlers.ratio(st.max_rel, thr)), "call_site": frame_or_site,
+                "module": module,
                 "cause": "",
             })
         if self.preheat is not None and self.preheat.in_preheat(step):
@@ -391,16 +384,13 @@ class Engine:
             with modes_off():
                 pert = perturb.apply(self.mode_name, call, leaves, spec)
                 self.applied(key, name)
-                with _no_autocast(True):
+                with no_autocast(True):
                     p_out = func(*pert.args, **pert.kwargs)
                 floats = [x for x in leaves if perturb.is_float(x)]
                 back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
                 # under autocast the caller sees the op's autocast dtype (bf16 linear...)
                 back = autocast.fix_dtype(func, call.args, call.kwargs, leaves) or back
-                target = pert.in_dtype
-                if self.mode_name == "to_cpu":
-                    target = torch.float32 if back in perturb.LOW_PRECISION else None
-                out = handlers.cast_back(p_out, target, back, floats[0].device)
+                out = handlers.cast_back(p_out, pert.in_dtype, back, floats[0].device)
             self.checked += 1
             return out
         except perturb.Cancel as exc:

@@ -254,14 +254,15 @@ def static_skip(name: str) -> str | None:
 
 
 class Classifier:
-    """``classify`` with a per-callable cache (the hot path is one dict lookup)."""
+    """``classify`` with a per-callable cache. ``cache`` (callable -> ``ApiInfo``) is public so
+    the interception hot path can look a callable up with one ``dict.get`` before calling this."""
 
     def __init__(self) -> None:
-        self._cache: dict = {}
+        self.cache: dict = {}
 
     def __call__(self, func) -> ApiInfo:
         try:
-            info = self._cache.get(func)
+            info = self.cache.get(func)
         except TypeError:  # unhashable callable: classified every time
             info = None
         if info is None:
@@ -270,7 +271,7 @@ class Classifier:
             except Exception:  # an odd callable: never re-run it
                 info = ApiInfo("Other", getattr(func, "__name__", "unknown"), "other")
             try:
-                self._cache[func] = info
+                self.cache[func] = info
             except TypeError:  # unhashable callable
                 pass
         return info

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from . import names
+from .modes import MODES
 
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
              torch.float32: torch.int32, torch.float64: torch.int64}
@@ -163,7 +164,8 @@ class Call:
 class Perturbed:
     args: tuple
     kwargs: dict
-    #: dtype of the perturbed input (noise modes: its eps sets the noise-aware threshold)
+    #: the dtype the re-run computes in: of the perturbed input (noise modes: its eps sets the
+    #: noise-aware threshold), or the upcast one (fix casts outputs of that dtype back)
     in_dtype: torch.dtype | None
     #: applied to each perturbed output tensor before comparing (change_value swaps back)
     post: Callable | None = None
@@ -180,6 +182,8 @@ def perturbation(name: str):
     def deco(func):
         if name in PERTURBATIONS:
             raise ValueError(f"perturbation {name!r} registered twice")
+        if name not in MODES:
+            raise ValueError(f"perturbation {name!r} has no entry in modes.MODES (its traits)")
         PERTURBATIONS[name] = func
         return func
 
@@ -225,7 +229,9 @@ def _improve_precision(call: Call, leaves: list):
 def _to_cpu(call: Call, leaves: list):
     first_float(leaves)
     new = [to_cpu(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-    return new, None, None
+    # in_dtype: the dtype the CPU computes in when it differs from the inputs' (fix casts back)
+    low = all(x.dtype in LOW_PRECISION for x in leaves if is_float(x))
+    return new, (torch.float32 if low else None), None
 
 
 @perturbation("bit_noise")

@@ -9,8 +9,8 @@ The rule, exactly (``if_preheat``, ``preheat_step`` = P, ``max_sample`` = M):
    position of a repeated API over the preheat steps.
 2. Calibration: an API's risk is the largest ``ratio`` (``max_rel / threshold``) of its checked
    calls during preheat; a NaN/Inf mismatch or a sign flip counts as infinite risk.
-3. From step P on: an API is checked at every call when its risk is ``>= RISK_RATIO`` (0.5, i.e. an
-   error of at least half its threshold, findings included) or when it was never calibrated (first
+3. From step P on: an API is checked at every call when its risk is ``>= RISK_RATIO`` (an error
+   of at least that share of its threshold, findings included) or when it was never calibrated (first
    seen after preheat, or all its samples were cancelled). The others are skipped (reason
    ``preheat``).
 

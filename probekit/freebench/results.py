@@ -1,14 +1,15 @@
-"""Findings: the row layout, the CSV they are appended to, and their DataFrame/HTML views.
+"""Findings: the row layout, the CSV they are appended to, and their DataFrame (rendered by
+``view.py``).
 
 The first nine columns are msprobe's ``free_benchmark.csv`` columns, in its order; probekit adds
 ``kind`` (nan_inf, sign_flip, rel_error, abs_error), ``max_abs``, ``threshold``, ``ratio``
 (``max_rel / threshold``; inf when the threshold is 0, as for no_change), ``call_site`` and
+``module`` (the innermost named module running at the call under module scope, else "") and
 ``cause`` (ill-conditioned, inaccurate, unconfirmed, nondeterministic; see ``cause.py``).
 """
 from __future__ import annotations
 
 import csv
-import html
 import io
 import os
 
@@ -18,11 +19,12 @@ log = get_logger(__name__)
 
 MSPROBE_COLUMNS = ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape",
                    "output_index")
-COLUMNS = MSPROBE_COLUMNS + ("kind", "max_abs", "threshold", "ratio", "call_site", "cause")
+COLUMNS = MSPROBE_COLUMNS + ("kind", "max_abs", "threshold", "ratio", "call_site", "module", "cause")
 DTYPES = {"rank": "int64", "pert_mode": "object", "stage": "object", "step": "int64",
           "api_name": "object", "max_rel": "float64", "dtype": "object", "shape": "object",
           "output_index": "int64", "kind": "object", "max_abs": "float64", "threshold": "float64",
-          "ratio": "float64", "call_site": "object", "cause": "object"}
+          "ratio": "float64", "call_site": "object", "module": "object",
+          "cause": "object"}
 #: severity order of the kinds (lower first), then by ratio
 KIND_ORDER = {"nan_inf": 0, "sign_flip": 1, "rel_error": 2, "abs_error": 2}
 CSV_NAME = "free_benchmark.csv"
@@ -124,21 +126,3 @@ def by_severity(df):
     order = df["kind"].map(KIND_ORDER).fillna(3)
     return (df.assign(_o=order, _r=-df["ratio"]).sort_values(["_o", "_r"], kind="stable")
             .drop(columns=["_o", "_r"]))
-
-
-def summary_line(summary: dict) -> str:
-    skipped = sum(summary["skipped"].values())
-    return (f"free benchmark: {summary['flagged']} finding(s); {summary['checked']} call(s) "
-            f"checked, {skipped} skipped, {summary['calls']} seen over {summary['steps']} step(s)")
-
-
-def to_html(df, summary: dict, max_rows: int = 50) -> str:
-    """HTML table of the findings by severity, under a one-line summary."""
-    head = f"<p><b>probekit</b> {html.escape(summary_line(summary))}</p>"
-    if df.empty:
-        return head
-    shown = by_severity(df).head(max_rows)
-    table = shown.to_html(index=False, escape=True, float_format=lambda v: f"{v:.4g}")
-    more = len(df) - len(shown)
-    tail = f"<p>... {more} more row(s)</p>" if more > 0 else ""
-    return head + table + tail

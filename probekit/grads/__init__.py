@@ -4,6 +4,7 @@ from .recorder import GradProbe
 from .report import GradComparator
 from .sources import open_grads
 from .store import GradStoreError
+from .suspects import suspects  # also registers the ``cmp.probekit`` accessor
 
 __all__ = ["GradProbe", "open_grads", "compare_grads", "first_divergence", "GradComparator",
-           "GradCompareError", "GradStoreError"]
+           "GradCompareError", "GradStoreError", "suspects"]

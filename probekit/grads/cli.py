@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cli import command
+from ..commands import command
+from .compare import DROP_THRESHOLD, STEP0_THRESHOLD
+from .report import PLOTS
 
 
 def _declare_compare(p):
     p.add_argument("run_a", help="first run: probekit dump folder, grads.zarr, or msprobe dump")
     p.add_argument("run_b", help="second run")
     p.add_argument("-o", "--output", required=True, help="output folder (msprobe's layout)")
-    p.add_argument("--plots", choices=("all", "summary", "none"), default="summary",
+    p.add_argument("--plots", choices=PLOTS, default="summary",
                    help="PNGs to render: every parameter (msprobe), summary only, or none")
-    p.add_argument("--step0-threshold", type=float, default=0.97)
-    p.add_argument("--drop-threshold", type=float, default=0.03)
+    p.add_argument("--step0-threshold", type=float, default=STEP0_THRESHOLD)
+    p.add_argument("--drop-threshold", type=float, default=DROP_THRESHOLD)
 
 
 @command("grads", "compare", "compare the gradient signs of two runs, per rank/step/param")

@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from ..errors import GradCompareError
 from ..log import get_logger
 from .store import raw_direction
 
@@ -24,10 +25,6 @@ log = get_logger(__name__)
 STEP0_THRESHOLD = 0.97
 DROP_THRESHOLD = 0.03
 _BLOCK_BYTES = 8 << 20  # sign bytes of one run per block (two runs' blocks are in memory)
-
-
-class GradCompareError(ValueError):
-    """Two runs cannot be compared (no common steps/params, sizes differ, no direction data)."""
 
 
 def _ranges(values) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .compare import STEP0_THRESHOLD
+
 
 class SimilarityFigure:
     def __init__(self, r, width: float = 6.4, height: float = 3.6, dpi: int = 80) -> None:
@@ -16,7 +18,7 @@ class SimilarityFigure:
         self.r = r
         self.steps = np.asarray(r["step"].values)
         self.params = [str(p) for p in r["param"].values]
-        self.t0 = float(r.attrs.get("step0_threshold", 0.97))
+        self.t0 = float(r.attrs.get("step0_threshold", STEP0_THRESHOLD))
         self.rank = int(r["rank"].item()) if "rank" in r.coords else 0
         # fixed margins: a layout engine would lay the figure out again at every savefig
         self.fig = Figure(figsize=(width, height), dpi=dpi)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 import weakref
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ..config import Config, ConfigError, GradProbeConfig, make_config
+from ..config import ConfigError, config_for
 from ..dist import get_rank, rank_selected
 from ..log import Once, ensure_handler, get_logger
 from . import stats as _stats
@@ -25,48 +26,47 @@ from .store import GradWriter
 log = get_logger(__name__)
 
 
-def _as_config(config, options) -> Config:
-    if config is None:
-        return make_config("grad_probe", **options)
-    if options:
-        raise ValueError(f"pass either config=... or options, not both (got {sorted(options)})")
-    if isinstance(config, GradProbeConfig):
-        return Config(task="grad_probe", grad_probe=config)
-    if isinstance(config, Config):
-        if config.task != "grad_probe":
-            raise ConfigError(f"task: {config.task!r} is not valid for GradProbe; accepted: "
-                              "grad_probe")
-        return config
-    from ..config import load_config
+#: earlier keyword spellings of GradProbe -> the msprobe config key now used (deprecated)
+_OLD_KEYWORDS = {"level": "grad_level", "steps": "step", "ranks": "rank"}
 
-    return _as_config(load_config(config), {})
+
+def _options(options: dict) -> dict:
+    """Keyword options with the old spellings renamed (one DeprecationWarning each) and
+    ``None`` (= "all", as before) dropped."""
+    out = {}
+    for key, value in options.items():
+        new = _OLD_KEYWORDS.get(key)
+        if new is not None:
+            warnings.warn(f"GradProbe({key}=...) is deprecated; use {new}=... (msprobe's "
+                          f"config key)", DeprecationWarning, stacklevel=3)
+            if new in options:
+                raise TypeError(f"GradProbe: {key}= and {new}= were both given; use {new}=")
+            key = new
+        if value is not None:
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 class GradProbe:
     """Record per-parameter gradient statistics (and sign bits) at every optimizer step.
 
-    >>> with GradProbe(model, level="L2", dump_path="./run_a"):
+    >>> with GradProbe(model, grad_level="L2", dump_path="./run_a"):
     ...     train(model, optimizer)
     >>> ds = probekit.open_grads("./run_a")
 
-    ``steps``/``ranks`` restrict the recorded steps and ranks (empty or None = all);
-    ``param_list`` restricts the parameters (exact names from ``model.named_parameters()``).
+    ``config``: a ``Config``, a ``GradProbeConfig``, a dict or a config.json path (as
+    ``probekit.config_for`` takes them); ``options`` use msprobe's key names and override it:
+    ``dump_path``, ``grad_level`` ("L0"/"L1"/"L2", default "L1"), ``bounds``, ``param_list``
+    (exact names from ``model.named_parameters()``), ``step`` / ``rank`` (recorded steps and
+    ranks; empty = all), ``hash``, ``flush_every``. The spellings ``level=``, ``steps=``,
+    ``ranks=`` of earlier versions still work, with a ``DeprecationWarning``.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, level: str = "L1",
-                 bounds=(-1, 0, 1), param_list=None, steps=None, ranks=None,
-                 dump_path: str = "./dump_path", hash: str = "md5", flush_every: int = 50, *,
-                 config=None):
+    def __init__(self, model: torch.nn.Module, optimizer=None, *, config=None, **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
-        if config is None:
-            options = dict(dump_path=dump_path, rank=list(ranks or []), step=list(steps or []),
-                           grad_level=level, bounds=list(bounds), param_list=list(param_list or []),
-                           hash=hash, flush_every=flush_every)
-        else:
-            options = {}
-        self.config = _as_config(config, options)
+        self.config = config_for("grad_probe", config, **_options(options))
         self.model = model
         self.optimizer = optimizer
         self.steps_seen = 0
@@ -90,7 +90,9 @@ class GradProbe:
             if missing:
                 sample = ", ".join(sorted(known)[:8])
                 raise ConfigError(f"grad_probe.param_list: {missing!r} not found in the model; "
-                                  f"accepted: names from model.named_parameters() (e.g. {sample})")
+                                  f"accepted: names from model.named_parameters() (e.g. {sample})",
+                                  key="grad_probe.param_list", value=missing,
+                                  accepted=f"names from model.named_parameters() (e.g. {sample})")
             named = [(n, p) for n, p in named if n in wanted]
         frozen = [n for n, p in named if not p.requires_grad]
         if frozen:
@@ -113,6 +115,11 @@ class GradProbe:
     @property
     def active(self) -> bool:
         return bool(self._handles)
+
+    @property
+    def has_store(self) -> bool:
+        """True once ``start()`` created this rank's store (False on a rank the filter skips)."""
+        return self._writer is not None
 
     def start(self) -> "GradProbe":
         ensure_handler()

@@ -26,6 +26,7 @@ import shutil
 
 import numpy as np
 
+from ..errors import GradStoreError
 from ..log import get_logger
 from .stats import HASH_NBYTES, Layout, StepStats, interval_labels
 
@@ -59,10 +60,6 @@ def direction_chunks(nbytes: int, flush_every: int) -> tuple[int, int, int]:
     block = min(flush_every, max(1, _MAX_BUFFER_BYTES // nbytes))
     block = max(step_chunk, block // step_chunk * step_chunk)
     return step_chunk, byte_chunk, block
-
-
-class GradStoreError(ValueError):
-    """A grad store is missing, empty, or not readable as one."""
 
 
 def rank_group_path(dump_path: str, rank: int) -> str:

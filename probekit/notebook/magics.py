@@ -17,9 +17,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..config import THRESHOLD_KEYS, Config, ConfigError, make_config
+from ..config import FIX_PERT_MODES, PERT_MODES, THRESHOLD_KEYS, Config, ConfigError, config_for, make_config
 from ..log import ROOT as LOGGER
-from .configs import as_config, describe, error_key, parse_ints
+from .forms import describe, parse_ints
 from .display import Findings
 
 TASK = "free_benchmark"
@@ -30,7 +30,7 @@ OPTION_KEYS = {
     "--pert-mode": "pert_mode", "--handler": "handler_type", "--stage": "fuzz_stage",
     "--device": "fuzz_device", "--scope": "scope", "--list": "list", "--preheat": "if_preheat",
     "--preheat-step": "preheat_step", "--max-sample": "max_sample", "--threshold": "thresholds",
-    "--dump-path": "dump_path", "--rank": "rank", "--step": "step",
+    "--dump-path": "dump_path", "--rank": "rank", "--step": "step", "--module": "module",
 }
 _KEY_OPTIONS = {key: opt for opt, key in OPTION_KEYS.items()}
 _KEY_OPTIONS["api_list"] = "--list"
@@ -40,10 +40,9 @@ def _config_options(func):
     """The options shared by ``%%freebench`` and ``%freebench_config``."""
     decorators = [
         argument("--pert-mode", metavar="MODE",
-                 help="perturbation: improve_precision, bit_noise, add_noise, change_value, "
-                      "no_change, to_cpu"),
+                 help=f"perturbation: {', '.join(PERT_MODES)}"),
         argument("--handler", metavar="TYPE", help="check (record findings) or fix (use the "
-                 "improved output; improve_precision and to_cpu only)"),
+                 f"improved output; {' and '.join(FIX_PERT_MODES)} only)"),
         argument("--stage", metavar="STAGE", help="forward or backward"),
         argument("--device", metavar="DEVICE", help="npu (perturb in place) or cpu (to_cpu)"),
         argument("--scope", action="append", metavar="NAMES",
@@ -52,6 +51,11 @@ def _config_options(func):
         argument("--list", action="append", metavar="NAMES",
                  help="API names to check (every call whose name contains one), comma separated; "
                       "repeatable"),
+        argument("--module", action="append", metavar="NAMES",
+                 help="module names (as in model.named_modules()); only calls made inside "
+                      "them are checked, submodules included; comma separated, repeatable; "
+                      "the model is --model NAME or the one nn.Module in the namespace that "
+                      "has them"),
         argument("--preheat", action=argparse.BooleanOptionalAction, default=None,
                  help="sample calls during the first steps, then check the risky APIs only"),
         argument("--preheat-step", type=int, metavar="N", help="steps of preheat sampling"),
@@ -101,6 +105,8 @@ def changes_from_args(args) -> dict:
         changes["scope"] = _names(args.scope)
     if args.list is not None:
         changes["list"] = _names(args.list)
+    if args.module is not None:
+        changes["module"] = _names(args.module)
     if args.threshold is not None:
         changes["thresholds"] = _thresholds(args.threshold)
     try:
@@ -116,8 +122,8 @@ def changes_from_args(args) -> dict:
 def usage_error(exc: ConfigError, source: str | None = None) -> UsageError:
     """A ``UsageError`` whose message names the magic option behind the config key."""
     message = str(exc)
-    key, field = error_key(message)
-    source = source or _KEY_OPTIONS.get(field)
+    key = exc.key or ""
+    source = source or _KEY_OPTIONS.get(exc.field)
     if not source:
         return UsageError(message)
     if key and message.startswith(key + ":"):
@@ -137,7 +143,7 @@ class FreeBenchMagics(Magics):
     def build_config(self, args) -> Config:
         if args.config:
             try:
-                base = as_config(args.config, TASK)
+                base = config_for(TASK, args.config)
             except ConfigError as exc:
                 raise usage_error(exc, "--config") from None
         else:
@@ -157,6 +163,8 @@ class FreeBenchMagics(Magics):
     @argument("--top", type=int, default=25, metavar="N", help="rows shown in the table")
     @argument("--plot", action="store_true", help="also show the findings ranked in a chart")
     @argument("--quiet", action="store_true", help="display nothing (results still stored)")
+    @argument("--model", metavar="NAME", help="user-namespace variable holding the model "
+              "whose modules --module names")
     @argument("--verbose", action="store_true",
               help="show probekit's INFO log lines (perturbation of each API...) while the "
                    "cell runs; by default only warnings")
@@ -176,7 +184,11 @@ class FreeBenchMagics(Magics):
         config = self.build_config(args)
         from .. import FreeBench
 
-        bench = FreeBench(config=config)
+        model = self._model(args, config)
+        try:
+            bench = FreeBench(config=config, model=model)
+        except ConfigError as exc:
+            raise usage_error(exc) from None
         self.shell.user_ns[args.name] = bench
         code = self._compile(line, cell)
         logger = logging.getLogger(LOGGER)
@@ -190,6 +202,33 @@ class FreeBenchMagics(Magics):
             logger.setLevel(level)
             if not args.quiet:
                 self._show(bench, args)
+
+    def _model(self, args, config):
+        """The model for ``--module``: ``--model NAME``, else the one ``nn.Module`` of the
+        user namespace that has every named module (None without module scope)."""
+        names = config.free_benchmark.module
+        ns = self.shell.user_ns
+        if args.model is not None:
+            model = ns.get(args.model)
+            if not hasattr(model, "named_modules"):
+                raise UsageError(f"--model: {args.model!r} is not valid; accepted: the name of "
+                                 "a torch.nn.Module variable")
+            return model
+        if not names:
+            return None
+        import torch
+
+        found = {}
+        for var, value in ns.items():
+            if not var.startswith("_") and isinstance(value, torch.nn.Module):
+                have = dict(value.named_modules())
+                if all(n in have for n in names):
+                    found.setdefault(id(value), (var, value))
+        if len(found) == 1:
+            return next(iter(found.values()))[1]
+        which = ", ".join(sorted(v for v, _ in found.values())) or "none"
+        raise UsageError(f"--module ({', '.join(names)}): the model is ambiguous (nn.Module "
+                         f"variables having these modules: {which}); accepted: --model NAME")
 
     def _compile(self, line: str, cell: str):
         """Compile the body as part of the running cell: cached for tracebacks under the cell's
@@ -239,7 +278,8 @@ def findings_png(bench_or_results, top: int = 25) -> bytes:
     """The findings chart as PNG bytes (no pyplot state involved)."""
     from matplotlib.figure import Figure
 
-    from ..plot import findings, merged_findings
+    from ..freebench.view import merged_findings
+    from ..plot import findings
 
     n = min(len(merged_findings(bench_or_results)), top)       # one bar per API call
     fig = Figure(figsize=(9, 0.9 + 0.38 * max(n, 2)), layout="constrained")
@@ -286,7 +326,7 @@ def set_defaults(config, shell=None) -> Config:
     """Make ``config`` (Config, FreeBenchmarkConfig or path) the defaults of ``%%freebench``
     (registers the magics if ``%load_ext probekit`` was not run yet). ``None`` clears them."""
     magics = register(_shell(shell))
-    magics.defaults = None if config is None else as_config(config, TASK)
+    magics.defaults = None if config is None else config_for(TASK, config)
     return magics.defaults
 
 

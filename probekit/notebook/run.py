@@ -3,7 +3,8 @@
 ``run_notebook(path)`` runs every cell in a fresh kernel whose Python is ``sys.executable`` (or
 ``python=``) and whose ``PYTHONPATH`` starts with the folder this ``probekit`` was imported from,
 so the kernel uses the same probekit as the caller. ``demo(out)`` is what ``make demo`` runs:
-``01_quickstart.ipynb`` -> ``{out}/quickstart.html`` (plots inline) and a short text summary.
+``01_quickstart.ipynb`` -> ``{out}/quickstart.html`` (plots inline) and a short text summary,
+then ``04_triage.ipynb`` -> ``{out}/triage.html`` and ``triage_summary.txt``.
 
     python -m probekit.notebook.run notebooks/01_quickstart.ipynb --html out.html
     python -m probekit.notebook.run --demo demo_out
@@ -145,20 +146,34 @@ def export_html(nb, path) -> Path:
     return path
 
 
+#: what ``make demo`` exports after the quickstart: (notebook, output stem)
+EXTRA_DEMOS = (("04_triage.ipynb", "triage"),)
+
+
 def demo(out="demo_out", notebook=None, timeout: int = 300) -> str:
     """``make demo``: run the quickstart headless; write ``quickstart.html`` and
-    ``quickstart_summary.txt`` under ``out`` (its dumps go to ``{out}/quickstart_run``)."""
+    ``quickstart_summary.txt`` under ``out`` (its dumps go to ``{out}/quickstart_run``); then the
+    same for ``EXTRA_DEMOS`` (``triage.html``, ...). With ``notebook``, only that notebook is run
+    (as the quickstart)."""
     out = Path(out)
-    notebook = Path(notebook) if notebook else NOTEBOOKS / "01_quickstart.ipynb"
-    workdir = out / "quickstart_run"
+    text = _demo_one(out, Path(notebook) if notebook else NOTEBOOKS / "01_quickstart.ipynb",
+                     "quickstart", timeout)
+    if notebook is None:
+        for name, stem in EXTRA_DEMOS:
+            text += "\n" + _demo_one(out, NOTEBOOKS / name, stem, timeout)
+    return text
+
+
+def _demo_one(out: Path, notebook: Path, stem: str, timeout: int) -> str:
+    workdir = out / f"{stem}_run"
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     nb = run_notebook(notebook, cwd=workdir, timeout=timeout, allow_errors=True)
     wall = time.perf_counter() - t0
-    html_path = export_html(nb, out / "quickstart.html")
+    html_path = export_html(nb, out / f"{stem}.html")
     text = summary(nb, notebook.name) + f"\n  wall time incl. kernel start: {wall:.1f} s" + (
         f"\n  HTML: {html_path}")
-    (out / "quickstart_summary.txt").write_text(text + "\n", encoding="utf-8")
+    (out / f"{stem}_summary.txt").write_text(text + "\n", encoding="utf-8")
     if errors(nb):
         raise RuntimeError(f"{notebook.name} raised errors:\n" + "\n".join(errors(nb)))
     return text

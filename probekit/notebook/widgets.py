@@ -19,8 +19,8 @@ import ipywidgets as w
 
 from ..config import (FUZZ_DEVICES, FUZZ_LEVELS, FUZZ_STAGES, GRAD_LEVELS, HANDLER_TYPES,
                       HASH_ALGORITHMS, PERT_MODES, THRESHOLD_KEYS, Config, ConfigError,
-                      make_config)
-from .configs import as_config, describe, error_key, parse_ints, parse_numbers
+                      config_for)
+from .forms import describe, parse_ints, parse_numbers
 
 #: enumerated keys -> accepted values (the config module's own tuples)
 CHOICES = {"pert_mode": PERT_MODES, "handler_type": HANDLER_TYPES, "fuzz_stage": FUZZ_STAGES,
@@ -36,6 +36,8 @@ HELP = {
     "fuzz_level": "msprobe's only level",
     "scope": "Exact API call names, e.g. Torch.matmul.0.forward (empty = all)",
     "list": "API names; every call whose name contains one is checked (empty = all)",
+    "module": "Module names (model.named_modules()); only calls made inside them are checked, "
+              "submodules included (empty = everywhere)",
     "if_preheat": "Sample calls during the first steps, then check risky APIs only",
     "preheat_step": "Number of preheat steps",
     "max_sample": "Calls sampled per API per preheat step",
@@ -53,7 +55,7 @@ LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "devi
           "fuzz_level": "level", "if_preheat": "preheat", "preheat_step": "preheat steps",
           "max_sample": "max samples", "dump_path": "dump path", "param_list": "params",
           "grad_level": "level", "flush_every": "flush every", "pert_mode": "perturbation",
-          "list": "API names"}
+          "list": "API names", "module": "modules"}
 
 _DESC = {"description_width": "100px"}
 class ConfigPanel(w.VBox):
@@ -102,7 +104,7 @@ class ConfigPanel(w.VBox):
 
     # -- building --------------------------------------------------------------------------
     def _initial(self, config) -> Config:
-        return make_config(self.TASK) if config is None else as_config(config, self.TASK)
+        return config_for(self.TASK, config)
 
     def _json_values(self, config: Config) -> dict:
         data = config.to_dict()
@@ -126,7 +128,7 @@ class ConfigPanel(w.VBox):
             control = w.Checkbox(value=value, indent=True, **common)
         elif isinstance(value, int):
             control = w.IntText(value=value, **common)
-        elif key in ("scope", "list", "param_list"):
+        elif key in ("scope", "list", "module", "param_list"):
             control = w.TagsInput(value=list(value), allow_duplicates=False,
                                   placeholder="all (type a name, Enter)",
                                   tooltip=HELP.get(key, key), layout=w.Layout(flex="1 1 auto"))
@@ -172,7 +174,7 @@ class ConfigPanel(w.VBox):
         try:
             config = self.config
         except ConfigError as exc:
-            self._show_error(str(exc))
+            self._show_error(str(exc), exc.field)
             return None
         self._show_error("")
         self.preview.value = (f"<pre style='margin:0;font-size:11px'>"
@@ -183,9 +185,8 @@ class ConfigPanel(w.VBox):
             self._status("pending", "✓ valid, not applied yet: press Apply")
         return config
 
-    def _show_error(self, message: str) -> None:
+    def _show_error(self, message: str, key: str | None = None) -> None:
         self.error = message
-        key = error_key(message)[1]
         key = "list" if key == "api_list" else key
         self.error_key = key if key in self.controls else ""
         for name, control in self.controls.items():
@@ -274,7 +275,7 @@ class FreeBenchPanel(ConfigPanel):
     GROUPS = (
         ("What to check", ["pert_mode", "handler_type", "fuzz_stage", "fuzz_device",
                            "fuzz_level"]),
-        ("Which APIs", ["scope", "list"]),
+        ("Which APIs", ["scope", "list", "module"]),
         ("Preheat", ["if_preheat", "preheat_step", "max_sample"]),
         ("Thresholds (max_rel by output dtype)", ["thresholds"]),
         ("Where", ["dump_path", "rank", "step"]),

@@ -37,7 +37,7 @@ SERVER = textwrap.dedent("""
             params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
             model = torch.nn.ParameterList(params)
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
-            probe = GradProbe(model, optimizer=opt, level="L2", dump_path=path, flush_every=3)
+            probe = GradProbe(model, optimizer=opt, grad_level="L2", dump_path=path, flush_every=3)
             probe.start()
             print("started", os.getpid(), flush=True)
             step = 0

@@ -57,7 +57,7 @@ def msprobe_config(tmp_path, name, level):
 
 def probekit_dump(tmp_path, name, level, lr):
     model = make_model()
-    with GradProbe(model, level=level, bounds=(-0.05, 0, 0.05), dump_path=str(tmp_path / name)):
+    with GradProbe(model, grad_level=level, bounds=(-0.05, 0, 0.05), dump_path=str(tmp_path / name)):
         return train(model, steps=6, lr=lr)
 
 

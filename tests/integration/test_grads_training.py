@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ def record(path, lr=0.1, steps=20, **kw):
 
 def test_recording_does_not_change_training(tmp_path):
     plain = train(make_model(), steps=10)
-    _, probed = record(tmp_path, steps=10, level="L2")
+    _, probed = record(tmp_path, steps=10, grad_level="L2")
     assert probed == plain
 
 
@@ -49,7 +50,7 @@ def test_record_reopen_exact_stats(tmp_path):
             opt_grads[len(opt_grads)] = [p.grad.clone() for p in model.parameters()]
             return super().step(closure)
 
-    with GradProbe(model, optimizer=None, level="L2", dump_path=str(tmp_path)):
+    with GradProbe(model, optimizer=None, grad_level="L2", dump_path=str(tmp_path)):
         torch.set_num_threads(1)
         gen = torch.Generator().manual_seed(1)
         x, y = torch.randn(64, 16, generator=gen), torch.randn(64, 4, generator=gen)
@@ -96,7 +97,7 @@ def test_two_runs_find_the_divergence(tmp_path):
 
 def test_filters_steps_params_and_hooks_removed(tmp_path):
     model = make_model()
-    probe = GradProbe(model, level="L1", steps=[0, 3, 5], param_list=["0.weight", "4.bias"],
+    probe = GradProbe(model, grad_level="L1", step=[0, 3, 5], param_list=["0.weight", "4.bias"],
                       dump_path=str(tmp_path)).start()
     train(model, steps=4)
     probe.stop()
@@ -106,6 +107,25 @@ def test_filters_steps_params_and_hooks_removed(tmp_path):
     assert ds["step"].values.tolist() == [0, 3]
     assert ds["param"].values.tolist() == ["0.weight", "4.bias"]
     assert ds["numel"].values.tolist() == [512, 4]
+
+
+def test_old_keyword_spellings_warn_and_still_work(tmp_path):
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = GradProbe(model, level="L2", steps=(0, 2), ranks=[0], dump_path=str(tmp_path))
+    assert [(w.category, str(w.message).split(";")[0]) for w in caught] == [
+        (DeprecationWarning, f"GradProbe({k}=...) is deprecated") for k in ("level", "steps",
+                                                                            "ranks")]
+    new = GradProbe(model, grad_level="L2", step=[0, 2], rank=[0], dump_path=str(tmp_path))
+    assert old.config == new.config
+    assert (new.config.grad_probe.grad_level, new.config.step, new.config.rank) == \
+        ("L2", (0, 2), (0,))
+    with pytest.raises(TypeError, match="steps= and step= were both given"), \
+            pytest.warns(DeprecationWarning):
+        GradProbe(model, steps=[1], step=[1], dump_path=str(tmp_path))
+    cfg = probekit.make_config("grad_probe", dump_path=str(tmp_path), grad_level="L0")
+    assert GradProbe(model, config=cfg, bounds=[0]).config == cfg.replace(bounds=[0])
 
 
 def test_unknown_param_named(tmp_path):
@@ -128,7 +148,7 @@ def test_only_the_owning_optimizer_counts(tmp_path):
 def test_main_grad_is_preferred(tmp_path):
     model = torch.nn.Linear(2, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with GradProbe(model, optimizer=opt, level="L1", dump_path=str(tmp_path)):
+    with GradProbe(model, optimizer=opt, grad_level="L1", dump_path=str(tmp_path)):
         model.weight.grad = torch.tensor([[1.0, 1.0]])
         model.weight.main_grad = torch.tensor([[-3.0, 2.0]])
         opt.step()
@@ -172,10 +192,10 @@ def test_precision_debugger_grad_probe_flow(tmp_path, msprobe_config_dict, monke
 def test_rank_filter(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     model = make_model()
-    with GradProbe(model, ranks=[0], dump_path=str(tmp_path)) as probe:
+    with GradProbe(model, rank=[0], dump_path=str(tmp_path)) as probe:
         train(model, steps=2)
     assert not os.path.exists(tmp_path / "grads.zarr")
-    assert probe.steps_seen == 0
+    assert probe.steps_seen == 0 and not probe.has_store
 
 
 def test_compare_distributed_layout_and_csv(tmp_path):
@@ -198,7 +218,7 @@ def test_compare_distributed_layout_and_csv(tmp_path):
 
 def test_msprobe_layout_round_trip(tmp_path):
     for level in ("L0", "L1", "L2"):
-        record(tmp_path / level, steps=3, level=level, bounds=(-0.5, 0, 0.5))
+        record(tmp_path / level, steps=3, grad_level=level, bounds=(-0.5, 0, 0.5))
         ours = open_grads(tmp_path / level)
         files = write_grad_dump(str(tmp_path / level), str(tmp_path / f"ms{level}"))
         assert os.path.join(str(tmp_path / f"ms{level}"), "rank0", "grad_summary_0.csv") in files

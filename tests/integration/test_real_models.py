@@ -82,7 +82,7 @@ def test_fix_mode_trains_and_changes_bf16_numbers(tmp_path, kind):
 def test_grad_probe_levels(tmp_path, kind, level):
     plain = train(build(kind, torch.bfloat16))  # build() seeds the RNG dropout then draws from
     model = build(kind, torch.bfloat16)
-    with probekit.GradProbe(model, level=level, dump_path=str(tmp_path)):
+    with probekit.GradProbe(model, grad_level=level, dump_path=str(tmp_path)):
         losses = train(model)
     assert losses == plain
     ds = probekit.open_grads(tmp_path)

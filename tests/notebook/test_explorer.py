@@ -86,7 +86,7 @@ def test_explorer_on_two_recorded_runs(tmp_path):
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
-        with probekit.GradProbe(model, opt, level="L2", dump_path=str(path)):
+        with probekit.GradProbe(model, opt, grad_level="L2", dump_path=str(path)):
             for s in range(6):
                 x = torch.randn(64, 8, generator=g) + (500.0 if s >= 3 else 0.0)
                 x = x - x.to(dtype).mean(-1, keepdim=True).float()    # the low-precision centering

@@ -339,3 +339,39 @@ def test_findings_table_shows_the_cause(tmp_path):
     page = view._repr_html_()
     assert ">cause<" in page and ">ill-conditioned<" in page
     assert "rel_error (ill-conditioned)" in repr(view)
+
+
+MODEL = """
+from torch import nn
+class Energy(nn.Module):
+    def forward(self, h):
+        return energy(h)
+net = nn.Sequential(nn.Linear(32, 32), Energy())
+with torch.no_grad():
+    net[0].weight.copy_(torch.eye(32)); net[0].bias.fill_(0.0)
+"""
+
+
+def test_module_option_scopes_the_cell_to_a_module(ip):
+    ip.run_cell(MODEL)
+    cell = "y = energy(x); z = net(x)"      # the same subtraction outside and inside net[1]
+    run(ip, "--pert-mode bit_noise --module 1 -o fb")
+    fb = ip.user_ns["fb"]
+    assert fb.config.free_benchmark.module == ("1",)
+    run(ip, "--pert-mode bit_noise --module 1 -o fb", cell)
+    fb = ip.user_ns["fb"]
+    assert sorted(zip(fb.results["api_name"], fb.results["module"])) == [
+        ("Tensor.__sub__.1.forward", "1")]
+    html = Findings.of(fb)._repr_html_()
+    assert ">module<" in html and ">1<" in html
+    ip.user_ns["net2"] = ip.user_ns["net"]   # same object twice: still one model
+    run(ip, "--module 1 --model net -o fb", cell)
+    ip.run_cell("net3 = nn.Sequential(nn.Identity(), nn.Identity())")
+    with pytest.raises(UsageError, match=r"--module \(1\): the model is ambiguous \(nn\.Module "
+                       r"variables having these modules: net, net3\); accepted: --model NAME"):
+        run(ip, "--module 1", cell)
+    with pytest.raises(UsageError, match=r"--module \(free_benchmark\.module\): '1\.fc' is not a "
+                       r"module of this Sequential"):
+        run(ip, "--module 1.fc --model net", cell)
+    with pytest.raises(UsageError, match=r"--model: 'nope' is not valid"):
+        run(ip, "--module 1 --model nope", cell)

@@ -29,6 +29,14 @@ EXPECT = {
         r"Functional\.mse_loss\.0\.forward.{0,1000}nan_inf"]),
     "03_grad_probe.ipynb": (3, 3, [
         r"Grad probe: runs diverge first at step 4, parameter '3\.weight'"]),
+    "04_triage.ipynb": (3, 2, [
+        r"Grad probe: runs diverge first at step 0, parameter 'blocks\.2\.fc1\.weight'",
+        r"1\. blocks\.2 \(flagged at step 0, similarity 0\.\d+; [^)]*\): [1-9]\d* flagged call",
+        r"     Tensor\.__sub__\.0\.forward \[add_noise\] abs_error [\d,.]+× threshold, "
+        r"blocks\.2\.norm, In \[1\] line 16\n",
+        r"2\. blocks\.0 \(flagged at step 0[^\n]*: no flagged call",
+        r"3\. blocks\.1 \(flagged at step 0[^\n]*: no flagged call",
+        r"Free benchmark \(add_noise, check, forward\): 2 findings in 2 API calls"]),
 }
 _executed = {}
 #: an image embedded in the page (the template's own icons are CSS, not <img>)
@@ -115,3 +123,14 @@ def test_demo_reports_errors(tmp_path):
         demo(tmp_path / "out", notebook=source)
     assert "ZeroDivisionError: division by zero" in (
         tmp_path / "out" / "quickstart_summary.txt").read_text()
+
+
+@pytest.mark.slow
+def test_triage_notebook_exports_html_with_report_and_plots(executed, tmp_path):
+    nb = executed(NOTEBOOKS[3])
+    page = export_html(nb, tmp_path / "triage.html").read_text()
+    assert len(IMG.findall(page)) == 2          # the similarity figures + the triage plot
+    assert "<b>probekit triage</b>: runs diverge first at step <b>0</b>" in page
+    # the row of the planted call: kind, ratio, perturbations, dtype, shape, module, call site
+    assert re.search(r"Tensor\.__sub__\.0\.forward</td>(<td[^>]*>[^<]*</td>){5}"
+                     r"<td[^>]*>blocks\.2\.norm</td><td[^>]*>In \[1\] line 16</td>", page)

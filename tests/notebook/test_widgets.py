@@ -184,3 +184,11 @@ def test_panel_renders_as_widget():
     bundle = panel._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert repr(panel) == "FreeBenchPanel(valid)"
+
+
+def test_module_control_feeds_the_config():
+    panel = FreeBenchPanel(use_for_magic=False)
+    assert isinstance(panel.controls["module"], w.TagsInput)
+    panel.set(module=["blocks.1", "head"], list=["matmul"])
+    assert panel.config.free_benchmark.module == ("blocks.1", "head")
+    assert panel.config.free_benchmark.api_list == ("matmul",)

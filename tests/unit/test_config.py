@@ -214,3 +214,74 @@ def test_bad_files(tmp_path):
     notask.write_text("{}")
     with pytest.raises(ConfigError, match="task: missing"):
         load_config(notask)
+
+
+# -- one coercion function, errors as attributes ---------------------------------------------
+def test_config_for_every_form(tmp_path):
+    from probekit.config import config_for
+
+    d = str(tmp_path)
+    base = make_config("grad_probe", dump_path=d, grad_level="L2")
+    assert config_for("grad_probe") == make_config("grad_probe")
+    assert config_for("grad_probe", base) is base
+    assert config_for("grad_probe", base, bounds=[0]).grad_probe.bounds == (0,)
+    assert config_for("grad_probe", GradProbeConfig(grad_level="L0")).grad_probe.grad_level == "L0"
+    assert config_for("grad_probe", {"dump_path": d, "grad_probe": {"grad_level": "L2"}}) == base
+    path = tmp_path / "c.json"
+    base.to_json(path)
+    assert config_for("grad_probe", str(path)) == base
+    switched = config_for("free_benchmark", str(path), pert_mode="bit_noise")
+    assert (switched.task, switched.dump_path) == ("free_benchmark", d)
+    assert switched.free_benchmark.pert_mode == "bit_noise"
+    assert switched.grad_probe == base.grad_probe          # the other section is kept
+    with pytest.raises(ConfigError) as err:
+        config_for("grad_probe", FreeBenchmarkConfig())
+    assert err.value.key == "config" and "GradProbeConfig" in err.value.accepted
+    with pytest.raises(ConfigError) as err:
+        config_for("grad_probe", 42)
+    assert (err.value.key, err.value.value) == ("config", 42)
+    with pytest.raises(ConfigError) as err:
+        config_for("statistics")
+    assert (err.value.key, err.value.value) == ("task", "statistics")
+
+
+@pytest.mark.parametrize("kwargs, key, field, value", [
+    ({"pert_mode": "bogus"}, "free_benchmark.pert_mode", "pert_mode", "bogus"),
+    ({"thresholds": {"float16": -1}}, "free_benchmark.thresholds.float16", "thresholds", -1),
+    ({"thresholds": {"fp8": 1e-3}}, "free_benchmark.thresholds key", "thresholds", "fp8"),
+    ({"rank": [-1]}, "rank", "rank", -1),
+    ({"handler_type": "fix", "pert_mode": "bit_noise"}, "free_benchmark.pert_mode", "pert_mode",
+     "bit_noise"),
+])
+def test_config_error_attributes(kwargs, key, field, value):
+    from probekit import ProbekitError
+
+    with pytest.raises(ConfigError) as err:
+        make_config("free_benchmark", **kwargs)
+    exc = err.value
+    assert (exc.key, exc.field, exc.value) == (key, field, value)
+    assert exc.accepted and str(exc).startswith(f"{key}: ") and f"accepted: {exc.accepted}" \
+        in str(exc)
+    assert isinstance(exc, ProbekitError) and isinstance(exc, ValueError)
+
+
+def test_one_error_base():
+    import probekit
+    from probekit import errors
+
+    for name in ("ConfigError", "GradStoreError", "GradCompareError", "MsprobeDumpError",
+                 "UnsafePathError"):
+        cls = getattr(probekit, name)
+        assert cls is getattr(errors, name) and issubclass(cls, probekit.ProbekitError)
+        assert issubclass(cls, ValueError)
+    from probekit.compat.msprobe import MsprobeDumpError
+    from probekit.grads import GradCompareError, GradStoreError
+
+    assert (GradStoreError, GradCompareError, MsprobeDumpError) == \
+        (errors.GradStoreError, errors.GradCompareError, errors.MsprobeDumpError)
+
+
+def test_config_error_key_from_a_standard_message():
+    assert ConfigError("free_benchmark.module: 'x' is not a module; accepted: ...").field == "module"
+    assert ConfigError("grad_probe.bounds key: 'x' ...").key == "grad_probe.bounds key"
+    assert ConfigError("no key in this sentence").key is None

@@ -210,3 +210,32 @@ def test_every_mode_leaves_inputs_and_rng_alone(mode, dtype):
                   perturb.Call(names.classify(torch.mul), (w, x), {}))
     assert torch.equal(x, before_x) and torch.equal(w.detach(), before_w)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_every_mode_has_traits_and_a_perturbation():
+    from probekit import config
+    from probekit.freebench import handlers, modes
+
+    assert set(perturb.PERTURBATIONS) == set(modes.MODES)
+    assert config.PERT_MODES == modes.PERT_MODES == tuple(modes.MODES)
+    assert modes.FIX_PERT_MODES == ("improve_precision", "to_cpu")
+    assert [m for m, t in modes.MODES.items() if t.noise] == ["bit_noise", "add_noise"]
+    # the threshold rule reads the traits: exact -> 0, noise -> at least 2 eps of the input
+    fb = config.FreeBenchmarkConfig()
+    assert handlers.threshold(fb, "no_change", torch.float32, torch.float32) == 0.0
+    assert handlers.threshold(fb, "bit_noise", torch.bfloat16, torch.bfloat16) == 2 * 2.0 ** -7
+    assert handlers.threshold(fb, "improve_precision", torch.bfloat16, torch.float32) == 0.004
+    with pytest.raises(ValueError, match="no entry in modes.MODES"):
+        perturb.perturbation("made_up")(lambda call, leaves: (leaves, None, None))
+    with pytest.raises(ValueError, match="registered twice"):
+        modes.register(modes.Mode("bit_noise"))
+
+
+def test_import_probekit_config_loads_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, probekit, probekit.config; "
+            "print(probekit.config.PERT_MODES[0], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["improve_precision", "False"]

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from probekit.freebench import COLUMNS, FreeBench, results
+from probekit.freebench.view import Findings
 
 
 def row(**kw):
     base = {"rank": 0, "pert_mode": "bit_noise", "stage": "forward", "step": 0,
             "api_name": "Torch.matmul.0.forward", "max_rel": 0.5, "dtype": "torch.bfloat16",
             "shape": "(4, 8)", "output_index": 0, "kind": "rel_error", "max_abs": 0.25,
-            "threshold": 0.015625, "ratio": 32.0, "call_site": "train.py:12"}
+            "threshold": 0.015625, "ratio": 32.0, "call_site": "train.py:12", "module": ""}
     base.update(kw)
     return base
 
@@ -27,7 +28,7 @@ def read(path):
 def test_columns_start_with_msprobes():
     assert COLUMNS[:9] == ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype",
                            "shape", "output_index")
-    assert COLUMNS[9:] == ("kind", "max_abs", "threshold", "ratio", "call_site", "cause")
+    assert COLUMNS[9:] == ("kind", "max_abs", "threshold", "ratio", "call_site", "module", "cause")
 
 
 def test_header_once_whole_rows_and_reopen_appends(tmp_path):
@@ -76,10 +77,10 @@ def test_severity_order_and_html():
     df = results.frame(rows)
     assert results.by_severity(df)["api_name"].tolist() == ["b", "d", "c", "a"]
     summary = {"calls": 10, "checked": 4, "skipped": {"view": 6}, "flagged": 4, "steps": 1}
-    html = results.to_html(df, summary)
+    html = Findings(df, summary)._repr_html_()
     assert html.index(">b<") < html.index(">d<") < html.index(">c<") < html.index(">a<")
-    assert "4 finding(s); 4 call(s) checked, 6 skipped, 10 seen over 1 step(s)" in html
-    assert results.to_html(results.frame([]), summary).count("<table") == 0
+    assert "10 calls seen · 4 checked · 6 skipped (view 6) · 4 flagged · 1 step" in html
+    assert Findings(results.frame([]), summary)._repr_html_().count("<table") == 0
 
 
 def test_session_writes_rows_as_found_even_without_process_group(tmp_path):

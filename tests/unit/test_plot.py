@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 from synthetic_grads import GRAD_PARAMS_DIVERGING, compare_synthetic, make_grads  # noqa: E402
 
 from probekit import plot  # noqa: E402
+from probekit.freebench import view  # noqa: E402
 
 COLUMNS = ["rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape",
            "output_index", "kind", "max_abs", "threshold", "ratio", "call_site"]
@@ -162,21 +163,21 @@ def test_findings_bars_ranked_and_merged(results):
 
 def test_merged_findings_one_row_per_call(results):
     results.loc[len(results)] = finding("Torch.matmul.0.forward", 0.01, step=4)
-    merged = plot.merged_findings(results)
+    merged = view.merged_findings(results)
     assert list(merged.api_name) == [
         "Functional.softmax.0.forward", "Torch.sub.1.forward", "Torch.matmul.0.forward",
         "Functional.layer_norm.0.backward", "Tensor.pow.4.forward"]
     matmul = merged.iloc[2]
     assert (matmul["steps"], matmul["count"], matmul["max_rel"]) == ([0, 1, 4], 3, 0.08)
     assert list(merged["count"]) == [1, 1, 3, 1, 1]
-    empty = plot.merged_findings(results.iloc[:0])
+    empty = view.merged_findings(results.iloc[:0])
     assert empty.empty and {"steps", "count"} <= set(empty.columns)
 
 
 def test_step_ranges():
-    assert plot.step_ranges([8, 0, 1, 2, 5, 7]) == "0–2, 5, 7–8"
-    assert plot.step_ranges([3]) == "3"
-    assert plot.step_ranges([]) == ""
+    assert view.step_ranges([8, 0, 1, 2, 5, 7]) == "0–2, 5, 7–8"
+    assert view.step_ranges([3]) == "3"
+    assert view.step_ranges([]) == ""
 
 
 def test_findings_top_and_empty(results):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import probekit
 from probekit.config import ConfigError, FreeBenchmarkConfig, make_config
 from probekit.freebench import FreeBench, perturb
-from probekit.freebench.session import open_session
+from probekit.freebench.bench import open_session
 
 
 A, B = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
@@ -40,8 +40,11 @@ def test_config_forms(tmp_path):
                                 "free_benchmark": {"pert_mode": "change_value"}}))
     fb = FreeBench(str(path), handler_type="check")
     assert fb.config.free_benchmark.pert_mode == "change_value" and fb.config.dump_path == d
-    with pytest.raises(ConfigError, match="task"):
-        FreeBench(make_config("grad_probe", dump_path=d))
+    # a config written for the grad probe: its common keys and its free_benchmark section apply
+    other = make_config("grad_probe", dump_path=d, rank=[0], grad_level="L2")
+    switched = FreeBench(other).config
+    assert (switched.task, switched.dump_path, switched.rank) == ("free_benchmark", d, (0,))
+    assert switched.free_benchmark == FreeBenchmarkConfig()
     with pytest.raises(ConfigError):
         FreeBench(dump_path=d, pert_mode="to_cpu")            # needs fuzz_device cpu
     with pytest.raises(ConfigError):
@@ -253,7 +256,11 @@ def test_summary_and_repr(tmp_path):
         cancellation()
     fb.step()
     assert fb.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1}
-    assert "1 finding(s)" in repr(fb) and "stopped" in repr(fb)
+    assert repr(fb) == ("FreeBench(pert_mode='bit_noise', handler_type='check', fuzz_stage="
+                        "'forward', stopped; 1 call seen · 1 checked · 0 skipped · 1 flagged · "
+                        "1 step)")
+    html = fb._repr_html_()          # the same findings view as the notebook's, one row
+    assert "⚠ 1 finding in 1 API call" in html and html.count("<tr class=") == 1
 
 
 def test_other_modes_see_only_the_users_calls(tmp_path):

@@ -35,7 +35,7 @@ class GradSession:
 
     @property
     def results(self):
-        return self.probe.dataset() if self.probe is not None and self.probe._writer else None
+        return self.probe.dataset() if self.probe is not None and self.probe.has_store else None
 
 
 def open_session(config) -> GradSession:

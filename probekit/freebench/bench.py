@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..config import Config, ConfigError, FreeBenchmarkConfig, load_config, make_config
+from ..config import Config, ConfigError, config_for
 from ..dist import get_rank, rank_selected
 from ..log import Once, ensure_handler, get_logger
 from . import coverage
@@ -23,27 +23,10 @@ from . import results as _results
 from .compiled import MESSAGE as COMPILED_MESSAGE
 from .compiled import CompileGuard, CompiledModelError, is_compiled_module
 from .intercept import Engine, make_mode
+from .modules import ModuleScope
+from .view import Findings, summary_line
 
 log = get_logger("probekit.freebench")
-
-
-def resolve_config(config=None, **options) -> Config:
-    """A validated ``Config`` (task free_benchmark) from any accepted form plus keyword options."""
-    if config is None:
-        return make_config("free_benchmark", **options)
-    if isinstance(config, FreeBenchmarkConfig):
-        cfg = Config(task="free_benchmark", free_benchmark=config)
-    elif isinstance(config, Config):
-        cfg = config
-    elif isinstance(config, (str, os.PathLike)):
-        cfg = load_config(config)
-    else:
-        raise ConfigError(f"config: {config!r} is not valid; accepted: a probekit Config, a "
-                          "FreeBenchmarkConfig, a path to config.json, or None")
-    if cfg.task != "free_benchmark":
-        raise ConfigError(f"task: {cfg.task!r} is not valid for FreeBench; accepted: "
-                          "'free_benchmark'")
-    return cfg.replace(**options) if options else cfg
 
 
 class FreeBench:
@@ -52,11 +35,25 @@ class FreeBench:
     ``config``: a probekit ``Config`` (task free_benchmark), a ``FreeBenchmarkConfig``, a path to a
     msprobe/probekit config.json, or None; ``**options`` as ``probekit.make_config`` takes them
     (``dump_path``, ``pert_mode``, ``handler_type``, ``fuzz_stage``, ``scope``, ``list``, ...).
+    ``module="h.2.attn"`` (or ``modules=[...]``) checks only the calls made while those modules
+    of ``model`` run (``model=`` here or ``start(model)``), nested submodules included; the
+    ``module`` column of the results names the innermost one.
     """
 
-    def __init__(self, config=None, **options) -> None:
+    def __init__(self, config=None, *, model=None, **options) -> None:
         ensure_handler()
-        self.config: Config = resolve_config(config, **options)
+        if "modules" in options:  # plural spelling of the ``module`` key
+            modules = options.pop("modules")
+            if "module" in options:
+                raise ConfigError("free_benchmark.module: given both as module= and modules=; "
+                                  "accepted: one of them", key="free_benchmark.module",
+                                  value=modules, accepted="one of module=, modules=")
+            options["module"] = list(modules) if isinstance(modules, (list, tuple)) else modules
+        self.config: Config = config_for("free_benchmark", config, **options)
+        self._model = None
+        self._scope = None
+        if model is not None:
+            self._set_model(model)
         self._rows: list[dict] = []
         self._sink = _results.CsvSink(self.config.dump_path)
         self._engine = Engine(self.config, self._emit, get_rank())
@@ -74,9 +71,22 @@ class FreeBench:
         """True between start() and stop()."""
         return self._mode is not None
 
+    def _set_model(self, model) -> None:
+        """Resolve the module scope against ``model`` (unknown names: ``ConfigError``)."""
+        names = self.config.free_benchmark.module
+        if model is self._model:
+            return
+        if names:
+            if not isinstance(model, torch.nn.Module):
+                raise ConfigError(f"model: {type(model).__name__} is not valid; accepted: a "
+                                  "torch.nn.Module (free_benchmark.module names its submodules)")
+            self._scope = ModuleScope(model, names)
+        self._model = model
+
     def start(self, model=None) -> None:
-        """Begin intercepting torch calls on this thread (``model`` is optional: every API call
-        is seen, inside or outside a model). A ``torch.compile``'d model is refused
+        """Begin intercepting torch calls on this thread. With ``module`` set, only calls made
+        inside those modules of ``model`` (here or ``FreeBench(model=...)``) are checked; without
+        it ``model`` is unused: every API call is seen, inside or outside a model. A ``torch.compile``'d model is refused
         (``CompiledModelError``): probe the uncompiled module."""
         if self._closed:
             raise RuntimeError("this FreeBench was closed")
@@ -84,6 +94,12 @@ class FreeBench:
             raise CompiledModelError(COMPILED_MESSAGE)
         if self._mode is not None:
             return
+        if model is not None:
+            self._set_model(model)
+        names = self.config.free_benchmark.module
+        if names and self._scope is None:
+            raise ConfigError(f"free_benchmark.module: {list(names)!r} needs the model; "
+                              "accepted: FreeBench(..., model=model) or start(model)")
         if not rank_selected(self.config.rank):
             log.debug("free benchmark inactive: rank %d is not in %s", get_rank(),
                       list(self.config.rank))
@@ -98,11 +114,15 @@ class FreeBench:
                    register_optimizer_step_post_hook(self._engine.optimizer_post)]
         try:
             self._compile_guard.install()
+            if self._scope is not None:
+                self._scope.attach()
+                self._engine.modules = self._scope
             mode.__enter__()
         except BaseException:
             self._compile_guard.remove()
             for h in handles:
                 h.remove()
+            self._detach_scope()
             raise
         self._opt_handles = handles
         self._mode = mode
@@ -130,9 +150,8 @@ class FreeBench:
             for h in handles:
                 h.remove()
             watched = len(self._engine.handles)
-            self._engine.remove_hooks()
-            self._engine.in_optimizer = 0
-            self._engine.busy = False
+            self._engine.stopped()
+            self._detach_scope()
         if self._block_start is not None:
             self._report(coverage.block_findings(self.config, self._block_start,
                                                  coverage.counters(self._engine), watched))
@@ -143,6 +162,11 @@ class FreeBench:
         for kind, level, message in findings:
             if self._coverage_once(kind):
                 log.log(level, message)
+
+    def _detach_scope(self) -> None:
+        self._engine.modules = None
+        if self._scope is not None:
+            self._scope.detach()
 
     def step(self) -> None:
         """End of a training step: per-API counters reset, the step number grows by one. A
@@ -205,14 +229,15 @@ class FreeBench:
             else self._sink.path
 
     def _repr_html_(self) -> str:
-        return _results.to_html(self.results, self.summary)
+        return Findings.of(self)._repr_html_()
 
     def __repr__(self) -> str:
         fb = self.config.free_benchmark
         state = "active" if self.active else ("closed" if self._closed else "stopped")
+        where = f"module={list(fb.module)!r}, " if fb.module else ""
         return (f"FreeBench(pert_mode={fb.pert_mode!r}, handler_type={fb.handler_type!r}, "
-                f"fuzz_stage={fb.fuzz_stage!r}, {state}; "
-                f"{_results.summary_line(self.summary)})")
+                f"fuzz_stage={fb.fuzz_stage!r}, {where}{state}; "
+                f"{summary_line(self.summary)})")
 
 
 def open_session(config: Config) -> FreeBench:

@@ -1,0 +1,66 @@
+"""What each perturbation mode means: one registry entry per ``pert_mode`` with its traits.
+
+Torch-free on purpose: ``probekit.config`` takes its accepted ``pert_mode`` values from here
+(``import probekit`` loads no torch). The perturbation functions themselves are registered under
+the same names in ``perturb.py`` (which refuses a name that has no entry here); the metric's
+threshold rule, the fix handler, the backward stage and the config validation read the traits
+below instead of naming modes.
+
+==================  =====  ======  =====  =========  ============
+mode                noise  upcast  exact  swap_back  fuzz_device
+==================  =====  ======  =====  =========  ============
+improve_precision          yes                       npu
+bit_noise           yes                              npu
+add_noise           yes                              npu
+change_value                              yes        npu
+no_change                          yes               npu
+to_cpu                     yes                       cpu
+==================  =====  ======  =====  =========  ============
+
+* ``noise``: moves an input by one ulp, a relative change of up to ``eps`` of the input dtype; the
+  threshold becomes ``max(threshold, NOISE_FACTOR * eps(input dtype))``.
+* ``upcast``: re-runs at a higher precision (or on the CPU in fp32/fp64): autocast is turned off
+  for the re-run, and ``handler_type="fix"`` may swap its result in.
+* ``exact``: re-runs on an exact copy, so any difference is non-determinism: threshold 0.
+* ``swap_back``: reorders elements; outputs (and, in the backward stage, gradients) are swapped
+  back before comparing.
+* ``fuzz_device``: the ``fuzz_device`` the mode needs ("cpu" for to_cpu; the others run where the
+  call ran, msprobe's "npu").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: the noise modes' threshold floor, in units of the input dtype's eps
+NOISE_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    noise: bool = False
+    upcast: bool = False
+    exact: bool = False
+    swap_back: bool = False
+    fuzz_device: str = "npu"
+
+
+MODES: dict[str, Mode] = {}
+
+
+def register(mode: Mode) -> Mode:
+    if mode.name in MODES:
+        raise ValueError(f"pert_mode {mode.name!r} registered twice")
+    MODES[mode.name] = mode
+    return mode
+
+
+for _mode in (Mode("improve_precision", upcast=True), Mode("bit_noise", noise=True),
+              Mode("add_noise", noise=True), Mode("change_value", swap_back=True),
+              Mode("no_change", exact=True), Mode("to_cpu", upcast=True, fuzz_device="cpu")):
+    register(_mode)
+
+#: every pert_mode, in the registry's order (config's accepted values)
+PERT_MODES = tuple(MODES)
+#: the modes ``handler_type="fix"`` accepts (their result can replace the original)
+FIX_PERT_MODES = tuple(name for name, m in MODES.items() if m.upcast)

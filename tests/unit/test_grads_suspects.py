@@ -1,0 +1,91 @@
+"""suspects(): modules owning the first diverging parameters, ranked by earliest flagged step,
+then lowest similarity; the cmp.probekit accessor; names checked against a model."""
+import numpy as np
+import pytest
+import xarray as xr
+from torch import nn
+
+import probekit
+from probekit.grads import suspects
+from probekit.grads.suspects import param_module
+
+PARAMS = ["embed.weight", "h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias", "h.0.mlp.fc.weight",
+          "h.1.attn.c_attn.weight", "scale"]
+NUMEL = [100, 30, 10, 40, 30, 4]
+
+
+def comparison(flagged, ranks=(0,), steps=4):
+    """A compare_grads-shaped Dataset: similarity 1 except ``{(rank, step, param): sim}``,
+    flagged there."""
+    sim = np.ones((len(ranks), steps, len(PARAMS)))
+    flag = np.zeros(sim.shape, bool)
+    for (r, s, p), v in flagged.items():
+        idx = (ranks.index(r), s, PARAMS.index(p))
+        sim[idx], flag[idx] = v, True
+    return xr.Dataset({"similarity": (("rank", "step", "param"), sim),
+                       "flag": (("rank", "step", "param"), flag)},
+                      coords={"rank": list(ranks), "step": np.arange(steps), "param": PARAMS,
+                              "numel": ("param", NUMEL)})
+
+
+FLAGGED = {(0, 2, "h.1.attn.c_attn.weight"): 0.90, (0, 2, "h.0.attn.c_attn.weight"): 0.75,
+           (0, 2, "h.0.attn.c_attn.bias"): 0.875, (0, 3, "h.0.attn.c_attn.bias"): 0.70,
+           (0, 3, "h.0.mlp.fc.weight"): 0.50, (0, 1, "embed.weight"): 0.95}
+
+
+def test_ranked_by_earliest_step_then_lowest_similarity():
+    df = suspects(comparison(FLAGGED))
+    assert list(df.columns) == ["module", "step", "similarity", "params", "rank"]
+    assert df.to_dict("records") == [
+        {"module": "embed", "step": 1, "similarity": 0.95, "params": ("embed.weight",), "rank": 0},
+        # element-weighted over the module's parameters: (0.75 * 30 + 0.875 * 10) / 40
+        {"module": "h.0.attn.c_attn", "step": 2, "similarity": 0.78125,
+         "params": ("h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias"), "rank": 0},
+        {"module": "h.1.attn.c_attn", "step": 2, "similarity": 0.90,
+         "params": ("h.1.attn.c_attn.weight",), "rank": 0},
+        {"module": "h.0.mlp.fc", "step": 3, "similarity": 0.50, "params": ("h.0.mlp.fc.weight",),
+         "rank": 0}]
+    assert list(suspects(comparison(FLAGGED), top=2)["module"]) == ["embed", "h.0.attn.c_attn"]
+    cmp = comparison(FLAGGED)
+    assert cmp.probekit.suspects(top=1)["module"].tolist() == ["embed"]
+
+
+def test_ranks_and_root_parameters_and_nothing_flagged():
+    flagged = {**FLAGGED, (1, 0, "h.0.mlp.fc.weight"): 0.99, (1, 2, "scale"): 0.0}
+    df = suspects(comparison(flagged, ranks=(0, 1)))
+    assert df[["module", "step", "rank"]].values.tolist() == [
+        ["h.0.mlp.fc", 0, 1], ["embed", 1, 0], ["", 2, 1], ["h.0.attn.c_attn", 2, 0],
+        ["h.1.attn.c_attn", 2, 0]]
+    empty = suspects(comparison({}))
+    assert empty.empty and list(empty.columns) == ["module", "step", "similarity", "params",
+                                                   "rank"]
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_attn = nn.Linear(2, 2)
+
+
+def test_names_checked_against_the_model():
+    model = nn.Module()
+    model.h = nn.ModuleList([nn.Module(), nn.Module()])
+    for blk in model.h:
+        blk.attn = Attn()
+    modules = dict(model.named_modules())
+    assert param_module("h.1.attn.c_attn.weight", modules) == "h.1.attn.c_attn"
+    assert param_module("module._orig_mod.h.1.attn.c_attn.weight", modules) == "h.1.attn.c_attn"
+    assert param_module("scale") == "" and param_module("scale", modules) == ""
+    with pytest.raises(ValueError, match=r"parameter 'embed\.weight': its module "
+                       r"'embed' is not in the model"):
+        suspects(comparison(FLAGGED), model=model)
+
+
+def test_on_a_real_comparison(grads_cmp):
+    df = grads_cmp.probekit.suspects()
+    assert df["module"].tolist() == ["encoder.layers.0.self_attn"]
+    assert df.loc[0, "step"] == 4 and df.loc[0, "params"] == (
+        "encoder.layers.0.self_attn.in_proj_weight",)
+    assert df.loc[0, "similarity"] == float(grads_cmp["similarity"].sel(
+        rank=0, step=4, param="encoder.layers.0.self_attn.in_proj_weight"))
+    assert probekit.suspects is suspects
