@@ -2,11 +2,16 @@
 #   make test   - create .venv, install torch (CPU build) + probekit[test], run the whole suite
 #   make demo   - same set-up, then run the main job headless; outputs under demo_out/
 #   make bench  - also create .venv-msprobe (mindstudio-probe 1.0.4) and run the benchmarks
+#   make test also creates .venv-mindspore (MindSpore's CPU wheel, numpy < 2, torch, probekit)
+#   and runs tests/mindspore there
 #   make lab    - open JupyterLab on notebooks/
 
 PYTHON ?= python3
 VENV ?= .venv
 MSPROBE_VENV ?= .venv-msprobe
+MINDSPORE_VENV ?= .venv-mindspore
+# the one tested; its wheel is built against numpy 1.x (hence numpy<2 in probekit[mindspore])
+MINDSPORE ?= mindspore==2.10.0
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
@@ -28,21 +33,33 @@ $(MSPROBE_VENV)/.installed:
 	$(MSPROBE_VENV)/bin/python -m pip --disable-pip-version-check -q install mindstudio-probe==1.0.4
 	touch $@
 
+$(MINDSPORE_VENV)/.installed: pyproject.toml
+	test -x $(MINDSPORE_VENV)/bin/python || $(PYTHON) -m venv $(MINDSPORE_VENV)
+	$(MINDSPORE_VENV)/bin/python -m pip --disable-pip-version-check -q install -U pip
+	$(MINDSPORE_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
+	$(MINDSPORE_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[mindspore]" \
+	  "$(MINDSPORE)" pytest pytest-timeout
+	touch $@
+
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  echo "installing Debian's chromium for the browser tests"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-# the interop tests run the real msprobe 1.0.4 from its own venv; make them fail, not skip, here
-test: $(VENV)/.installed $(MSPROBE_VENV)/.installed chromium
+# the interop tests run the real msprobe 1.0.4 from its own venv, the MindSpore tests run in
+# theirs; make them fail, not skip, here
+test: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed chromium
 	PROBEKIT_REQUIRE_MSPROBE=1 PROBEKIT_MSPROBE_PYTHON=$(CURDIR)/$(MSPROBE_VENV)/bin/python \
-	  $(PY) -m pytest $(PYTEST_ARGS)
+	  $(PY) -m pytest --ignore=tests/mindspore $(PYTEST_ARGS)
+	PROBEKIT_REQUIRE_MINDSPORE=1 $(MINDSPORE_VENV)/bin/python -m pytest tests/mindspore $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
 	$(PY) -m probekit.demo --out demo_out
 
-bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed
+bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed
 	$(PY) benchmarks/run.py --msprobe-python $(MSPROBE_VENV)/bin/python
+	$(MINDSPORE_VENV)/bin/python benchmarks/bench_mindspore.py --out bench_out/mindspore.json \
+	  --results benchmarks/RESULTS.md
 
 # the venv's python3 kernel runs `python` from PATH: put the venv first; MPLBACKEND would turn
 # off inline plots in the kernels

@@ -400,6 +400,29 @@ def config_for(task: str, config: Any = None, /, **options) -> Config:
     return cfg.replace(**options) if options else cfg
 
 
+#: earlier keyword spellings of the grad probes' constructors -> msprobe's key (deprecated)
+OLD_GRAD_KEYWORDS = {"level": "grad_level", "steps": "step", "ranks": "rank"}
+
+
+def grad_probe_options(options: dict, owner: str = "GradProbe") -> dict:
+    """Keyword options of a grad probe (PyTorch's or MindSpore's) with the old spellings renamed
+    (a ``DeprecationWarning`` each) and ``None`` (= "all", as before) dropped."""
+    import warnings
+
+    out = {}
+    for key, value in options.items():
+        new = OLD_GRAD_KEYWORDS.get(key)
+        if new is not None:
+            warnings.warn(f"{owner}({key}=...) is deprecated; use {new}=... (msprobe's config "
+                          f"key)", DeprecationWarning, stacklevel=3)
+            if new in options:
+                raise TypeError(f"{owner}: {key}= and {new}= were both given; use {new}=")
+            key = new
+        if value is not None:
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
 def make_config(task: str | None = None, **options) -> Config:
     """Build a config from keyword arguments.
 

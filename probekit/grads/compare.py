@@ -27,6 +27,19 @@ DROP_THRESHOLD = 0.03
 _BLOCK_BYTES = 8 << 20  # sign bytes of one run per block (two runs' blocks are in memory)
 
 
+_POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], np.uint8)
+
+
+def _popcount_table(words: np.ndarray) -> np.ndarray:
+    """Bits set per element of a uint64 array, for numpy < 2 (no ``np.bitwise_count``); the
+    MindSpore venv needs numpy 1.26 (see docs/mindspore.md)."""
+    w = np.ascontiguousarray(words)
+    return _POPCOUNT8[w.view(np.uint8)].reshape(*w.shape, 8).sum(axis=-1, dtype=np.uint8)
+
+
+_bitwise_count = getattr(np, "bitwise_count", _popcount_table)
+
+
 def _ranges(values) -> str:
     v = np.asarray(values)
     if v.size == 0:
@@ -118,7 +131,7 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
         count_block(s0, wa, wb)
 
     def count_block(s0: int, wa, wb) -> None:
-        bits = np.bitwise_count(np.bitwise_xor(wa, wb, out=wa))
+        bits = _bitwise_count(np.bitwise_xor(wa, wb, out=wa))
         rows = slice(s0, s0 + wa.shape[0])
         if small.size:
             differ[rows, small] = np.add.reduceat(bits[:, small_cols], small_starts, axis=1,

@@ -10,41 +10,19 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 import weakref
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ..config import ConfigError, config_for
+from ..config import ConfigError, config_for, grad_probe_options
 from ..dist import get_rank, rank_selected
 from ..log import Once, ensure_handler, get_logger
 from . import stats as _stats
 from .store import GradWriter
 
 log = get_logger(__name__)
-
-
-#: earlier keyword spellings of GradProbe -> the msprobe config key now used (deprecated)
-_OLD_KEYWORDS = {"level": "grad_level", "steps": "step", "ranks": "rank"}
-
-
-def _options(options: dict) -> dict:
-    """Keyword options with the old spellings renamed (one DeprecationWarning each) and
-    ``None`` (= "all", as before) dropped."""
-    out = {}
-    for key, value in options.items():
-        new = _OLD_KEYWORDS.get(key)
-        if new is not None:
-            warnings.warn(f"GradProbe({key}=...) is deprecated; use {new}=... (msprobe's "
-                          f"config key)", DeprecationWarning, stacklevel=3)
-            if new in options:
-                raise TypeError(f"GradProbe: {key}= and {new}= were both given; use {new}=")
-            key = new
-        if value is not None:
-            out[key] = list(value) if isinstance(value, tuple) else value
-    return out
 
 
 class GradProbe:
@@ -66,7 +44,7 @@ class GradProbe:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
-        self.config = config_for("grad_probe", config, **_options(options))
+        self.config = config_for("grad_probe", config, **grad_probe_options(options))
         self.model = model
         self.optimizer = optimizer
         self.steps_seen = 0

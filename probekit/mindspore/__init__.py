@@ -1,0 +1,34 @@
+"""probekit for MindSpore: the grad probe (msprobe's ``from msprobe.mindspore import
+PrecisionDebugger``) and the comparison of a MindSpore run with a PyTorch run.
+
+``PrecisionDebugger``, ``GradProbe`` and ``GraphModeError`` import MindSpore on first access;
+``align_runs`` and ``compare_frameworks`` work on recorded runs and need no MindSpore.
+Nothing here is imported by ``import probekit``.
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "PrecisionDebugger": "probekit.mindspore.debugger",
+    "GradProbe": "probekit.mindspore.recorder",
+    "GraphModeError": "probekit.mindspore.recorder",
+    "align_runs": "probekit.mindspore.align",
+    "compare_frameworks": "probekit.mindspore.align",
+    "ms_to_torch_name": "probekit.mindspore.align",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'probekit.mindspore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
