@@ -5,7 +5,9 @@ Modules: ``modes`` (what each pert_mode means; torch-free), ``names`` (API namin
 ``intercept`` (the TorchFunctionMode), ``perturb`` (perturbations), ``metric`` (error metric),
 ``handlers`` (thresholds, check/fix), ``preheat`` (sampling rule), ``backward`` (gradient
 checks), ``guards`` (modes off, autocast off), ``results`` (CSV, DataFrame), ``view`` (the
-findings view), ``bench`` (``FreeBench``).
+findings view), ``bench`` (``FreeBench``), ``state`` (calls that write state), ``compiled``
+(torch.compile refused), ``coverage`` (zero coverage reported), ``autocast`` (autocast-aware
+noise and fix), ``cause`` (why a finding: inaccurate / ill-conditioned).
 
 The public names load on first access, so ``probekit.freebench.modes`` can be read without
 importing torch (``probekit.config`` does).
@@ -14,8 +16,9 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"FreeBench": "bench", "open_session": "bench", "COLUMNS": "results"}
-__all__ = ["FreeBench", "open_session", "COLUMNS"]
+_LAZY = {"FreeBench": "bench", "open_session": "bench", "COLUMNS": "results",
+         "CompiledModelError": "compiled"}
+__all__ = ["FreeBench", "open_session", "COLUMNS", "CompiledModelError"]
 
 
 def __getattr__(name: str):

@@ -18,8 +18,11 @@ import torch
 
 from ..config import Config, ConfigError, config_for
 from ..dist import get_rank, rank_selected
-from ..log import ensure_handler, get_logger
+from ..log import Once, ensure_handler, get_logger
+from . import coverage
 from . import results as _results
+from .compiled import MESSAGE as COMPILED_MESSAGE
+from .compiled import CompileGuard, CompiledModelError, is_compiled_module
 from .intercept import Engine, make_mode
 from .modules import ModuleScope
 from .view import Findings, summary_line
@@ -57,7 +60,11 @@ class FreeBench:
         self._engine = Engine(self.config, self._emit, get_rank())
         self._mode = None
         self._opt_handles: list = []
+        self._compile_guard = CompileGuard()
         self._closed = False
+        self._coverage_once = Once()
+        self._step_start = coverage.counters(self._engine)
+        self._block_start = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -80,9 +87,12 @@ class FreeBench:
     def start(self, model=None) -> None:
         """Begin intercepting torch calls on this thread. With ``module`` set, only calls made
         inside those modules of ``model`` (here or ``FreeBench(model=...)``) are checked; without
-        it ``model`` is unused: every API call is seen, inside or outside a model."""
+        it ``model`` is unused: every API call is seen, inside or outside a model. A ``torch.compile``'d model is refused
+        (``CompiledModelError``): probe the uncompiled module."""
         if self._closed:
             raise RuntimeError("this FreeBench was closed")
+        if model is not None and is_compiled_module(model):
+            raise CompiledModelError(COMPILED_MESSAGE)
         if self._mode is not None:
             return
         if model is not None:
@@ -106,17 +116,20 @@ class FreeBench:
         handles = [register_optimizer_step_pre_hook(self._engine.optimizer_pre),
                    register_optimizer_step_post_hook(self._engine.optimizer_post)]
         try:
+            self._compile_guard.install()
             if self._scope is not None:
                 self._scope.attach()
                 self._engine.modules = self._scope
             mode.__enter__()
         except BaseException:
+            self._compile_guard.remove()
             for h in handles:
                 h.remove()
             self._detach_scope()
             raise
         self._opt_handles = handles
         self._mode = mode
+        self._block_start = coverage.counters(self._engine)
         if self.config.free_benchmark.handler_type == "fix" and \
                 self.config.free_benchmark.fuzz_stage == "backward":
             log.info("Free benchmark: fix applies to the forward call; the gradients of a fixed "
@@ -137,12 +150,24 @@ class FreeBench:
         finally:
             if self._engine.budget is not None:
                 self._engine.budget.stopped()
+            self._compile_guard.remove()
             handles, self._opt_handles = self._opt_handles, []
             for h in handles:
                 h.remove()
+            watched = len(self._engine.handles)
             self._engine.stopped()
             self._detach_scope()
             self._gather()
+        if self._block_start is not None:
+            self._report(coverage.block_findings(self.config, self._block_start,
+                                                 coverage.counters(self._engine), watched))
+            self._block_start = None
+
+    def _report(self, findings) -> None:
+        """Log each coverage finding once per session (kind: rank, step, scope, backward...)."""
+        for kind, level, message in findings:
+            if self._coverage_once(kind):
+                log.log(level, message)
 
     def _detach_scope(self) -> None:
         self._engine.modules = None
@@ -165,9 +190,17 @@ class FreeBench:
 
     def step(self) -> None:
         """End of a training step: pending verdicts gathered, per-API counters reset, the step
-        number grows by one."""
+        number grows by one. A filter or stage that left the step with nothing checked is
+        reported once (WARNING)."""
         self._gather()
-        self._engine.next_step()
+        e = self._engine
+        try:
+            now = coverage.counters(e)
+            self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
+                                                rank_selected(self.config.rank)))
+        finally:
+            e.next_step()
+            self._step_start = coverage.counters(e)
 
     def monitor(self, model, optimizer=None) -> None:
         log.warning("monitor() belongs to the grad probe; the free benchmark sees every API call "
@@ -203,7 +236,10 @@ class FreeBench:
     @property
     def summary(self) -> dict:
         self._gather()
-        return self._engine.summary()
+        s = self._engine.summary()
+        if self._compile_guard.refused:
+            s["compiled_refused"] = self._compile_guard.refused
+        return s
 
     @property
     def coverage(self):

@@ -42,7 +42,7 @@ def report(args) -> int:
              .sort_values(["count", "max"], ascending=False))
     print("\nper API (count, largest max_rel):")
     print(tally.to_string())
-    cols = [c for c in ("step", "api_name", "kind", "max_rel", "ratio", "dtype", "shape",
+    cols = [c for c in ("step", "api_name", "kind", "cause", "max_rel", "ratio", "dtype", "shape",
                         "output_index", "call_site") if c in df.columns]
     print(f"\nworst {min(args.top, len(df))}:")
     print(ranked[cols].head(args.top).to_string(index=False))

@@ -72,10 +72,22 @@ class Verdicts:
     def drop(self) -> None:
         self.pending.clear()
 
+    def judge_now(self, entry: Pending):
+        """The ``Stats`` of one exact check read back at once (one device-to-host read), for a
+        call that is explained while its inputs exist; None when inconclusive."""
+        self.exact_done.add(entry.site)
+        self.recheck.discard(entry.site)
+        done = self._read([entry])
+        return done[0][1] if done else None
+
     def gather(self):
         """[(entry, [Stats per output])] of the conclusive pending entries; one device-to-host
         read per device holding pending values (``syncs`` counts them)."""
         entries, self.pending = self.pending, []
+        self.flagged_sites = set()
+        return self._read(entries)
+
+    def _read(self, entries):
         if not entries:
             return []
         by_device: dict = {}
@@ -89,7 +101,6 @@ class Verdicts:
             read[device] = iter(torch.stack(tensors).tolist())
             self.syncs += 1
         out = []
-        self.flagged_sites = set()
         for e in entries:
             stats = []
             ok = True

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
-from . import blocks, handlers, perturb
+from . import autocast, blocks, cause, handlers, perturb, state
 from .backward import watch
 from .budget import Budget, Coverage
 from .deferred import OutMeta, Pending, Verdicts
@@ -102,6 +102,7 @@ class Engine:
         self.fix = fb.handler_type == "fix"
         self.mode = MODES[fb.pert_mode]
         self.upcast_mode = self.mode.upcast
+        self.noise_mode = self.mode.noise
         classifier = Classifier()
         self.classify = classifier
         self.cache = classifier.cache
@@ -137,6 +138,8 @@ class Engine:
         self.budget = Budget(fb.budget) if fb.budget is not None else None
         self.coverage = Coverage()
         self._thresholds: dict = {}           # (output dtype, input dtype) -> threshold
+        self.site_causes: dict = {}           # call site -> {output_index: cause}
+        self._uncaused: dict = {}             # call site -> its rows still without a cause
 
     # -- filters -------------------------------------------------------------------------------
     @staticmethod
@@ -256,6 +259,10 @@ class Engine:
             return self._skip(decision, key, name, func, args, kwargs)
         leaves, spec = decision
         call = perturb.Call(info, args, kwargs, self.fb.fuzz_device)
+        if info.rule is not None:
+            stateful = self._stateful(call, key, name, func, leaves)
+            if stateful is not None:
+                return stateful
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
         self.coverage.seen(f"{key}.{n}")
@@ -264,6 +271,28 @@ class Engine:
         if self.stage == "backward":
             return watch(self, call, key, n, name, func, leaves, spec, frame)
         return self._check_forward(call, key, n, name, func, leaves, spec, frame)
+
+    def _stateful(self, call, key, name, func, leaves):
+        """For a call that writes state: snapshot it (check), or skip it (fix; backward of an
+        in-place call). Returns the call's output when skipped, else None."""
+        try:
+            with modes_off():
+                call.state = state.written(call.info, call.args, call.kwargs, leaves)
+                if not call.state:
+                    return None
+                reason = None
+                if self.fix:  # fix would drop the state update into an upcast copy
+                    reason = "inplace" if state.writes_self(call.info) else "side_effect"
+                elif self.stage == "backward" and state.writes_self(call.info):
+                    reason = "inplace"
+                if reason is None:
+                    call.snap = state.snapshot(leaves, call.state)
+        except Exception as exc:
+            self.failed(key, name, exc)
+            return func(*call.args, **call.kwargs)
+        if reason is not None:
+            return self._skip(reason, key, name, func, call.args, call.kwargs)
+        return None
 
     def _decide(self, info, key, n, name, args, kwargs):
         """A skip reason, or the call's flattened arguments when it is to be checked."""
@@ -316,6 +345,10 @@ class Engine:
         if not outs:
             self.note_skip("no_float_output", key, name)
             return
+        leaves = state.restore(leaves, call.snap)
+        if self.noise_mode:
+            leaves = autocast.noise_leaves(leaves, outs)
+        base = leaves  # the inputs as the op computed with them (autocast casts included)
         rows = blocks.row_blocks(self.mode_name, call.info, leaves, outs)
         if rows is not None:
             return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs, rows)
@@ -327,8 +360,12 @@ class Engine:
             raise RuntimeError("the perturbed call returned outputs of another structure")
         if pert.post is not None:
             p_outs = [(i, pert.post(t)) for i, t in p_outs]
+
+        def explain(flagged):  # only for flagged calls: float64 re-runs
+            return cause.analyse(func, lambda: state.restore(base, call.snap), spec, flagged)
+
         self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
-                   [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)])
+                   [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain)
 
     def current_module(self) -> str:
         """The innermost running named module under module scope ("" without module scope)."""
@@ -351,30 +388,52 @@ class Engine:
             parts.append(device_stats(o.narrow(0, start, length), p, f, exact))
             del pert, p  # free this block's re-run before the next one
         self.applied(key, name)
+        self.site_causes.setdefault((self.stage, key, n), {})   # no cause analysis in blocks
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
-                   values=[blocks.combine(parts, exact)], exact=exact)
+                   values=[blocks.combine(parts, exact)], exact=exact, floors=[f])
 
     def defer(self, key, n, name, stage, step, frame_or_site, in_dtype, triples, values=None,
-              exact=None, module=None) -> None:
+              exact=None, module=None, explain=None, floors=None, originals=None) -> None:
         """Compare ``(output_index, original, perturbed)`` on the device; the verdict is read
-        back at the next gather (``gather``), nothing here waits for the device. ``values``:
-        comparisons already made (blocked re-runs), one per triple. ``module``: the innermost
-        scoped module of the call (default: the one running now)."""
+        back at the next gather (``gather``), nothing here waits for the device.
+
+        ``values``: comparisons already made (blocked re-runs), one per triple. ``module``: the
+        innermost scoped module of the call (default: the one running now). ``floors`` and
+        ``originals``: the metric's floor and the tensor a row describes (dtype, shape; what
+        ``explain`` is given), per triple, when the compared tensors are not the original ones
+        (the backward stage compares gradients scaled to unit size). ``explain``: the call's cause analysis (``cause.py``); it needs the
+        call's inputs, so a check that can be explained — a call site's exact checks: its first,
+        and the next one after it was flagged with no cause known — is judged at once (one
+        read-back) and explained while the inputs exist; every other check waits for the
+        gather and takes the cause already found for its site."""
         site = (stage, key, n)
         if exact is None:
             exact = self.verdicts.want_exact(site)
-        outputs = []
+        if floors is None:
+            floors = [floor_for(o.dtype) for _, o, _ in triples]
+        if originals is None:
+            originals = [o for _, o, _ in triples]
         if values is None:
-            values = [device_stats(o, p, floor_for(o.dtype), exact) for _, o, p in triples]
-        for i, o, _ in triples:
-            outputs.append((i, o.dtype, tuple(o.shape), floor_for(o.dtype)))
+            values = [device_stats(o, p, f, exact) for (_, o, p), f in zip(triples, floors)]
+        outputs = [(i, o.dtype, tuple(o.shape), f) for (i, _, _), o, f in
+                   zip(triples, originals, floors)]
         if not isinstance(frame_or_site, str):
             frame_or_site = call_site(frame_or_site)
         self.checked += 1
         self.coverage.check(f"{key}.{n}")
         module = self.current_module() if module is None else module
-        self.verdicts.add(Pending(site, key, name, stage, step, frame_or_site, in_dtype, outputs,
-                                  values, module), exact)
+        entry = Pending(site, key, name, stage, step, frame_or_site, in_dtype, outputs, values,
+                        module)
+        if not (exact and explain is not None and not self.mode.exact):
+            self.verdicts.add(entry, exact)
+            return
+        with torch.no_grad():
+            stats = self.verdicts.judge_now(entry)
+        if stats is not None:
+            items = [(i, o, st) for (i, _, _), o, st in zip(triples, originals, stats)]
+            if self.record(key, name, items, in_dtype, frame_or_site, stage=stage, step=step,
+                           module=module, explain=explain, site=site):
+                self.verdicts.flagged_sites.add(site)
 
     def gather(self) -> None:
         """Read back every pending verdict (one transfer per device) and record the findings."""
@@ -384,18 +443,20 @@ class Engine:
         for e, stats in done:
             items = [(i, OutMeta(dt, shape), st) for (i, dt, shape, _), st in zip(e.outputs, stats)]
             if self.record(e.key, e.name, items, e.in_dtype, e.call_site, stage=e.stage,
-                           step=e.step, out=rows, module=e.module):
+                           step=e.step, out=rows, module=e.module, site=e.site):
                 self.verdicts.flagged_sites.add(e.site)
         if rows:
             self.emit(rows)  # one CSV append per gather
 
     def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None,
-               out=None, module=None) -> bool:
+               out=None, module=None, explain=None, site=None) -> bool:
         """Judge ``(output_index, original_tensor_or_OutMeta, Stats)`` items; emit rows for the
-        findings (or append them to ``out``); True when there were any."""
+        findings (or append them to ``out``); True when there were any. ``explain(flagged)`` ->
+        ``{output_index: cause}`` is asked only when a row is emitted (``_causes``)."""
         step = self.step if step is None else step
         module = self.current_module() if module is None else module
         rows = []
+        flagged = []
         worst = 0.0
         for index, o, st in items:
             tkey = (o.dtype, in_dtype)
@@ -407,6 +468,7 @@ class Engine:
             kind = handlers.judge(st, thr)
             if kind is None:
                 continue
+            flagged.append((index, o, thr))
             if not isinstance(frame_or_site, str):
                 frame_or_site = call_site(frame_or_site)
             rows.append({
@@ -416,16 +478,49 @@ class Engine:
                 "kind": kind, "max_abs": float(st.max_abs), "threshold": float(thr),
                 "ratio": float(handlers.ratio(st.max_rel, thr)), "call_site": frame_or_site,
                 "module": module,
+                "cause": "",
             })
         if self.preheat is not None and self.preheat.in_preheat(step):
             self.preheat.record(key, worst if not math.isnan(worst) else math.inf)
         if rows:
+            self._causes(rows, flagged, explain, name, site)
             self.flagged += len(rows)
             if out is None:
                 self.emit(rows)
             else:
                 out.extend(rows)
         return bool(rows)
+
+    def _causes(self, rows, flagged, explain, name, site=None) -> None:
+        """Fill the ``cause`` of each row (see ``cause.py``); "" when it cannot be worked out.
+
+        Without ``explain`` (a deferred verdict: the inputs are gone) a row takes the cause
+        found for its call site; a site flagged with no cause known is compared exactly, and so
+        explained, the next time it runs, and its earlier rows get that cause in ``results``
+        (the CSV keeps the rows as they were written)."""
+        if self.mode.exact:
+            causes = {i: cause.NONDETERMINISTIC for i, _, _ in flagged}
+        elif explain is not None:
+            try:
+                causes = explain(flagged)
+            except Exception as exc:  # the finding stands; only its cause is unknown
+                if self.once(("cause", name.rsplit(".", 2)[0])):
+                    log.info("Free benchmark: no cause for %s (%s: %s).", name,
+                             type(exc).__name__, exc)
+                causes = {}
+            if site is not None:
+                self.site_causes[site] = causes
+                for row in self._uncaused.pop(site, ()):
+                    row["cause"] = causes.get(row["output_index"], "")
+        else:
+            causes = self.site_causes.get(site) if site is not None else None
+            if causes is None:
+                if site is not None:
+                    self.verdicts.recheck.add(site)      # explained at its next run
+                    self._uncaused.setdefault(site, []).extend(rows)
+                return
+        for row in rows:
+            row["cause"] = causes.get(row["output_index"], "")
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):
@@ -439,6 +534,8 @@ class Engine:
                     p_out = func(*pert.args, **pert.kwargs)
                 floats = [x for x in leaves if perturb.is_float(x)]
                 back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
+                # under autocast the caller sees the op's autocast dtype (bf16 linear...)
+                back = autocast.fix_dtype(func, call.args, call.kwargs, leaves) or back
                 out = handlers.cast_back(p_out, pert.in_dtype, back, floats[0].device)
             self.checked += 1
             return out

@@ -8,8 +8,17 @@ Python operators reach the mode as the plain method (``x + y`` arrives as ``Tens
 
 Reasons a call is never re-run (the keys of ``FreeBench.summary["skipped"]``):
 view, copy, conversion, creation, metadata, inplace, random, collective, autograd, private,
-side_effect, other. Dynamic ones (``inplace=True``, ``out=``, dropout_p > 0, batch-norm in training,
-``embedding(max_norm=...)``) are decided per call by ``dynamic_skip``.
+side_effect, other. Dynamic ones (``inplace=True``, ``out=``, dropout_p > 0) are decided per call
+by ``dynamic_skip``.
+
+Some APIs are classified by what they compute with their actual arguments (``ARG_RULES``):
+``index_put(accumulate=True)``, ``scatter(reduce="add")``, ``scatter_reduce("sum")``,
+``embedding_bag(mode="sum")`` sum and are checked, while the same APIs that only move data
+(``accumulate=False``, ``reduce="amax"``...) are exact copies. Their in-place forms
+(``index_put_``, ``index_add_``, ``put_``...) and calls that also write a buffer (batch norm in
+training updates running statistics, ``embedding(max_norm=...)`` renormalises the weight) are
+checked too: ``state_positions`` names the tensors such a call writes, and the engine re-runs it
+on clones of them taken before the real call, so live state is never written twice.
 """
 from __future__ import annotations
 
@@ -56,7 +65,7 @@ clone cat concat concatenate stack hstack vstack dstack column_stack row_stack f
 roll rot90 repeat tile repeat_interleave index_select gather take take_along_dim masked_select
 tril triu diag diag_embed diagflat block_diag narrow_copy select_scatter slice_scatter
 diagonal_scatter as_strided_scatter pad constant_pad_nd zero_pad2d embedding one_hot
-where masked_fill masked_scatter scatter index_fill index_copy index_put sort msort topk kthvalue
+where masked_fill masked_scatter index_fill index_copy sort msort topk kthvalue
 __deepcopy__ __reduce_ex__ __setstate__ __getstate__ data_ptr
 """.split())
 CONVERSION = frozenset("""
@@ -107,10 +116,11 @@ REDUCTIONS = {"sum": 1, "mean": 1, "nansum": 1, "nanmean": 1, "amax": 1, "amin":
 class ApiInfo:
     """What one torch callable is. ``skip`` is a key of ``REASONS`` or None (may be checked)."""
 
-    __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos")
+    __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos", "rule")
 
     def __init__(self, prefix: str, name: str, skip: str | None = None,
-                 operators: dict | None = None, inplace_pos: int | None = None) -> None:
+                 operators: dict | None = None, inplace_pos: int | None = None,
+                 rule=None) -> None:
         self.prefix = prefix            # Torch | Tensor | Functional | Other
         self.name = name                # API name as the user spells it (matmul, __add__)
         self.key = f"{prefix}.{name}"   # msprobe's name without counter and stage
@@ -119,6 +129,8 @@ class ApiInfo:
         self.operators = operators or {}
         #: positional index of an ``inplace`` parameter (Python functionals), or None
         self.inplace_pos = inplace_pos
+        #: ``ARG_RULES`` entry: decided per call from the actual arguments (None: static only)
+        self.rule = rule
 
     def __repr__(self) -> str:
         return f"ApiInfo({self.key!r}, skip={self.skip!r})"
@@ -212,10 +224,12 @@ def classify(func) -> ApiInfo:
     if name in ("__get__", "__set__", "__delete__"):
         return PROPERTY
     prefix, skip = _prefix(func)
+    rule = None
     if skip is None:
-        skip = static_skip(name)
+        rule = ARG_RULES.get(name)
+        skip = None if rule is not None else static_skip(name)
     inplace_pos = _inplace_position(func) if prefix == "Functional" else None
-    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos)
+    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos, rule)
 
 
 def static_skip(name: str) -> str | None:
@@ -326,11 +340,107 @@ def dynamic_skip(info: ApiInfo, args: tuple, kwargs: dict) -> str | None:
     elif name == "multi_head_attention_forward":
         if _arg(args, kwargs, 13, "dropout_p", 0.0) and _arg(args, kwargs, 19, "training", True):
             return "random"
-    elif name == "batch_norm":
-        # F.batch_norm(input, running_mean, running_var, weight, bias, training, ...)
-        # torch.batch_norm(input, weight, bias, running_mean, running_var, training, ...)
-        if _arg(args, kwargs, 5, "training", False):
-            return "side_effect"
-    elif name == "instance_norm":
-        return "side_effect"
+    if info.rule is not None:
+        return info.rule(info, args, kwargs)[0]
     return None
+
+
+def state_positions(info: ApiInfo, args: tuple, kwargs: dict) -> tuple:
+    """The tensors this call writes in place (``self`` of ``index_put_``, the running statistics of
+    a training batch norm, the weight of ``embedding(max_norm=...)``), to be cloned for re-runs."""
+    if info.rule is None:
+        return ()
+    return tuple(t for t in info.rule(info, args, kwargs)[1] if isinstance(t, torch.Tensor))
+
+
+# -- classification by actual arguments -----------------------------------------------------------
+# Each rule returns (skip reason or None, tensors the call writes in place).
+def _inplace_self(info: ApiInfo, args: tuple) -> tuple:
+    return (args[0],) if info.name.endswith("_") and args else ()
+
+
+def _always_sums(info, args, kwargs):
+    """index_add, scatter_add: the source is summed into the destination."""
+    return None, _inplace_self(info, args)
+
+
+def _accumulate_flag(pos: int):
+    """index_put / put: a sum with ``accumulate=True``, an exact copy otherwise."""
+    def rule(info, args, kwargs):
+        if not _arg(args, kwargs, pos, "accumulate", False):
+            return ("inplace" if info.name.endswith("_") else "copy"), ()
+        return None, _inplace_self(info, args)
+    return rule
+
+
+#: reductions that select one of the values (exact) rather than combine them
+_EXACT_REDUCE = frozenset({"amax", "amin", "max", "min"})
+
+
+def _reduce_arg(pos: int):
+    """scatter(reduce=...), scatter_reduce, index_reduce: exact for amax/amin and plain scatter."""
+    def rule(info, args, kwargs):
+        reduce = _arg(args, kwargs, pos, "reduce", None)
+        if reduce is None or reduce in _EXACT_REDUCE:
+            return ("inplace" if info.name.endswith("_") else "copy"), ()
+        return None, _inplace_self(info, args)
+    return rule
+
+
+def _embedding(info, args, kwargs):
+    """F.embedding: a lookup (exact) unless ``max_norm`` renormalises the weight in place."""
+    if info.prefix != "Functional" or _arg(args, kwargs, 3, "max_norm", None) is None:
+        return "copy", ()
+    return None, (_arg(args, kwargs, 1, "weight"),)
+
+
+def _embedding_bag(info, args, kwargs):
+    """embedding_bag: sum/mean bags are sums; max bags are exact unless weighted/renormalised."""
+    if info.prefix == "Functional":
+        mode = _arg(args, kwargs, 6, "mode", "mean")
+        max_norm = _arg(args, kwargs, 3, "max_norm", None)
+        weighted = _arg(args, kwargs, 8, "per_sample_weights", None) is not None
+        state = (_arg(args, kwargs, 1, "weight"),) if max_norm is not None else ()
+    else:  # torch.embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode: 0/1/2, ...)
+        mode = {0: "sum", 1: "mean", 2: "max"}.get(_arg(args, kwargs, 4, "mode", 0))
+        max_norm, weighted, state = None, _arg(args, kwargs, 6, "per_sample_weights") is not None, ()
+    if mode == "max" and max_norm is None and not weighted:
+        return "copy", ()
+    return None, state
+
+
+def _batch_norm(info, args, kwargs):
+    """Training batch norm normalises with batch statistics and updates the running ones."""
+    if not _arg(args, kwargs, 5, "training", False):
+        return None, ()
+    if info.prefix == "Functional":   # F.batch_norm(input, running_mean, running_var, ...)
+        return None, (_arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var"))
+    # torch.batch_norm(input, weight, bias, running_mean, running_var, training, ...)
+    return None, (_arg(args, kwargs, 3, "running_mean"), _arg(args, kwargs, 4, "running_var"))
+
+
+def _instance_norm(info, args, kwargs):
+    """instance_norm with running statistics and use_input_stats updates them."""
+    if info.prefix == "Functional":   # F.instance_norm(input, running_mean, running_var, w, b, use)
+        if not _arg(args, kwargs, 5, "use_input_stats", True):
+            return None, ()
+        return None, (_arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var"))
+    # torch.instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, ...)
+    if not _arg(args, kwargs, 5, "use_input_stats", True):
+        return None, ()
+    return None, (_arg(args, kwargs, 3, "running_mean"), _arg(args, kwargs, 4, "running_var"))
+
+
+#: API name -> rule(info, args, kwargs) -> (skip reason or None, tensors written in place)
+ARG_RULES = {
+    "index_add": _always_sums, "index_add_": _always_sums,
+    "scatter_add": _always_sums, "scatter_add_": _always_sums,
+    "index_put": _accumulate_flag(3), "index_put_": _accumulate_flag(3),
+    "put": _accumulate_flag(3), "put_": _accumulate_flag(3),
+    "scatter": _reduce_arg(4), "scatter_": _reduce_arg(4),
+    "scatter_reduce": _reduce_arg(4),
+    "scatter_reduce_": _reduce_arg(4),
+    "index_reduce": _reduce_arg(4), "index_reduce_": _reduce_arg(4),
+    "embedding": _embedding, "embedding_bag": _embedding_bag,
+    "batch_norm": _batch_norm, "instance_norm": _instance_norm,
+}

@@ -180,6 +180,10 @@ class Call:
     args: tuple
     kwargs: dict
     fuzz_device: str = "npu"
+    #: indices of the leaves the call writes in place (``state.written``) and their clones
+    #: taken before the real call (re-runs use fresh copies of these instead)
+    state: tuple = ()
+    snap: dict | None = None
 
 
 @dataclass

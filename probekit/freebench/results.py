@@ -4,7 +4,8 @@
 The first nine columns are msprobe's ``free_benchmark.csv`` columns, in its order; probekit adds
 ``kind`` (nan_inf, sign_flip, rel_error, abs_error), ``max_abs``, ``threshold``, ``ratio``
 (``max_rel / threshold``; inf when the threshold is 0, as for no_change), ``call_site`` and
-``module`` (the innermost named module running at the call under module scope, else "").
+``module`` (the innermost named module running at the call under module scope, else "") and
+``cause`` (ill-conditioned, inaccurate, unconfirmed, nondeterministic; see ``cause.py``).
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ log = get_logger(__name__)
 
 MSPROBE_COLUMNS = ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape",
                    "output_index")
-COLUMNS = MSPROBE_COLUMNS + ("kind", "max_abs", "threshold", "ratio", "call_site", "module")
+COLUMNS = MSPROBE_COLUMNS + ("kind", "max_abs", "threshold", "ratio", "call_site", "module", "cause")
 DTYPES = {"rank": "int64", "pert_mode": "object", "stage": "object", "step": "int64",
           "api_name": "object", "max_rel": "float64", "dtype": "object", "shape": "object",
           "output_index": "int64", "kind": "object", "max_abs": "float64", "threshold": "float64",
-          "ratio": "float64", "call_site": "object", "module": "object"}
+          "ratio": "float64", "call_site": "object", "module": "object",
+          "cause": "object"}
 #: severity order of the kinds (lower first), then by ratio
 KIND_ORDER = {"nan_inf": 0, "sign_flip": 1, "rel_error": 2, "abs_error": 2}
 CSV_NAME = "free_benchmark.csv"
@@ -82,7 +84,7 @@ class CsvSink:
     def write(self, rows: list[dict]) -> None:
         if not rows:
             return
-        data = "".join(_line([_cell(r[c]) for c in COLUMNS]) for r in rows).encode("utf-8")
+        data = "".join(_line([_cell(r.get(c, "")) for c in COLUMNS]) for r in rows).encode("utf-8")
         fd = os.open(self.open(), os.O_WRONLY | os.O_APPEND)
         try:
             view = memoryview(data)

@@ -11,7 +11,8 @@ import math
 from .results import KIND_ORDER, by_severity
 
 #: columns shown, in order: (header, column of ``merged_findings``)
-COLUMNS = (("API", "api_name"), ("steps", "steps"), ("kind", "kind"), ("max_rel", "max_rel"),
+COLUMNS = (("API", "api_name"), ("steps", "steps"), ("kind", "kind"), ("cause", "cause"),
+           ("max_rel", "max_rel"),
            ("threshold", "threshold"), ("× threshold", "ratio"), ("dtype", "dtype"),
            ("shape", "shape"), ("output", "output_index"), ("call site", "call_site"),
            ("module", "module"))
@@ -202,6 +203,11 @@ class Findings:
             cols = [(h, c) for h, c in cols if c != "module"]   # no module scope
         return cols
 
+    @staticmethod
+    def _cause(row) -> str:
+        cause = _fmt("cause", row.get("cause"))
+        return f" ({cause})" if cause else ""
+
     def _cell(self, column: str, value) -> str:
         if column == "call_site":
             return self.site(value)
@@ -217,7 +223,8 @@ class Findings:
                  f"{summary_line(self.summary, len(self.results))}"]
         for i, (_, row) in enumerate(calls.head(self.top).iterrows(), 1):
             lines.append(f"{i:>3}. {row['api_name']} (steps {_fmt('steps', row['steps'])}) "
-                         f"{row['kind']} max_rel={_fmt('max_rel', row['max_rel'])} "
+                         f"{row['kind']}{self._cause(row)} "
+                         f"max_rel={_fmt('max_rel', row['max_rel'])} "
                          f"threshold={_fmt('threshold', row['threshold'])} "
                          f"{_fmt('dtype', row['dtype'])} {row['shape']} "
                          f"{self._cell('call_site', row['call_site'])}")

@@ -332,6 +332,18 @@ def test_findings_table_merges_steps_and_names_cells():
     assert "… 1 more API call in fb.results" in Findings(df, summary, top=1, name="fb")._repr_html_()
 
 
+def test_findings_table_shows_the_cause(tmp_path):
+    from probekit.freebench import FreeBench
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        torch.add(torch.tensor([1e4 + 0.01]), torch.tensor([-1e4]))   # fp32 cancellation
+    view = Findings.of(fb, cells={})
+    page = view._repr_html_()
+    assert ">cause<" in page and ">ill-conditioned<" in page
+    assert "rel_error (ill-conditioned)" in repr(view)
+
+
 MODEL = """
 from torch import nn
 class Energy(nn.Module):

@@ -22,7 +22,8 @@ EXPECT = {
         r"Grad probe: runs diverge first at step 4, parameter '1\.weight'"]),
     "02_free_benchmark.ipynb": (6, 2, [
         r"Free benchmark \(bit_noise, check, forward\): [1-9]\d* findings in \d+ API calls.* 3 steps",
-        r"Free benchmark \(bit_noise, check, backward\): [1-9].*no_grad",
+        # backward severities are relative to the gradient's scale: healthy fp32 layers, none
+        r"Free benchmark \(bit_noise, check, backward\): no findings.*no_grad",
         r"out_of_scope", r"'preheat': [1-9]",
         r"Free benchmark \(improve_precision, check, forward\): 1 finding in 1 API call",
         r"Functional\.mse_loss\.0\.forward.{0,1000}nan_inf"]),

@@ -20,15 +20,19 @@ def test_one_read_back_per_step_and_rows_only_at_the_gather(tmp_path):
             for _ in range(5):
                 torch.exp(x)
             a + b
-            assert fb._engine.flagged == step        # nothing read back inside the step
-            assert len(fb._engine.verdicts.pending) == 6
+            if step == 0:   # a site's first check is judged at once, so a finding is explained
+                assert fb._engine.flagged == 1 and not fb._engine.verdicts.pending
+            else:           # later checks: nothing read back inside the step
+                assert fb._engine.flagged == step and len(fb._engine.verdicts.pending) == 6
         fb.step()
-        assert fb._engine.verdicts.syncs == step + 1  # one read-back for the 6 checked calls
+        # step 0: one read-back per call site (6); then one per step for its 6 checked calls
+        assert fb._engine.verdicts.syncs == 6 + step
     df = fb.results
     assert df["api_name"].tolist() == ["Tensor.__add__.0.forward"] * 3
     assert df["step"].tolist() == [0, 1, 2]
+    assert df["cause"].tolist() == ["ill-conditioned"] * 3   # found at step 0, kept for the site
     assert df["call_site"].str.startswith("test_freebench_deferred.py:").all()
-    assert fb.summary["checked"] == 18 and fb._engine.verdicts.syncs == 3
+    assert fb.summary["checked"] == 18 and fb._engine.verdicts.syncs == 8
 
 
 def test_first_check_of_a_site_is_exact_then_fast():
@@ -67,11 +71,16 @@ def test_inconclusive_fast_verdict_is_rechecked_exactly_at_the_sites_next_run(tm
 def test_backward_stage_is_deferred_too(tmp_path):
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision", fuzz_stage="backward")
     x = torch.linspace(-3, 3, 64, dtype=torch.bfloat16).requires_grad_(True)
+    with fb:                                              # first checks: judged at once
+        torch.nn.functional.layer_norm(x, (64,)).pow(3).sum().backward()
+    sites = len(fb._engine.verdicts.exact_done)
+    assert sites >= 1 and fb._engine.verdicts.syncs == sites
+    assert fb.summary["checked"] == sites
+    fb.step()
     with fb:
         torch.nn.functional.layer_norm(x, (64,)).pow(3).sum().backward()
-        assert len(fb._engine.verdicts.pending) >= 1 and fb._engine.verdicts.syncs == 0
-    assert fb._engine.verdicts.syncs == 1                 # read back at stop()
-    assert fb.summary["checked"] == len(fb._engine.verdicts.exact_done)
+        assert len(fb._engine.verdicts.pending) == sites and fb._engine.verdicts.syncs == sites
+    assert fb._engine.verdicts.syncs == sites + 1         # read back at stop()
 
 
 # -- budget -----------------------------------------------------------------------------------
@@ -149,9 +158,30 @@ def test_blocked_rerun_gives_the_whole_tensors_verdict(tmp_path, monkeypatch):
         return fb.results.drop(columns=["call_site"])
 
     whole, blocked = run(1 << 20), run(500)      # 500 elements: blocks of 10 rows
-    assert len(whole) == 2 and whole.equals(blocked)   # same rows, same numbers
+    # same rows, same numbers; a blocked call is not explained (its float64 re-runs would need
+    # the whole input at once)
+    assert len(whole) == 2 and (blocked["cause"] == "").all()
+    assert whole.drop(columns=["cause"]).equals(blocked.drop(columns=["cause"]))
     gelu = Classifier()(torch.nn.functional.gelu)
     assert blocks.row_blocks("bit_noise", gelu, [x], [(0, x)]) == \
         [(s, min(10, 64 - s)) for s in range(0, 64, 10)]
     assert blocks.row_blocks("change_value", gelu, [x], [(0, x)]) is None
     assert blocks.row_blocks("bit_noise", Classifier()(torch.matmul), [x, x], [(0, x)]) is None
+
+
+def test_a_site_flagged_later_is_explained_at_its_next_run(tmp_path):
+    import pandas as pd
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    values = [(2.0, 3.0), (1e4 + 0.01, -1e4), (1e4 + 0.01, -1e4)]   # cancellation from step 1
+    for a, b in values:
+        with fb:
+            torch.tensor([a]) + torch.tensor([b])
+        fb.step()
+    df = fb.results
+    # step 1: a fast (deferred) verdict, no inputs left to explain it; step 2: the site's next
+    # run is compared exactly and explained at once, and step 1's row takes that cause
+    assert df["step"].tolist() == [1, 2]
+    assert df["cause"].tolist() == ["ill-conditioned", "ill-conditioned"]
+    on_disk = pd.read_csv(fb.csv_path, keep_default_na=False)
+    assert on_disk["cause"].tolist() == ["", "ill-conditioned"]   # the CSV keeps what was written

@@ -132,7 +132,8 @@ def test_call_and_check_counts(fb):
     (lambda x: torch.zeros_like(x), "creation"),
     (lambda x: x.new_zeros(3), "creation"),
     (lambda x: torch._foreach_add([x], 1), "private"),
-    (lambda x: F.batch_norm(x, torch.zeros(8), torch.ones(8), training=True), "side_effect"),
+    (lambda x: torch.index_put(x, (torch.tensor([0, 0]),), x[:2]), "copy"),
+    (lambda x: x.clone().index_put_((torch.tensor([0, 0]),), x[:2]), "inplace"),
 ])
 def test_never_rerun_reasons(fb, call, reason):
     x = torch.randn(4, 8)

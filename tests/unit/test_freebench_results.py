@@ -28,7 +28,7 @@ def read(path):
 def test_columns_start_with_msprobes():
     assert COLUMNS[:9] == ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype",
                            "shape", "output_index")
-    assert COLUMNS[9:] == ("kind", "max_abs", "threshold", "ratio", "call_site", "module")
+    assert COLUMNS[9:] == ("kind", "max_abs", "threshold", "ratio", "call_site", "module", "cause")
 
 
 def test_header_once_whole_rows_and_reopen_appends(tmp_path):
@@ -88,12 +88,15 @@ def test_session_writes_rows_at_each_gather_even_without_process_group(tmp_path)
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
     a, b = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
     with fb:
+        a + b                                # a site's first check: judged (and written) at once
+        assert len(read(fb.csv_path)) == 2
+        fb.step()
         a + b
-        assert len(read(fb.csv_path)) == 1   # header only: the verdict is still on the device
+        assert len(read(fb.csv_path)) == 2   # a later check: the verdict is still on the device
         fb.step()                            # the step's gather point
         lines = read(fb.csv_path)            # on disk inside the block
-    assert len(lines) == 2
-    df = fb.results
+    assert len(lines) == 3
+    df = fb.results.iloc[:1]
     assert df.shape == (1, len(COLUMNS))
     r = df.iloc[0]
     assert (r["rank"], r["pert_mode"], r["stage"], r["step"], r["api_name"], r["dtype"],

@@ -1,0 +1,68 @@
+"""Autocast: perturb at the precision an op computes in, and keep the dtype the caller sees.
+
+Under ``torch.autocast(dtype=torch.bfloat16)`` a matmul or linear receives fp32 tensors and casts
+them to bf16 inside the op. A one-ulp fp32 change (bit_noise, add_noise) is then rounded away by
+that cast, so the check would see no difference at all. ``noise_leaves`` casts the fp32 inputs to
+the dtype the op actually computed in (its output's dtype, when that is the autocast dtype) before
+the noise is added: the re-run without noise is bit for bit the original call (autocast would
+have made the same cast), and the noise is one ulp of the computing precision. fp64 inputs are
+left alone, as autocast leaves them.
+
+``fix`` upcasts the inputs and disables autocast, so its result must be cast back to what the
+caller would have seen: ``caller_dtype`` asks the original call for it when autocast is on.
+"""
+from __future__ import annotations
+
+import torch
+
+LOW = (torch.float16, torch.bfloat16)
+
+
+def enabled_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype in force for ``device``'s type on this thread, or None."""
+    dev = device.type
+    try:
+        if not torch.is_autocast_enabled(dev):
+            return None
+        return torch.get_autocast_dtype(dev)
+    except (RuntimeError, TypeError, AttributeError):
+        return None
+
+
+def first_tensor(leaves: list):
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x
+    return None
+
+
+def noise_leaves(leaves: list, outs: list) -> list:
+    """``leaves`` with fp32 inputs cast to the op's autocast compute dtype (see module doc); the
+    same list when autocast is off or the op computed in fp32."""
+    x = first_tensor(leaves)
+    if x is None or not outs:
+        return leaves
+    return cast_like(leaves, enabled_dtype(x.device), outs[0][1].dtype)
+
+
+def cast_like(leaves: list, dtype, out_dtype) -> list:
+    """The fp32 leaves cast to the autocast ``dtype`` when the op computed in it (its output
+    has that dtype); else ``leaves`` unchanged."""
+    if dtype is None or dtype not in LOW or out_dtype != dtype:
+        return leaves
+    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+            for t in leaves]
+
+
+def fix_dtype(func, args: tuple, kwargs: dict, leaves: list):
+    """Under autocast, the dtype of the original call's first floating output (None when autocast
+    is off, or the output holds no floating tensor). Runs the call once under ``no_grad``."""
+    x = first_tensor(leaves)
+    if x is None or enabled_dtype(x.device) is None:
+        return None
+    with torch.no_grad():
+        out = func(*args, **kwargs)
+    from .handlers import float_outputs
+
+    outs = float_outputs(out)
+    return outs[0][1].dtype if outs else None

@@ -1,0 +1,143 @@
+"""Why a call was flagged: ill-conditioned or inaccurate (run only for flagged calls).
+
+Two float64 re-runs of the flagged call, on its own inputs upcast to float64:
+
+* ``r``: the exact-ish result (every floating input in float64);
+* ``s``: the same with every floating input first moved by one ulp of its *own* dtype, then
+  upcast, twice: every element towards +inf (``perturb.add_noise``: the condition number of a
+  sum) and every element's last bit flipped (``perturb.bit_noise``: up or down element by
+  element, which a shift-invariant op such as softmax does not ignore). How far the mathematical
+  result moves under a one-ulp input change, whatever the kernel; the larger of the two counts.
+
+With the metric of ``metric.py`` (the floor of the original output's dtype) and the row's
+threshold ``thr``:
+
+* ``accuracy`` = error of the original output against ``r`` (a NaN/Inf where float64 is finite,
+  e.g. fp32 overflow of ``var`` at 1e20, counts as infinite);
+* ``sensitivity`` = error of ``s`` against ``r``.
+
+``inaccurate`` when ``accuracy > thr`` and it exceeds ``sensitivity`` (the result is off by more
+than the input's own last bit explains: the kernel lost precision); else ``ill-conditioned`` when
+``sensitivity > thr`` (the output itself moves that far under a one-ulp change); else
+``unconfirmed`` (a float64 recomputation explains neither; e.g. change_value ordering effects);
+``nondeterministic`` for no_change rows; ``""`` when the analysis could not run.
+``analyse_backward`` does the same for input gradients (backward metric, same upstream gradient).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import handlers, perturb
+from .metric import compare_many, floor_for
+
+INACCURATE = "inaccurate"
+ILL_CONDITIONED = "ill-conditioned"
+UNCONFIRMED = "unconfirmed"
+NONDETERMINISTIC = "nondeterministic"
+
+
+def _to64(x):
+    if perturb.is_float(x) and x.dtype != torch.float64:
+        return x.detach().to(torch.float64)
+    return x.detach() if perturb.is_float(x) else x
+
+
+def _nudge(noise):
+    def fn(x):
+        if not perturb.is_float(x):
+            return x
+        try:
+            return noise(x.detach())
+        except perturb.Cancel:  # a dtype without a bit-level ulp: left as is
+            return x
+    return fn
+
+
+def _run(func, leaves, spec) -> list:
+    args, kwargs = perturb.unflatten(leaves, spec)
+    return handlers.float_outputs(func(*args, **kwargs))
+
+
+def _score(st) -> float:
+    return math.inf if st.nan_inf or st.sign_flip else st.max_rel
+
+
+def analyse(func, fresh, spec, items: list) -> dict:
+    """``{output_index: cause}`` for the flagged outputs ``items`` = [(index, tensor, thr)].
+
+    ``fresh()``: the call's inputs as the original call saw them, with the state it writes as
+    fresh clones (``state.restore``), asked once per re-run. The caller runs this under
+    ``no_grad`` with every function mode off; autocast is turned off here. Raises on failure."""
+    from .guards import no_autocast
+
+    with no_autocast(True):
+        r = dict(_run(func, [_to64(x) for x in fresh()], spec))
+        nudged = [dict(_run(func, [_to64(_nudge(noise)(x)) for x in fresh()], spec))
+                  for noise in (perturb.add_noise, perturb.bit_noise)]
+    pairs = []
+    for index, o, _ in items:
+        pairs.append((o, r[index], floor_for(o.dtype)))
+        for s in nudged:
+            pairs.append((r[index], s[index], floor_for(o.dtype)))
+    stats = compare_many(pairs)
+    out = {}
+    for k, (index, _, thr) in enumerate(items):
+        acc = _score(stats[3 * k])
+        sens = max(_score(stats[3 * k + 1]), _score(stats[3 * k + 2]))
+        if acc > thr and acc > sens:
+            out[index] = INACCURATE
+        elif sens > thr:
+            out[index] = ILL_CONDITIONED
+        else:
+            out[index] = UNCONFIRMED
+    return out
+
+
+def _grads64(func, leaves, spec, diff, out_index, g) -> list:
+    """Input gradients (for the leaves in ``diff``) of the call's output ``out_index`` with
+    upstream gradient ``g``, everything in float64."""
+    leaves = list(leaves)
+    ins = []
+    for i in diff:
+        leaves[i] = leaves[i].detach().requires_grad_(True)
+        ins.append(leaves[i])
+    y = dict(_run(func, leaves, spec))[out_index]
+    return list(torch.autograd.grad(y, ins, g.to(torch.float64), allow_unused=True))
+
+
+def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: list) -> dict:
+    """``analyse`` for the backward stage: ``items`` = [(input position, reference gradient,
+    thr)], judged with the backward metric (relative to the gradient's scale). ``g`` is the
+    (scaled) upstream gradient the check used."""
+    from .backward import BACKWARD_FLOOR, unit_scaled
+    from .guards import no_autocast
+
+    with no_autocast(True), torch.enable_grad():
+        r = _grads64(func, [_to64(x) for x in fresh()], spec, diff, out_index, g)
+        nudged = [_grads64(func, [_to64(_nudge(noise)(x)) for x in fresh()], spec, diff,
+                           out_index, g) for noise in (perturb.add_noise, perturb.bit_noise)]
+    pos = {i: k for k, i in enumerate(diff)}
+    pairs, kept = [], []
+    for index, gr, thr in items:
+        k = pos[index]
+        if r[k] is None or any(s[k] is None for s in nudged):
+            continue
+        kept.append((index, thr))
+        pairs.append(unit_scaled(gr, r[k]) + (BACKWARD_FLOOR,))
+        for s in nudged:
+            pairs.append(unit_scaled(r[k], s[k]) + (BACKWARD_FLOOR,))
+    with torch.no_grad():
+        stats = compare_many(pairs)
+    out = {}
+    for j, (index, thr) in enumerate(kept):
+        acc = _score(stats[3 * j])
+        sens = max(_score(stats[3 * j + 1]), _score(stats[3 * j + 2]))
+        if acc > thr and acc > sens:
+            out[index] = INACCURATE
+        elif sens > thr:
+            out[index] = ILL_CONDITIONED
+        else:
+            out[index] = UNCONFIRMED
+    return out

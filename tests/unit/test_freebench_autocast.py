@@ -1,0 +1,93 @@
+"""Autocast: noise at the precision the op computes in; fix keeps the dtype the caller sees."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probekit.freebench import FreeBench
+
+bf16 = torch.bfloat16
+
+
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def probe(tmp_path, fn, use_autocast, **options):
+    fb = FreeBench(dump_path=str(tmp_path), **options)
+    if use_autocast:
+        with torch.autocast("cpu", dtype=bf16), fb:
+            out = fn()
+    else:
+        with fb:
+            out = fn()
+    return fb, out
+
+
+@pytest.mark.parametrize("mode", ["bit_noise", "add_noise"])
+def test_noise_under_autocast_is_one_ulp_of_bf16(tmp_path, mode):
+    # a bf16 matmul over k=4096 amplifies one-ulp input noise; under autocast the fp32 inputs
+    # are rounded to bf16 inside the op, so fp32 noise vanished (0 findings before)
+    a = torch.randn(8, 4096, generator=gen())
+    b = torch.randn(4096, 8, generator=gen())
+    fb, y = probe(tmp_path / "ac", lambda: torch.matmul(a, b), True, pert_mode=mode)
+    ref, y16 = probe(tmp_path / "bf", lambda: torch.matmul(a.to(bf16), b.to(bf16)), False,
+                     pert_mode=mode)
+    with torch.autocast("cpu", dtype=bf16):
+        plain = torch.matmul(a, b)
+    assert torch.equal(y, plain) and torch.equal(y, y16)
+    df, dref = fb.results, ref.results
+    assert len(df) == 1 and df["dtype"].iloc[0] == "torch.bfloat16"
+    # the same check as on the bf16 inputs autocast computes with
+    assert df["max_rel"].iloc[0] == dref["max_rel"].iloc[0]
+    assert df["cause"].tolist() == dref["cause"].tolist() == ["ill-conditioned"]
+    assert df["threshold"].iloc[0] == 2 * torch.finfo(bf16).eps
+    assert df["ratio"].iloc[0] > 2
+
+
+def test_fp32_policy_ops_keep_fp32_noise(tmp_path):
+    # ops autocast runs in fp32 (output fp32) are perturbed at fp32: a well-conditioned fp32
+    # softmax stays quiet
+    x = torch.randn(16, 32, generator=gen())
+    fb, y = probe(tmp_path, lambda: torch.softmax(x, -1), True, pert_mode="bit_noise")
+    assert y.dtype == torch.float32 and fb.results.empty and fb.summary["checked"] == 1
+
+
+def test_backward_stage_reruns_under_the_forward_autocast(tmp_path):
+    # grad_w = x^T g sums 4096 rows of 100 or 100.5 times +-1 (balanced per column): the result
+    # is small against its terms, so one bf16 ulp of x (0.5 at 100) moves it by O(1)
+    g16 = torch.Generator().manual_seed(1)
+    a = 100 + 0.5 * torch.randint(0, 2, (4096, 8), generator=g16).float()   # exact in bf16
+    b = torch.randn(8, 8, generator=gen())
+    signs = torch.ones(4096, 8)
+    signs[torch.randperm(4096, generator=g16)[:2048]] = -1.0
+    opts = dict(pert_mode="bit_noise", fuzz_stage="backward", list=["matmul"])
+    x, w = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    fb = FreeBench(dump_path=str(tmp_path / "ac"), **opts)
+    with fb:
+        with torch.autocast("cpu", dtype=bf16):
+            y = torch.matmul(x, w)
+        y.backward(signs.to(bf16))
+    x16, w16 = a.to(bf16).requires_grad_(True), b.to(bf16).requires_grad_(True)
+    ref = FreeBench(dump_path=str(tmp_path / "bf"), **opts)
+    with ref:
+        torch.matmul(x16, w16).backward(signs.to(bf16))
+    df, dref = fb.results, ref.results
+    assert dref["output_index"].tolist() == [1] and dref["ratio"].iloc[0] > 10
+    # the check under autocast is the check of the bf16 computation autocast made (before, its
+    # re-runs were fp32 with fp32 noise)
+    assert df["output_index"].tolist() == [1]
+    assert df["max_rel"].tolist() == dref["max_rel"].tolist()
+    # the cause analysis nudges the inputs by one ulp of bf16 too (not of fp32)
+    assert df["cause"].tolist() == dref["cause"].tolist() == ["ill-conditioned"]
+
+
+def test_fix_under_autocast_keeps_the_callers_dtype(tmp_path):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16, generator=gen())
+    fb, y = probe(tmp_path, lambda: lin(x), True, pert_mode="improve_precision",
+                  handler_type="fix")
+    assert y.dtype == bf16                      # what autocast gives the caller
+    exact = F.linear(x.double(), lin.weight.double(), lin.bias.double()).to(bf16)
+    assert torch.equal(y, exact)                # computed in fp64, rounded to bf16
+    assert fb.summary["checked"] == 1

@@ -1,0 +1,117 @@
+"""The cause of each finding: ill-conditioned (float64 moves as far under a one-ulp input change)
+or inaccurate (the result is off from float64 by more than that sensitivity explains)."""
+import csv
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probekit.freebench import FreeBench, cause
+from probekit.freebench.metric import compare
+
+bf16, fp16 = torch.bfloat16, torch.float16
+
+
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def probe(tmp_path, mode, fn):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode=mode)
+    with fb:
+        fn()
+    return fb
+
+
+def near_1e20():
+    return torch.full((1000,), 1e20) + torch.randn(1000, generator=gen()) * 4e19
+
+
+def constant_channels():
+    c = (torch.rand(5, generator=gen()) * 2 - 1) * 1e5
+    return c[None, :, None, None].repeat(4, 1, 6, 6).float()
+
+
+CASES = [
+    # (1e4 + 0.01) - 1e4 in fp32: exact kernel, the input's last bit is 10% of the result
+    ("fp32_cancellation", "bit_noise",
+     lambda: torch.add(torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])), "ill-conditioned"),
+    # fp16 logits near 1000 (spacing 0.5): one ulp moves the probabilities by e^0.5
+    ("fp16_softmax_large_logits", "bit_noise",
+     lambda: torch.softmax((torch.randn(4, 64, generator=gen()) * 2 + 1000).to(fp16), -1),
+     "ill-conditioned"),
+    ("bf16_matmul_large_k", "add_noise",
+     lambda: torch.matmul(torch.randn(8, 4096, generator=gen()).to(bf16),
+                          torch.randn(4096, 8, generator=gen()).to(bf16)), "ill-conditioned"),
+    # pytorch/pytorch#5410: constant channels must normalise to 0 (a one-ulp change keeps them
+    # constant), the fp32 kernel gives up to 0.95
+    ("batch_norm_constant_channels", "improve_precision",
+     lambda: F.batch_norm(constant_channels(), torch.zeros(5), torch.ones(5), training=True),
+     "inaccurate"),
+    # pytorch/pytorch#156173: fp16 index_put accumulate stalls at 2048
+    ("fp16_index_put_accumulate", "improve_precision",
+     lambda: torch.index_put(torch.zeros(4, dtype=fp16),
+                             (torch.randint(0, 4, (20000,), generator=gen()),),
+                             torch.rand(20000, generator=gen()).to(fp16), accumulate=True),
+     "inaccurate"),
+    # pytorch/pytorch#57690: cdist(x, x) diagonal 0.125 where float64 gives 0
+    ("cdist_self_diagonal", "improve_precision",
+     lambda: torch.cdist(*(torch.randn(40, 8, generator=gen()) * 10 + 100,) * 2), "inaccurate"),
+    ("fp16_log_softmax_small_output", "improve_precision",
+     lambda: F.log_softmax(torch.tensor([[0.0, -7.93]]).to(fp16), -1), "inaccurate"),
+    # fp32 overflow where float64 is finite
+    ("fp32_var_overflow", "improve_precision", lambda: torch.var(near_1e20()), "inaccurate"),
+    ("fp32_norm_overflow", "improve_precision", lambda: torch.linalg.norm(near_1e20()),
+     "inaccurate"),
+    ("fp32_normalize_overflow", "improve_precision",
+     lambda: F.normalize(near_1e20().view(10, 100), dim=-1), "inaccurate"),
+]
+
+
+@pytest.mark.parametrize("name, mode, fn, expected", CASES, ids=[c[0] for c in CASES])
+def test_cause(tmp_path, name, mode, fn, expected):
+    fb = probe(tmp_path, mode, fn)
+    df = fb.results
+    assert len(df) == 1, df
+    assert df["cause"].tolist() == [expected]
+    with open(fb.csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["cause"] for r in rows] == [expected]   # after msprobe's nine columns, in the CSV
+
+
+def test_overflow_float64_is_finite(tmp_path):
+    x = near_1e20()
+    assert torch.isinf(torch.var(x)) and torch.isfinite(torch.var(x.double()))
+    assert torch.isinf(torch.linalg.norm(x)) and torch.isfinite(torch.linalg.norm(x.double()))
+    df = probe(tmp_path, "improve_precision", lambda: torch.var(x)).results
+    assert df["kind"].tolist() == ["nan_inf"]
+
+
+def test_no_change_findings_are_nondeterministic(tmp_path):
+    # CPU torch has no nondeterministic op to re-run; judge two real outputs that differ as a
+    # no_change check would see them
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change")
+    o = torch.rand(4, generator=gen())
+    st = compare(o, o * (1 + 1e-3))
+    fb._engine.record("Torch.exp", "Torch.exp.0.forward", [(0, o, st)], o.dtype, "t.py:1")
+    assert fb.results["kind"].tolist() == ["rel_error"]
+    assert fb.results["cause"].tolist() == ["nondeterministic"]
+
+
+def test_cause_analysis_runs_only_for_flagged_calls(tmp_path, monkeypatch):
+    seen = []
+    real = cause.analyse
+
+    def counting(func, fresh, spec, items):   # the real analysis, counted
+        seen.append([i for i, _, _ in items])
+        return real(func, fresh, spec, items)
+
+    monkeypatch.setattr(cause, "analyse", counting)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    x = torch.rand(1000, generator=gen())
+    with fb:
+        for _ in range(5):
+            torch.exp(x)                                         # quiet
+        torch.add(torch.tensor([1e4 + 0.01]), torch.tensor([-1e4]))  # flagged
+    assert fb.summary["checked"] == 6 and fb.summary["flagged"] == 1
+    assert seen == [[0]]

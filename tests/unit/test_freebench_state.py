@@ -1,0 +1,203 @@
+"""Accumulating calls and calls that write state (running statistics, in-place accumulation).
+
+They are classified by what they compute with their actual arguments, checked on clones of the
+state they write, and the training's tensors are written exactly once, by the real call.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probekit.freebench import FreeBench
+
+fp16 = torch.float16
+N, BINS = 20_000, 4
+
+
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def data():
+    g = gen()
+    idx = torch.randint(0, BINS, (N,), generator=g)
+    vals = torch.rand(N, generator=g).to(fp16)
+    return idx, vals
+
+
+def probe(tmp_path, fn, mode="improve_precision", **extra):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode=mode, **extra)
+    with fb:
+        out = fn()
+    return fb, out
+
+
+def expected_max_rel(o, p):
+    """The metric recomputed in float64 (o above the fp16 floor here)."""
+    o, p = o.double(), p.double()
+    return ((p - o).abs() / o.abs().clamp_min(1e-3)).max().item()
+
+
+def test_index_put_accumulate_fp16_is_checked_and_flagged(tmp_path):
+    # pytorch/pytorch#156173 (and intel/torch-xpu-ops#1751): index_put with accumulate=True in
+    # fp16 sums in fp16; 20000 values in [0, 1) into 4 bins stall at 2048 (spacing 2 there)
+    idx, vals = data()
+    t = torch.zeros(BINS, dtype=fp16)
+    fb, out = probe(tmp_path, lambda: torch.index_put(t, (idx,), vals, accumulate=True))
+    assert out.tolist() == [2048.0] * BINS
+    df = fb.results
+    assert df["api_name"].tolist() == ["Torch.index_put.0.forward"]
+    assert df["kind"].tolist() == ["rel_error"]
+    # the re-run computes in fp32; the value is that of an fp32 (and, closely, fp64) recomputation
+    p32 = torch.zeros(BINS).index_put((idx,), vals.float(), accumulate=True)
+    p64 = torch.zeros(BINS, dtype=torch.float64).index_put((idx,), vals.double(), accumulate=True)
+    assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p32), rel=1e-12)
+    assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p64), rel=1e-5)
+    assert df["max_rel"].iloc[0] > 0.2
+
+
+def test_index_put_without_accumulate_is_an_exact_copy(tmp_path):
+    idx, vals = data()
+    t = torch.zeros(BINS, dtype=fp16)
+    fb, _ = probe(tmp_path, lambda: (torch.index_put(t, (idx,), vals),
+                                     t.clone().index_put_((idx,), vals)))
+    assert fb.summary["checked"] == 0
+    assert fb.summary["skipped"] == {"copy": 2, "inplace": 1}  # the clone, index_put, index_put_
+
+
+def _family():
+    idx, vals = data()
+    z = lambda: torch.zeros(BINS, dtype=fp16)  # noqa: E731
+    w = torch.rand(BINS, 1, generator=gen()).to(fp16)
+    bags = torch.zeros(1, dtype=torch.long)
+    # (name, call, flagged?): on torch 2.13 CPU index_add/index_put/put accumulate fp16 in fp16
+    # (the sums stall at 2048), while scatter_add/scatter_reduce/embedding_bag accumulate in fp32
+    # and bincount returns fp64: checked, and rightly quiet
+    return [
+        ("index_add", lambda: torch.index_add(z(), 0, idx, vals), True),
+        ("index_add_", lambda: z().index_add_(0, idx, vals), True),
+        ("index_put_accumulate_", lambda: z().index_put_((idx,), vals, accumulate=True), True),
+        ("put_accumulate_", lambda: z().put_(idx, vals, accumulate=True), True),
+        ("scatter_add", lambda: torch.scatter_add(z(), 0, idx, vals), False),
+        ("scatter_add_", lambda: z().scatter_add_(0, idx, vals), False),
+        ("scatter_reduce_sum", lambda: torch.scatter_reduce(z(), 0, idx, vals, "sum"), False),
+        ("scatter_reduce_mean_", lambda: z().scatter_reduce_(0, idx, vals, "mean"), False),
+        ("embedding_bag_sum", lambda: F.embedding_bag(idx, w, bags, mode="sum"), False),
+        ("bincount_weights", lambda: torch.bincount(idx, weights=vals), False),
+    ]
+
+
+FAMILY = _family()
+
+
+@pytest.mark.parametrize("name, fn, flagged", FAMILY, ids=[c[0] for c in FAMILY])
+def test_accumulating_family_checked_and_flagged_where_inaccurate(tmp_path, name, fn, flagged):
+    plain = fn()
+    fb, out = probe(tmp_path, fn)
+    assert torch.equal(out, plain)   # the call's own result is untouched
+    assert fb.summary["checked"] == 1, fb.summary
+    df = fb.results
+    assert len(df) == int(flagged), df
+    if flagged:   # 2048 where fp32 gives ~2500: ~0.2 relative, ~100x the fp16 threshold
+        assert df["ratio"].iloc[0] > 50, df
+
+
+EXACT = [
+    ("scatter", lambda idx, vals: torch.zeros(BINS, dtype=fp16).scatter(0, idx, vals)),
+    ("scatter_reduce_amax",
+     lambda idx, vals: torch.scatter_reduce(torch.zeros(BINS, dtype=fp16), 0, idx, vals, "amax")),
+    ("index_reduce_amin",
+     lambda idx, vals: torch.zeros(BINS, dtype=fp16).index_reduce(0, idx, vals, "amin")),
+    ("embedding_bag_max",
+     lambda idx, vals: F.embedding_bag(idx, torch.ones(BINS, 2), torch.tensor([0]), mode="max")),
+    ("embedding", lambda idx, vals: F.embedding(idx, torch.ones(BINS, 2))),
+]
+
+
+@pytest.mark.parametrize("name, fn", EXACT, ids=[c[0] for c in EXACT])
+@pytest.mark.filterwarnings("ignore:index_reduce")
+def test_selecting_variants_are_exact_copies(tmp_path, name, fn):
+    idx, vals = data()
+    fb, _ = probe(tmp_path, lambda: fn(idx, vals), mode="no_change")
+    assert fb.summary["checked"] == 0
+    assert fb.summary["skipped"].get("copy", 0) >= 1, fb.summary
+
+
+def _constant_channels():
+    # pytorch/pytorch#5410: batch norm of channels that are constant across the batch must give
+    # 0; with offsets of ~1e5 the fp32 result is up to ~0.95 instead
+    g = gen()
+    c = (torch.rand(5, generator=g) * 2 - 1) * 1e5
+    return c[None, :, None, None].repeat(4, 1, 6, 6).float()
+
+
+def test_training_batch_norm_checked_on_cloned_statistics(tmp_path):
+    x = _constant_channels()
+    rm, rv = torch.zeros(5), torch.ones(5)
+    rm0, rv0 = rm.clone(), rv.clone()
+    fb, out = probe(tmp_path, lambda: F.batch_norm(x, rm, rv, training=True))
+    df = fb.results
+    assert df["api_name"].tolist() == ["Functional.batch_norm.0.forward"]
+    # float64 recomputation: every output is 0 up to 1e-9; the fp32 one is not
+    p64 = F.batch_norm(x.double(), rm0.double(), rv0.double(), training=True)
+    assert p64.abs().max().item() < 1e-8
+    assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p64), rel=1e-6)
+    # the running statistics were updated once, exactly as without the probe
+    rm1, rv1 = rm0.clone(), rv0.clone()
+    F.batch_norm(x, rm1, rv1, training=True)
+    assert torch.equal(rm, rm1) and torch.equal(rv, rv1)
+
+
+def test_batch_norm_module_training_state_bitwise_unchanged(tmp_path):
+    x = _constant_channels()
+    torch.manual_seed(0)
+    a, b = torch.nn.BatchNorm2d(5), torch.nn.BatchNorm2d(5)
+    b.load_state_dict(a.state_dict())
+    ya = a(x)
+    fb, yb = probe(tmp_path, lambda: b(x), mode="bit_noise")
+    assert torch.equal(ya, yb)
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    assert fb.summary["checked"] == 1
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_embedding_max_norm_checked_and_weight_renormed_once(tmp_path, stage):
+    g = gen()
+    idx = torch.tensor([0, 1, 1, 3])
+    w0 = torch.randn(5, 3, generator=g) * 4
+    wa = w0.clone().requires_grad_(True)
+    F.embedding(idx, wa, max_norm=1.0).sum().backward()
+    wb = w0.clone().requires_grad_(True)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision", fuzz_stage=stage,
+                   list=["embedding"])
+    with fb:
+        F.embedding(idx, wb, max_norm=1.0).sum().backward()
+    assert torch.equal(wa, wb) and torch.equal(wa.grad, wb.grad)
+    assert fb.summary["checked"] == 1, fb.summary
+    assert fb.results.empty
+
+
+def test_backward_stage_batch_norm_training(tmp_path):
+    x = _constant_channels().requires_grad_(True)
+    rm, rv = torch.zeros(5), torch.ones(5)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision", fuzz_stage="backward",
+                   list=["batch_norm"])
+    with fb:
+        (F.batch_norm(x, rm, rv, training=True) * torch.arange(4.0).view(4, 1, 1, 1)).sum() \
+            .backward()
+    rm1, rv1 = torch.zeros(5), torch.ones(5)
+    F.batch_norm(x.detach(), rm1, rv1, training=True)
+    assert torch.equal(rm, rm1) and torch.equal(rv, rv1)
+    assert fb.summary["checked"] == 1, fb.summary
+
+
+def test_fix_leaves_state_writing_calls_alone(tmp_path):
+    idx, vals = data()
+    x = _constant_channels()
+    rm, rv = torch.zeros(5), torch.ones(5)
+    fb, (acc, y) = probe(tmp_path, lambda: (
+        torch.zeros(BINS, dtype=fp16).index_add_(0, idx, vals),
+        F.batch_norm(x, rm, rv, training=True)), handler_type="fix")
+    assert acc.tolist() == [2048.0] * BINS   # not replaced: index_add_ must write self
+    assert torch.equal(y, F.batch_norm(x, torch.zeros(5), torch.ones(5), training=True))
+    assert fb.summary["skipped"] == {"inplace": 1, "side_effect": 1, "creation": 1}
