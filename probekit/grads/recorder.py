@@ -56,14 +56,14 @@ class GradProbe:
     def __init__(self, model: torch.nn.Module, optimizer=None, level: str = "L1",
                  bounds=(-1, 0, 1), param_list=None, steps=None, ranks=None,
                  dump_path: str = "./dump_path", hash: str = "md5", flush_every: int = 50, *,
-                 config=None):
+                 config=None, flush_seconds: float = 60.0):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
         if config is None:
             options = dict(dump_path=dump_path, rank=list(ranks or []), step=list(steps or []),
                            grad_level=level, bounds=list(bounds), param_list=list(param_list or []),
-                           hash=hash, flush_every=flush_every)
+                           hash=hash, flush_every=flush_every, flush_seconds=flush_seconds)
         else:
             options = {}
         self.config = _as_config(config, options)
@@ -126,7 +126,7 @@ class GradProbe:
             section = self.config.grad_probe
             self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
                                       section.grad_level, section.bounds, section.hash,
-                                      section.flush_every)
+                                      section.flush_every, section.flush_seconds)
             self._scratch = _stats._Scratch()
         if self.optimizer is not None:
             self._owner = self.optimizer

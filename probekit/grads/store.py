@@ -20,9 +20,13 @@ committed ones (except the last, partial block written by ``close``).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import signal
+import threading
+import time
 
 import numpy as np
 
@@ -96,7 +100,7 @@ class GradWriter:
     """Buffers the statistics of each step and writes them to one rank group in blocks."""
 
     def __init__(self, dump_path: str, rank: int, layout: Layout, level: str, bounds,
-                 hash_name: str, flush_every: int) -> None:
+                 hash_name: str, flush_every: int, flush_seconds: float = 60.0) -> None:
         import zarr
 
         self.path = rank_group_path(dump_path, rank)
@@ -111,7 +115,11 @@ class GradWriter:
             step_chunk, byte_chunk, self.block = direction_chunks(layout.nbytes, flush_every)
             self.dir_chunks = (step_chunk, byte_chunk)
         self.committed = 0
+        self.flush_seconds = float(flush_seconds)
         self._buffer: list[tuple[int, StepStats]] = []
+        self._oldest = 0.0
+        self._lock = threading.Lock()
+        self._flushing = None  # thread id while a flush runs (a signal handler must not nest)
         if os.path.exists(self.path):
             log.warning("%s exists and will be replaced by this recording", self.path)
             shutil.rmtree(self.path)
@@ -135,6 +143,7 @@ class GradWriter:
         })
         self._create_arrays()
         _write_commit(self.path, {"steps": 0, "format": FORMAT})
+        _live.add(self)
 
     # -- layout ------------------------------------------------------------------------------
     def _static(self, name, values, dims, dtype):
@@ -149,9 +158,10 @@ class GradWriter:
         # files are read straight from disk (``read_plain``, ``RawChunks``).
         kwargs = {"compressors": None}
         # statistics: at most 16 steps per chunk, so a run's unfilled last chunk stays small
-        return self.group.create_array(
-            name, shape=(0, *tail), chunks=chunks or (min(self.block, 16), *tail), dtype=dtype,
-            dimension_names=dims, fill_value=0, **kwargs)
+        chunks = chunks or (min(self.block, 16), *tail)
+        self.group.create_array(name, shape=(0, *tail), chunks=chunks, dtype=dtype,
+                                dimension_names=dims, fill_value=0, **kwargs)
+        return os.path.join(self.path, name), chunks[0]  # written directly from here on
 
     def _create_arrays(self) -> None:
         lay, p = self.layout, len(self.layout.names)
@@ -182,33 +192,200 @@ class GradWriter:
 
     # -- writing -----------------------------------------------------------------------------
     def append(self, step: int, stats: StepStats) -> None:
-        self._buffer.append((int(step), stats))
-        if len(self._buffer) >= self.block:
+        with self._lock:
+            if not self._buffer:
+                self._oldest = time.monotonic()
+            self._buffer.append((int(step), stats))
+            due = (len(self._buffer) >= self.block
+                   or time.monotonic() - self._oldest >= self.flush_seconds)
+        if due:
             self.flush()
+        elif len(self._buffer) == 1:
+            _live.wake()
 
     def flush(self) -> None:
-        """Write the buffered steps, then commit them (atomically)."""
+        """Write the buffered steps, then commit them (atomically).
+
+        Plain file writes only (no thread pool, no event loop), so this also works from an
+        ``atexit`` handler after the interpreter has begun shutting down, and from a signal
+        handler."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
         if not self._buffer:
             return
+        self._flushing = threading.get_ident()
+        try:
+            self._write_buffer()
+        finally:
+            self._flushing = None
+        if _live.pending_sigterm:  # SIGTERM arrived during this flush: die of it now
+            _live.terminate()
+
+    def _write_buffer(self) -> None:
         rows = self._buffer
         n0, k = self.committed, len(rows)
         columns = {"step": np.array([s for s, _ in rows], np.int64)}
         for name in self.arrays:
             if name not in ("step", "direction"):
                 columns[name] = np.stack([getattr(st, name) for _, st in rows])
-        if "direction" in self.arrays:  # the bulk: chunk files written directly (RawChunks)
-            write_raw_rows(os.path.join(self.path, "direction"), self.dir_chunks, n0,
-                           [st.direction for _, st in rows], self.layout.nbytes)
-            columns["direction"] = None  # only its shape (metadata) changes
-        _grow_and_write([(arr, (n0 + k, *arr.shape[1:]), n0, columns[name])
-                         for name, arr in self.arrays.items()])
+        for name, (path, chunk_rows) in self.arrays.items():
+            if name == "direction":  # the bulk, chunked along bytes too
+                write_raw_rows(path, self.dir_chunks, n0, [st.direction for _, st in rows],
+                               self.layout.nbytes)
+            else:
+                write_step_rows(path, chunk_rows, n0, columns[name])
+        for path, _ in self.arrays.values():
+            _set_rows(path, n0 + k)
         self.committed = n0 + k
         _write_commit(self.path, {"steps": self.committed, "format": FORMAT,
                                   "last_step": int(columns["step"][-1])})
         self._buffer = []
 
     def close(self) -> None:
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            _live.remove(self)
+
+
+class _LiveWriters:
+    """Every open writer of this process, so that nothing buffered is lost: written at exit
+    (``atexit``: normal end, uncaught exception, ``sys.exit``, Ctrl-C), on SIGTERM (the handler
+    writes, then the process dies of SIGTERM as it would have), by a timer once a step has waited
+    ``flush_seconds``, and before a reader in this process opens the store."""
+
+    def __init__(self) -> None:
+        self.writers: dict[int, GradWriter] = {}
+        self.cond = threading.Condition()
+        self.thread = None
+        self.sigterm_installed = False
+        self.pending_sigterm = False
+        atexit.register(self.flush_all)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self.cond = threading.Condition()
+        self.thread = None
+
+    def add(self, writer) -> None:
+        with self.cond:
+            self.writers[id(writer)] = writer
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._timer, name="probekit-grad-flush",
+                                               daemon=True)
+                self.thread.start()
+        self._install_sigterm()
+
+    def remove(self, writer) -> None:
+        with self.cond:
+            self.writers.pop(id(writer), None)
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def flush_all(self, path=None) -> None:
+        for writer in list(self.writers.values()):
+            if path is None or os.path.abspath(writer.path) == os.path.abspath(path):
+                try:
+                    writer.flush()
+                except Exception as exc:  # never raise at exit; say what was lost
+                    log.warning("grad_probe: writing the buffered steps of %s failed: %s",
+                                writer.path, exc)
+
+    def _timer(self) -> None:
+        while True:
+            with self.cond:
+                now = time.monotonic()
+                pending = [w for w in self.writers.values() if w._buffer]
+                due = [w for w in pending if now - w._oldest >= w.flush_seconds]
+                if not due:
+                    waits = [w._oldest + w.flush_seconds - now for w in pending]
+                    self.cond.wait(timeout=min(waits, default=None))
+                    continue
+            for w in due:
+                try:
+                    w.flush()
+                except Exception as exc:
+                    log.warning("grad_probe: timed write of %s failed: %s", w.path, exc)
+
+    def _install_sigterm(self) -> None:
+        if self.sigterm_installed or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return  # the program handles SIGTERM itself (and then exits through atexit)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self.sigterm_installed = True
+        except (ValueError, OSError):  # pragma: no cover - no signals here
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:
+        me = threading.get_ident()
+        for writer in list(self.writers.values()):
+            if writer._flushing == me:  # interrupted inside its own flush: it finishes, then dies
+                self.pending_sigterm = True
+                continue
+            if writer._lock.acquire(timeout=10):
+                try:
+                    writer._write_buffer() if writer._buffer else None
+                except Exception as exc:
+                    log.warning("grad_probe: writing %s on SIGTERM failed: %s", writer.path, exc)
+                finally:
+                    writer._lock.release()
+        if not self.pending_sigterm:
+            self.terminate()
+
+    @staticmethod
+    def terminate() -> None:
+        """Die of SIGTERM, as the process would have without probekit's handler."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_live = _LiveWriters()
+
+
+def flush_live(path=None) -> None:
+    """Write the buffered steps of this process's open writers (of the rank group ``path``, or
+    all), so a reader in this process (a notebook) sees every recorded step."""
+    _live.flush_all(path)
+
+
+def _set_rows(array_path: str, n: int) -> None:
+    """Set the first dimension of a Zarr v3 array's metadata to ``n`` (atomic rewrite)."""
+    meta_path = os.path.join(array_path, "zarr.json")
+    with open(meta_path, encoding="utf-8") as fh:
+        meta = json.load(fh)
+    meta["shape"][0] = int(n)
+    _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
+
+
+def write_step_rows(array_path: str, chunk_rows: int, n0: int, data: np.ndarray) -> None:
+    """Write ``data`` as rows ``n0...`` of an uncompressed Zarr v3 array chunked along its first
+    dimension only (``chunk_rows`` rows, whole trailing dimensions): each chunk file is the
+    chunk's little-endian C-order bytes, written to a temporary file and renamed. A chunk that
+    already holds rows below ``n0`` is read back first."""
+    data = np.asarray(data)
+    tail = data.shape[1:]
+    key = "/".join(["0"] * len(tail))
+    dtype = data.dtype.newbyteorder("<")
+    for i in range(n0 // chunk_rows, (n0 + len(data) - 1) // chunk_rows + 1):
+        r0, r1 = i * chunk_rows, (i + 1) * chunk_rows
+        folder = os.path.join(array_path, "c", str(i))
+        name = os.path.join(folder, key) if tail else folder
+        os.makedirs(os.path.dirname(name) if tail else os.path.dirname(folder), exist_ok=True)
+        block = np.zeros((chunk_rows, *tail), dtype)
+        if r0 < n0:
+            with open(name, "rb") as fh:
+                old = np.frombuffer(fh.read(), dtype).reshape(chunk_rows, *tail)
+            block[:n0 - r0] = old[:n0 - r0]
+        lo, hi = max(r0, n0), min(r1, n0 + len(data))
+        block[lo - r0:hi - r0] = data[lo - n0:hi - n0]
+        _atomic_write(name, block.tobytes())
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -240,6 +417,7 @@ def open_rank(store: str, rank: int, chunks=None):
     import zarr
 
     group_path = os.path.join(store, f"rank{int(rank)}")
+    flush_live(group_path)  # a recording in this process: its buffered steps first
     if not os.path.isdir(group_path):
         raise GradStoreError(f"{store!r} has no group for rank {rank}; ranks stored: "
                              f"{store_ranks(store)}")
@@ -312,28 +490,6 @@ def open_rank(store: str, rank: int, chunks=None):
     attrs["rank"] = int(rank)
     attrs["committed_steps"] = n
     return xr.Dataset(data_vars, coords=coords, attrs=_clean_attrs(attrs))
-
-
-def _grow_and_write(updates) -> None:
-    """Resize every array of a flush, then write its new rows: all in one round trip through
-    Zarr's event loop (one ``sync`` call per phase instead of two per array)."""
-    try:
-        import asyncio
-
-        from zarr.core.sync import sync
-    except ImportError:  # pragma: no cover - another zarr layout: one array at a time
-        for arr, shape, n0, data in updates:
-            arr.resize(shape)
-            if data is not None:
-                arr[n0:shape[0]] = data
-        return
-
-    async def run():
-        await asyncio.gather(*(arr.async_array.resize(shape) for arr, shape, _, _ in updates))
-        await asyncio.gather(*(arr.async_array.setitem(slice(n0, shape[0]), data)
-                               for arr, shape, n0, data in updates if data is not None))
-
-    sync(run())
 
 
 def _atomic_write(path: str, data, pad: int = 0) -> None:
