@@ -20,6 +20,7 @@ from ..config import Config, ConfigError, GradProbeConfig, make_config
 from ..dist import get_rank, rank_selected
 from ..log import Once, ensure_handler, get_logger
 from . import stats as _stats
+from .names import canonical_names
 from .store import GradWriter
 
 log = get_logger(__name__)
@@ -50,7 +51,10 @@ class GradProbe:
     >>> ds = probekit.open_grads("./run_a")
 
     ``steps``/``ranks`` restrict the recorded steps and ranks (empty or None = all);
-    ``param_list`` restricts the parameters (exact names from ``model.named_parameters()``).
+    ``param_list`` restricts the parameters (names from ``model.named_parameters()``, with or
+    without wrapper prefixes). Parameters are stored under their names without the prefixes of
+    ``torch.compile``, DDP, FSDP1 and checkpoint wrappers (``names.canonical_name``); the names as
+    recorded are kept in the store's ``recorded_params`` attribute.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, level: str = "L1",
@@ -83,24 +87,27 @@ class GradProbe:
     def _select_params(self) -> None:
         section = self.config.grad_probe
         named = list(self.model.named_parameters())
+        clean = canonical_names(n for n, _ in named)
+        named = [(c, n, p) for c, (n, p) in zip(clean, named)]
         wanted = set(section.param_list)
         if wanted:
-            known = {n for n, _ in named}
+            known = {c for c, _, _ in named} | {n for _, n, _ in named}
             missing = sorted(wanted - known)
             if missing:
-                sample = ", ".join(sorted(known)[:8])
+                sample = ", ".join(sorted(c for c, _, _ in named)[:8])
                 raise ConfigError(f"grad_probe.param_list: {missing!r} not found in the model; "
                                   f"accepted: names from model.named_parameters() (e.g. {sample})")
-            named = [(n, p) for n, p in named if n in wanted]
-        frozen = [n for n, p in named if not p.requires_grad]
+            named = [(c, n, p) for c, n, p in named if c in wanted or n in wanted]
+        frozen = [c for c, _, p in named if not p.requires_grad]
         if frozen:
-            log.info("grad_probe: %d parameters do not require grad and are not monitored "
-                     "(first: %s)", len(frozen), frozen[0])
-        named = [(n, p) for n, p in named if p.requires_grad]
+            log.info("grad_probe: %d parameters do not require grad now; they are recorded from "
+                     "the step they first have a gradient (first: %s; param_list leaves them out)",
+                     len(frozen), frozen[0])
         if not named:
             raise ValueError("grad_probe: the model has no parameter to monitor")
-        self.param_names = tuple(n for n, _ in named)
-        self._params = [p for _, p in named]
+        self.param_names = tuple(c for c, _, _ in named)
+        self.recorded_names = tuple(n for _, n, _ in named)
+        self._params = [p for _, _, p in named]
         self._param_ids = {id(p) for p in self._params}
         self.layout = _stats.Layout(self.param_names, tuple(p.numel() for p in self._params),
                                     tuple(tuple(p.shape) for p in self._params))
@@ -126,7 +133,8 @@ class GradProbe:
             section = self.config.grad_probe
             self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
                                       section.grad_level, section.bounds, section.hash,
-                                      section.flush_every, section.flush_seconds)
+                                      section.flush_every, section.flush_seconds,
+                                      attrs={"recorded_params": list(self.recorded_names)})
             self._scratch = _stats._Scratch()
         if self.optimizer is not None:
             self._owner = self.optimizer

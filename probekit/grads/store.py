@@ -100,7 +100,8 @@ class GradWriter:
     """Buffers the statistics of each step and writes them to one rank group in blocks."""
 
     def __init__(self, dump_path: str, rank: int, layout: Layout, level: str, bounds,
-                 hash_name: str, flush_every: int, flush_seconds: float = 60.0) -> None:
+                 hash_name: str, flush_every: int, flush_seconds: float = 60.0, *,
+                 attrs: dict | None = None) -> None:
         import zarr
 
         self.path = rank_group_path(dump_path, rank)
@@ -141,6 +142,8 @@ class GradWriter:
             "offsets": [int(x) for x in layout.offsets] if level != "L0" else None,
             "intervals": interval_labels(self.bounds) if level == "L2" else None,
         })
+        if attrs:
+            self.group.attrs.update(dict(attrs))
         self._create_arrays()
         _write_commit(self.path, {"steps": 0, "format": FORMAT})
         _live.add(self)

@@ -38,15 +38,47 @@ def test_grad_probe_under_torchrun(tmp_path):
     assert sorted(os.listdir(store)) == ["rank0", "rank1", "zarr.json"]
     r0, r1 = open_grads(store, rank=0), open_grads(store, rank=1)
     assert r0["step"].values.tolist() == r1["step"].values.tolist() == [0, 1, 2, 3]
-    assert r0["param"].values.tolist()[0] == "module.0.weight"
+    # stored without DDP's "module." prefix (kept as recorded in an attribute) ...
+    assert r0["param"].values.tolist() == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert r0.attrs["recorded_params"][0] == "module.0.weight"
     # DDP all-reduces gradients: both ranks hold the same gradients at every step
     assert np.array_equal(r0["direction"].values, r1["direction"].values)
     assert np.array_equal(r0["max"].values, r1["max"].values)
     cmp = compare_grads(tmp_path / "all", tmp_path / "all")
     assert cmp["rank"].values.tolist() == [0, 1]
     assert np.all(cmp["similarity"].values == 1.0)
+    # ... so the DDP run compares with a single-process run on both ranks' data, out of the box
+    single_process_run(tmp_path / "single")
+    cmp = compare_grads(tmp_path / "single", {0: r0})
+    assert cmp["param"].values.tolist() == r0["param"].values.tolist()
+    assert float(cmp["similarity"].min()) > 0.97
+    single = open_grads(tmp_path / "single")
+    np.testing.assert_allclose(r0["norm"].values, single["norm"].values, rtol=1e-5)
     torchrun(tmp_path / "one", "1")
     assert sorted(os.listdir(tmp_path / "one" / "grads.zarr")) == ["rank1", "zarr.json"]
+
+
+def single_process_run(dump_path):
+    """_ddp_train.py's model and both ranks' data in one process (DDP averages the gradients
+    of the two halves; the mean loss over the whole batch gives the same gradient)."""
+    import torch
+
+    from probekit.grads import GradProbe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = []
+    for rank in (0, 1):
+        gen = torch.Generator().manual_seed(100 + rank)
+        data.append((torch.randn(32, 8, generator=gen), torch.randn(32, 2, generator=gen)))
+    x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+    with GradProbe(model, level="L2", dump_path=str(dump_path)):
+        for _ in range(4):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
 
 
 @pytest.mark.slow
