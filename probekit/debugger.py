@@ -160,15 +160,19 @@ class PrecisionDebugger:
         self._session.step()
 
     @_ClassOrInstance
-    def monitor(self, model, optimizer=None):
-        """grad_probe: record gradient statistics of ``model`` at every optimizer step."""
+    def monitor(self, model, optimizer=None, scaler=None):
+        """grad_probe: record gradient statistics of ``model`` at every training iteration
+        (``scaler``: the run's GradScaler, so the steps it skips keep their place)."""
         if self.task != "grad_probe":
             log.warning("monitor() only applies to task 'grad_probe' (this debugger's task is %r)",
                         self.task)
             return
         if self._skip("monitor"):
             return
-        self._get_session().monitor(model, optimizer=optimizer)
+        if scaler is not None:
+            self._get_session().monitor(model, optimizer=optimizer, scaler=scaler)
+        else:
+            self._get_session().monitor(model, optimizer=optimizer)
 
     # -- probekit additions ------------------------------------------------------------------
     @property

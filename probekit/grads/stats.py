@@ -19,6 +19,8 @@ an accelerator are reduced on their device with whole-tensor ops and transferred
 """
 from __future__ import annotations
 
+import copy
+
 import hashlib
 import math
 import os
@@ -95,6 +97,24 @@ class StepStats:
     zeros: np.ndarray | None = None  # (P,) float64 share of exact zeros (L2)
     dist: np.ndarray | None = None  # (P, I) float64 share per interval (L2)
     direction: np.ndarray | None = None  # (nbytes,) uint8 packed sign bits (L1/L2)
+
+
+def merge(parts, layout: Layout) -> StepStats:
+    """One step's statistics from several partial ones (each parameter from the last part in
+    which it is present): the gradients of one training iteration taken at the ``step()`` of
+    each optimizer that owns some of the parameters."""
+    out = copy.deepcopy(parts[0])
+    offsets, numels = layout.offsets, layout.numels
+    for part in parts[1:]:
+        for i in np.flatnonzero(part.present):
+            for name in ("present", "max", "min", "norm", "hash", "zeros", "dist"):
+                arr = getattr(out, name)
+                if arr is not None:
+                    arr[i] = getattr(part, name)[i]
+            if out.direction is not None:
+                sl = slice(offsets[i], offsets[i] + padded_nbytes(numels[i]))
+                out.direction[sl] = part.direction[sl]
+    return out
 
 
 class _Scratch:

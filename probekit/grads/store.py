@@ -195,16 +195,32 @@ class GradWriter:
 
     # -- writing -----------------------------------------------------------------------------
     def append(self, step: int, stats: StepStats) -> None:
+        """Buffer one step. A block is written once a step beyond it arrives (so the newest
+        step can still be ``amend``-ed), or once the oldest buffered step waited
+        ``flush_seconds``."""
         with self._lock:
             if not self._buffer:
                 self._oldest = time.monotonic()
             self._buffer.append((int(step), stats))
-            due = (len(self._buffer) >= self.block
-                   or time.monotonic() - self._oldest >= self.flush_seconds)
+            if len(self._buffer) > self.block:
+                keep = self._buffer[self.block:]
+                self._buffer = self._buffer[:self.block]
+                self._flush_locked()
+                self._buffer = keep
+                self._oldest = time.monotonic()
+            due = time.monotonic() - self._oldest >= self.flush_seconds
         if due:
             self.flush()
         elif len(self._buffer) == 1:
             _live.wake()
+
+    def amend(self, step: int, stats: StepStats) -> bool:
+        """Replace the newest buffered step if it is ``step``; False once it was written."""
+        with self._lock:
+            if self._buffer and self._buffer[-1][0] == int(step):
+                self._buffer[-1] = (int(step), stats)
+                return True
+            return False
 
     def flush(self) -> None:
         """Write the buffered steps, then commit them (atomically).
