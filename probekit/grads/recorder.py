@@ -85,6 +85,7 @@ class GradProbe:
         self._epoch = 0  # backward passes told apart: grads changed since the last step()
         self._grad_sig = None
         self._iter = None  # the current iteration: step, captures, optimizers stepped
+        self._scratch = None
         self._updates = 0  # GradScaler.update() calls (the iteration count when a scaler is given)
         self._once = Once()
         self._select_params()
@@ -115,6 +116,7 @@ class GradProbe:
         self.recorded_names = tuple(n for _, n, _ in named)
         self._params = [p for _, _, p in named]
         self._param_ids = {id(p) for p in self._params}
+        self._sharded = any(_is_dtensor(p) for p in self._params)
         self.layout = _stats.Layout(self.param_names, tuple(p.numel() for p in self._params),
                                     tuple(tuple(p.shape) for p in self._params))
 
@@ -131,11 +133,15 @@ class GradProbe:
         ensure_handler()
         if self._handles:
             return self
-        if not rank_selected(self.config.rank):
+        selected = rank_selected(self.config.rank)
+        if not selected:
             log.info("grad_probe: rank %d is not in rank filter %s; nothing is recorded",
                      get_rank(), list(self.config.rank))
-            return self
-        if self._writer is None:  # the store exists (0 committed steps) once recording starts
+            if not self._sharded:
+                return self
+            # sharded (DTensor) gradients are gathered by every rank together: this rank takes
+            # part in the gathers and writes nothing
+        if self._writer is None and selected:  # the store exists (0 committed steps) once recording starts
             section = self.config.grad_probe
             self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
                                       section.grad_level, section.bounds, section.hash,
@@ -282,6 +288,10 @@ class GradProbe:
         mine = set(self._owners.get(optimizer, ()))
         mine.update(i for i in range(len(grads)) if i not in self._owned)  # owned by none
         part = [g if i in mine else None for i, g in enumerate(grads)]
+        if self._sharded:  # FSDP2: full-parameter gradients (all-gathers every rank joins)
+            part = [_full(g) for g in part]
+            if self._writer is None:  # a rank outside the rank filter: gathered, not recorded
+                return
         for i in sorted(mine):
             if part[i] is None and self._params[i].requires_grad and self._once(
                     ("no-grad", i)):
@@ -320,7 +330,7 @@ class GradProbe:
 
     def _emit(self, it, amend: bool = False) -> None:
         step = it["step"]
-        if self.config.step and step not in self.config.step:
+        if self._writer is None or (self.config.step and step not in self.config.step):
             return
         parts = [c[2] for c in it["captures"]]
         if not parts:
@@ -347,6 +357,15 @@ class GradProbe:
         return (f"GradProbe({len(self.param_names)} params, level="
                 f"{self.config.grad_probe.grad_level}, steps seen={self.steps_seen}, "
                 f"dump_path={self.dump_path!r}, {state})")
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
+
+
+def _full(g):
+    """The whole gradient of a DTensor (an all-gather every rank takes part in), else ``g``."""
+    return g.full_tensor() if g is not None and _is_dtensor(g) else g
 
 
 class _CallCounter:

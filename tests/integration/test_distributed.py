@@ -96,3 +96,37 @@ def test_both_probes_under_torchrun(tmp_path):
     rows = pd.read_csv(tmp_path / "one" / "free_benchmark.csv")
     assert rows["rank"].unique().tolist() == [1]
     assert sorted(os.listdir(tmp_path / "one" / "grads.zarr")) == ["rank1", "zarr.json"]
+
+
+@pytest.mark.slow
+def test_fsdp2_runs_record_full_parameters_and_compare(tmp_path):
+    """FSDP2's DTensor gradients: full-parameter statistics on every rank, two FSDP2 runs
+    compare, and an FSDP2 run compares with a single-process run of the same model."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import _fsdp2_train
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                          _fsdp2_train.__file__, str(tmp_path / "a"), str(tmp_path / "b")],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    single = _fsdp2_train.make_model()
+    names = [n for n, _ in single.named_parameters()]
+    _fsdp2_train.train(single, str(tmp_path / "single"))
+    ref = open_grads(tmp_path / "single")
+    for rank in (0, 1):
+        ds = open_grads(tmp_path / "a", rank=rank)
+        assert ds["param"].values.tolist() == names
+        assert ds["numel"].values.tolist() == ref["numel"].values.tolist()
+        assert ds["step"].values.tolist() == [0, 1, 2] and bool(ds["present"].all())
+        for var in ("max", "min", "norm"):
+            np.testing.assert_allclose(ds[var].values, ref[var].values, rtol=1e-5, atol=1e-8)
+    cmp = compare_grads(tmp_path / "a", tmp_path / "b")
+    assert cmp["rank"].values.tolist() == [0, 1]
+    assert np.all(cmp["similarity"].values == 1.0)
+    cmp = compare_grads(tmp_path / "single", {0: open_grads(tmp_path / "a", rank=0)})
+    assert float(cmp["similarity"].min()) > 0.97
+    assert torch.distributed.is_available()
