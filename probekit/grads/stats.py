@@ -97,6 +97,9 @@ class StepStats:
     zeros: np.ndarray | None = None  # (P,) float64 share of exact zeros (L2)
     dist: np.ndarray | None = None  # (P, I) float64 share per interval (L2)
     direction: np.ndarray | None = None  # (nbytes,) uint8 packed sign bits (L1/L2)
+    #: (nbytes,) uint8 packed bits, same layout: |grad| > SIGNIFICANCE * eps(dtype) * max|grad|
+    #: (max over the element's chunk of 2**18): its sign is above the tensor's rounding level
+    significant: np.ndarray | None = None
 
 
 def merge(parts, layout: Layout) -> StepStats:
@@ -114,6 +117,8 @@ def merge(parts, layout: Layout) -> StepStats:
             if out.direction is not None:
                 sl = slice(offsets[i], offsets[i] + padded_nbytes(numels[i]))
                 out.direction[sl] = part.direction[sl]
+                if out.significant is not None and part.significant is not None:
+                    out.significant[sl] = part.significant[sl]
     return out
 
 
@@ -125,6 +130,7 @@ class _Scratch:
         self.f32_np = self.f32.numpy()
         self.mask = np.empty(CHUNK, dtype=bool)  # sign bits of the chunk
         self.mask2 = np.empty(CHUNK, dtype=bool)  # comparisons for the interval counts
+        self.abs = {}  # dtype -> buffer of |chunk| (the significance bits)
 
 
 def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
@@ -139,6 +145,7 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         out.hash = np.zeros((p, HASH_NBYTES[hash_name]), np.uint8)
     if want_dir:
         out.direction = np.zeros(layout.nbytes, np.uint8)
+        out.significant = np.zeros(layout.nbytes, np.uint8)
     if want_dist:
         out.zeros = np.full(p, np.nan)
         out.dist = np.full((p, len(bounds) + 1), np.nan)
@@ -154,8 +161,8 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         out.present[i] = True
         if g.numel() == 0:
             continue
-        dir_view = (out.direction[offsets[i]:offsets[i] + padded_nbytes(layout.numels[i])]
-                    if want_dir else None)
+        span = slice(offsets[i], offsets[i] + padded_nbytes(layout.numels[i]))
+        dir_view = (out.direction[span], out.significant[span]) if want_dir else None
         if g.device.type == "cpu":
             if not g.dtype.is_floating_point:
                 raise TypeError(f"gradient of {layout.names[i]!r} has dtype {g.dtype}, not a "
@@ -171,6 +178,9 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
 
 
 _ROW = 4096
+#: an element is significant when |grad| > SIGNIFICANCE * eps(dtype) * max|grad| (max over its
+#: chunk): below that its sign is rounding noise of the sums that made it
+SIGNIFICANCE = 1.0
 
 
 def _chunk_sumsq(a: np.ndarray, mx: float, mn: float) -> float:
@@ -193,8 +203,10 @@ def _chunk_sumsq(a: np.ndarray, mx: float, mn: float) -> float:
 
 def _chunk(part, start, native, level, bounds, dir_view, s: _Scratch, digest=None) -> tuple:
     """Statistics of one chunk of a flat gradient: (max, min, sum of squares, ``<= bound``
-    counts, zeros, NaNs); its sign bits are packed into ``dir_view`` and ``digest`` updated."""
+    counts, zeros, NaNs); its sign and significance bits are packed into ``dir_view`` (a pair
+    of views) and ``digest`` updated."""
     m = part.numel()
+    eps = torch.finfo(part.dtype).eps
     if native:
         a = part.numpy()
     else:  # float16/bfloat16: widen into the scratch buffer (exact)
@@ -206,8 +218,15 @@ def _chunk(part, start, native, level, bounds, dir_view, s: _Scratch, digest=Non
     if digest is not None:
         digest.update((a if a.dtype == np.float32 else a.astype(np.float32)).tobytes())
     if dir_view is not None:
+        signs, sig = dir_view
         packed = np.packbits(np.greater(a, 0, out=s.mask[:m]))
-        dir_view[start // 8:start // 8 + packed.size] = packed
+        signs[start // 8:start // 8 + packed.size] = packed
+        buf = s.abs.get(a.dtype)
+        if buf is None:
+            buf = s.abs[a.dtype] = np.empty(CHUNK, a.dtype)
+        thr = SIGNIFICANCE * eps * max(abs(mx), abs(mn))
+        sig[start // 8:start // 8 + packed.size] = np.packbits(
+            np.greater(np.abs(a, out=buf[:m]), thr, out=s.mask2[:m]))
     counts, zeros, nans = None, 0, 0
     if level == "L2":
         # A bound outside [min, max) of a NaN-free chunk needs no pass over the data, and
@@ -362,13 +381,15 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
             vals.append(torch.isnan(wide).sum().double())
         rows.append(torch.stack(vals))
         if dir_view is not None:
-            bits = torch.zeros(dir_view.size * 8, dtype=torch.uint8, device=flat.device)
-            bits[:n] = flat > 0
             key = flat.device
             if key not in _BIT_WEIGHTS:
                 _BIT_WEIGHTS[key] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
                                                  device=flat.device)
-            packed.append((bits.view(-1, 8) * _BIT_WEIGHTS[key]).sum(1, dtype=torch.uint8))
+            thr = SIGNIFICANCE * torch.finfo(flat.dtype).eps * torch.maximum(mx.abs(), mn.abs())
+            for mask in (flat > 0, wide.abs() > thr):
+                bits = torch.zeros(dir_view[0].size * 8, dtype=torch.uint8, device=flat.device)
+                bits[:n] = mask
+                packed.append((bits.view(-1, 8) * _BIT_WEIGHTS[key]).sum(1, dtype=torch.uint8))
         if level == "L0":  # the digest needs the bytes on the host, as msprobe's does
             digest = hasher(hash_name)
             digest.update(wide.float().cpu().numpy().tobytes())
@@ -384,5 +405,6 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
             out.dist[i] = _interval_shares(counts, int(host[r, -1]), n)
             out.zeros[i] = host[r, -2] / n if n else np.nan
         if dir_view is not None:
-            dir_view[:] = host_bits[pos:pos + dir_view.size]
-            pos += dir_view.size
+            for view in dir_view:
+                view[:] = host_bits[pos:pos + view.size]
+                pos += view.size

@@ -186,6 +186,8 @@ class GradWriter:
             self._static("offset", lay.offsets, ("param",), "int64")
             self.arrays["direction"] = self._growing("direction", (lay.nbytes,), ("step", "byte"),
                                                      "uint8", self.dir_chunks)
+            self.arrays["significant"] = self._growing("significant", (lay.nbytes,),
+                                                       ("step", "byte"), "uint8", self.dir_chunks)
         if self.level == "L2":
             labels = interval_labels(self.bounds)
             self._static("interval", labels, ("interval",), str)
@@ -247,12 +249,14 @@ class GradWriter:
         n0, k = self.committed, len(rows)
         columns = {"step": np.array([s for s, _ in rows], np.int64)}
         for name in self.arrays:
-            if name not in ("step", "direction"):
+            if name not in ("step", "direction", "significant"):
                 columns[name] = np.stack([getattr(st, name) for _, st in rows])
         for name, (path, chunk_rows) in self.arrays.items():
-            if name == "direction":  # the bulk, chunked along bytes too
-                write_raw_rows(path, self.dir_chunks, n0, [st.direction for _, st in rows],
-                               self.layout.nbytes)
+            if name in ("direction", "significant"):  # the bulk, chunked along bytes too
+                # statistics without significance bits (another writer): every element counts
+                bits = [getattr(st, name) if getattr(st, name) is not None else
+                        np.full(self.layout.nbytes, 255, np.uint8) for _, st in rows]
+                write_raw_rows(path, self.dir_chunks, n0, bits, self.layout.nbytes)
             else:
                 write_step_rows(path, chunk_rows, n0, columns[name])
         for path, _ in self.arrays.values():
@@ -408,6 +412,9 @@ def write_step_rows(array_path: str, chunk_rows: int, n0: int, data: np.ndarray)
 
 
 # -- reading ---------------------------------------------------------------------------------
+_BITS = ("direction", "significant")  # packed bits per element, read through RawChunks
+
+
 def find_store(path: str) -> str:
     """The ``grads.zarr`` folder for ``path`` (a dump_path or the store itself)."""
     path = os.fspath(path)
@@ -444,7 +451,7 @@ def open_rank(store: str, rank: int, chunks=None):
     # Look members up by path rather than listing the group (the listing would meet commit.json)
     names = [name for name in ("step", "param", "numel", "shape", "offset", "interval",
                                "present", "max", "min", "norm", "zeros", "dist", "direction",
-                               "hash") if os.path.isfile(os.path.join(group_path, name,
+                               "significant", "hash") if os.path.isfile(os.path.join(group_path, name,
                                                                      "zarr.json"))]
     lazy = set() if chunks is None else {k for k in names if k not in ("step", "hash")}
     attrs = _group_attrs(group_path)
@@ -455,11 +462,11 @@ def open_rank(store: str, rank: int, chunks=None):
         if name in static and attrs.get(static[name]) is not None:
             eager[name] = np.asarray(attrs[static[name]])
             meta[name] = ("interval",) if name == "interval" else ("param",)
-        elif name not in lazy and name != "direction":
+        elif name not in lazy and name not in _BITS:
             plain = read_plain(os.path.join(group_path, name), n)
             if plain is not None:
                 meta[name], eager[name] = plain
-    rest = [k for k in names if k not in eager and k not in lazy and k != "direction"]
+    rest = [k for k in names if k not in eager and k not in lazy and k not in _BITS]
     if rest:  # arrays stored another way (compressed, other writer): through Zarr
         _, m2, e2 = _fetch(group_path, rest, n)
         meta.update(m2)
@@ -469,7 +476,7 @@ def open_rank(store: str, rank: int, chunks=None):
     group = zarr.open_group(group_path, mode="r", zarr_format=3) if lazy else None
 
     def load(name, lazy_ok=True):
-        if name == "direction":
+        if name in _BITS:
             dims = ("step", "byte")
             raw = RawChunks.open(os.path.join(group_path, name), n)
             if raw is not None:
@@ -500,7 +507,7 @@ def open_rank(store: str, rank: int, chunks=None):
                 data = np.array(data.tolist(), dtype=str).reshape(data.shape)
             coords[name] = (dims, data)
     data_vars = {}
-    for name in ("present", "max", "min", "norm", "zeros", "dist", "direction"):
+    for name in ("present", "max", "min", "norm", "zeros", "dist", "direction", "significant"):
         if name in names:
             data_vars[name] = load(name)
     if "hash" in names:
