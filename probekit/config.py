@@ -180,6 +180,8 @@ class GradProbeConfig:
     hash: str = "md5"
     flush_every: int = 50
     flush_seconds: float = 60.0
+    #: a second bit per element: is it above its tensor's rounding level (noise-aware compare)
+    significance: bool = False
 
     def __post_init__(self) -> None:
         s = "grad_probe."
@@ -191,6 +193,7 @@ class GradProbeConfig:
         if (isinstance(self.flush_seconds, bool) or not isinstance(self.flush_seconds, (int, float))
                 or not math.isfinite(self.flush_seconds) or self.flush_seconds <= 0):
             _fail(s + "flush_seconds", self.flush_seconds, "a finite number of seconds > 0")
+        _bool(s + "significance", self.significance)
 
 
 def _bounds(key: str, value: Any) -> tuple:

@@ -193,6 +193,7 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
             "total": (("step",), total)}
     judged, judged_total = similarity, total
     if use_sig:
+        count_sig -= nwords * 64 - numel_a  # padding bits are ones in both runs
         with np.errstate(invalid="ignore", divide="ignore"):
             sim_sig = np.where(present & (count_sig > 0), 1.0 - differ_sig / count_sig, np.nan)
             total_sig = 1.0 - (np.where(present, differ_sig, 0).sum(1)

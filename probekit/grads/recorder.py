@@ -60,14 +60,16 @@ class GradProbe:
     def __init__(self, model: torch.nn.Module, optimizer=None, level: str = "L1",
                  bounds=(-1, 0, 1), param_list=None, steps=None, ranks=None,
                  dump_path: str = "./dump_path", hash: str = "md5", flush_every: int = 50, *,
-                 config=None, flush_seconds: float = 60.0, scaler=None):
+                 config=None, flush_seconds: float = 60.0, scaler=None,
+                 significance: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
         if config is None:
             options = dict(dump_path=dump_path, rank=list(ranks or []), step=list(steps or []),
                            grad_level=level, bounds=list(bounds), param_list=list(param_list or []),
-                           hash=hash, flush_every=flush_every, flush_seconds=flush_seconds)
+                           hash=hash, flush_every=flush_every, flush_seconds=flush_seconds,
+                           significance=significance)
         else:
             options = {}
         self.config = _as_config(config, options)
@@ -146,7 +148,8 @@ class GradProbe:
             self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
                                       section.grad_level, section.bounds, section.hash,
                                       section.flush_every, section.flush_seconds,
-                                      attrs={"recorded_params": list(self.recorded_names)})
+                                      attrs={"recorded_params": list(self.recorded_names)},
+                                      significance=section.significance)
             self._scratch = _stats._Scratch()
         optimizers = (self.optimizer if isinstance(self.optimizer, (list, tuple))
                       else [self.optimizer] if self.optimizer is not None else [])
@@ -301,7 +304,7 @@ class GradProbe:
         section = self.config.grad_probe
         with torch.no_grad():
             stats = _stats.compute(part, self.layout, section.grad_level, section.bounds,
-                                   section.hash, self._scratch)
+                                   section.hash, self._scratch, section.significance)
         key = id(optimizer)
         cur = self._iter
         if cur is None or key in cur["stepped"] or (
@@ -336,7 +339,8 @@ class GradProbe:
         if not parts:
             section = self.config.grad_probe
             parts = [_stats.compute([None] * len(self._params), self.layout, section.grad_level,
-                                    section.bounds, section.hash, self._scratch)]
+                                    section.bounds, section.hash, self._scratch,
+                                    section.significance)]
         stats = parts[0] if len(parts) == 1 else _stats.merge(parts, self.layout)
         if not amend:
             self._writer.append(step, stats)

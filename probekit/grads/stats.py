@@ -130,11 +130,11 @@ class _Scratch:
         self.f32_np = self.f32.numpy()
         self.mask = np.empty(CHUNK, dtype=bool)  # sign bits of the chunk
         self.mask2 = np.empty(CHUNK, dtype=bool)  # comparisons for the interval counts
-        self.abs = {}  # dtype -> buffer of |chunk| (the significance bits)
+        self.mask3 = np.empty(CHUNK, dtype=bool)  # the significance bits
 
 
 def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
-            scratch: _Scratch | None = None) -> StepStats:
+            scratch: _Scratch | None = None, significance: bool = True) -> StepStats:
     """Statistics of ``grads`` (one tensor or None per parameter of ``layout``) at ``level``."""
     p = len(layout.names)
     want_dir = level in ("L1", "L2")
@@ -145,7 +145,8 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         out.hash = np.zeros((p, HASH_NBYTES[hash_name]), np.uint8)
     if want_dir:
         out.direction = np.zeros(layout.nbytes, np.uint8)
-        out.significant = np.zeros(layout.nbytes, np.uint8)
+        if significance:
+            out.significant = np.full(layout.nbytes, 255, np.uint8)  # padding bits are ones
     if want_dist:
         out.zeros = np.full(p, np.nan)
         out.dist = np.full((p, len(bounds) + 1), np.nan)
@@ -162,7 +163,8 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         if g.numel() == 0:
             continue
         span = slice(offsets[i], offsets[i] + padded_nbytes(layout.numels[i]))
-        dir_view = (out.direction[span], out.significant[span]) if want_dir else None
+        dir_view = ((out.direction[span], out.significant[span] if significance else None)
+                    if want_dir else None)
         if g.device.type == "cpu":
             if not g.dtype.is_floating_point:
                 raise TypeError(f"gradient of {layout.names[i]!r} has dtype {g.dtype}, not a "
@@ -174,7 +176,20 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         _cpu_params(cpu_jobs, out, bounds_arr, level, hash_name, scratch)
     if device_jobs:
         _device_params(device_jobs, out, bounds_arr, level, hash_name)
+    if want_dir and significance:
+        pad_significance(out, layout)
     return out
+
+
+def pad_significance(out: StepStats, layout: Layout) -> None:
+    """Set the padding bits of the significance to ones (so a store's chunks are mostly 0xFF,
+    the fill value, and are not written)."""
+    offsets = layout.offsets
+    for i in np.flatnonzero(out.present):
+        n = layout.numels[i]
+        out.significant[offsets[i] + -(-n // 8):offsets[i] + padded_nbytes(n)] = 255
+        if n % 8:
+            out.significant[offsets[i] + n // 8] |= 0xFF >> (n % 8)
 
 
 _ROW = 4096
@@ -221,12 +236,11 @@ def _chunk(part, start, native, level, bounds, dir_view, s: _Scratch, digest=Non
         signs, sig = dir_view
         packed = np.packbits(np.greater(a, 0, out=s.mask[:m]))
         signs[start // 8:start // 8 + packed.size] = packed
-        buf = s.abs.get(a.dtype)
-        if buf is None:
-            buf = s.abs[a.dtype] = np.empty(CHUNK, a.dtype)
-        thr = SIGNIFICANCE * eps * max(abs(mx), abs(mn))
-        sig[start // 8:start // 8 + packed.size] = np.packbits(
-            np.greater(np.abs(a, out=buf[:m]), thr, out=s.mask2[:m]))
+        if sig is not None:
+            thr = SIGNIFICANCE * eps * max(abs(mx), abs(mn))
+            big = np.greater(a, thr, out=s.mask2[:m])
+            big |= np.less(a, -thr, out=s.mask3[:m])
+            sig[start // 8:start // 8 + packed.size] = np.packbits(big)
     counts, zeros, nans = None, 0, 0
     if level == "L2":
         # A bound outside [min, max) of a NaN-free chunk needs no pass over the data, and
@@ -385,8 +399,12 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
             if key not in _BIT_WEIGHTS:
                 _BIT_WEIGHTS[key] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
                                                  device=flat.device)
-            thr = SIGNIFICANCE * torch.finfo(flat.dtype).eps * torch.maximum(mx.abs(), mn.abs())
-            for mask in (flat > 0, wide.abs() > thr):
+            masks = [flat > 0]
+            if dir_view[1] is not None:
+                thr = SIGNIFICANCE * torch.finfo(flat.dtype).eps * torch.maximum(mx.abs(),
+                                                                                  mn.abs())
+                masks.append(wide.abs() > thr)
+            for mask in masks:
                 bits = torch.zeros(dir_view[0].size * 8, dtype=torch.uint8, device=flat.device)
                 bits[:n] = mask
                 packed.append((bits.view(-1, 8) * _BIT_WEIGHTS[key]).sum(1, dtype=torch.uint8))
@@ -405,6 +423,6 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
             out.dist[i] = _interval_shares(counts, int(host[r, -1]), n)
             out.zeros[i] = host[r, -2] / n if n else np.nan
         if dir_view is not None:
-            for view in dir_view:
+            for view in (v for v in dir_view if v is not None):
                 view[:] = host_bits[pos:pos + view.size]
                 pos += view.size

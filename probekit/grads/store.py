@@ -101,7 +101,7 @@ class GradWriter:
 
     def __init__(self, dump_path: str, rank: int, layout: Layout, level: str, bounds,
                  hash_name: str, flush_every: int, flush_seconds: float = 60.0, *,
-                 attrs: dict | None = None) -> None:
+                 attrs: dict | None = None, significance: bool = False) -> None:
         import zarr
 
         self.path = rank_group_path(dump_path, rank)
@@ -109,6 +109,7 @@ class GradWriter:
         self.level = level
         self.bounds = tuple(bounds)
         self.hash_name = hash_name
+        self.significance = bool(significance) and level != "L0"
         if level == "L0":
             self.dir_chunks = None
             self.block = max(1, min(flush_every, _MAX_BUFFER_BYTES // (64 * len(layout.names))))
@@ -156,14 +157,14 @@ class GradWriter:
             arr[...] = np.asarray(values) if dtype is str else np.asarray(values, dtype=dtype)
         return arr
 
-    def _growing(self, name, tail, dims, dtype, chunks=None):
+    def _growing(self, name, tail, dims, dtype, chunks=None, fill=0):
         # Uncompressed: sign bits are random, the statistics barely compress, and plain chunk
         # files are read straight from disk (``read_plain``, ``RawChunks``).
         kwargs = {"compressors": None}
         # statistics: at most 16 steps per chunk, so a run's unfilled last chunk stays small
         chunks = chunks or (min(self.block, 16), *tail)
         self.group.create_array(name, shape=(0, *tail), chunks=chunks, dtype=dtype,
-                                dimension_names=dims, fill_value=0, **kwargs)
+                                dimension_names=dims, fill_value=fill, **kwargs)
         return os.path.join(self.path, name), chunks[0]  # written directly from here on
 
     def _create_arrays(self) -> None:
@@ -186,8 +187,11 @@ class GradWriter:
             self._static("offset", lay.offsets, ("param",), "int64")
             self.arrays["direction"] = self._growing("direction", (lay.nbytes,), ("step", "byte"),
                                                      "uint8", self.dir_chunks)
+        if self.significance:
+            # chunks that are all ones (the fill value) are not written
             self.arrays["significant"] = self._growing("significant", (lay.nbytes,),
-                                                       ("step", "byte"), "uint8", self.dir_chunks)
+                                                       ("step", "byte"), "uint8", self.dir_chunks,
+                                                       fill=255)
         if self.level == "L2":
             labels = interval_labels(self.bounds)
             self._static("interval", labels, ("interval",), str)
@@ -256,7 +260,8 @@ class GradWriter:
                 # statistics without significance bits (another writer): every element counts
                 bits = [getattr(st, name) if getattr(st, name) is not None else
                         np.full(self.layout.nbytes, 255, np.uint8) for _, st in rows]
-                write_raw_rows(path, self.dir_chunks, n0, bits, self.layout.nbytes)
+                write_raw_rows(path, self.dir_chunks, n0, bits, self.layout.nbytes,
+                               fill=255 if name == "significant" else 0)
             else:
                 write_step_rows(path, chunk_rows, n0, columns[name])
         for path, _ in self.arrays.values():
@@ -527,12 +532,24 @@ def _atomic_write(path: str, data, pad: int = 0) -> None:
     os.replace(tmp, path)
 
 
-def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int) -> None:
+def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int,
+                   fill: int = 0) -> None:
     """Write ``rows`` (1-D uint8 arrays of ``ncols`` bytes) as rows ``n0...`` of an
     uncompressed Zarr v3 array whose chunks are ``chunks`` = (rows, cols), chunk file by chunk
     file: the C-order bytes of the whole chunk (unfilled rows/cols = 0, the fill value), each
     written to a temporary file and renamed, as Zarr's own LocalStore does. A chunk that already
-    holds rows below ``n0`` is read back first, so those rows are kept."""
+    holds rows below ``n0`` is read back first, so those rows are kept. A chunk holding only
+    ``fill`` bytes (the array's fill value) is not written (any earlier file of it removed)."""
+
+    def put(path, data, pad=0):
+        if fill and np.all(np.asarray(data) == fill) and (not pad or fill == 0):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            return
+        _atomic_write(path, data, pad=pad)
+
     cr, cc = chunks
     ncol_chunks = -(-ncols // cc)
     k = len(rows)
@@ -544,18 +561,18 @@ def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int) -> 
             row = rows[r0 - n0]
             for j in range(ncol_chunks):
                 piece = row[j * cc:(j + 1) * cc]
-                _atomic_write(os.path.join(folder, str(j)), piece,
-                              pad=cc - piece.size)
+                if fill and piece.size < cc:
+                    piece = np.concatenate([piece, np.full(cc - piece.size, fill, np.uint8)])
+                put(os.path.join(folder, str(j)), piece, pad=cc - piece.size)
             continue
-        block = np.zeros((cr, ncol_chunks * cc), np.uint8)
+        block = np.full((cr, ncol_chunks * cc), fill, np.uint8)
         if r0 < n0:  # a chunk begun by an earlier flush
-            block[:, :ncols] = RawChunks(array_path, (r1, ncols), chunks, "uint8", 0, r1)[
+            block[:, :ncols] = RawChunks(array_path, (r1, ncols), chunks, "uint8", fill, r1)[
                 r0:r1, 0:ncols]
         for r in range(max(r0, n0), min(r1, n0 + k)):
             block[r - r0, :ncols] = rows[r - n0]
         for j in range(ncol_chunks):
-            _atomic_write(os.path.join(folder, str(j)),
-                          np.ascontiguousarray(block[:, j * cc:(j + 1) * cc]))
+            put(os.path.join(folder, str(j)), np.ascontiguousarray(block[:, j * cc:(j + 1) * cc]))
 
 
 class RawChunks:

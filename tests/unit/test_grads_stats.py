@@ -161,6 +161,7 @@ def test_device_path_matches_cpu_path():
     jobs = [(i, g, (dev.direction[spans[i]], dev.significant[spans[i]]))
             for i, g in enumerate(grads)]
     stats._device_params(jobs, dev, np.asarray(BOUNDS, float), "L2", "md5")
+    stats.pad_significance(dev, lay)
     assert dev.max.tolist() == cpu.max.tolist() and dev.min.tolist() == cpu.min.tolist()
     assert np.allclose(dev.norm, cpu.norm, rtol=1e-6, atol=0)
     assert dev.dist.tolist() == cpu.dist.tolist() and dev.zeros.tolist() == cpu.zeros.tolist()
@@ -209,6 +210,7 @@ def test_significance_bits():
     out = compute([g], lay, "L1", BOUNDS)
     # max|g| = 2: threshold 2 * eps32
     assert np.unpackbits(out.significant[:1]).tolist() == [1, 1, 0, 1, 0, 1, 0, 1]
+    assert out.significant[1:].tolist() == [255] * 7  # padding to 64 bits: ones
     assert np.unpackbits(out.direction[:1]).tolist() == [1, 0, 1, 0, 0, 0, 1, 1]
     b = torch.tensor([1.0, 0.03, -0.03, 0.005], dtype=torch.bfloat16)  # threshold 1/128
     out = compute([b], layout_of(b), "L1", BOUNDS)
