@@ -310,6 +310,16 @@ class _LiveWriters:
     def remove(self, writer) -> None:
         with self.cond:
             self.writers.pop(id(writer), None)
+            last = not self.writers
+            self.cond.notify_all()  # the timer thread ends when no writer is left
+        if last and self.sigterm_installed and \
+                threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self.sigterm_installed = False
+            except (ValueError, OSError):  # pragma: no cover
+                pass
 
     def wake(self) -> None:
         with self.cond:
@@ -327,6 +337,9 @@ class _LiveWriters:
     def _timer(self) -> None:
         while True:
             with self.cond:
+                if not self.writers:
+                    self.thread = None
+                    return
                 now = time.monotonic()
                 pending = [w for w in self.writers.values() if w._buffer]
                 due = [w for w in pending if now - w._oldest >= w.flush_seconds]

@@ -109,3 +109,19 @@ def test_same_process_reader_sees_buffered_steps(tmp_path):
         assert ds["max"].values[:, 0].tolist() == [2.0, 2.0, 2.0]  # d(sum)/dW = batch of ones
     finally:
         probe.stop()
+
+
+def test_handler_and_timer_removed_when_the_last_writer_closes(tmp_path):
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM)
+    model = torch.nn.Linear(2, 2)
+    probe = GradProbe(model, dump_path=str(tmp_path)).start()
+    assert signal.getsignal(signal.SIGTERM) is not before  # installed while recording
+    probe.stop()
+    assert signal.getsignal(signal.SIGTERM) is before
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(
+            t.name == "probekit-grad-flush" for t in threading.enumerate()):
+        time.sleep(0.01)
+    assert not any(t.name == "probekit-grad-flush" for t in threading.enumerate())
