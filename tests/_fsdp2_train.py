@@ -1,5 +1,6 @@
 """Run under torchrun (gloo): FSDP2 (fully_shard on each block and the model) with the grad probe.
-argv: dump_path of run a, dump_path of run b. Every rank trains on the same batch, so the
+argv: dump_path of run a, of run b, of run c (c records rank 1 only: rank 0 still joins the
+gathers). Every rank trains on the same batch, so the
 gradients equal those of a single process on that batch (see make_model / batches)."""
 import sys
 
@@ -19,11 +20,11 @@ def batches(steps=3):
             for _ in range(steps)]
 
 
-def train(model, probe_path):
+def train(model, probe_path, ranks=None):
     from probekit.grads import GradProbe
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with GradProbe(model, level="L2", dump_path=probe_path):
+    with GradProbe(model, level="L2", dump_path=probe_path, ranks=ranks):
         for x, y in batches():
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -34,12 +35,12 @@ def main():
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    for path in sys.argv[1:3]:
+    for path, ranks in zip(sys.argv[1:4], (None, None, [1])):
         model = make_model()
         for block in list(model)[:3]:
             fully_shard(block)
         fully_shard(model)
-        train(model, path)
+        train(model, path, ranks)
     print(f"rank {dist.get_rank()} done", flush=True)
     dist.destroy_process_group()
 

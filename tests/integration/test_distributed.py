@@ -110,7 +110,8 @@ def test_fsdp2_runs_record_full_parameters_and_compare(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-                          _fsdp2_train.__file__, str(tmp_path / "a"), str(tmp_path / "b")],
+                          _fsdp2_train.__file__, str(tmp_path / "a"), str(tmp_path / "b"),
+                          str(tmp_path / "c")],
                          capture_output=True, text=True, env=env, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     single = _fsdp2_train.make_model()
@@ -129,4 +130,9 @@ def test_fsdp2_runs_record_full_parameters_and_compare(tmp_path):
     assert np.all(cmp["similarity"].values == 1.0)
     cmp = compare_grads(tmp_path / "single", {0: open_grads(tmp_path / "a", rank=0)})
     assert float(cmp["similarity"].min()) > 0.97
+    # rank filter [1]: rank 0 joined the gathers (no hang) and wrote nothing
+    assert sorted(os.listdir(tmp_path / "c" / "grads.zarr")) == ["rank1", "zarr.json"]
+    c1, a1 = open_grads(tmp_path / "c", rank=1), open_grads(tmp_path / "a", rank=1)
+    assert np.array_equal(c1["max"].values, a1["max"].values)
+    assert np.array_equal(c1["direction"].values, a1["direction"].values)
     assert torch.distributed.is_available()
