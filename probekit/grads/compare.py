@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from ..log import get_logger
+from .names import canonical_names
 from .store import raw_direction
 
 log = get_logger(__name__)
@@ -72,8 +73,9 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
             raise GradCompareError(
                 f"the {name} run was recorded at grad_level {ds.attrs.get('level', '?')!r}, "
                 "which keeps no direction data; accepted: runs recorded at L1 or L2")
-    names_a = [str(x) for x in a["param"].values]
-    names_b = [str(x) for x in b["param"].values]
+    # names matched without wrapper prefixes (an msprobe dump of a DDP run has "module.*")
+    names_a = list(canonical_names(str(x) for x in a["param"].values))
+    names_b = list(canonical_names(str(x) for x in b["param"].values))
     index_b = {n: i for i, n in enumerate(names_b)}
     common = [n for n in names_a if n in index_b]
     if not common:

@@ -170,3 +170,16 @@ def test_grad_scaler_skipped_steps_keep_the_iteration_axis(tmp_path):
     assert ds["present"].any("param").values.tolist() == [True, False, False, True, True]
     for it in (0, 3, 4):
         assert ds["max"].sel(param="4.weight").values[it] == float(seen[it].max())
+
+
+def test_prefixed_names_of_other_recorders_match(tmp_path):
+    """A dump recorded with wrapper prefixes (msprobe on a DDP model: "module.*") compares with
+    a plain run by the names without them."""
+    model = make_model()
+    with GradProbe(model, dump_path=str(tmp_path / "a")):
+        train(model, steps=2)
+    ds = open_grads(tmp_path / "a")
+    prefixed = ds.assign_coords(param=["module." + str(n) for n in ds["param"].values])
+    cmp = compare_grads(ds, prefixed)
+    assert cmp["param"].values.tolist() == ds["param"].values.tolist()
+    assert np.all(cmp["similarity"].values == 1.0)
