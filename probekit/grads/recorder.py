@@ -239,12 +239,11 @@ class GradProbe:
         self._updates += 1
 
     def _post_step(self, optimizer, args, kwargs) -> None:
-        if optimizer in self._owners and not self._nested_post():
+        # the outer step() call's hooks run in one frame (torch's wrapper): only its post-hook
+        # ends the step; the gradients as the update left them are the reference for _fresh
+        if optimizer in self._owners and sys._getframe(1) is self._step_frame:
             self._step_frame = None
             self._grad_sig = self._signature(self._grads())
-
-    def _nested_post(self) -> bool:
-        return self._step_frame is not None and self._nested()
 
     def _pre_step(self, optimizer, args, kwargs):
         if not self._owns(optimizer):

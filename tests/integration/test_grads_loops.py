@@ -183,3 +183,31 @@ def test_prefixed_names_of_other_recorders_match(tmp_path):
     cmp = compare_grads(ds, prefixed)
     assert cmp["param"].values.tolist() == ds["param"].values.tolist()
     assert np.all(cmp["similarity"].values == 1.0)
+
+
+class TouchingSGD(torch.optim.SGD):
+    """Modifies the gradients in place inside its step (as optimizers that clip or rescale
+    them do) and calls super().step(): the hooks run twice, for one step."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(1.0)
+        return super().step(closure)
+
+
+def test_optimizer_touching_gradients_in_its_step_keeps_iterations(tmp_path):
+    model = two_part_model()
+    body = torch.optim.SGD(model["body"].parameters(), lr=0.1)
+    head = TouchingSGD(model["head"].parameters(), lr=0.1)
+    with GradProbe(model, dump_path=str(tmp_path)):
+        for it in range(4):
+            model.zero_grad()
+            model["head"](torch.tanh(model["body"](torch.ones(2, 6)))).sum().backward()
+            if it % 2 == 0:  # head first, every other iteration
+                head.step()
+            body.step()
+    ds = open_grads(tmp_path)
+    assert ds["step"].values.tolist() == [0, 1, 2, 3]
+    assert ds["present"].sel(param="head.weight").values.tolist() == [True, False, True, False]
+    assert bool(ds["present"].sel(param="body.weight").all())
