@@ -96,6 +96,30 @@ def read_commit(group_path: str) -> dict:
     return info
 
 
+def _open_root(store_path: str):
+    """The store's root group, created if missing. Every rank of a distributed run opens it at
+    the same moment: the root's ``zarr.json`` is written once, atomically (temporary file, then
+    an exclusive link), so a rank never meets another's half-made root."""
+    import zarr
+
+    meta = os.path.join(store_path, "zarr.json")
+    if not os.path.isfile(meta):
+        tmp = f"{meta}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"zarr_format": 3, "node_type": "group",
+                       "attributes": {"format": FORMAT}}, fh)
+        try:
+            os.link(tmp, meta)  # fails if another rank was first: theirs is the same
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links here: a rename (the same bytes if two ranks race)
+            os.replace(tmp, meta)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return zarr.open_group(store_path, mode="r+", zarr_format=3)
+
+
 class GradWriter:
     """Buffers the statistics of each step and writes them to one rank group in blocks."""
 
@@ -126,8 +150,7 @@ class GradWriter:
             log.warning("%s exists and will be replaced by this recording", self.path)
             shutil.rmtree(self.path)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        root = zarr.open_group(os.path.dirname(self.path), mode="a", zarr_format=3)
-        root.attrs.update({"format": FORMAT})
+        root = _open_root(os.path.dirname(self.path))
         self.group = root.create_group(f"rank{int(rank)}", overwrite=True)
         self.group.attrs.update({
             "format": FORMAT, "level": level, "bounds": list(self.bounds), "rank": int(rank),
