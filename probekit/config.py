@@ -199,9 +199,13 @@ class GradProbeConfig:
     grad_level: str = "L1"
     param_list: tuple = ()
     bounds: tuple = (-1, 0, 1)
-    #: probekit extensions: digest of the L0 hash column, steps buffered between flushes
+    #: probekit extensions: digest of the L0 hash column, steps buffered between flushes, and
+    #: the longest a recorded step waits in memory before it is written (seconds)
     hash: str = "md5"
     flush_every: int = 50
+    flush_seconds: float = 60.0
+    #: a second bit per element: is it above its tensor's rounding level (noise-aware compare)
+    significance: bool = False
 
     def __post_init__(self) -> None:
         s = "grad_probe."
@@ -210,6 +214,10 @@ class GradProbeConfig:
         _set(self, "bounds", _bounds(s + "bounds", self.bounds))
         _choice(s + "hash", self.hash, HASH_ALGORITHMS)
         _positive_int(s + "flush_every", self.flush_every)
+        if (isinstance(self.flush_seconds, bool) or not isinstance(self.flush_seconds, (int, float))
+                or not math.isfinite(self.flush_seconds) or self.flush_seconds <= 0):
+            _fail(s + "flush_seconds", self.flush_seconds, "a finite number of seconds > 0")
+        _bool(s + "significance", self.significance)
 
 
 def _bounds(key: str, value: Any) -> tuple:

@@ -24,7 +24,7 @@ import weakref
 from .config import TASKS, Config, load_config, make_config
 from .dist import get_rank, rank_selected
 from .log import ensure_handler, get_logger
-from .seed import seed_all
+from .seed import seed_all, set_deterministic
 
 log = get_logger(__name__)
 
@@ -80,7 +80,9 @@ class PrecisionDebugger:
     ``PrecisionDebugger(config_path="config.json")`` or
     ``PrecisionDebugger(task="free_benchmark", dump_path="./out", pert_mode="bit_noise", ...)``.
     ``task``/``dump_path`` given with a config file override the file's values (as in msprobe).
-    ``seed``/``is_deterministic`` are applied when the debugger is created.
+    ``seed``/``is_deterministic`` are applied when the debugger is created, except for the grad
+    probe (as in msprobe): an observer leaves the run's random streams alone, so ``seed`` is not
+    applied (``is_deterministic: true`` still is, being an explicit request).
     """
 
     _newest = None
@@ -103,7 +105,10 @@ class PrecisionDebugger:
         self.model = model
         self._session = None
         self._closed = False
-        seed_all(cfg.seed, cfg.is_deterministic)
+        if cfg.task != "grad_probe":
+            seed_all(cfg.seed, cfg.is_deterministic)
+        elif cfg.is_deterministic:  # an explicit request; the seed is never applied (observer)
+            set_deterministic()
         type(self)._newest = weakref.ref(self)
         self._atexit = atexit.register(self._close_quietly)
 
@@ -155,15 +160,19 @@ class PrecisionDebugger:
         self._session.step()
 
     @_ClassOrInstance
-    def monitor(self, model, optimizer=None):
-        """grad_probe: record gradient statistics of ``model`` at every optimizer step."""
+    def monitor(self, model, optimizer=None, scaler=None):
+        """grad_probe: record gradient statistics of ``model`` at every training iteration
+        (``scaler``: the run's GradScaler, so the steps it skips keep their place)."""
         if self.task != "grad_probe":
             log.warning("monitor() only applies to task 'grad_probe' (this debugger's task is %r)",
                         self.task)
             return
         if self._skip("monitor"):
             return
-        self._get_session().monitor(model, optimizer=optimizer)
+        if scaler is not None:
+            self._get_session().monitor(model, optimizer=optimizer, scaler=scaler)
+        else:
+            self._get_session().monitor(model, optimizer=optimizer)
 
     # -- probekit additions ------------------------------------------------------------------
     @property

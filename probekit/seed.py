@@ -19,9 +19,16 @@ def seed_all(seed: int, deterministic: bool = False) -> None:
     if npu is not None and hasattr(npu, "manual_seed_all"):
         npu.manual_seed_all(seed)
     if deterministic:
-        # cuBLAS needs a fixed workspace for deterministic results; it must be set before the first
-        # cuBLAS call, so set it here and leave any value the user chose.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
+        set_deterministic()
+
+
+def set_deterministic() -> None:
+    """Force deterministic algorithms (touches no random generator)."""
+    import torch
+
+    # cuBLAS needs a fixed workspace for deterministic results; it must be set before the first
+    # cuBLAS call, so set it here and leave any value the user chose.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import GradCompareError
 from ..log import get_logger
+from .names import canonical_names
 from .store import raw_direction
 
 log = get_logger(__name__)
@@ -67,8 +68,14 @@ def _read_rows(da, rows: np.ndarray) -> np.ndarray:
 
 
 def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
-                 drop_threshold: float = DROP_THRESHOLD, block_bytes: int = _BLOCK_BYTES):
-    """Compare two Datasets of one rank (as ``open_grads`` returns) -> Dataset(step, param)."""
+                 drop_threshold: float = DROP_THRESHOLD, block_bytes: int = _BLOCK_BYTES,
+                 noise_aware: bool = True):
+    """Compare two Datasets of one rank (as ``open_grads`` returns) -> Dataset(step, param).
+
+    When both runs hold significance bits (probekit stores), ``similarity_significant`` compares
+    the signs of the elements significant in both runs only (elements whose magnitude is below
+    the rounding level of their tensor have random signs), and with ``noise_aware`` the flags
+    and the first divergence use it; ``similarity`` stays msprobe's plain sign similarity."""
     import xarray as xr
 
     for name, ds in (("first", a), ("second", b)):
@@ -76,8 +83,9 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
             raise GradCompareError(
                 f"the {name} run was recorded at grad_level {ds.attrs.get('level', '?')!r}, "
                 "which keeps no direction data; accepted: runs recorded at L1 or L2")
-    names_a = [str(x) for x in a["param"].values]
-    names_b = [str(x) for x in b["param"].values]
+    # names matched without wrapper prefixes (an msprobe dump of a DDP run has "module.*")
+    names_a = list(canonical_names(str(x) for x in a["param"].values))
+    names_b = list(canonical_names(str(x) for x in b["param"].values))
     index_b = {n: i for i, n in enumerate(names_b)}
     common = [n for n in names_a if n in index_b]
     if not common:
@@ -120,7 +128,17 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
                   if small.size else np.zeros(0, np.int64))
     small_starts = np.concatenate([[0], np.cumsum(nwords[small])[:-1]]).astype(np.int64)
     differ = np.zeros((steps.size, len(common)), np.int64)
+    use_sig = "significant" in a and "significant" in b
+    differ_sig = np.zeros_like(differ) if use_sig else None
+    count_sig = np.zeros_like(differ) if use_sig else None
     block = max(1, block_bytes // max(1, nbytes_a))
+
+    def sig_rows(ra, rb):
+        if not use_sig:
+            return None, None
+        sa = _read_rows(a["significant"], ra).view(np.uint64)
+        sb = _read_rows(b["significant"], rb).view(np.uint64)
+        return (sa, sb) if same_layout else (sa[:, words_a], sb[:, words_b])
 
     def one_block(s0: int) -> None:
         ra, rb = rows_a[s0:s0 + block], rows_b[s0:s0 + block]
@@ -128,17 +146,25 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
         wb = _read_rows(b["direction"], rb).view(np.uint64)
         if not same_layout:
             wa, wb = wa[:, words_a], wb[:, words_b]
-        count_block(s0, wa, wb)
+        count_block(s0, wa, wb, *sig_rows(ra, rb))
 
-    def count_block(s0: int, wa, wb) -> None:
-        bits = _bitwise_count(np.bitwise_xor(wa, wb, out=wa))
-        rows = slice(s0, s0 + wa.shape[0])
+    def per_param(words, target, rows) -> None:
+        bits = _bitwise_count(words)
         if small.size:
-            differ[rows, small] = np.add.reduceat(bits[:, small_cols], small_starts, axis=1,
+            target[rows, small] = np.add.reduceat(bits[:, small_cols], small_starts, axis=1,
                                                   dtype=np.int64)
         for j in big:  # uint32 cannot overflow below 2**26 words (2**32 bits)
             acc = np.uint32 if nwords[j] < 1 << 26 else np.int64
-            differ[rows, j] = bits[:, word0[j]:word0[j] + nwords[j]].sum(axis=1, dtype=acc)
+            target[rows, j] = bits[:, word0[j]:word0[j] + nwords[j]].sum(axis=1, dtype=acc)
+
+    def count_block(s0: int, wa, wb, sa=None, sb=None) -> None:
+        rows = slice(s0, s0 + wa.shape[0])
+        x = np.bitwise_xor(wa, wb, out=wa)
+        if sa is not None:
+            both = np.bitwise_and(sa, sb, out=sa)
+            per_param(both, count_sig, rows)
+            per_param(np.bitwise_and(x, both, out=sb), differ_sig, rows)
+        per_param(x, differ, rows)
 
     blocks = range(0, steps.size, block)
     raw_a, raw_b = raw_direction(a), raw_direction(b)
@@ -157,7 +183,7 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
             ra, rb = rows_a[s0:s0 + block], rows_b[s0:s0 + block]
             wa = read_rows(raw_a, ra, bufs[0]).view(np.uint64)
             wb = read_rows(raw_b, rb, bufs[1]).view(np.uint64)
-            count_block(s0, wa, wb)
+            count_block(s0, wa, wb, *sig_rows(ra, rb))
         blocks = ()
     workers = min(len(blocks), os.cpu_count() or 1, 4)
     if workers > 1:  # file reads and the numpy loops release the GIL: blocks in parallel
@@ -174,16 +200,28 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
         similarity = np.where(present & (numel > 0), 1.0 - differ / numel, np.nan)
         weight = np.where(present, numel, 0.0)
         total = 1.0 - (np.where(present, differ, 0).sum(1) / weight.sum(1))
-    flag = flags(similarity, step0_threshold, drop_threshold)
-    flag_total = flags(total[:, None], step0_threshold, drop_threshold)[:, 0]
-    return xr.Dataset(
-        {"similarity": (("step", "param"), similarity),
-         "differ": (("step", "param"), np.where(present, differ, -1)),
-         "total": (("step",), total),
-         "flag": (("step", "param"), flag),
-         "flag_total": (("step",), flag_total)},
-        coords={"step": steps, "param": np.array(common, dtype=str), "numel": ("param", numel_a)},
-    )
+    data = {"similarity": (("step", "param"), similarity),
+            "differ": (("step", "param"), np.where(present, differ, -1)),
+            "total": (("step",), total)}
+    judged, judged_total = similarity, total
+    if use_sig:
+        count_sig -= nwords * 64 - numel_a  # padding bits are ones in both runs
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sim_sig = np.where(present & (count_sig > 0), 1.0 - differ_sig / count_sig, np.nan)
+            total_sig = 1.0 - (np.where(present, differ_sig, 0).sum(1)
+                               / np.where(present, count_sig, 0).sum(1))
+        data["similarity_significant"] = (("step", "param"), sim_sig)
+        data["significant"] = (("step", "param"), np.where(present, count_sig, -1))
+        data["total_significant"] = (("step",), total_sig)
+        if noise_aware:
+            judged, judged_total = sim_sig, total_sig
+    data["flag"] = (("step", "param"), flags(judged, step0_threshold, drop_threshold))
+    data["flag_total"] = (("step",), flags(judged_total[:, None], step0_threshold,
+                                           drop_threshold)[:, 0])
+    out = xr.Dataset(data, coords={"step": steps, "param": np.array(common, dtype=str),
+                                   "numel": ("param", numel_a)})
+    out.attrs["noise_aware"] = int(bool(use_sig and noise_aware))
+    return out
 
 
 def _present(ds, rows, pos) -> np.ndarray:
@@ -216,18 +254,23 @@ def first_divergence(result) -> tuple[int, str]:
     row_flags = result["flag"].values[i]
     if not row_flags.any():
         return int(result["step"].values[i]), ""
-    sims = np.where(row_flags, result["similarity"].values[i], np.inf)
+    name = ("similarity_significant" if result.attrs.get("noise_aware")
+            and "similarity_significant" in result else "similarity")
+    sims = np.where(row_flags, np.nan_to_num(result[name].values[i], nan=np.inf), np.inf)
     return int(result["step"].values[i]), str(result["param"].values[int(np.argmin(sims))])
 
 
 def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
-                  drop_threshold: float = DROP_THRESHOLD, ranks=None):
+                  drop_threshold: float = DROP_THRESHOLD, ranks=None, noise_aware: bool = True):
     """Compare two runs (paths to probekit or msprobe dumps, or Datasets) -> xarray Dataset.
 
     Result: ``similarity(rank, step, param)``, ``total(rank, step)``, ``flag(rank, step, param)``,
     ``flag_total(rank, step)``, ``differ(rank, step, param)`` (elements whose sign differs,
     -1 where a run had no gradient), ``first_step(rank)`` (-1 if nothing was flagged) and
-    ``first_param(rank)``; only steps and parameters present in both runs.
+    ``first_param(rank)``; only steps and parameters present in both runs. With significance
+    bits in both runs also ``similarity_significant``, ``significant`` (elements significant in
+    both) and ``total_significant``; ``noise_aware`` (default) judges flags and the first
+    divergence on them, ``noise_aware=False`` on msprobe's plain ``similarity``.
     """
     import xarray as xr
 
@@ -244,7 +287,7 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     parts = []
     for r in common:
         res = compare_rank(runs_a[r], runs_b[r], step0_threshold=step0_threshold,
-                           drop_threshold=drop_threshold)
+                           drop_threshold=drop_threshold, noise_aware=noise_aware)
         step, param = first_divergence(res)
         res["first_step"] = ((), step)
         res["first_param"] = ((), param)
@@ -254,6 +297,7 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     else:
         out = xr.concat(parts, dim="rank", join="outer", fill_value={
             "similarity": np.nan, "total": np.nan, "flag": False, "flag_total": False,
-            "differ": -1, "numel": 0}, coords="different", compat="equals")
+            "differ": -1, "numel": 0, "similarity_significant": np.nan, "significant": -1,
+            "total_significant": np.nan}, coords="different", compat="equals")
     out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
     return out

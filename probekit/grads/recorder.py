@@ -20,6 +20,7 @@ from ..config import ConfigError, config_for, grad_probe_options
 from ..dist import get_rank, rank_selected
 from ..log import Once, ensure_handler, get_logger
 from . import stats as _stats
+from .names import canonical_names
 from .store import GradWriter
 
 log = get_logger(__name__)
@@ -35,25 +36,39 @@ class GradProbe:
     ``config``: a ``Config``, a ``GradProbeConfig``, a dict or a config.json path (as
     ``probekit.config_for`` takes them); ``options`` use msprobe's key names and override it:
     ``dump_path``, ``grad_level`` ("L0"/"L1"/"L2", default "L1"), ``bounds``, ``param_list``
-    (exact names from ``model.named_parameters()``), ``step`` / ``rank`` (recorded steps and
-    ranks; empty = all), ``hash``, ``flush_every``. The spellings ``level=``, ``steps=``,
-    ``ranks=`` of earlier versions still work, with a ``DeprecationWarning``.
+    (names from ``model.named_parameters()``, with or without wrapper prefixes), ``step`` /
+    ``rank`` (recorded steps and ranks; empty = all), ``hash``, ``flush_every``,
+    ``flush_seconds``, ``significance``. The spellings ``level=``, ``steps=``, ``ranks=`` of
+    earlier versions still work, with a ``DeprecationWarning``. ``scaler``: the run's
+    ``GradScaler``, so that its skipped steps keep their place (a row with no gradient present).
+
+    Parameters are stored under their names without the prefixes of ``torch.compile``, DDP,
+    FSDP1 and checkpoint wrappers (``names.canonical_name``); the names as recorded are kept in
+    the store's ``recorded_params`` attribute.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, *, config=None, **options):
+    def __init__(self, model: torch.nn.Module, optimizer=None, *, config=None, scaler=None,
+                 **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
         self.config = config_for("grad_probe", config, **grad_probe_options(options))
         self.model = model
         self.optimizer = optimizer
-        self.steps_seen = 0
+        self.scaler = scaler
+        self.steps_seen = 0  # training iterations begun (the step axis)
         self.hook_seconds: list[float] = []
         self._handles = []
         self._writer = None
-        self._owner = None
+        self._owners = weakref.WeakKeyDictionary()  # optimizer -> indices of its monitored params
+        self._owned = set()  # indices owned by some optimizer seen so far
         self._step_frame = None
         self._others = weakref.WeakSet()
+        self._epoch = 0  # backward passes told apart: grads changed since the last step()
+        self._grad_sig = None
+        self._iter = None  # the current iteration: step, captures, optimizers stepped
+        self._scratch = None
+        self._updates = 0  # GradScaler.update() calls (the iteration count when a scaler is given)
         self._once = Once()
         self._select_params()
 
@@ -61,27 +76,31 @@ class GradProbe:
     def _select_params(self) -> None:
         section = self.config.grad_probe
         named = list(self.model.named_parameters())
+        clean = canonical_names(n for n, _ in named)
+        named = [(c, n, p) for c, (n, p) in zip(clean, named)]
         wanted = set(section.param_list)
         if wanted:
-            known = {n for n, _ in named}
+            known = {c for c, _, _ in named} | {n for _, n, _ in named}
             missing = sorted(wanted - known)
             if missing:
-                sample = ", ".join(sorted(known)[:8])
+                sample = ", ".join(sorted(c for c, _, _ in named)[:8])
                 raise ConfigError(f"grad_probe.param_list: {missing!r} not found in the model; "
                                   f"accepted: names from model.named_parameters() (e.g. {sample})",
                                   key="grad_probe.param_list", value=missing,
                                   accepted=f"names from model.named_parameters() (e.g. {sample})")
-            named = [(n, p) for n, p in named if n in wanted]
-        frozen = [n for n, p in named if not p.requires_grad]
+            named = [(c, n, p) for c, n, p in named if c in wanted or n in wanted]
+        frozen = [c for c, _, p in named if not p.requires_grad]
         if frozen:
-            log.info("grad_probe: %d parameters do not require grad and are not monitored "
-                     "(first: %s)", len(frozen), frozen[0])
-        named = [(n, p) for n, p in named if p.requires_grad]
+            log.info("grad_probe: %d parameters do not require grad now; they are recorded from "
+                     "the step they first have a gradient (first: %s; param_list leaves them out)",
+                     len(frozen), frozen[0])
         if not named:
             raise ValueError("grad_probe: the model has no parameter to monitor")
-        self.param_names = tuple(n for n, _ in named)
-        self._params = [p for _, p in named]
+        self.param_names = tuple(c for c, _, _ in named)
+        self.recorded_names = tuple(n for _, n, _ in named)
+        self._params = [p for _, _, p in named]
         self._param_ids = {id(p) for p in self._params}
+        self._sharded = any(_is_dtensor(p) for p in self._params)
         self.layout = _stats.Layout(self.param_names, tuple(p.numel() for p in self._params),
                                     tuple(tuple(p.shape) for p in self._params))
 
@@ -103,23 +122,33 @@ class GradProbe:
         ensure_handler()
         if self._handles:
             return self
-        if not rank_selected(self.config.rank):
+        selected = rank_selected(self.config.rank)
+        if not selected:
             log.info("grad_probe: rank %d is not in rank filter %s; nothing is recorded",
                      get_rank(), list(self.config.rank))
-            return self
-        if self._writer is None:  # the store exists (0 committed steps) once recording starts
+            if not self._sharded:
+                return self
+            # sharded (DTensor) gradients are gathered by every rank together: this rank takes
+            # part in the gathers and writes nothing
+        if self._writer is None and selected:  # the store exists (0 committed steps) once recording starts
             section = self.config.grad_probe
             self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
                                       section.grad_level, section.bounds, section.hash,
-                                      section.flush_every)
+                                      section.flush_every, section.flush_seconds,
+                                      attrs={"recorded_params": list(self.recorded_names)},
+                                      significance=section.significance)
             self._scratch = _stats._Scratch()
-        if self.optimizer is not None:
-            self._owner = self.optimizer
-            self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
-            self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
-        else:
+        optimizers = (self.optimizer if isinstance(self.optimizer, (list, tuple))
+                      else [self.optimizer] if self.optimizer is not None else [])
+        for opt in optimizers:
+            self._owns(opt)
+            self._handles.append(opt.register_step_pre_hook(self._pre_step))
+            self._handles.append(opt.register_step_post_hook(self._post_step))
+        if not optimizers:
             self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
             self._handles.append(register_optimizer_step_post_hook(self._post_step))
+        if self.scaler is not None:
+            self._handles.append(_count_calls(self.scaler, "update", self._on_update))
         log.info("grad_probe: monitoring %d parameters at level %s into %s",
                  len(self.param_names), self.config.grad_probe.grad_level, self.dump_path)
         return self
@@ -144,21 +173,24 @@ class GradProbe:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    # -- the hook --------------------------------------------------------------------------
+    # -- the hooks -------------------------------------------------------------------------
     def _owns(self, optimizer) -> bool:
-        if self._owner is not None:
-            return optimizer is self._owner
+        if optimizer in self._owners:
+            return True
         if optimizer in self._others:
             return False
-        if any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]):
-            self._owner = optimizer
-            return True
-        self._others.add(optimizer)
-        return False
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        idx = [i for i, p in enumerate(self._params) if id(p) in ids]
+        if not idx and self.optimizer is None:
+            self._others.add(optimizer)
+            return False
+        self._owners[optimizer] = idx
+        self._owned.update(idx)
+        return True
 
     def _nested(self) -> bool:
-        """True inside an outer ``step()`` of the same optimizer: a subclass whose ``step``
-        calls ``super().step()`` runs the hooks twice, and that is one optimizer step."""
+        """True inside an outer ``step()`` of an optimizer: a subclass whose ``step`` calls
+        ``super().step()`` runs the hooks twice, and that is one optimizer step."""
         outer = self._step_frame
         frame = sys._getframe(2)
         while outer is not None and frame is not None:
@@ -167,37 +199,140 @@ class GradProbe:
             frame = frame.f_back
         return False
 
-    def _post_step(self, optimizer, args, kwargs) -> None:
-        if optimizer is self._owner:
-            self._step_frame = None
+    def _grads(self):
+        out = []
+        for p in self._params:
+            g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else None
+            out.append(g if g is not None else p.grad)
+        return out
 
-    def _pre_step(self, optimizer, args, kwargs) -> None:
+    def _signature(self, grads):
+        return [(weakref.ref(g), g._version) if g is not None else None for g in grads]
+
+    def _fresh(self, grads) -> bool:
+        """Did a backward pass run since the last ``step()``? (a gradient is another tensor or
+        was modified in place since then)"""
+        old = self._grad_sig
+        if old is None:
+            return True
+        for g, o in zip(grads, old):
+            if (g is None) != (o is None):
+                return True
+            if g is not None and (o[0]() is not g or o[1] != g._version):
+                return True
+        return False
+
+    def _on_update(self) -> None:
+        self._updates += 1
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        # the outer step() call's hooks run in one frame (torch's wrapper): only its post-hook
+        # ends the step; the gradients as the update left them are the reference for _fresh
+        if optimizer in self._owners and sys._getframe(1) is self._step_frame:
+            self._step_frame = None
+            self._grad_sig = self._signature(self._grads())
+
+    def _pre_step(self, optimizer, args, kwargs):
         if not self._owns(optimizer):
             if self._once(("other-optimizer", id(optimizer))):
                 log.debug("grad_probe: ignoring an optimizer that does not own the model's "
                           "parameters")
-            return
+            return None
         if self._nested():
-            return
+            return None
         self._step_frame = sys._getframe(1)
-        step = self.steps_seen
-        self.steps_seen += 1
-        if self.config.step and step not in self.config.step:
-            return
+        lead = 1 if args and args[0] is optimizer else 0  # torch passes (self, *args)
+        closure = kwargs.get("closure", args[lead] if len(args) > lead else None)
+        if callable(closure):
+            # the step computes its gradients in the closure (LBFGS): take them from its first
+            # evaluation, which the update uses, instead of the stale ones before it
+            state = {"done": False}
+
+            def recording_closure(*a, **k):
+                loss = closure(*a, **k)
+                if not state["done"]:
+                    state["done"] = True
+                    self._capture(optimizer)
+                return loss
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": recording_closure}
+            return (*args[:lead], recording_closure, *args[lead + 1:]), kwargs
+        self._capture(optimizer)
+        return None
+
+    def _capture(self, optimizer) -> None:
+        """Take the gradients of ``optimizer``'s parameters into the current iteration.
+
+        Iterations: one ``step()`` of an optimizer that already stepped in the current
+        iteration begins the next one; steps taken on the gradients of the same backward pass
+        (no gradient changed in between) belong to the same iteration, whichever optimizer
+        stepped first. With a ``GradScaler`` the iteration is the number of its ``update()``
+        calls, so steps it skipped stay in place (as steps where no gradient is present)."""
         t0 = time.perf_counter()
-        grads = []
-        for name, p in zip(self.param_names, self._params):
-            g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else None
-            g = g if g is not None else p.grad
-            if g is None and self._once(("no-grad", name)):
+        grads = self._grads()
+        if self._fresh(grads):
+            self._epoch += 1
+        self._grad_sig = self._signature(grads)
+        mine = set(self._owners.get(optimizer, ()))
+        mine.update(i for i in range(len(grads)) if i not in self._owned)  # owned by none
+        part = [g if i in mine else None for i, g in enumerate(grads)]
+        if self._sharded:  # FSDP2: full-parameter gradients (all-gathers every rank joins)
+            part = [_full(g) for g in part]
+            if self._writer is None:  # a rank outside the rank filter: gathered, not recorded
+                return
+        for i in sorted(mine):
+            if part[i] is None and self._params[i].requires_grad and self._once(
+                    ("no-grad", i)):
                 log.info("grad_probe: %s has no gradient at step %d (skipped; logged once)",
-                         name, step)
-            grads.append(g)
+                         self.param_names[i], self.steps_seen if self._iter is None
+                         or id(optimizer) in self._iter["stepped"] else self._iter["step"])
         section = self.config.grad_probe
-        result = _stats.compute(grads, self.layout, section.grad_level, section.bounds,
-                                section.hash, self._scratch)
-        self._writer.append(step, result)
+        with torch.no_grad():
+            stats = _stats.compute(part, self.layout, section.grad_level, section.bounds,
+                                   section.hash, self._scratch, section.significance)
+        key = id(optimizer)
+        cur = self._iter
+        if cur is None or key in cur["stepped"] or (
+                self.scaler is not None and self._updates > cur["step"]):
+            moved = []
+            if cur is not None and self.scaler is None:
+                moved = [c for c in cur["captures"] if c[1] == self._epoch]
+                if moved:  # steps of the same backward pass belong to the new iteration
+                    cur["captures"] = [c for c in cur["captures"] if c[1] != self._epoch]
+                    self._emit(cur, amend=True)
+            step = self._updates if self.scaler is not None else self.steps_seen
+            if self.scaler is not None:
+                for skipped in range(self.steps_seen, step):  # steps GradScaler skipped
+                    self._emit({"step": skipped, "captures": [], "stepped": set()})
+            self.steps_seen = step + 1
+            cur = self._iter = {"step": step, "captures": moved,
+                                "stepped": {c[0] for c in moved}}
+            cur["captures"].append((key, self._epoch, stats))
+            cur["stepped"].add(key)
+            self._emit(cur)
+        else:
+            cur["captures"].append((key, self._epoch, stats))
+            cur["stepped"].add(key)
+            self._emit(cur, amend=True)
         self.hook_seconds.append(time.perf_counter() - t0)
+
+    def _emit(self, it, amend: bool = False) -> None:
+        step = it["step"]
+        if self._writer is None or (self.config.step and step not in self.config.step):
+            return
+        parts = [c[2] for c in it["captures"]]
+        if not parts:
+            section = self.config.grad_probe
+            parts = [_stats.compute([None] * len(self._params), self.layout, section.grad_level,
+                                    section.bounds, section.hash, self._scratch,
+                                    section.significance)]
+        stats = parts[0] if len(parts) == 1 else _stats.merge(parts, self.layout)
+        if not amend:
+            self._writer.append(step, stats)
+        elif not self._writer.amend(step, stats) and self._once(("late", step)):
+            log.warning("grad_probe: step %d was already written when another optimizer stepped "
+                        "in the same iteration; those gradients are not in it", step)
 
     # -- results ---------------------------------------------------------------------------
     def dataset(self, chunks=None):
@@ -212,3 +347,35 @@ class GradProbe:
         return (f"GradProbe({len(self.param_names)} params, level="
                 f"{self.config.grad_probe.grad_level}, steps seen={self.steps_seen}, "
                 f"dump_path={self.dump_path!r}, {state})")
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
+
+
+def _full(g):
+    """The whole gradient of a DTensor (an all-gather every rank takes part in), else ``g``."""
+    return g.full_tensor() if g is not None and _is_dtensor(g) else g
+
+
+class _CallCounter:
+    """A removable wrapper counting calls of ``obj.name`` (an instance attribute over the class
+    method; ``remove()`` deletes it)."""
+
+    def __init__(self, obj, name, callback) -> None:
+        self.obj, self.name = obj, name
+        method = getattr(obj, name)
+
+        def counted(*args, **kwargs):
+            out = method(*args, **kwargs)
+            callback()
+            return out
+
+        setattr(obj, name, counted)
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop(self.name, None)
+
+
+def _count_calls(obj, name, callback) -> _CallCounter:
+    return _CallCounter(obj, name, callback)

@@ -19,6 +19,8 @@ an accelerator are reduced on their device with whole-tensor ops and transferred
 """
 from __future__ import annotations
 
+import copy
+
 import hashlib
 import math
 import os
@@ -95,6 +97,29 @@ class StepStats:
     zeros: np.ndarray | None = None  # (P,) float64 share of exact zeros (L2)
     dist: np.ndarray | None = None  # (P, I) float64 share per interval (L2)
     direction: np.ndarray | None = None  # (nbytes,) uint8 packed sign bits (L1/L2)
+    #: (nbytes,) uint8 packed bits, same layout: |grad| > SIGNIFICANCE * eps(dtype) * max|grad|
+    #: (max over the element's chunk of 2**18): its sign is above the tensor's rounding level
+    significant: np.ndarray | None = None
+
+
+def merge(parts, layout: Layout) -> StepStats:
+    """One step's statistics from several partial ones (each parameter from the last part in
+    which it is present): the gradients of one training iteration taken at the ``step()`` of
+    each optimizer that owns some of the parameters."""
+    out = copy.deepcopy(parts[0])
+    offsets, numels = layout.offsets, layout.numels
+    for part in parts[1:]:
+        for i in np.flatnonzero(part.present):
+            for name in ("present", "max", "min", "norm", "hash", "zeros", "dist"):
+                arr = getattr(out, name)
+                if arr is not None:
+                    arr[i] = getattr(part, name)[i]
+            if out.direction is not None:
+                sl = slice(offsets[i], offsets[i] + padded_nbytes(numels[i]))
+                out.direction[sl] = part.direction[sl]
+                if out.significant is not None and part.significant is not None:
+                    out.significant[sl] = part.significant[sl]
+    return out
 
 
 class _Scratch:
@@ -105,10 +130,11 @@ class _Scratch:
         self.f32_np = self.f32.numpy()
         self.mask = np.empty(CHUNK, dtype=bool)  # sign bits of the chunk
         self.mask2 = np.empty(CHUNK, dtype=bool)  # comparisons for the interval counts
+        self.mask3 = np.empty(CHUNK, dtype=bool)  # the significance bits
 
 
 def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
-            scratch: _Scratch | None = None) -> StepStats:
+            scratch: _Scratch | None = None, significance: bool = True) -> StepStats:
     """Statistics of ``grads`` (one tensor or None per parameter of ``layout``) at ``level``."""
     p = len(layout.names)
     want_dir = level in ("L1", "L2")
@@ -119,6 +145,8 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         out.hash = np.zeros((p, HASH_NBYTES[hash_name]), np.uint8)
     if want_dir:
         out.direction = np.zeros(layout.nbytes, np.uint8)
+        if significance:
+            out.significant = np.full(layout.nbytes, 255, np.uint8)  # padding bits are ones
     if want_dist:
         out.zeros = np.full(p, np.nan)
         out.dist = np.full((p, len(bounds) + 1), np.nan)
@@ -134,7 +162,8 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         out.present[i] = True
         if g.numel() == 0:
             continue
-        dir_view = (out.direction[offsets[i]:offsets[i] + padded_nbytes(layout.numels[i])]
+        span = slice(offsets[i], offsets[i] + padded_nbytes(layout.numels[i]))
+        dir_view = ((out.direction[span], out.significant[span] if significance else None)
                     if want_dir else None)
         if g.device.type == "cpu":
             if not g.dtype.is_floating_point:
@@ -147,10 +176,26 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         _cpu_params(cpu_jobs, out, bounds_arr, level, hash_name, scratch)
     if device_jobs:
         _device_params(device_jobs, out, bounds_arr, level, hash_name)
+    if want_dir and significance:
+        pad_significance(out, layout)
     return out
 
 
+def pad_significance(out: StepStats, layout: Layout) -> None:
+    """Set the padding bits of the significance to ones (so a store's chunks are mostly 0xFF,
+    the fill value, and are not written)."""
+    offsets = layout.offsets
+    for i in np.flatnonzero(out.present):
+        n = layout.numels[i]
+        out.significant[offsets[i] + -(-n // 8):offsets[i] + padded_nbytes(n)] = 255
+        if n % 8:
+            out.significant[offsets[i] + n // 8] |= 0xFF >> (n % 8)
+
+
 _ROW = 4096
+#: an element is significant when |grad| > SIGNIFICANCE * eps(dtype) * max|grad| (max over its
+#: chunk): below that its sign is rounding noise of the sums that made it
+SIGNIFICANCE = 1.0
 
 
 def _chunk_sumsq(a: np.ndarray, mx: float, mn: float) -> float:
@@ -173,8 +218,10 @@ def _chunk_sumsq(a: np.ndarray, mx: float, mn: float) -> float:
 
 def _chunk(part, start, native, level, bounds, dir_view, s: _Scratch, digest=None) -> tuple:
     """Statistics of one chunk of a flat gradient: (max, min, sum of squares, ``<= bound``
-    counts, zeros, NaNs); its sign bits are packed into ``dir_view`` and ``digest`` updated."""
+    counts, zeros, NaNs); its sign and significance bits are packed into ``dir_view`` (a pair
+    of views) and ``digest`` updated."""
     m = part.numel()
+    eps = torch.finfo(part.dtype).eps
     if native:
         a = part.numpy()
     else:  # float16/bfloat16: widen into the scratch buffer (exact)
@@ -186,8 +233,14 @@ def _chunk(part, start, native, level, bounds, dir_view, s: _Scratch, digest=Non
     if digest is not None:
         digest.update((a if a.dtype == np.float32 else a.astype(np.float32)).tobytes())
     if dir_view is not None:
+        signs, sig = dir_view
         packed = np.packbits(np.greater(a, 0, out=s.mask[:m]))
-        dir_view[start // 8:start // 8 + packed.size] = packed
+        signs[start // 8:start // 8 + packed.size] = packed
+        if sig is not None:
+            thr = SIGNIFICANCE * eps * max(abs(mx), abs(mn))
+            big = np.greater(a, thr, out=s.mask2[:m])
+            big |= np.less(a, -thr, out=s.mask3[:m])
+            sig[start // 8:start // 8 + packed.size] = np.packbits(big)
     counts, zeros, nans = None, 0, 0
     if level == "L2":
         # A bound outside [min, max) of a NaN-free chunk needs no pass over the data, and
@@ -342,13 +395,19 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
             vals.append(torch.isnan(wide).sum().double())
         rows.append(torch.stack(vals))
         if dir_view is not None:
-            bits = torch.zeros(dir_view.size * 8, dtype=torch.uint8, device=flat.device)
-            bits[:n] = flat > 0
             key = flat.device
             if key not in _BIT_WEIGHTS:
                 _BIT_WEIGHTS[key] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
                                                  device=flat.device)
-            packed.append((bits.view(-1, 8) * _BIT_WEIGHTS[key]).sum(1, dtype=torch.uint8))
+            masks = [flat > 0]
+            if dir_view[1] is not None:
+                thr = SIGNIFICANCE * torch.finfo(flat.dtype).eps * torch.maximum(mx.abs(),
+                                                                                  mn.abs())
+                masks.append(wide.abs() > thr)
+            for mask in masks:
+                bits = torch.zeros(dir_view[0].size * 8, dtype=torch.uint8, device=flat.device)
+                bits[:n] = mask
+                packed.append((bits.view(-1, 8) * _BIT_WEIGHTS[key]).sum(1, dtype=torch.uint8))
         if level == "L0":  # the digest needs the bytes on the host, as msprobe's does
             digest = hasher(hash_name)
             digest.update(wide.float().cpu().numpy().tobytes())
@@ -364,5 +423,6 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
             out.dist[i] = _interval_shares(counts, int(host[r, -1]), n)
             out.zeros[i] = host[r, -2] / n if n else np.nan
         if dir_view is not None:
-            dir_view[:] = host_bits[pos:pos + dir_view.size]
-            pos += dir_view.size
+            for view in (v for v in dir_view if v is not None):
+                view[:] = host_bits[pos:pos + view.size]
+                pos += view.size

@@ -20,9 +20,13 @@ committed ones (except the last, partial block written by ``close``).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import signal
+import threading
+import time
 
 import numpy as np
 
@@ -89,11 +93,36 @@ def read_commit(group_path: str) -> dict:
     return info
 
 
+def _open_root(store_path: str):
+    """The store's root group, created if missing. Every rank of a distributed run opens it at
+    the same moment: the root's ``zarr.json`` is written once, atomically (temporary file, then
+    an exclusive link), so a rank never meets another's half-made root."""
+    import zarr
+
+    meta = os.path.join(store_path, "zarr.json")
+    if not os.path.isfile(meta):
+        tmp = f"{meta}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"zarr_format": 3, "node_type": "group",
+                       "attributes": {"format": FORMAT}}, fh)
+        try:
+            os.link(tmp, meta)  # fails if another rank was first: theirs is the same
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links here: a rename (the same bytes if two ranks race)
+            os.replace(tmp, meta)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return zarr.open_group(store_path, mode="r+", zarr_format=3)
+
+
 class GradWriter:
     """Buffers the statistics of each step and writes them to one rank group in blocks."""
 
     def __init__(self, dump_path: str, rank: int, layout: Layout, level: str, bounds,
-                 hash_name: str, flush_every: int) -> None:
+                 hash_name: str, flush_every: int, flush_seconds: float = 60.0, *,
+                 attrs: dict | None = None, significance: bool = False) -> None:
         import zarr
 
         self.path = rank_group_path(dump_path, rank)
@@ -101,6 +130,7 @@ class GradWriter:
         self.level = level
         self.bounds = tuple(bounds)
         self.hash_name = hash_name
+        self.significance = bool(significance) and level != "L0"
         if level == "L0":
             self.dir_chunks = None
             self.block = max(1, min(flush_every, _MAX_BUFFER_BYTES // (64 * len(layout.names))))
@@ -108,13 +138,16 @@ class GradWriter:
             step_chunk, byte_chunk, self.block = direction_chunks(layout.nbytes, flush_every)
             self.dir_chunks = (step_chunk, byte_chunk)
         self.committed = 0
+        self.flush_seconds = float(flush_seconds)
         self._buffer: list[tuple[int, StepStats]] = []
+        self._oldest = 0.0
+        self._lock = threading.Lock()
+        self._flushing = None  # thread id while a flush runs (a signal handler must not nest)
         if os.path.exists(self.path):
             log.warning("%s exists and will be replaced by this recording", self.path)
             shutil.rmtree(self.path)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        root = zarr.open_group(os.path.dirname(self.path), mode="a", zarr_format=3)
-        root.attrs.update({"format": FORMAT})
+        root = _open_root(os.path.dirname(self.path))
         self.group = root.create_group(f"rank{int(rank)}", overwrite=True)
         self.group.attrs.update({
             "format": FORMAT, "level": level, "bounds": list(self.bounds), "rank": int(rank),
@@ -130,8 +163,11 @@ class GradWriter:
             "offsets": [int(x) for x in layout.offsets] if level != "L0" else None,
             "intervals": interval_labels(self.bounds) if level == "L2" else None,
         })
+        if attrs:
+            self.group.attrs.update(dict(attrs))
         self._create_arrays()
         _write_commit(self.path, {"steps": 0, "format": FORMAT})
+        _live.add(self)
 
     # -- layout ------------------------------------------------------------------------------
     def _static(self, name, values, dims, dtype):
@@ -141,14 +177,15 @@ class GradWriter:
             arr[...] = np.asarray(values) if dtype is str else np.asarray(values, dtype=dtype)
         return arr
 
-    def _growing(self, name, tail, dims, dtype, chunks=None):
+    def _growing(self, name, tail, dims, dtype, chunks=None, fill=0):
         # Uncompressed: sign bits are random, the statistics barely compress, and plain chunk
         # files are read straight from disk (``read_plain``, ``RawChunks``).
         kwargs = {"compressors": None}
         # statistics: at most 16 steps per chunk, so a run's unfilled last chunk stays small
-        return self.group.create_array(
-            name, shape=(0, *tail), chunks=chunks or (min(self.block, 16), *tail), dtype=dtype,
-            dimension_names=dims, fill_value=0, **kwargs)
+        chunks = chunks or (min(self.block, 16), *tail)
+        self.group.create_array(name, shape=(0, *tail), chunks=chunks, dtype=dtype,
+                                dimension_names=dims, fill_value=fill, **kwargs)
+        return os.path.join(self.path, name), chunks[0]  # written directly from here on
 
     def _create_arrays(self) -> None:
         lay, p = self.layout, len(self.layout.names)
@@ -170,6 +207,11 @@ class GradWriter:
             self._static("offset", lay.offsets, ("param",), "int64")
             self.arrays["direction"] = self._growing("direction", (lay.nbytes,), ("step", "byte"),
                                                      "uint8", self.dir_chunks)
+        if self.significance:
+            # chunks that are all ones (the fill value) are not written
+            self.arrays["significant"] = self._growing("significant", (lay.nbytes,),
+                                                       ("step", "byte"), "uint8", self.dir_chunks,
+                                                       fill=255)
         if self.level == "L2":
             labels = interval_labels(self.bounds)
             self._static("interval", labels, ("interval",), str)
@@ -179,36 +221,238 @@ class GradWriter:
 
     # -- writing -----------------------------------------------------------------------------
     def append(self, step: int, stats: StepStats) -> None:
-        self._buffer.append((int(step), stats))
-        if len(self._buffer) >= self.block:
+        """Buffer one step. A block is written once a step beyond it arrives (so the newest
+        step can still be ``amend``-ed), or once the oldest buffered step waited
+        ``flush_seconds``."""
+        with self._lock:
+            if not self._buffer:
+                self._oldest = time.monotonic()
+            self._buffer.append((int(step), stats))
+            if len(self._buffer) > self.block:
+                keep = self._buffer[self.block:]
+                self._buffer = self._buffer[:self.block]
+                self._flush_locked()
+                self._buffer = keep
+                self._oldest = time.monotonic()
+            due = time.monotonic() - self._oldest >= self.flush_seconds
+        if due:
             self.flush()
+        elif len(self._buffer) == 1:
+            _live.wake()
+
+    def amend(self, step: int, stats: StepStats) -> bool:
+        """Replace the newest buffered step if it is ``step``; False once it was written."""
+        with self._lock:
+            if self._buffer and self._buffer[-1][0] == int(step):
+                self._buffer[-1] = (int(step), stats)
+                return True
+            return False
 
     def flush(self) -> None:
-        """Write the buffered steps, then commit them (atomically)."""
+        """Write the buffered steps, then commit them (atomically).
+
+        Plain file writes only (no thread pool, no event loop), so this also works from an
+        ``atexit`` handler after the interpreter has begun shutting down, and from a signal
+        handler."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
         if not self._buffer:
             return
+        self._flushing = threading.get_ident()
+        try:
+            self._write_buffer()
+        finally:
+            self._flushing = None
+        if _live.pending_sigterm:  # SIGTERM arrived during this flush: die of it now
+            _live.terminate()
+
+    def _write_buffer(self) -> None:
         rows = self._buffer
         n0, k = self.committed, len(rows)
         columns = {"step": np.array([s for s, _ in rows], np.int64)}
         for name in self.arrays:
-            if name not in ("step", "direction"):
+            if name not in ("step", "direction", "significant"):
                 columns[name] = np.stack([getattr(st, name) for _, st in rows])
-        if "direction" in self.arrays:  # the bulk: chunk files written directly (RawChunks)
-            write_raw_rows(os.path.join(self.path, "direction"), self.dir_chunks, n0,
-                           [st.direction for _, st in rows], self.layout.nbytes)
-            columns["direction"] = None  # only its shape (metadata) changes
-        _grow_and_write([(arr, (n0 + k, *arr.shape[1:]), n0, columns[name])
-                         for name, arr in self.arrays.items()])
+        for name, (path, chunk_rows) in self.arrays.items():
+            if name in ("direction", "significant"):  # the bulk, chunked along bytes too
+                # statistics without significance bits (another writer): every element counts
+                bits = [getattr(st, name) if getattr(st, name) is not None else
+                        np.full(self.layout.nbytes, 255, np.uint8) for _, st in rows]
+                write_raw_rows(path, self.dir_chunks, n0, bits, self.layout.nbytes,
+                               fill=255 if name == "significant" else 0)
+            else:
+                write_step_rows(path, chunk_rows, n0, columns[name])
+        for path, _ in self.arrays.values():
+            _set_rows(path, n0 + k)
         self.committed = n0 + k
         _write_commit(self.path, {"steps": self.committed, "format": FORMAT,
                                   "last_step": int(columns["step"][-1])})
         self._buffer = []
 
     def close(self) -> None:
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            _live.remove(self)
+
+
+class _LiveWriters:
+    """Every open writer of this process, so that nothing buffered is lost: written at exit
+    (``atexit``: normal end, uncaught exception, ``sys.exit``, Ctrl-C), on SIGTERM (the handler
+    writes, then the process dies of SIGTERM as it would have), by a timer once a step has waited
+    ``flush_seconds``, and before a reader in this process opens the store."""
+
+    def __init__(self) -> None:
+        self.writers: dict[int, GradWriter] = {}
+        self.cond = threading.Condition()
+        self.thread = None
+        self.sigterm_installed = False
+        self.pending_sigterm = False
+        atexit.register(self.flush_all)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self.cond = threading.Condition()
+        self.thread = None
+
+    def add(self, writer) -> None:
+        with self.cond:
+            self.writers[id(writer)] = writer
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._timer, name="probekit-grad-flush",
+                                               daemon=True)
+                self.thread.start()
+        self._install_sigterm()
+
+    def remove(self, writer) -> None:
+        with self.cond:
+            self.writers.pop(id(writer), None)
+            last = not self.writers
+            self.cond.notify_all()  # the timer thread ends when no writer is left
+        if last and self.sigterm_installed and \
+                threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self.sigterm_installed = False
+            except (ValueError, OSError):  # pragma: no cover
+                pass
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def flush_all(self, path=None) -> None:
+        for writer in list(self.writers.values()):
+            if path is None or os.path.abspath(writer.path) == os.path.abspath(path):
+                try:
+                    writer.flush()
+                except Exception as exc:  # never raise at exit; say what was lost
+                    log.warning("grad_probe: writing the buffered steps of %s failed: %s",
+                                writer.path, exc)
+
+    def _timer(self) -> None:
+        while True:
+            with self.cond:
+                if not self.writers:
+                    self.thread = None
+                    return
+                now = time.monotonic()
+                pending = [w for w in self.writers.values() if w._buffer]
+                due = [w for w in pending if now - w._oldest >= w.flush_seconds]
+                if not due:
+                    waits = [w._oldest + w.flush_seconds - now for w in pending]
+                    self.cond.wait(timeout=min(waits, default=None))
+                    continue
+            for w in due:
+                try:
+                    w.flush()
+                except Exception as exc:
+                    log.warning("grad_probe: timed write of %s failed: %s", w.path, exc)
+
+    def _install_sigterm(self) -> None:
+        if self.sigterm_installed or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return  # the program handles SIGTERM itself (and then exits through atexit)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self.sigterm_installed = True
+        except (ValueError, OSError):  # pragma: no cover - no signals here
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:
+        me = threading.get_ident()
+        for writer in list(self.writers.values()):
+            if writer._flushing == me:  # interrupted inside its own flush: it finishes, then dies
+                self.pending_sigterm = True
+                continue
+            if writer._lock.acquire(timeout=10):
+                try:
+                    writer._write_buffer() if writer._buffer else None
+                except Exception as exc:
+                    log.warning("grad_probe: writing %s on SIGTERM failed: %s", writer.path, exc)
+                finally:
+                    writer._lock.release()
+        if not self.pending_sigterm:
+            self.terminate()
+
+    @staticmethod
+    def terminate() -> None:
+        """Die of SIGTERM, as the process would have without probekit's handler."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_live = _LiveWriters()
+
+
+def flush_live(path=None) -> None:
+    """Write the buffered steps of this process's open writers (of the rank group ``path``, or
+    all), so a reader in this process (a notebook) sees every recorded step."""
+    _live.flush_all(path)
+
+
+def _set_rows(array_path: str, n: int) -> None:
+    """Set the first dimension of a Zarr v3 array's metadata to ``n`` (atomic rewrite)."""
+    meta_path = os.path.join(array_path, "zarr.json")
+    with open(meta_path, encoding="utf-8") as fh:
+        meta = json.load(fh)
+    meta["shape"][0] = int(n)
+    _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
+
+
+def write_step_rows(array_path: str, chunk_rows: int, n0: int, data: np.ndarray) -> None:
+    """Write ``data`` as rows ``n0...`` of an uncompressed Zarr v3 array chunked along its first
+    dimension only (``chunk_rows`` rows, whole trailing dimensions): each chunk file is the
+    chunk's little-endian C-order bytes, written to a temporary file and renamed. A chunk that
+    already holds rows below ``n0`` is read back first."""
+    data = np.asarray(data)
+    tail = data.shape[1:]
+    key = "/".join(["0"] * len(tail))
+    dtype = data.dtype.newbyteorder("<")
+    for i in range(n0 // chunk_rows, (n0 + len(data) - 1) // chunk_rows + 1):
+        r0, r1 = i * chunk_rows, (i + 1) * chunk_rows
+        folder = os.path.join(array_path, "c", str(i))
+        name = os.path.join(folder, key) if tail else folder
+        os.makedirs(os.path.dirname(name) if tail else os.path.dirname(folder), exist_ok=True)
+        block = np.zeros((chunk_rows, *tail), dtype)
+        if r0 < n0:
+            with open(name, "rb") as fh:
+                old = np.frombuffer(fh.read(), dtype).reshape(chunk_rows, *tail)
+            block[:n0 - r0] = old[:n0 - r0]
+        lo, hi = max(r0, n0), min(r1, n0 + len(data))
+        block[lo - r0:hi - r0] = data[lo - n0:hi - n0]
+        _atomic_write(name, block.tobytes())
 
 
 # -- reading ---------------------------------------------------------------------------------
+_BITS = ("direction", "significant")  # packed bits per element, read through RawChunks
+
+
 def find_store(path: str) -> str:
     """The ``grads.zarr`` folder for ``path`` (a dump_path or the store itself)."""
     path = os.fspath(path)
@@ -237,6 +481,7 @@ def open_rank(store: str, rank: int, chunks=None):
     import zarr
 
     group_path = os.path.join(store, f"rank{int(rank)}")
+    flush_live(group_path)  # a recording in this process: its buffered steps first
     if not os.path.isdir(group_path):
         raise GradStoreError(f"{store!r} has no group for rank {rank}; ranks stored: "
                              f"{store_ranks(store)}")
@@ -244,7 +489,7 @@ def open_rank(store: str, rank: int, chunks=None):
     # Look members up by path rather than listing the group (the listing would meet commit.json)
     names = [name for name in ("step", "param", "numel", "shape", "offset", "interval",
                                "present", "max", "min", "norm", "zeros", "dist", "direction",
-                               "hash") if os.path.isfile(os.path.join(group_path, name,
+                               "significant", "hash") if os.path.isfile(os.path.join(group_path, name,
                                                                      "zarr.json"))]
     lazy = set() if chunks is None else {k for k in names if k not in ("step", "hash")}
     attrs = _group_attrs(group_path)
@@ -255,11 +500,11 @@ def open_rank(store: str, rank: int, chunks=None):
         if name in static and attrs.get(static[name]) is not None:
             eager[name] = np.asarray(attrs[static[name]])
             meta[name] = ("interval",) if name == "interval" else ("param",)
-        elif name not in lazy and name != "direction":
+        elif name not in lazy and name not in _BITS:
             plain = read_plain(os.path.join(group_path, name), n)
             if plain is not None:
                 meta[name], eager[name] = plain
-    rest = [k for k in names if k not in eager and k not in lazy and k != "direction"]
+    rest = [k for k in names if k not in eager and k not in lazy and k not in _BITS]
     if rest:  # arrays stored another way (compressed, other writer): through Zarr
         _, m2, e2 = _fetch(group_path, rest, n)
         meta.update(m2)
@@ -269,7 +514,7 @@ def open_rank(store: str, rank: int, chunks=None):
     group = zarr.open_group(group_path, mode="r", zarr_format=3) if lazy else None
 
     def load(name, lazy_ok=True):
-        if name == "direction":
+        if name in _BITS:
             dims = ("step", "byte")
             raw = RawChunks.open(os.path.join(group_path, name), n)
             if raw is not None:
@@ -300,7 +545,7 @@ def open_rank(store: str, rank: int, chunks=None):
                 data = np.array(data.tolist(), dtype=str).reshape(data.shape)
             coords[name] = (dims, data)
     data_vars = {}
-    for name in ("present", "max", "min", "norm", "zeros", "dist", "direction"):
+    for name in ("present", "max", "min", "norm", "zeros", "dist", "direction", "significant"):
         if name in names:
             data_vars[name] = load(name)
     if "hash" in names:
@@ -309,28 +554,6 @@ def open_rank(store: str, rank: int, chunks=None):
     attrs["rank"] = int(rank)
     attrs["committed_steps"] = n
     return xr.Dataset(data_vars, coords=coords, attrs=_clean_attrs(attrs))
-
-
-def _grow_and_write(updates) -> None:
-    """Resize every array of a flush, then write its new rows: all in one round trip through
-    Zarr's event loop (one ``sync`` call per phase instead of two per array)."""
-    try:
-        import asyncio
-
-        from zarr.core.sync import sync
-    except ImportError:  # pragma: no cover - another zarr layout: one array at a time
-        for arr, shape, n0, data in updates:
-            arr.resize(shape)
-            if data is not None:
-                arr[n0:shape[0]] = data
-        return
-
-    async def run():
-        await asyncio.gather(*(arr.async_array.resize(shape) for arr, shape, _, _ in updates))
-        await asyncio.gather(*(arr.async_array.setitem(slice(n0, shape[0]), data)
-                               for arr, shape, n0, data in updates if data is not None))
-
-    sync(run())
 
 
 def _atomic_write(path: str, data, pad: int = 0) -> None:
@@ -342,12 +565,24 @@ def _atomic_write(path: str, data, pad: int = 0) -> None:
     os.replace(tmp, path)
 
 
-def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int) -> None:
+def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int,
+                   fill: int = 0) -> None:
     """Write ``rows`` (1-D uint8 arrays of ``ncols`` bytes) as rows ``n0...`` of an
     uncompressed Zarr v3 array whose chunks are ``chunks`` = (rows, cols), chunk file by chunk
     file: the C-order bytes of the whole chunk (unfilled rows/cols = 0, the fill value), each
     written to a temporary file and renamed, as Zarr's own LocalStore does. A chunk that already
-    holds rows below ``n0`` is read back first, so those rows are kept."""
+    holds rows below ``n0`` is read back first, so those rows are kept. A chunk holding only
+    ``fill`` bytes (the array's fill value) is not written (any earlier file of it removed)."""
+
+    def put(path, data, pad=0):
+        if fill and np.all(np.asarray(data) == fill) and (not pad or fill == 0):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            return
+        _atomic_write(path, data, pad=pad)
+
     cr, cc = chunks
     ncol_chunks = -(-ncols // cc)
     k = len(rows)
@@ -359,18 +594,18 @@ def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int) -> 
             row = rows[r0 - n0]
             for j in range(ncol_chunks):
                 piece = row[j * cc:(j + 1) * cc]
-                _atomic_write(os.path.join(folder, str(j)), piece,
-                              pad=cc - piece.size)
+                if fill and piece.size < cc:
+                    piece = np.concatenate([piece, np.full(cc - piece.size, fill, np.uint8)])
+                put(os.path.join(folder, str(j)), piece, pad=cc - piece.size)
             continue
-        block = np.zeros((cr, ncol_chunks * cc), np.uint8)
+        block = np.full((cr, ncol_chunks * cc), fill, np.uint8)
         if r0 < n0:  # a chunk begun by an earlier flush
-            block[:, :ncols] = RawChunks(array_path, (r1, ncols), chunks, "uint8", 0, r1)[
+            block[:, :ncols] = RawChunks(array_path, (r1, ncols), chunks, "uint8", fill, r1)[
                 r0:r1, 0:ncols]
         for r in range(max(r0, n0), min(r1, n0 + k)):
             block[r - r0, :ncols] = rows[r - n0]
         for j in range(ncol_chunks):
-            _atomic_write(os.path.join(folder, str(j)),
-                          np.ascontiguousarray(block[:, j * cc:(j + 1) * cc]))
+            put(os.path.join(folder, str(j)), np.ascontiguousarray(block[:, j * cc:(j + 1) * cc]))
 
 
 class RawChunks:

@@ -21,10 +21,10 @@ class GradSession:
     def step(self) -> None:
         pass
 
-    def monitor(self, model, optimizer=None) -> None:
+    def monitor(self, model, optimizer=None, scaler=None) -> None:
         if self.probe is not None:
             self.probe.stop()
-        self.probe = GradProbe(model, optimizer, config=self.config).start()
+        self.probe = GradProbe(model, optimizer, config=self.config, scaler=scaler).start()
 
     def stop(self) -> None:
         if self.probe is not None:

@@ -51,13 +51,16 @@ HELP = {
     "bounds": "Interval bounds, ascending, comma separated",
     "hash": "Digest of the L0 hash column",
     "flush_every": "Steps buffered in memory between writes",
+    "flush_seconds": "Longest a recorded step waits in memory before it is written (s)",
+    "significance": "Also record which elements are above their tensor's rounding level "
+                    "(noise-aware comparison; costs ~1.3x per step)",
 }
 
 LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "device",
           "fuzz_level": "level", "if_preheat": "preheat", "preheat_step": "preheat steps",
           "max_sample": "max samples", "dump_path": "dump path", "param_list": "params",
-          "grad_level": "level", "flush_every": "flush every", "pert_mode": "perturbation",
-          "list": "API names", "module": "modules"}
+          "grad_level": "level", "flush_every": "flush every", "flush_seconds": "flush after s",
+          "pert_mode": "perturbation", "list": "API names", "module": "modules"}
 
 _DESC = {"description_width": "100px"}
 class ConfigPanel(w.VBox):
@@ -130,6 +133,8 @@ class ConfigPanel(w.VBox):
             control = w.Checkbox(value=value, indent=True, **common)
         elif isinstance(value, int):
             control = w.IntText(value=value, **common)
+        elif isinstance(value, float):
+            control = w.FloatText(value=value, **common)
         elif key in ("scope", "list", "module", "param_list"):
             control = w.TagsInput(value=list(value), allow_duplicates=False,
                                   placeholder="all (type a name, Enter)",
@@ -323,7 +328,8 @@ class GradProbePanel(ConfigPanel):
     TASK = "grad_probe"
     TITLE = "Grad probe settings"
     GROUPS = (
-        ("What to record", ["grad_level", "bounds", "hash", "flush_every"]),
+        ("What to record", ["grad_level", "bounds", "hash", "significance", "flush_every",
+                            "flush_seconds"]),
         ("Which parameters", ["param_list"]),
         ("Where", ["dump_path", "rank", "step"]),
     )

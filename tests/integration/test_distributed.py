@@ -38,15 +38,47 @@ def test_grad_probe_under_torchrun(tmp_path):
     assert sorted(os.listdir(store)) == ["rank0", "rank1", "zarr.json"]
     r0, r1 = open_grads(store, rank=0), open_grads(store, rank=1)
     assert r0["step"].values.tolist() == r1["step"].values.tolist() == [0, 1, 2, 3]
-    assert r0["param"].values.tolist()[0] == "module.0.weight"
+    # stored without DDP's "module." prefix (kept as recorded in an attribute) ...
+    assert r0["param"].values.tolist() == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert r0.attrs["recorded_params"][0] == "module.0.weight"
     # DDP all-reduces gradients: both ranks hold the same gradients at every step
     assert np.array_equal(r0["direction"].values, r1["direction"].values)
     assert np.array_equal(r0["max"].values, r1["max"].values)
     cmp = compare_grads(tmp_path / "all", tmp_path / "all")
     assert cmp["rank"].values.tolist() == [0, 1]
     assert np.all(cmp["similarity"].values == 1.0)
+    # ... so the DDP run compares with a single-process run on both ranks' data, out of the box
+    single_process_run(tmp_path / "single")
+    cmp = compare_grads(tmp_path / "single", {0: r0})
+    assert cmp["param"].values.tolist() == r0["param"].values.tolist()
+    assert float(cmp["similarity"].min()) > 0.97
+    single = open_grads(tmp_path / "single")
+    np.testing.assert_allclose(r0["norm"].values, single["norm"].values, rtol=1e-5)
     torchrun(tmp_path / "one", "1")
     assert sorted(os.listdir(tmp_path / "one" / "grads.zarr")) == ["rank1", "zarr.json"]
+
+
+def single_process_run(dump_path):
+    """_ddp_train.py's model and both ranks' data in one process (DDP averages the gradients
+    of the two halves; the mean loss over the whole batch gives the same gradient)."""
+    import torch
+
+    from probekit.grads import GradProbe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = []
+    for rank in (0, 1):
+        gen = torch.Generator().manual_seed(100 + rank)
+        data.append((torch.randn(32, 8, generator=gen), torch.randn(32, 2, generator=gen)))
+    x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+    with GradProbe(model, grad_level="L2", dump_path=str(dump_path)):
+        for _ in range(4):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
 
 
 @pytest.mark.slow
@@ -64,3 +96,43 @@ def test_both_probes_under_torchrun(tmp_path):
     rows = pd.read_csv(tmp_path / "one" / "free_benchmark.csv")
     assert rows["rank"].unique().tolist() == [1]
     assert sorted(os.listdir(tmp_path / "one" / "grads.zarr")) == ["rank1", "zarr.json"]
+
+
+@pytest.mark.slow
+def test_fsdp2_runs_record_full_parameters_and_compare(tmp_path):
+    """FSDP2's DTensor gradients: full-parameter statistics on every rank, two FSDP2 runs
+    compare, and an FSDP2 run compares with a single-process run of the same model."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import _fsdp2_train
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                          _fsdp2_train.__file__, str(tmp_path / "a"), str(tmp_path / "b"),
+                          str(tmp_path / "c")],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    single = _fsdp2_train.make_model()
+    names = [n for n, _ in single.named_parameters()]
+    _fsdp2_train.train(single, str(tmp_path / "single"))
+    ref = open_grads(tmp_path / "single")
+    for rank in (0, 1):
+        ds = open_grads(tmp_path / "a", rank=rank)
+        assert ds["param"].values.tolist() == names
+        assert ds["numel"].values.tolist() == ref["numel"].values.tolist()
+        assert ds["step"].values.tolist() == [0, 1, 2] and bool(ds["present"].all())
+        for var in ("max", "min", "norm"):
+            np.testing.assert_allclose(ds[var].values, ref[var].values, rtol=1e-5, atol=1e-8)
+    cmp = compare_grads(tmp_path / "a", tmp_path / "b")
+    assert cmp["rank"].values.tolist() == [0, 1]
+    assert np.all(cmp["similarity"].values == 1.0)
+    cmp = compare_grads(tmp_path / "single", {0: open_grads(tmp_path / "a", rank=0)})
+    assert float(cmp["similarity"].min()) > 0.97
+    # rank filter [1]: rank 0 joined the gathers (no hang) and wrote nothing
+    assert sorted(os.listdir(tmp_path / "c" / "grads.zarr")) == ["rank1", "zarr.json"]
+    c1, a1 = open_grads(tmp_path / "c", rank=1), open_grads(tmp_path / "a", rank=1)
+    assert np.array_equal(c1["max"].values, a1["max"].values)
+    assert np.array_equal(c1["direction"].values, a1["direction"].values)
+    assert torch.distributed.is_available()

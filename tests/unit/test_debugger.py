@@ -128,8 +128,29 @@ def test_missing_feature_raises_not_implemented(monkeypatch, tmp_path):
 def test_seed_applied_at_creation(tmp_path):
     torch.manual_seed(7)
     expected = torch.rand(4)
-    PrecisionDebugger(task="grad_probe", dump_path=str(tmp_path), seed=7).close()
+    PrecisionDebugger(task="free_benchmark", dump_path=str(tmp_path), seed=7).close()
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_grad_probe_leaves_the_random_streams_alone(tmp_path):
+    """msprobe does not apply ``seed`` for the grad probe; an observer must not reseed: the
+    python, numpy and torch streams continue exactly as without the debugger."""
+    import random
+
+    import numpy as np
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"task": "grad_probe", "dump_path": "%s"}' % tmp_path)
+    model = torch.nn.Linear(2, 2)
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    expected = torch.rand(4), random.random(), np.random.rand()
+    torch.set_rng_state(states[0]), random.setstate(states[1]), np.random.set_state(states[2])
+    d = PrecisionDebugger(config_path=str(cfg))
+    d.monitor(model)
+    got = torch.rand(4), random.random(), np.random.rand()
+    d.close()
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
 
 
 def test_is_deterministic(tmp_path):

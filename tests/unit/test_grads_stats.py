@@ -154,15 +154,19 @@ def test_device_path_matches_cpu_path():
     dev = stats.StepStats(present=np.ones(3, bool), max=np.full(3, np.nan),
                           min=np.full(3, np.nan), norm=np.full(3, np.nan),
                           zeros=np.full(3, np.nan), dist=np.full((3, 4), np.nan),
-                          direction=np.zeros(lay.nbytes, np.uint8))
+                          direction=np.zeros(lay.nbytes, np.uint8),
+                          significant=np.zeros(lay.nbytes, np.uint8))
     offs = lay.offsets
-    jobs = [(i, g, dev.direction[offs[i]:offs[i] + padded_nbytes(g.numel())])
+    spans = [slice(offs[i], offs[i] + padded_nbytes(g.numel())) for i, g in enumerate(grads)]
+    jobs = [(i, g, (dev.direction[spans[i]], dev.significant[spans[i]]))
             for i, g in enumerate(grads)]
     stats._device_params(jobs, dev, np.asarray(BOUNDS, float), "L2", "md5")
+    stats.pad_significance(dev, lay)
     assert dev.max.tolist() == cpu.max.tolist() and dev.min.tolist() == cpu.min.tolist()
     assert np.allclose(dev.norm, cpu.norm, rtol=1e-6, atol=0)
     assert dev.dist.tolist() == cpu.dist.tolist() and dev.zeros.tolist() == cpu.zeros.tolist()
     assert dev.direction.tolist() == cpu.direction.tolist()
+    assert dev.significant.tolist() == cpu.significant.tolist()
 
 
 def test_size_mismatch_is_an_error():
@@ -196,3 +200,18 @@ def test_threaded_split_equals_single_thread(monkeypatch, level):
     for name in ("present", "max", "min", "norm", "hash", "zeros", "dist", "direction"):
         a, b = getattr(single, name), getattr(split, name)
         assert (a is None and b is None) or np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), name
+
+
+def test_significance_bits():
+    """|g| > eps(dtype) * max|g|: exact bits for float32 and bfloat16."""
+    eps32 = float(torch.finfo(torch.float32).eps)
+    g = torch.tensor([1.0, -1e-3, 1.5 * eps32, -5 * eps32, 0.0, -2.0, 1e-30, 9 * eps32])
+    lay = layout_of(g)
+    out = compute([g], lay, "L1", BOUNDS)
+    # max|g| = 2: threshold 2 * eps32
+    assert np.unpackbits(out.significant[:1]).tolist() == [1, 1, 0, 1, 0, 1, 0, 1]
+    assert out.significant[1:].tolist() == [255] * 7  # padding to 64 bits: ones
+    assert np.unpackbits(out.direction[:1]).tolist() == [1, 0, 1, 0, 0, 0, 1, 1]
+    b = torch.tensor([1.0, 0.03, -0.03, 0.005], dtype=torch.bfloat16)  # threshold 1/128
+    out = compute([b], layout_of(b), "L1", BOUNDS)
+    assert np.unpackbits(out.significant[:1]).tolist()[:4] == [1, 1, 1, 0]

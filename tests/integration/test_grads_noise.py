@@ -1,0 +1,88 @@
+"""First divergence that is not fooled by rounding noise: a GPT attention block's key bias has a
+gradient that is mathematically zero (softmax ignores it), so its signs are random."""
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from probekit.grads import GradProbe, compare_grads
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.c_attn, self.c_proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(torch.nn.Module):
+    """nanoGPT's shape: token + position embeddings, pre-LN blocks, tied output weights."""
+
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, block=16):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(vocab, d), torch.nn.Embedding(block, d)
+        self.h = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for n, p in self.named_parameters():
+            if n.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+            elif p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+            elif n.endswith("bias"):
+                torch.nn.init.normal_(p, std=0.02)  # non-zero biases: the key bias acts
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for blk in self.h:
+            x = blk(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def record(path, dtype, steps=3):
+    torch.manual_seed(0)
+    model = GPT().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    with GradProbe(model, dump_path=str(path), significance=True):
+        for _ in range(steps):
+            idx = torch.randint(0, 64, (4, 16), generator=gen)
+            logits = model(idx[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, 64), idx[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def test_noise_aware_first_divergence(tmp_path):
+    record(tmp_path / "f64", torch.float64, steps=3)
+    record(tmp_path / "f32", torch.float32, steps=10)
+    record(tmp_path / "bf16", torch.bfloat16, steps=10)
+    plain = compare_grads(tmp_path / "f64", tmp_path / "f32", noise_aware=False).isel(rank=0)
+    # msprobe's plain sign similarity: the key third of c_attn.bias is rounding noise
+    assert int(plain["first_step"]) == 0 and "c_attn.bias" in str(plain["first_param"].item())
+    aware = compare_grads(tmp_path / "f64", tmp_path / "f32").isel(rank=0)
+    assert int(aware["first_step"]) == -1, aware["first_param"].item()
+    assert float(aware["similarity_significant"].min()) > 0.99
+    assert np.array_equal(aware["similarity"].values, plain["similarity"].values,
+                          equal_nan=True)  # msprobe's similarity is unchanged
+    # fp32 vs bf16: the first parameter whose significant signs part, not the key bias
+    low = compare_grads(tmp_path / "f32", tmp_path / "bf16").isel(rank=0)
+    step, first = int(low["first_step"]), str(low["first_param"].item())
+    assert step >= 0 and first and "c_attn.bias" not in first
+    assert bool(low["flag"].sel(step=step, param=first))
+    plain_low = compare_grads(tmp_path / "f32", tmp_path / "bf16", noise_aware=False)
+    assert "c_attn.bias" in str(plain_low["first_param"].isel(rank=0).item())

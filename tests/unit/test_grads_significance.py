@@ -1,0 +1,52 @@
+"""Significance bits in the store: all-ones chunks are the fill value and are not written."""
+import os
+
+import numpy as np
+import torch
+
+from probekit.grads import open_grads
+from probekit.grads.stats import Layout, compute
+from probekit.grads.store import GradWriter
+
+
+def test_all_ones_chunks_not_written_and_read_back(tmp_path):
+    lay = Layout(("a", "b"), (10, 3), ((10,), (3,)))
+    w = GradWriter(str(tmp_path), 0, lay, "L1", (-1, 0, 1), "md5", 4, significance=True)
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(10, generator=gen) + 5, torch.randn(3, generator=gen) + 5]
+    noisy = [torch.tensor([1.0] + [1e-12] * 9), torch.ones(3)]
+    for step, grads in enumerate([dense, dense, noisy]):
+        w.append(step, compute(grads, lay, "L1", (-1, 0, 1)))
+    w.close()
+    ds = open_grads(tmp_path)
+    sig = ds["significant"].values
+    assert sig.shape == (3, lay.nbytes)
+    assert sig[0].tolist() == [255] * 16 and sig[1].tolist() == [255] * 16
+    assert sig[2].tolist() == [0b10000000, 0b00111111] + [255] * 14
+    path = tmp_path / "grads.zarr" / "rank0" / "significant" / "c"
+    files = sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path)
+                   for f in fs)
+    assert files == ["0/0"]  # 4 steps per chunk; written because step 2 is not all ones
+    np.testing.assert_array_equal(ds["direction"].values[2, :2], [255, 192])
+
+
+def test_dense_gradients_write_no_significance_chunk(tmp_path):
+    lay = Layout(("a",), (100,), ((100,),))
+    w = GradWriter(str(tmp_path), 0, lay, "L2", (-1, 0, 1), "md5", 2, significance=True)
+    for step in range(5):
+        w.append(step, compute([torch.arange(1.0, 101.0)], lay, "L2", (-1, 0, 1)))
+    w.close()
+    chunks = tmp_path / "grads.zarr" / "rank0" / "significant" / "c"
+    assert [f for _, _, fs in os.walk(chunks) for f in fs] == []
+    assert (open_grads(tmp_path)["significant"].values == 255).all()
+
+
+def test_significance_is_opt_in(tmp_path):
+    from probekit.grads import GradProbe
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GradProbe(model, optimizer=opt, dump_path=str(tmp_path)):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    assert "significant" not in open_grads(tmp_path)
