@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .atomic import atomic_write
 from .errors import ConfigError
 from .freebench.modes import FIX_PERT_MODES, MODES, PERT_MODES
 from .log import get_logger
@@ -318,10 +319,7 @@ class Config:
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=4, ensure_ascii=False)
         if path is not None:
-            tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text + "\n")
-            os.replace(tmp, path)
+            atomic_write(path, text + "\n")
         return text
 
     def replace(self, **changes) -> "Config":
