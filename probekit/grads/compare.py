@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import GradCompareError
 from ..log import get_logger
 from .names import canonical_names
-from .store import raw_direction
+from .chunks import raw_bits
 
 log = get_logger(__name__)
 
@@ -167,7 +167,7 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
         per_param(x, differ, rows)
 
     blocks = range(0, steps.size, block)
-    raw_a, raw_b = raw_direction(a), raw_direction(b)
+    raw_a, raw_b = raw_bits(a), raw_bits(b)
     if raw_a is not None and raw_b is not None and not same_layout:
         raw_a = raw_b = None
     if raw_a is not None and raw_b is not None:

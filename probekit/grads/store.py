@@ -17,21 +17,28 @@ Crash safety: steps are buffered and written in blocks; only after a block's arr
 reader takes exactly the committed steps and ignores whatever a killed writer left past them.
 Array chunks along ``step`` match the flush block, so a flush writes new chunks and never rewrites
 committed ones (except the last, partial block written by ``close``).
+
+This module holds the layout, the commit protocol, the writer and the reader together (about 500
+lines) because the commit protocol is what binds them: what the writer commits is exactly what
+the reader takes. The raw chunk-file I/O they share is ``chunks.py``; the exit, signal and timer
+flushes of open writers are ``live.py``.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
-import signal
 import threading
 import time
 
 import numpy as np
 
+from ..atomic import atomic_write
 from ..errors import GradStoreError
 from ..log import get_logger
+from .live import LIVE, flush_live
+from .chunks import (RawChunks, bits_variable, check_rows, read_plain, set_rows, write_raw_rows,
+                     write_step_rows)
 from .stats import HASH_NBYTES, Layout, StepStats, interval_labels
 
 log = get_logger(__name__)
@@ -71,13 +78,7 @@ def rank_group_path(dump_path: str, rank: int) -> str:
 
 
 def _write_commit(group_path: str, info: dict) -> None:
-    path = os.path.join(group_path, COMMIT)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(info, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write(os.path.join(group_path, COMMIT), json.dumps(info))
 
 
 def read_commit(group_path: str) -> dict:
@@ -123,8 +124,6 @@ class GradWriter:
     def __init__(self, dump_path: str, rank: int, layout: Layout, level: str, bounds,
                  hash_name: str, flush_every: int, flush_seconds: float = 60.0, *,
                  attrs: dict | None = None, significance: bool = False) -> None:
-        import zarr
-
         self.path = rank_group_path(dump_path, rank)
         self.layout = layout
         self.level = level
@@ -167,7 +166,7 @@ class GradWriter:
             self.group.attrs.update(dict(attrs))
         self._create_arrays()
         _write_commit(self.path, {"steps": 0, "format": FORMAT})
-        _live.add(self)
+        LIVE.add(self)
 
     # -- layout ------------------------------------------------------------------------------
     def _static(self, name, values, dims, dtype):
@@ -238,7 +237,7 @@ class GradWriter:
         if due:
             self.flush()
         elif len(self._buffer) == 1:
-            _live.wake()
+            LIVE.wake()
 
     def amend(self, step: int, stats: StepStats) -> bool:
         """Replace the newest buffered step if it is ``step``; False once it was written."""
@@ -265,8 +264,8 @@ class GradWriter:
             self._write_buffer()
         finally:
             self._flushing = None
-        if _live.pending_sigterm:  # SIGTERM arrived during this flush: die of it now
-            _live.terminate()
+        if LIVE.pending_sigterm:  # SIGTERM arrived during this flush: die of it now
+            LIVE.terminate()
 
     def _write_buffer(self) -> None:
         rows = self._buffer
@@ -285,168 +284,30 @@ class GradWriter:
             else:
                 write_step_rows(path, chunk_rows, n0, columns[name])
         for path, _ in self.arrays.values():
-            _set_rows(path, n0 + k)
+            set_rows(path, n0 + k)
         self.committed = n0 + k
         _write_commit(self.path, {"steps": self.committed, "format": FORMAT,
                                   "last_step": int(columns["step"][-1])})
         self._buffer = []
 
+    def flush_from_signal(self) -> bool:
+        """Write the buffer from a signal handler (``live.py``); False when the signal interrupted
+        this writer's own flush on this thread (that flush completes, then the process dies)."""
+        if self._flushing == threading.get_ident():
+            return False
+        if self._lock.acquire(timeout=10):
+            try:
+                if self._buffer:
+                    self._write_buffer()
+            finally:
+                self._lock.release()
+        return True
+
     def close(self) -> None:
         try:
             self.flush()
         finally:
-            _live.remove(self)
-
-
-class _LiveWriters:
-    """Every open writer of this process, so that nothing buffered is lost: written at exit
-    (``atexit``: normal end, uncaught exception, ``sys.exit``, Ctrl-C), on SIGTERM (the handler
-    writes, then the process dies of SIGTERM as it would have), by a timer once a step has waited
-    ``flush_seconds``, and before a reader in this process opens the store."""
-
-    def __init__(self) -> None:
-        self.writers: dict[int, GradWriter] = {}
-        self.cond = threading.Condition()
-        self.thread = None
-        self.sigterm_installed = False
-        self.pending_sigterm = False
-        atexit.register(self.flush_all)
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._after_fork)
-
-    def _after_fork(self) -> None:
-        self.cond = threading.Condition()
-        self.thread = None
-
-    def add(self, writer) -> None:
-        with self.cond:
-            self.writers[id(writer)] = writer
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._timer, name="probekit-grad-flush",
-                                               daemon=True)
-                self.thread.start()
-        self._install_sigterm()
-
-    def remove(self, writer) -> None:
-        with self.cond:
-            self.writers.pop(id(writer), None)
-            last = not self.writers
-            self.cond.notify_all()  # the timer thread ends when no writer is left
-        if last and self.sigterm_installed and \
-                threading.current_thread() is threading.main_thread():
-            try:
-                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                self.sigterm_installed = False
-            except (ValueError, OSError):  # pragma: no cover
-                pass
-
-    def wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-    def flush_all(self, path=None) -> None:
-        for writer in list(self.writers.values()):
-            if path is None or os.path.abspath(writer.path) == os.path.abspath(path):
-                try:
-                    writer.flush()
-                except Exception as exc:  # never raise at exit; say what was lost
-                    log.warning("grad_probe: writing the buffered steps of %s failed: %s",
-                                writer.path, exc)
-
-    def _timer(self) -> None:
-        while True:
-            with self.cond:
-                if not self.writers:
-                    self.thread = None
-                    return
-                now = time.monotonic()
-                pending = [w for w in self.writers.values() if w._buffer]
-                due = [w for w in pending if now - w._oldest >= w.flush_seconds]
-                if not due:
-                    waits = [w._oldest + w.flush_seconds - now for w in pending]
-                    self.cond.wait(timeout=min(waits, default=None))
-                    continue
-            for w in due:
-                try:
-                    w.flush()
-                except Exception as exc:
-                    log.warning("grad_probe: timed write of %s failed: %s", w.path, exc)
-
-    def _install_sigterm(self) -> None:
-        if self.sigterm_installed or threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-                return  # the program handles SIGTERM itself (and then exits through atexit)
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-            self.sigterm_installed = True
-        except (ValueError, OSError):  # pragma: no cover - no signals here
-            pass
-
-    def _on_sigterm(self, signum, frame) -> None:
-        me = threading.get_ident()
-        for writer in list(self.writers.values()):
-            if writer._flushing == me:  # interrupted inside its own flush: it finishes, then dies
-                self.pending_sigterm = True
-                continue
-            if writer._lock.acquire(timeout=10):
-                try:
-                    writer._write_buffer() if writer._buffer else None
-                except Exception as exc:
-                    log.warning("grad_probe: writing %s on SIGTERM failed: %s", writer.path, exc)
-                finally:
-                    writer._lock.release()
-        if not self.pending_sigterm:
-            self.terminate()
-
-    @staticmethod
-    def terminate() -> None:
-        """Die of SIGTERM, as the process would have without probekit's handler."""
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-_live = _LiveWriters()
-
-
-def flush_live(path=None) -> None:
-    """Write the buffered steps of this process's open writers (of the rank group ``path``, or
-    all), so a reader in this process (a notebook) sees every recorded step."""
-    _live.flush_all(path)
-
-
-def _set_rows(array_path: str, n: int) -> None:
-    """Set the first dimension of a Zarr v3 array's metadata to ``n`` (atomic rewrite)."""
-    meta_path = os.path.join(array_path, "zarr.json")
-    with open(meta_path, encoding="utf-8") as fh:
-        meta = json.load(fh)
-    meta["shape"][0] = int(n)
-    _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
-
-
-def write_step_rows(array_path: str, chunk_rows: int, n0: int, data: np.ndarray) -> None:
-    """Write ``data`` as rows ``n0...`` of an uncompressed Zarr v3 array chunked along its first
-    dimension only (``chunk_rows`` rows, whole trailing dimensions): each chunk file is the
-    chunk's little-endian C-order bytes, written to a temporary file and renamed. A chunk that
-    already holds rows below ``n0`` is read back first."""
-    data = np.asarray(data)
-    tail = data.shape[1:]
-    key = "/".join(["0"] * len(tail))
-    dtype = data.dtype.newbyteorder("<")
-    for i in range(n0 // chunk_rows, (n0 + len(data) - 1) // chunk_rows + 1):
-        r0, r1 = i * chunk_rows, (i + 1) * chunk_rows
-        folder = os.path.join(array_path, "c", str(i))
-        name = os.path.join(folder, key) if tail else folder
-        os.makedirs(os.path.dirname(name) if tail else os.path.dirname(folder), exist_ok=True)
-        block = np.zeros((chunk_rows, *tail), dtype)
-        if r0 < n0:
-            with open(name, "rb") as fh:
-                old = np.frombuffer(fh.read(), dtype).reshape(chunk_rows, *tail)
-            block[:n0 - r0] = old[:n0 - r0]
-        lo, hi = max(r0, n0), min(r1, n0 + len(data))
-        block[lo - r0:hi - r0] = data[lo - n0:hi - n0]
-        _atomic_write(name, block.tobytes())
+            LIVE.remove(self)
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -471,14 +332,27 @@ def store_ranks(store: str) -> list[int]:
     return sorted(ranks)
 
 
+#: members of a rank group, in the order a Dataset lists them
+_MEMBERS = ("step", "param", "numel", "shape", "offset", "interval", "present", "max", "min",
+            "norm", "zeros", "dist", "direction", "significant", "hash")
+_COORDS = ("param", "numel", "shape", "offset", "interval")
+#: coordinate -> the group attribute holding it too (one JSON read gives them all)
+_STATIC_ATTRS = {"param": "params", "numel": "numels", "shape": "shapes", "offset": "offsets",
+                 "interval": "intervals"}
+
+
 def open_rank(store: str, rank: int, chunks=None):
     """The committed steps of one rank group as an xarray Dataset.
 
     ``chunks=None`` loads the arrays into memory; ``chunks="auto"`` (or a dict of dim -> size)
     wraps them in dask arrays over the Zarr chunks, so stores larger than memory work.
+
+    Where each array comes from: the static coordinates from the group's attributes; the
+    statistics straight from their chunk files (``chunks.read_plain``) or, stored another way,
+    through Zarr in one round trip; the sign (and significance) bits through a lazy reader of
+    their chunk files (``chunks.RawChunks``); with ``chunks``, dask arrays instead.
     """
     import xarray as xr
-    import zarr
 
     group_path = os.path.join(store, f"rank{int(rank)}")
     flush_live(group_path)  # a recording in this process: its buffered steps first
@@ -486,309 +360,98 @@ def open_rank(store: str, rank: int, chunks=None):
         raise GradStoreError(f"{store!r} has no group for rank {rank}; ranks stored: "
                              f"{store_ranks(store)}")
     n = read_commit(group_path)["steps"]
-    # Look members up by path rather than listing the group (the listing would meet commit.json)
-    names = [name for name in ("step", "param", "numel", "shape", "offset", "interval",
-                               "present", "max", "min", "norm", "zeros", "dist", "direction",
-                               "significant", "hash") if os.path.isfile(os.path.join(group_path, name,
-                                                                     "zarr.json"))]
-    lazy = set() if chunks is None else {k for k in names if k not in ("step", "hash")}
+    # members looked up by path, not by listing the group (the listing would meet commit.json)
+    names = [m for m in _MEMBERS if os.path.isfile(os.path.join(group_path, m, "zarr.json"))]
     attrs = _group_attrs(group_path)
-    eager, meta = {}, {}
-    static = {"param": "params", "numel": "numels", "shape": "shapes", "offset": "offsets",
-              "interval": "intervals"}
-    for name in names:
-        if name in static and attrs.get(static[name]) is not None:
-            eager[name] = np.asarray(attrs[static[name]])
-            meta[name] = ("interval",) if name == "interval" else ("param",)
-        elif name not in lazy and name not in _BITS:
-            plain = read_plain(os.path.join(group_path, name), n)
-            if plain is not None:
-                meta[name], eager[name] = plain
-    rest = [k for k in names if k not in eager and k not in lazy and k not in _BITS]
-    if rest:  # arrays stored another way (compressed, other writer): through Zarr
-        _, m2, e2 = _fetch(group_path, rest, n)
-        meta.update(m2)
-        eager.update(e2)
-    for k in static.values():
-        attrs.pop(k, None)
-    group = zarr.open_group(group_path, mode="r", zarr_format=3) if lazy else None
-
-    def load(name, lazy_ok=True):
-        if name in _BITS:
-            dims = ("step", "byte")
-            raw = RawChunks.open(os.path.join(group_path, name), n)
-            if raw is not None:
-                if chunks is not None and lazy_ok:
-                    import dask.array as dsa
-
-                    return dims, dsa.from_array(raw, chunks=_dask_chunks(
-                        group[name], dims, chunks), asarray=False)
-                return dims, _lazy(raw)
-            data = zarr.open_array(os.path.join(group_path, name), mode="r")[:n]
-            return dims, data
-        if name in eager:
-            return meta[name], eager[name]
-        arr = group[name]
-        dims = tuple(arr.metadata.dimension_names)
-        if dims and dims[0] == "step":
-            _check_rows(arr.shape[0], n, group_path, name)
-            import dask.array as dsa
-
-            return dims, dsa.from_array(arr, chunks=_dask_chunks(arr, dims, chunks))[:n]
-        return dims, arr[...]
-
-    coords = {"step": load("step", lazy_ok=False)}
-    for name in ("param", "numel", "shape", "offset", "interval"):
-        if name in names:
-            dims, data = load(name)
+    arrays = _static_arrays(attrs, names)
+    lazy = chunks is not None
+    eager = [k for k in names if k not in arrays and k not in _BITS
+             and not (lazy and k not in ("step", "hash"))]
+    arrays.update(_eager_arrays(group_path, eager, n))
+    if lazy:
+        arrays.update(_dask_arrays(group_path, [k for k in names if k not in arrays], n, chunks))
+    steps = arrays["step"][1]
+    for name in _BITS:
+        if name in names and name not in arrays:
+            arrays[name] = _bits(group_path, name, n, steps)
+    coords = {"step": arrays["step"]}
+    for name in _COORDS:
+        if name in arrays:
+            dims, data = arrays[name]
             if data.dtype.kind in "UTO":
                 data = np.array(data.tolist(), dtype=str).reshape(data.shape)
             coords[name] = (dims, data)
-    data_vars = {}
-    for name in ("present", "max", "min", "norm", "zeros", "dist", "direction", "significant"):
-        if name in names:
-            data_vars[name] = load(name)
-    if "hash" in names:
-        dims, raw = load("hash", lazy_ok=False)
-        data_vars["hash"] = (("step", "param"), _hex(raw))
+    data_vars = {k: arrays[k] for k in names if k not in coords and k != "hash"}
+    if "hash" in arrays:
+        data_vars["hash"] = (("step", "param"), _hex(arrays["hash"][1]))
+    for k in _STATIC_ATTRS.values():
+        attrs.pop(k, None)
     attrs["rank"] = int(rank)
     attrs["committed_steps"] = n
     return xr.Dataset(data_vars, coords=coords, attrs=_clean_attrs(attrs))
 
 
-def _atomic_write(path: str, data, pad: int = 0) -> None:
-    tmp = f"{path}.{os.getpid()}.partial"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        if pad:
-            fh.write(bytes(pad))
-    os.replace(tmp, path)
+def _static_arrays(attrs: dict, names) -> dict:
+    """The coordinates the writer also stored as group attributes: {name: (dims, values)}."""
+    out = {}
+    for name, key in _STATIC_ATTRS.items():
+        if name in names and attrs.get(key) is not None:
+            out[name] = (("interval",) if name == "interval" else ("param",),
+                         np.asarray(attrs[key]))
+    return out
 
 
-def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int,
-                   fill: int = 0) -> None:
-    """Write ``rows`` (1-D uint8 arrays of ``ncols`` bytes) as rows ``n0...`` of an
-    uncompressed Zarr v3 array whose chunks are ``chunks`` = (rows, cols), chunk file by chunk
-    file: the C-order bytes of the whole chunk (unfilled rows/cols = 0, the fill value), each
-    written to a temporary file and renamed, as Zarr's own LocalStore does. A chunk that already
-    holds rows below ``n0`` is read back first, so those rows are kept. A chunk holding only
-    ``fill`` bytes (the array's fill value) is not written (any earlier file of it removed)."""
-
-    def put(path, data, pad=0):
-        if fill and np.all(np.asarray(data) == fill) and (not pad or fill == 0):
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-            return
-        _atomic_write(path, data, pad=pad)
-
-    cr, cc = chunks
-    ncol_chunks = -(-ncols // cc)
-    k = len(rows)
-    for i in range(n0 // cr, (n0 + k - 1) // cr + 1):
-        folder = os.path.join(array_path, "c", str(i))
-        os.makedirs(folder, exist_ok=True)
-        r0, r1 = i * cr, (i + 1) * cr
-        if cr == 1:  # one step per chunk (large models): write the row's pieces as they are
-            row = rows[r0 - n0]
-            for j in range(ncol_chunks):
-                piece = row[j * cc:(j + 1) * cc]
-                if fill and piece.size < cc:
-                    piece = np.concatenate([piece, np.full(cc - piece.size, fill, np.uint8)])
-                put(os.path.join(folder, str(j)), piece, pad=cc - piece.size)
-            continue
-        block = np.full((cr, ncol_chunks * cc), fill, np.uint8)
-        if r0 < n0:  # a chunk begun by an earlier flush
-            block[:, :ncols] = RawChunks(array_path, (r1, ncols), chunks, "uint8", fill, r1)[
-                r0:r1, 0:ncols]
-        for r in range(max(r0, n0), min(r1, n0 + k)):
-            block[r - r0, :ncols] = rows[r - n0]
-        for j in range(ncol_chunks):
-            put(os.path.join(folder, str(j)), np.ascontiguousarray(block[:, j * cc:(j + 1) * cc]))
+def _eager_arrays(group_path: str, names, n: int) -> dict:
+    """{name: (dims, the committed rows)}: plain arrays from their chunk files, the others (a
+    compressed array, another writer's) through Zarr in one round trip."""
+    out = {}
+    for name in names:
+        plain = read_plain(os.path.join(group_path, name), n)
+        if plain is not None:
+            out[name] = plain
+    rest = [k for k in names if k not in out]
+    if rest:
+        _, dims, data = _fetch(group_path, rest, n)
+        out.update({k: (dims[k], data[k]) for k in rest})
+    return out
 
 
-class RawChunks:
-    """Read-only array over an uncompressed Zarr v3 array, reading its chunk files directly.
+def _dask_arrays(group_path: str, names, n: int, chunks) -> dict:
+    """{name: (dims, a dask array over the Zarr chunks)} for a store larger than memory."""
+    import dask.array as dsa
+    import zarr
 
-    The sign bits are stored without compression (they are random bits), so a chunk file is
-    the chunk's C-order bytes (Zarr v3, ``bytes`` codec, default chunk key encoding
-    ``c/<i>/<j>``; a missing file is all fill value). Reading them with ``readinto`` straight
-    into the result avoids the copies of the generic codec pipeline, which matters for the
-    comparison's throughput. ``open`` returns None for an array stored any other way.
-    """
-
-    ndim = 2
-
-    def __init__(self, path, shape, chunk_shape, dtype, fill, n_rows):
-        self.path, self.chunk_shape = path, tuple(chunk_shape)
-        self.dtype = np.dtype(dtype)
-        self.fill = fill
-        self.shape = (int(n_rows), int(shape[1]))
-
-    @classmethod
-    def open(cls, path: str, n_rows: int):
-        with open(os.path.join(path, "zarr.json"), encoding="utf-8") as fh:
-            meta = json.load(fh)
-        codecs = meta.get("codecs", [])
-        key_enc = meta.get("chunk_key_encoding", {})
-        if (len(meta.get("shape", [])) != 2 or meta.get("data_type") != "uint8"
-                or [c.get("name") for c in codecs] != ["bytes"]
-                or key_enc.get("name") != "default"
-                or key_enc.get("configuration", {}).get("separator", "/") != "/"
-                or meta.get("chunk_grid", {}).get("name") != "regular"):
-            return None
-        chunk_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
-        return cls(path, meta["shape"], chunk_shape, "uint8", meta.get("fill_value", 0),
-                   min(n_rows, meta["shape"][0]))
-
-    def __getitem__(self, key):
-        if not isinstance(key, tuple):
-            key = (key,)
-        key = key + (slice(None),) * (2 - len(key))
-        r0, r1, rs = key[0].indices(self.shape[0]) if isinstance(key[0], slice) else (
-            None, None, None)
-        c0, c1, cs = key[1].indices(self.shape[1]) if isinstance(key[1], slice) else (
-            None, None, None)
-        if r0 is None or c0 is None or rs != 1 or cs != 1:
-            raise IndexError(f"RawChunks supports unit-step slices only, got {key!r}")
-        return self.read(r0, r1, c0, c1)
-
-    def read(self, r0: int, r1: int, c0: int = 0, c1: int | None = None, out=None):
-        """Rows ``r0:r1``, columns ``c0:c1``; into ``out`` when given (a buffer reused across
-        calls reads faster: fresh memory costs a page fault per page)."""
-        c1 = self.shape[1] if c1 is None else c1
-        shape = (max(0, r1 - r0), max(0, c1 - c0))
-        out = np.empty(shape, self.dtype) if out is None else out
-        if out.shape != shape:
-            raise ValueError(f"out has shape {out.shape}, expected {shape}")
-        cr, cc = self.chunk_shape
-        buf = None
-        for i in range(r0 // cr, -(-r1 // cr) if r1 > r0 else r0 // cr):
-            for j in range(c0 // cc, -(-c1 // cc) if c1 > c0 else c0 // cc):
-                rows = slice(max(r0, i * cr), min(r1, (i + 1) * cr))
-                cols = slice(max(c0, j * cc), min(c1, (j + 1) * cc))
-                dest = out[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0]
-                path = os.path.join(self.path, "c", str(i), str(j))
-                whole = dest.shape == (cr, cc) and dest.flags.c_contiguous
-                if not whole and buf is None:
-                    buf = np.empty(cr * cc, self.dtype)
-                try:
-                    with open(path, "rb", buffering=0) as fh:
-                        got = fh.readinto(dest if whole else buf)
-                except FileNotFoundError:
-                    dest[...] = self.fill
-                    continue
-                if got != cr * cc:
-                    raise GradStoreError(f"{path}: {got} bytes, expected {cr * cc}")
-                if whole:
-                    continue
-                chunk = buf.reshape(cr, cc)
-                dest[...] = chunk[rows.start - i * cr:rows.stop - i * cr,
-                                  cols.start - j * cc:cols.stop - j * cc]
-        return out
+    group = zarr.open_group(group_path, mode="r", zarr_format=3)
+    out = {}
+    for name in names:
+        arr = group[name]
+        dims = tuple(arr.metadata.dimension_names)
+        raw = RawChunks.open(os.path.join(group_path, name), n) if name in _BITS else None
+        if raw is not None:
+            out[name] = (dims, dsa.from_array(raw, chunks=_dask_chunks(arr, dims, chunks),
+                                              asarray=False))
+        elif dims and dims[0] == "step":
+            check_rows(arr.shape[0], n, group_path, name)
+            out[name] = (dims, dsa.from_array(arr, chunks=_dask_chunks(arr, dims, chunks))[:n])
+        else:
+            out[name] = (dims, arr[...])
+    return out
 
 
-def raw_direction(ds):
-    """The ``RawChunks`` behind ``ds["direction"]`` when it is exactly as ``open_grads``
-    returned it (no selection applied since), else None: lets the comparison read rows
-    straight into reusable buffers."""
-    from xarray.core import indexing
+def _bits(group_path: str, name: str, n: int, steps):
+    """A packed bit array (step, byte): read lazily from its chunk files, remembering them for
+    the comparison (``chunks.raw_bits``); stored another way, through Zarr."""
+    raw = RawChunks.open(os.path.join(group_path, name), n)
+    if raw is not None:
+        return bits_variable(("step", "byte"), raw, steps)
+    import zarr
 
-    data = getattr(ds["direction"].variable, "_data", None)
-    if not isinstance(data, indexing.LazilyIndexedArray):
-        return None
-    backend = getattr(data, "array", None)
-    raw = getattr(backend, "arr", None)
-    full = tuple(data.key.tuple) == (slice(None), slice(None))
-    return raw if isinstance(raw, RawChunks) and full and raw.shape == ds["direction"].shape \
-        else None
-
-
-def _lazy(raw: "RawChunks"):
-    """Wrap ``raw`` for xarray: nothing is read until values are asked for, and then only the
-    selected rows (no dask involved)."""
-    from xarray.backends import BackendArray
-    from xarray.core import indexing
-
-    class _Backend(BackendArray):
-        def __init__(self, arr):
-            self.arr, self.shape, self.dtype = arr, arr.shape, arr.dtype
-
-        def __getitem__(self, key):
-            return indexing.explicit_indexing_adapter(
-                key, self.shape, indexing.IndexingSupport.OUTER_1VECTOR, self._get)
-
-        def _get(self, key):
-            rows, cols = key
-            if isinstance(rows, (int, np.integer)):
-                return self._get((slice(int(rows), int(rows) + 1), cols))[0]
-            if isinstance(cols, (int, np.integer)):
-                return self._get((rows, slice(int(cols), int(cols) + 1)))[:, 0]
-            if isinstance(cols, np.ndarray):
-                return self._get((rows, slice(None)))[:, cols]
-            if isinstance(rows, np.ndarray):  # outer indexing on steps: read the covering range
-                lo, hi = int(rows.min()), int(rows.max()) + 1
-                return self.arr[lo:hi, cols][rows - lo]
-            return self.arr[rows, cols]
-
-    return indexing.LazilyIndexedArray(_Backend(raw))
+    return ("step", "byte"), zarr.open_array(os.path.join(group_path, name), mode="r")[:n]
 
 
 def _group_attrs(group_path: str) -> dict:
     with open(os.path.join(group_path, "zarr.json"), encoding="utf-8") as fh:
         return dict(json.load(fh).get("attributes", {}))
-
-
-_PLAIN_DTYPES = {"bool": np.bool_, "uint8": np.uint8, "int64": np.int64, "float64": np.float64}
-
-
-def read_plain(array_path: str, n: int):
-    """(dimension names, the first ``n`` rows) of an uncompressed Zarr v3 array chunked along its
-    first dimension only, read straight from its chunk files; None for any other layout."""
-    try:
-        with open(os.path.join(array_path, "zarr.json"), encoding="utf-8") as fh:
-            meta = json.load(fh)
-    except OSError:
-        return None
-    codecs = meta.get("codecs", [])
-    dtype = _PLAIN_DTYPES.get(meta.get("data_type"))
-    shape = meta.get("shape", [])
-    grid = meta.get("chunk_grid", {})
-    key_enc = meta.get("chunk_key_encoding", {})
-    if (dtype is None or [c.get("name") for c in codecs] != ["bytes"]
-            or codecs[0].get("configuration", {}).get("endian", "little") != "little"
-            or grid.get("name") != "regular" or key_enc.get("name") != "default"
-            or key_enc.get("configuration", {}).get("separator", "/") != "/"
-            or not shape):
-        return None
-    chunk = grid["configuration"]["chunk_shape"]
-    if list(chunk[1:]) != list(shape[1:]):
-        return None
-    _check_rows(shape[0], n, os.path.dirname(array_path), os.path.basename(array_path))
-    cr, tail = chunk[0], tuple(shape[1:])
-    out = np.empty((n, *tail), dtype=np.dtype(dtype).newbyteorder("<"))
-    per_chunk = cr * int(np.prod(tail, dtype=np.int64)) * out.dtype.itemsize
-    zero_idx = "/".join("0" for _ in tail)
-    for i in range(-(-n // cr)):
-        rows = out[i * cr:min(n, (i + 1) * cr)]
-        name = f"c/{i}/{zero_idx}" if tail else f"c/{i}"
-        try:
-            with open(os.path.join(array_path, name), "rb") as fh:
-                raw = fh.read()
-        except FileNotFoundError:
-            rows[...] = meta.get("fill_value", 0)
-            continue
-        if len(raw) != per_chunk:
-            raise GradStoreError(f"{array_path}/{name}: {len(raw)} bytes, expected {per_chunk}")
-        rows[...] = np.frombuffer(raw, out.dtype).reshape(cr, *tail)[:rows.shape[0]]
-    return tuple(meta.get("dimension_names") or ()), out.astype(dtype, copy=False)
-
-
-def _check_rows(stored: int, n: int, group_path: str, name: str) -> None:
-    if stored < n:
-        raise GradStoreError(f"{group_path}/{name}: {stored} steps stored but {n} committed; "
-                             "the store is damaged")
 
 
 def _fetch(group_path: str, names, n: int):
@@ -809,7 +472,7 @@ def _fetch(group_path: str, names, n: int):
             arr = group[k]
             step_dim = meta[k] and meta[k][0] == "step"
             if step_dim:
-                _check_rows(arr.shape[0], n, group_path, k)
+                check_rows(arr.shape[0], n, group_path, k)
             data[k] = arr[:n] if step_dim else arr[...]
         return dict(group.attrs), meta, data
 
@@ -819,7 +482,7 @@ def _fetch(group_path: str, names, n: int):
         meta = {k: tuple(a.metadata.dimension_names) for k, a in zip(names, arrays)}
         for k, a in zip(names, arrays):
             if meta[k] and meta[k][0] == "step":
-                _check_rows(a.shape[0], n, group_path, k)
+                check_rows(a.shape[0], n, group_path, k)
         values = await asyncio.gather(*(
             a.getitem(slice(0, n) if meta[k] and meta[k][0] == "step" else ...)
             for k, a in zip(names, arrays)))

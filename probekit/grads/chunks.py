@@ -1,0 +1,286 @@
+"""Raw Zarr v3 chunk I/O: the chunk files of the grad store's arrays, read and written directly.
+
+The store keeps every array uncompressed (sign bits are random; the statistics barely compress),
+so a chunk file is the chunk's little-endian C-order bytes (``bytes`` codec, default ``c/<i>/<j>``
+keys). Reading and writing those files without Zarr's codec pipeline or event loop is what makes
+the comparison fast and lets a flush run anywhere (an ``atexit`` handler, a signal handler).
+``plain_meta`` is the one check that an array has that layout; anything else goes through Zarr.
+Every file is replaced with ``probekit.atomic.atomic_write``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from ..atomic import atomic_write
+from ..errors import GradStoreError
+
+_PLAIN_DTYPES = {"bool": np.bool_, "uint8": np.uint8, "int64": np.int64, "float64": np.float64}
+
+
+def plain_meta(array_path: str) -> dict | None:
+    """The ``zarr.json`` of an array whose chunk files can be read and written directly: Zarr
+    v3, uncompressed (the ``bytes`` codec alone, little-endian), a regular chunk grid, the
+    default ``c/<i>/<j>`` chunk keys, a data type of ``_PLAIN_DTYPES``; None for anything else
+    (another writer's layout: read through Zarr instead)."""
+    try:
+        with open(os.path.join(array_path, "zarr.json"), encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except OSError:
+        return None
+    codecs = meta.get("codecs", [])
+    key_enc = meta.get("chunk_key_encoding", {})
+    if (meta.get("data_type") not in _PLAIN_DTYPES or not meta.get("shape")
+            or [c.get("name") for c in codecs] != ["bytes"]
+            or codecs[0].get("configuration", {}).get("endian", "little") != "little"
+            or meta.get("chunk_grid", {}).get("name") != "regular"
+            or key_enc.get("name") != "default"
+            or key_enc.get("configuration", {}).get("separator", "/") != "/"):
+        return None
+    return meta
+
+
+def check_rows(stored: int, n: int, group_path: str, name: str) -> None:
+    if stored < n:
+        raise GradStoreError(f"{group_path}/{name}: {stored} steps stored but {n} committed; "
+                             "the store is damaged")
+
+
+def set_rows(array_path: str, n: int) -> None:
+    """Set the first dimension of a Zarr v3 array's metadata to ``n`` (atomic rewrite)."""
+    meta_path = os.path.join(array_path, "zarr.json")
+    with open(meta_path, encoding="utf-8") as fh:
+        meta = json.load(fh)
+    meta["shape"][0] = int(n)
+    atomic_write(meta_path, json.dumps(meta, indent=2).encode())
+
+
+def write_step_rows(array_path: str, chunk_rows: int, n0: int, data: np.ndarray) -> None:
+    """Write ``data`` as rows ``n0...`` of an uncompressed Zarr v3 array chunked along its first
+    dimension only (``chunk_rows`` rows, whole trailing dimensions): each chunk file is the
+    chunk's little-endian C-order bytes, written to a temporary file and renamed. A chunk that
+    already holds rows below ``n0`` is read back first."""
+    data = np.asarray(data)
+    tail = data.shape[1:]
+    key = "/".join(["0"] * len(tail))
+    dtype = data.dtype.newbyteorder("<")
+    for i in range(n0 // chunk_rows, (n0 + len(data) - 1) // chunk_rows + 1):
+        r0, r1 = i * chunk_rows, (i + 1) * chunk_rows
+        folder = os.path.join(array_path, "c", str(i))
+        name = os.path.join(folder, key) if tail else folder
+        os.makedirs(os.path.dirname(name) if tail else os.path.dirname(folder), exist_ok=True)
+        block = np.zeros((chunk_rows, *tail), dtype)
+        if r0 < n0:
+            with open(name, "rb") as fh:
+                old = np.frombuffer(fh.read(), dtype).reshape(chunk_rows, *tail)
+            block[:n0 - r0] = old[:n0 - r0]
+        lo, hi = max(r0, n0), min(r1, n0 + len(data))
+        block[lo - r0:hi - r0] = data[lo - n0:hi - n0]
+        atomic_write(name, block.tobytes())
+
+
+def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int,
+                   fill: int = 0) -> None:
+    """Write ``rows`` (1-D uint8 arrays of ``ncols`` bytes) as rows ``n0...`` of an
+    uncompressed Zarr v3 array whose chunks are ``chunks`` = (rows, cols), chunk file by chunk
+    file: the C-order bytes of the whole chunk (unfilled rows/cols = 0, the fill value), each
+    written to a temporary file and renamed, as Zarr's own LocalStore does. A chunk that already
+    holds rows below ``n0`` is read back first, so those rows are kept. A chunk holding only
+    ``fill`` bytes (the array's fill value) is not written (any earlier file of it removed)."""
+
+    def put(path, data, pad=0):
+        if fill and np.all(np.asarray(data) == fill) and (not pad or fill == 0):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            return
+        atomic_write(path, data, pad=pad)
+
+    cr, cc = chunks
+    ncol_chunks = -(-ncols // cc)
+    k = len(rows)
+    for i in range(n0 // cr, (n0 + k - 1) // cr + 1):
+        folder = os.path.join(array_path, "c", str(i))
+        os.makedirs(folder, exist_ok=True)
+        r0, r1 = i * cr, (i + 1) * cr
+        if cr == 1:  # one step per chunk (large models): write the row's pieces as they are
+            row = rows[r0 - n0]
+            for j in range(ncol_chunks):
+                piece = row[j * cc:(j + 1) * cc]
+                if fill and piece.size < cc:
+                    piece = np.concatenate([piece, np.full(cc - piece.size, fill, np.uint8)])
+                put(os.path.join(folder, str(j)), piece, pad=cc - piece.size)
+            continue
+        block = np.full((cr, ncol_chunks * cc), fill, np.uint8)
+        if r0 < n0:  # a chunk begun by an earlier flush
+            block[:, :ncols] = RawChunks(array_path, (r1, ncols), chunks, "uint8", fill, r1)[
+                r0:r1, 0:ncols]
+        for r in range(max(r0, n0), min(r1, n0 + k)):
+            block[r - r0, :ncols] = rows[r - n0]
+        for j in range(ncol_chunks):
+            put(os.path.join(folder, str(j)), np.ascontiguousarray(block[:, j * cc:(j + 1) * cc]))
+
+
+class RawChunks:
+    """Read-only array over an uncompressed Zarr v3 array, reading its chunk files directly.
+
+    The sign bits are stored without compression (they are random bits), so a chunk file is
+    the chunk's C-order bytes (Zarr v3, ``bytes`` codec, default chunk key encoding
+    ``c/<i>/<j>``; a missing file is all fill value). Reading them with ``readinto`` straight
+    into the result avoids the copies of the generic codec pipeline, which matters for the
+    comparison's throughput. ``open`` returns None for an array stored any other way.
+    """
+
+    ndim = 2
+
+    def __init__(self, path, shape, chunk_shape, dtype, fill, n_rows):
+        self.path, self.chunk_shape = path, tuple(chunk_shape)
+        self.dtype = np.dtype(dtype)
+        self.fill = fill
+        self.shape = (int(n_rows), int(shape[1]))
+
+    @classmethod
+    def open(cls, path: str, n_rows: int):
+        meta = plain_meta(path)
+        if meta is None or len(meta["shape"]) != 2 or meta["data_type"] != "uint8":
+            return None
+        chunk_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        return cls(path, meta["shape"], chunk_shape, "uint8", meta.get("fill_value", 0),
+                   min(n_rows, meta["shape"][0]))
+
+    def __getitem__(self, key):
+        if not isinstance(key, tuple):
+            key = (key,)
+        key = key + (slice(None),) * (2 - len(key))
+        r0, r1, rs = key[0].indices(self.shape[0]) if isinstance(key[0], slice) else (
+            None, None, None)
+        c0, c1, cs = key[1].indices(self.shape[1]) if isinstance(key[1], slice) else (
+            None, None, None)
+        if r0 is None or c0 is None or rs != 1 or cs != 1:
+            raise IndexError(f"RawChunks supports unit-step slices only, got {key!r}")
+        return self.read(r0, r1, c0, c1)
+
+    def read(self, r0: int, r1: int, c0: int = 0, c1: int | None = None, out=None):
+        """Rows ``r0:r1``, columns ``c0:c1``; into ``out`` when given (a buffer reused across
+        calls reads faster: fresh memory costs a page fault per page)."""
+        c1 = self.shape[1] if c1 is None else c1
+        shape = (max(0, r1 - r0), max(0, c1 - c0))
+        out = np.empty(shape, self.dtype) if out is None else out
+        if out.shape != shape:
+            raise ValueError(f"out has shape {out.shape}, expected {shape}")
+        cr, cc = self.chunk_shape
+        buf = None
+        for i in range(r0 // cr, -(-r1 // cr) if r1 > r0 else r0 // cr):
+            for j in range(c0 // cc, -(-c1 // cc) if c1 > c0 else c0 // cc):
+                rows = slice(max(r0, i * cr), min(r1, (i + 1) * cr))
+                cols = slice(max(c0, j * cc), min(c1, (j + 1) * cc))
+                dest = out[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0]
+                path = os.path.join(self.path, "c", str(i), str(j))
+                whole = dest.shape == (cr, cc) and dest.flags.c_contiguous
+                if not whole and buf is None:
+                    buf = np.empty(cr * cc, self.dtype)
+                try:
+                    with open(path, "rb", buffering=0) as fh:
+                        got = fh.readinto(dest if whole else buf)
+                except FileNotFoundError:
+                    dest[...] = self.fill
+                    continue
+                if got != cr * cc:
+                    raise GradStoreError(f"{path}: {got} bytes, expected {cr * cc}")
+                if whole:
+                    continue
+                chunk = buf.reshape(cr, cc)
+                dest[...] = chunk[rows.start - i * cr:rows.stop - i * cr,
+                                  cols.start - j * cc:cols.stop - j * cc]
+        return out
+
+
+def read_plain(array_path: str, n: int):
+    """(dimension names, the first ``n`` rows) of an uncompressed Zarr v3 array chunked along its
+    first dimension only, read straight from its chunk files; None for any other layout."""
+    meta = plain_meta(array_path)
+    if meta is None:
+        return None
+    dtype = _PLAIN_DTYPES[meta["data_type"]]
+    shape = meta["shape"]
+    grid = meta["chunk_grid"]
+    chunk = grid["configuration"]["chunk_shape"]
+    if list(chunk[1:]) != list(shape[1:]):
+        return None
+    check_rows(shape[0], n, os.path.dirname(array_path), os.path.basename(array_path))
+    cr, tail = chunk[0], tuple(shape[1:])
+    out = np.empty((n, *tail), dtype=np.dtype(dtype).newbyteorder("<"))
+    per_chunk = cr * int(np.prod(tail, dtype=np.int64)) * out.dtype.itemsize
+    zero_idx = "/".join("0" for _ in tail)
+    for i in range(-(-n // cr)):
+        rows = out[i * cr:min(n, (i + 1) * cr)]
+        name = f"c/{i}/{zero_idx}" if tail else f"c/{i}"
+        try:
+            with open(os.path.join(array_path, name), "rb") as fh:
+                raw = fh.read()
+        except FileNotFoundError:
+            rows[...] = meta.get("fill_value", 0)
+            continue
+        if len(raw) != per_chunk:
+            raise GradStoreError(f"{array_path}/{name}: {len(raw)} bytes, expected {per_chunk}")
+        rows[...] = np.frombuffer(raw, out.dtype).reshape(cr, *tail)[:rows.shape[0]]
+    return tuple(meta.get("dimension_names") or ()), out.astype(dtype, copy=False)
+
+
+def lazy_bits(raw: "RawChunks"):
+    """Wrap ``raw`` for xarray: nothing is read until values are asked for, and then only the
+    selected rows (no dask involved)."""
+    from xarray.backends import BackendArray
+    from xarray.core import indexing
+
+    class _Backend(BackendArray):
+        def __init__(self, arr):
+            self.arr, self.shape, self.dtype = arr, arr.shape, arr.dtype
+
+        def __getitem__(self, key):
+            return indexing.explicit_indexing_adapter(
+                key, self.shape, indexing.IndexingSupport.OUTER_1VECTOR, self._get)
+
+        def _get(self, key):
+            rows, cols = key
+            if isinstance(rows, (int, np.integer)):
+                return self._get((slice(int(rows), int(rows) + 1), cols))[0]
+            if isinstance(cols, (int, np.integer)):
+                return self._get((rows, slice(int(cols), int(cols) + 1)))[:, 0]
+            if isinstance(cols, np.ndarray):
+                return self._get((rows, slice(None)))[:, cols]
+            if isinstance(rows, np.ndarray):  # outer indexing on steps: read the covering range
+                lo, hi = int(rows.min()), int(rows.max()) + 1
+                return self.arr[lo:hi, cols][rows - lo]
+            return self.arr[rows, cols]
+
+    return indexing.LazilyIndexedArray(_Backend(raw))
+
+
+#: ``Variable.encoding`` key under which ``open_grads`` leaves the chunk reader of a bit array
+#: and the steps it was opened with (xarray copies a variable's encoding through selections)
+RAW_KEY = "probekit_raw_chunks"
+
+
+def bits_variable(dims: tuple, raw: RawChunks, steps):
+    """A lazily read bit array for a Dataset that remembers its ``RawChunks`` (``raw_bits``)."""
+    import xarray as xr
+
+    return xr.Variable(dims, lazy_bits(raw), encoding={RAW_KEY: (raw, np.asarray(steps))})
+
+
+def raw_bits(ds, name: str = "direction"):
+    """The ``RawChunks`` behind ``ds[name]`` while it still holds exactly the rows ``open_grads``
+    read — the same steps in the same order and every byte — else None. Lets the comparison
+    read rows straight into reused buffers; any selection falls back to ``ds[name]`` itself."""
+    var = ds[name].variable
+    got = var.encoding.get(RAW_KEY)
+    if got is None:
+        return None
+    raw, steps = got
+    if var.shape != raw.shape or not np.array_equal(np.asarray(ds["step"].values), steps):
+        return None
+    return raw
