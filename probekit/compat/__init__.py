@@ -1,0 +1,1 @@
+"""Old import paths kept working (with a DeprecationWarning): ``compat.msprobe``."""

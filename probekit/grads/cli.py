@@ -82,7 +82,7 @@ def _declare_export(p):
 
 @command("grads", "export", "write a run in another tool's layout (msprobe's grad dump)")
 def export(args) -> int:
-    from ..compat.msprobe import write_grad_dump
+    from .msprobe import write_grad_dump
 
     files = write_grad_dump(args.run, args.output)
     print(f"wrote {len(files)} files under {args.output}")

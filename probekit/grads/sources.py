@@ -32,7 +32,7 @@ def load_runs(source, *, chunks=None) -> dict:
 
 def _rank_reader(path: str, chunks):
     """(ranks recorded at ``path``, a function reading one of them): msprobe dump or our store."""
-    from ..compat import msprobe
+    from . import msprobe
 
     if os.path.isdir(path) and msprobe.is_grad_dump(path):
         return msprobe.grad_dump_ranks(path), lambda r: msprobe.read_grad_dump(path, r)

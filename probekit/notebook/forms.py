@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..compat.msprobe import parse_number
+from ..grads.msprobe import parse_number
 from ..config import Config, ConfigError
 
 def describe(config: Config) -> str:

@@ -274,7 +274,7 @@ def test_one_error_base():
         cls = getattr(probekit, name)
         assert cls is getattr(errors, name) and issubclass(cls, probekit.ProbekitError)
         assert issubclass(cls, ValueError)
-    from probekit.compat.msprobe import MsprobeDumpError
+    from probekit.grads.msprobe import MsprobeDumpError
     from probekit.grads import GradCompareError, GradStoreError
 
     assert (GradStoreError, GradCompareError, MsprobeDumpError) == \
@@ -285,3 +285,16 @@ def test_config_error_key_from_a_standard_message():
     assert ConfigError("free_benchmark.module: 'x' is not a module; accepted: ...").field == "module"
     assert ConfigError("grad_probe.bounds key: 'x' ...").key == "grad_probe.bounds key"
     assert ConfigError("no key in this sentence").key is None
+
+
+def test_old_msprobe_import_path_warns_and_works():
+    import importlib
+    import sys
+
+    sys.modules.pop("probekit.compat.msprobe", None)
+    with pytest.warns(DeprecationWarning, match="moved to probekit.grads.msprobe"):
+        old = importlib.import_module("probekit.compat.msprobe")
+    from probekit.grads import msprobe
+
+    assert old.read_grad_dump is msprobe.read_grad_dump
+    assert old.write_grad_dump is msprobe.write_grad_dump
