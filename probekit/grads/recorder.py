@@ -137,7 +137,7 @@ class GradProbe:
                                       section.flush_every, section.flush_seconds,
                                       attrs={"recorded_params": list(self.recorded_names)},
                                       significance=section.significance)
-            self._scratch = _stats._Scratch()
+            self._scratch = _stats.Workspace()
         optimizers = (self.optimizer if isinstance(self.optimizer, (list, tuple))
                       else [self.optimizer] if self.optimizer is not None else [])
         for opt in optimizers:
@@ -160,8 +160,12 @@ class GradProbe:
             for h in handles:
                 h.remove()
         finally:
-            if self._writer is not None:
-                self._writer.close()
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+            finally:
+                if self._scratch is not None:
+                    self._scratch.close()  # the pool's threads end with the probe
 
     def flush(self) -> None:
         if self._writer is not None:

@@ -122,8 +122,10 @@ def merge(parts, layout: Layout) -> StepStats:
     return out
 
 
-class _Scratch:
-    """Reusable buffers, so chunks allocate nothing."""
+class Workspace:
+    """What a probe's statistics reuse from step to step, owned by the probe and closed with it:
+    chunk buffers (so chunks allocate nothing), the thread pool a large step is split over
+    (created on first need), and per-device constants of the device path."""
 
     def __init__(self) -> None:
         self.f32 = torch.empty(CHUNK, dtype=torch.float32)
@@ -131,10 +133,27 @@ class _Scratch:
         self.mask = np.empty(CHUNK, dtype=bool)  # sign bits of the chunk
         self.mask2 = np.empty(CHUNK, dtype=bool)  # comparisons for the interval counts
         self.mask3 = np.empty(CHUNK, dtype=bool)  # the significance bits
+        self.pool = None
+        self.bit_weights: dict = {}  # device -> the packbits weights on it
+
+    def executor(self):
+        if self.pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="probekit-grads")
+        return self.pool
+
+    def close(self) -> None:
+        """Shut the pool down (its threads end) and drop the device constants."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self.bit_weights.clear()
+
 
 
 def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
-            scratch: _Scratch | None = None, significance: bool = True) -> StepStats:
+            scratch: Workspace | None = None, significance: bool = True) -> StepStats:
     """Statistics of ``grads`` (one tensor or None per parameter of ``layout``) at ``level``."""
     p = len(layout.names)
     want_dir = level in ("L1", "L2")
@@ -175,7 +194,7 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
     if cpu_jobs:
         _cpu_params(cpu_jobs, out, bounds_arr, level, hash_name, scratch)
     if device_jobs:
-        _device_params(device_jobs, out, bounds_arr, level, hash_name)
+        _device_params(device_jobs, out, bounds_arr, level, hash_name, scratch)
     if want_dir and significance:
         pad_significance(out, layout)
     return out
@@ -216,7 +235,7 @@ def _chunk_sumsq(a: np.ndarray, mx: float, mn: float) -> float:
     return total
 
 
-def _chunk(part, start, native, level, bounds, dir_view, s: _Scratch, digest=None) -> tuple:
+def _chunk(part, start, native, level, bounds, dir_view, s: Workspace, digest=None) -> tuple:
     """Statistics of one chunk of a flat gradient: (max, min, sum of squares, ``<= bound``
     counts, zeros, NaNs); its sign and significance bits are packed into ``dir_view`` (a pair
     of views) and ``digest`` updated."""
@@ -266,7 +285,7 @@ def _chunk(part, start, native, level, bounds, dir_view, s: _Scratch, digest=Non
     return mx, mn, sumsq, counts, zeros, nans
 
 
-def _run_units(units, jobs, level, bounds, hash_name, s: _Scratch | None) -> list:
+def _run_units(units, jobs, level, bounds, hash_name, s: Workspace | None) -> list:
     """Partial statistics of work units: ``(job, start)`` is one chunk; ``(job, None)`` a whole
     parameter (L0: its digest needs the chunks in order)."""
     s = s or _thread_scratch()
@@ -287,14 +306,13 @@ def _run_units(units, jobs, level, bounds, hash_name, s: _Scratch | None) -> lis
 
 
 _TLS = threading.local()
-_POOL = None
 _PARALLEL_MIN = 4 * CHUNK  # below this many elements a step is not worth splitting
 
 
-def _thread_scratch() -> _Scratch:
+def _thread_scratch() -> Workspace:
     s = getattr(_TLS, "scratch", None)
     if s is None:
-        s = _TLS.scratch = _Scratch()
+        s = _TLS.scratch = Workspace()
     return s
 
 
@@ -337,13 +355,8 @@ def _cpu_params(jobs, out: StepStats, bounds, level, hash_name, scratch) -> None
                 units.append((j, st))
                 sizes.append(min(CHUNK, n - st))
     k = _workers(sum(sizes))
-    if k > 1 and len(units) > 1:
-        global _POOL
-        if _POOL is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="probekit-grads")
-        futures = [_POOL.submit(_run_units, g, jobs, level, bounds, hash_name, None)
+    if k > 1 and len(units) > 1 and scratch is not None:  # the probe's own pool
+        futures = [scratch.executor().submit(_run_units, g, jobs, level, bounds, hash_name, None)
                    for g in _split(units, sizes, k)]
         partials = [r for f in futures for r in f.result()]
     else:
@@ -377,12 +390,10 @@ def _interval_shares(le_counts: np.ndarray, nans: int, n: int) -> np.ndarray:
     return np.concatenate([inner, [n - nans - le_counts[-1]]]).astype(np.float64) / n
 
 
-_BIT_WEIGHTS = {}
-
-
-def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
+def _device_params(jobs, out: StepStats, bounds, level, hash_name, scratch=None) -> None:
     """Whole-tensor reductions on the gradients' device; one transfer for all statistics."""
     rows, packed = [], []
+    weights = scratch.bit_weights if scratch is not None else {}
     for i, g, dir_view in jobs:
         flat = g.detach().reshape(-1)
         n = flat.numel()
@@ -396,9 +407,9 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
         rows.append(torch.stack(vals))
         if dir_view is not None:
             key = flat.device
-            if key not in _BIT_WEIGHTS:
-                _BIT_WEIGHTS[key] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
-                                                 device=flat.device)
+            if key not in weights:
+                weights[key] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
+                                            device=flat.device)
             masks = [flat > 0]
             if dir_view[1] is not None:
                 thr = SIGNIFICANCE * torch.finfo(flat.dtype).eps * torch.maximum(mx.abs(),
@@ -407,7 +418,7 @@ def _device_params(jobs, out: StepStats, bounds, level, hash_name) -> None:
             for mask in masks:
                 bits = torch.zeros(dir_view[0].size * 8, dtype=torch.uint8, device=flat.device)
                 bits[:n] = mask
-                packed.append((bits.view(-1, 8) * _BIT_WEIGHTS[key]).sum(1, dtype=torch.uint8))
+                packed.append((bits.view(-1, 8) * weights[key]).sum(1, dtype=torch.uint8))
         if level == "L0":  # the digest needs the bytes on the host, as msprobe's does
             digest = hasher(hash_name)
             digest.update(wide.float().cpu().numpy().tobytes())

@@ -144,8 +144,13 @@ class GradProbe:
             if handle is not None:
                 handle.remove()
         finally:
-            if self._writer is not None:
-                self._writer.close()
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+            finally:
+                scratch = getattr(getattr(self, "_plan", None), "scratch", None)
+                if scratch is not None:
+                    scratch.close()  # the pool's threads end with the probe
 
     def flush(self) -> None:
         if self._writer is not None:

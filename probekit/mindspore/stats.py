@@ -136,7 +136,7 @@ def compute_host(grads, plan: Plan, level: str, bounds, hash_name: str = "md5") 
     from ..grads import stats as host_stats
 
     if plan.scratch is None:
-        plan.scratch = host_stats._Scratch()
+        plan.scratch = host_stats.Workspace()
     views = []
     for name, g in zip(plan.layout.names, grads):
         if g is None:

@@ -266,3 +266,17 @@ def test_cli_grads(tmp_path):
     out = run("grads", "compare", str(tmp_path / "nothing"), str(tmp_path / "b"), "-o",
               str(tmp_path / "x"))
     assert out.returncode == 2 and "is not a folder" in out.stderr
+
+
+def test_stop_leaves_no_probekit_thread(tmp_path, monkeypatch):
+    import threading
+
+    from probekit.grads import stats
+
+    monkeypatch.setattr(stats, "_PARALLEL_MIN", 0)   # split every step over the probe's pool
+    model = make_model()
+    with GradProbe(model, grad_level="L2", dump_path=str(tmp_path), flush_seconds=3600):
+        train(model, steps=2)
+        assert any(t.name.startswith("probekit-grads") for t in threading.enumerate()) or \
+            torch.get_num_threads() == 1
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("probekit-grads")]

@@ -192,11 +192,16 @@ def test_threaded_split_equals_single_thread(monkeypatch, level):
         single = compute(grads, lay, level, (-1, 0, 0.5))
         torch.set_num_threads(3)
         monkeypatch.setattr(stats, "_PARALLEL_MIN", 0)
-        split = compute(grads, lay, level, (-1, 0, 0.5))
+        work = stats.Workspace()                 # the probe's: its pool runs the split
+        split = compute(grads, lay, level, (-1, 0, 0.5), scratch=work)
     finally:
         workers = stats._workers(10)
         torch.set_num_threads(before)
     assert workers == min(3, os.cpu_count())  # the split really ran on 3 threads
+    pool = work.pool
+    assert pool is not None and len(pool._threads) >= 1
+    work.close()                             # a stopped probe leaves no thread behind
+    assert work.pool is None and all(not t.is_alive() for t in pool._threads)
     for name in ("present", "max", "min", "norm", "hash", "zeros", "dist", "direction"):
         a, b = getattr(single, name), getattr(split, name)
         assert (a is None and b is None) or np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), name
