@@ -320,7 +320,8 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
     """
     import pandas as pd
 
-    from .config import ConfigError, FUZZ_STAGES, PERT_MODES
+    from .config import FUZZ_STAGES, PERT_MODES, ConfigError
+    from .freebench.modes import MODES
     from .freebench import FreeBench
     from .freebench.results import COLUMNS
 
@@ -352,9 +353,10 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
         pert_modes = pert_modes_for(model, modules) if modules else ()
     pert_modes = (pert_modes,) if isinstance(pert_modes, str) else tuple(pert_modes)
     for mode in pert_modes:
-        if mode not in PERT_MODES or mode == "to_cpu":
+        in_place = [m for m in PERT_MODES if MODES[m].fuzz_device == "npu"]  # no to_cpu
+        if mode not in in_place:
             raise ConfigError(f"pert_modes: {mode!r} is not valid; accepted: "
-                              f"{', '.join(m for m in PERT_MODES if m != 'to_cpu')}")
+                              f"{', '.join(in_place)}")
     runs, frames = [], []
     if modules:
         tmp = tempfile.TemporaryDirectory(prefix="probekit-triage-") if dump_path is None \

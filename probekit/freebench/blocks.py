@@ -15,17 +15,17 @@ from __future__ import annotations
 import torch
 
 from .metric import EXACT_LEN
+from .modes import MODES
 from .names import ELEMENTWISE
 
 #: elements per block (8 MiB of float64)
 BLOCK = 1 << 20
-ELEMENTWISE_MODES = frozenset({"improve_precision", "bit_noise", "add_noise", "no_change",
-                               "to_cpu"})
 
 
 def row_blocks(mode: str, info, leaves: list, outs: list):
     """``[(start, length), ...]`` along dim 0, or None when the call is checked whole."""
-    if mode not in ELEMENTWISE_MODES or info.name not in ELEMENTWISE or len(outs) != 1:
+    # a mode that reorders elements (swap_back) needs the whole tensor
+    if MODES[mode].swap_back or info.name not in ELEMENTWISE or len(outs) != 1:
         return None
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     if len(tensors) != 1:
