@@ -25,6 +25,9 @@ are saved before and restored after every ``step_fn()`` run, so the training con
 if triage had not run, and every run sees the same random draws. ``step_fn`` should run the
 forward and backward of one training step; if it also steps an optimizer, pass that optimizer as
 ``optimizer=`` so its state is restored too.
+
+Over 400 lines: the whole triage (its one public function, the state it saves and restores, and
+the report with its text, HTML and plot) reads top to bottom here.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .metric import Stats, stats_from
+from .metric import stats_from
 
 
 @dataclass

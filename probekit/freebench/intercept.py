@@ -4,13 +4,15 @@ Hot path (every torch call while the probe is active): one dict lookup to classi
 one counter increment, one scope test; calls outside ``scope``/``list`` go straight to torch.
 Inside ``__torch_function__`` torch has already popped the mode, so the calls an API makes
 internally (``F.layer_norm`` -> ``torch.layer_norm``) and probekit's own re-runs are not seen;
-``busy`` guards the paths where the mode may still be active (gradient hooks).
+``busy`` guards the paths where the mode may still be active (gradient hooks). How a compared
+call becomes a verdict, a row and a cause is ``judging.py`` (the engine's ``Judging`` part).
+About 430 lines: the mode, the engine's state and filters, and the one path of a checked call
+(decide, re-run, compare, fix) stay together.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import sys
 import time
 
@@ -21,11 +23,12 @@ from ..log import Once, get_logger
 from . import autocast, blocks, cause, handlers, perturb, state
 from .backward import watch
 from .budget import Budget, Coverage
-from .deferred import OutMeta, Pending, Verdicts
+from .deferred import Verdicts
 from .guards import modes_off, no_autocast
+from .judging import Judging
 from .metric import device_stats, floor_for
 from .modes import MODES
-from .names import PROPERTY, REASONS, Classifier, call_site, dynamic_skip, operator_key
+from .names import PROPERTY, REASONS, Classifier, dynamic_skip, operator_key
 from .preheat import Preheat
 
 log = get_logger("probekit.freebench")
@@ -88,7 +91,7 @@ class _Mode(TorchFunctionMode):
         return e.handle(info, key, n, func, args, kwargs, sys._getframe(1))
 
 
-class Engine:
+class Engine(Judging):
     """State of one free-benchmark session while it intercepts (counters, filters, findings)."""
 
     def __init__(self, config, emit, rank: int) -> None:
@@ -391,136 +394,6 @@ class Engine:
         self.site_causes.setdefault((self.stage, key, n), {})   # no cause analysis in blocks
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
                    values=[blocks.combine(parts, exact)], exact=exact, floors=[f])
-
-    def defer(self, key, n, name, stage, step, frame_or_site, in_dtype, triples, values=None,
-              exact=None, module=None, explain=None, floors=None, originals=None) -> None:
-        """Compare ``(output_index, original, perturbed)`` on the device; the verdict is read
-        back at the next gather (``gather``), nothing here waits for the device.
-
-        ``values``: comparisons already made (blocked re-runs), one per triple. ``module``: the
-        innermost scoped module of the call (default: the one running now). ``floors`` and
-        ``originals``: the metric's floor and the tensor a row describes (dtype, shape; what
-        ``explain`` is given), per triple, when the compared tensors are not the original ones
-        (the backward stage compares gradients scaled to unit size). ``explain``: the call's cause analysis (``cause.py``); it needs the
-        call's inputs, so a check that can be explained — a call site's exact checks: its first,
-        and the next one after it was flagged with no cause known — is judged at once (one
-        read-back) and explained while the inputs exist; every other check waits for the
-        gather and takes the cause already found for its site."""
-        site = (stage, key, n)
-        if exact is None:
-            exact = self.verdicts.want_exact(site)
-        if floors is None:
-            floors = [floor_for(o.dtype) for _, o, _ in triples]
-        if originals is None:
-            originals = [o for _, o, _ in triples]
-        if values is None:
-            values = [device_stats(o, p, f, exact) for (_, o, p), f in zip(triples, floors)]
-        outputs = [(i, o.dtype, tuple(o.shape), f) for (i, _, _), o, f in
-                   zip(triples, originals, floors)]
-        if not isinstance(frame_or_site, str):
-            frame_or_site = call_site(frame_or_site)
-        self.checked += 1
-        self.coverage.check(f"{key}.{n}")
-        module = self.current_module() if module is None else module
-        entry = Pending(site, key, name, stage, step, frame_or_site, in_dtype, outputs, values,
-                        module)
-        if not (exact and explain is not None and not self.mode.exact):
-            self.verdicts.add(entry, exact)
-            return
-        with torch.no_grad():
-            stats = self.verdicts.judge_now(entry)
-        if stats is not None:
-            items = [(i, o, st) for (i, _, _), o, st in zip(triples, originals, stats)]
-            if self.record(key, name, items, in_dtype, frame_or_site, stage=stage, step=step,
-                           module=module, explain=explain, site=site):
-                self.verdicts.flagged_sites.add(site)
-
-    def gather(self) -> None:
-        """Read back every pending verdict (one transfer per device) and record the findings."""
-        with modes_off(), torch.no_grad():  # invisible to every function mode, as the checks are
-            done = self.verdicts.gather()
-        rows: list = []
-        for e, stats in done:
-            items = [(i, OutMeta(dt, shape), st) for (i, dt, shape, _), st in zip(e.outputs, stats)]
-            if self.record(e.key, e.name, items, e.in_dtype, e.call_site, stage=e.stage,
-                           step=e.step, out=rows, module=e.module, site=e.site):
-                self.verdicts.flagged_sites.add(e.site)
-        if rows:
-            self.emit(rows)  # one CSV append per gather
-
-    def record(self, key, name, items, in_dtype, frame_or_site, stage=None, step=None,
-               out=None, module=None, explain=None, site=None) -> bool:
-        """Judge ``(output_index, original_tensor_or_OutMeta, Stats)`` items; emit rows for the
-        findings (or append them to ``out``); True when there were any. ``explain(flagged)`` ->
-        ``{output_index: cause}`` is asked only when a row is emitted (``_causes``)."""
-        step = self.step if step is None else step
-        module = self.current_module() if module is None else module
-        rows = []
-        flagged = []
-        worst = 0.0
-        for index, o, st in items:
-            tkey = (o.dtype, in_dtype)
-            thr = self._thresholds.get(tkey)
-            if thr is None:
-                thr = self._thresholds[tkey] = handlers.threshold(self.fb, self.mode_name,
-                                                                  o.dtype, in_dtype)
-            worst = max(worst, handlers.risk(st, thr))
-            kind = handlers.judge(st, thr)
-            if kind is None:
-                continue
-            flagged.append((index, o, thr))
-            if not isinstance(frame_or_site, str):
-                frame_or_site = call_site(frame_or_site)
-            rows.append({
-                "rank": self.rank, "pert_mode": self.mode_name, "stage": stage or self.stage,
-                "step": step, "api_name": name, "max_rel": float(st.max_rel),
-                "dtype": str(o.dtype), "shape": str(tuple(o.shape)), "output_index": int(index),
-                "kind": kind, "max_abs": float(st.max_abs), "threshold": float(thr),
-                "ratio": float(handlers.ratio(st.max_rel, thr)), "call_site": frame_or_site,
-                "module": module,
-                "cause": "",
-            })
-        if self.preheat is not None and self.preheat.in_preheat(step):
-            self.preheat.record(key, worst if not math.isnan(worst) else math.inf)
-        if rows:
-            self._causes(rows, flagged, explain, name, site)
-            self.flagged += len(rows)
-            if out is None:
-                self.emit(rows)
-            else:
-                out.extend(rows)
-        return bool(rows)
-
-    def _causes(self, rows, flagged, explain, name, site=None) -> None:
-        """Fill the ``cause`` of each row (see ``cause.py``); "" when it cannot be worked out.
-
-        Without ``explain`` (a deferred verdict: the inputs are gone) a row takes the cause
-        found for its call site; a site flagged with no cause known is compared exactly, and so
-        explained, the next time it runs, and its earlier rows get that cause in ``results``
-        (the CSV keeps the rows as they were written)."""
-        if self.mode.exact:
-            causes = {i: cause.NONDETERMINISTIC for i, _, _ in flagged}
-        elif explain is not None:
-            try:
-                causes = explain(flagged)
-            except Exception as exc:  # the finding stands; only its cause is unknown
-                if self.once(("cause", name.rsplit(".", 2)[0])):
-                    log.info("Free benchmark: no cause for %s (%s: %s).", name,
-                             type(exc).__name__, exc)
-                causes = {}
-            if site is not None:
-                self.site_causes[site] = causes
-                for row in self._uncaused.pop(site, ()):
-                    row["cause"] = causes.get(row["output_index"], "")
-        else:
-            causes = self.site_causes.get(site) if site is not None else None
-            if causes is None:
-                if site is not None:
-                    self.verdicts.recheck.add(site)      # explained at its next run
-                    self._uncaused.setdefault(site, []).extend(rows)
-                return
-        for row in rows:
-            row["cause"] = causes.get(row["output_index"], "")
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):

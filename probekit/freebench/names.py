@@ -19,6 +19,9 @@ Some APIs are classified by what they compute with their actual arguments (``ARG
 training updates running statistics, ``embedding(max_norm=...)`` renormalises the weight) are
 checked too: ``state_positions`` names the tensors such a call writes, and the engine re-runs it
 on clones of them taken before the real call, so live state is never written twice.
+
+Over 400 lines because it is mostly tables (the torch API's views, copies, creators, random ops,
+element-wise ops, reductions, accumulating calls): one place answers "may this call be re-run".
 """
 from __future__ import annotations
 

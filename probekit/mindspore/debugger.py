@@ -149,7 +149,7 @@ class PrecisionDebugger:
     @property
     def results(self):
         """The recorded steps of this rank as an xarray Dataset (None before ``monitor``)."""
-        return self.probe.dataset() if self.probe is not None and self.probe._writer else None
+        return self.probe.dataset() if self.probe is not None and self.probe.has_store else None
 
     def close(self) -> None:
         if self._closed:

@@ -116,6 +116,11 @@ class GradProbe:
     def active(self) -> bool:
         return self._handle is not None
 
+    @property
+    def has_store(self) -> bool:
+        """True once ``start()`` created this rank's store (False on a rank the filter skips)."""
+        return self._writer is not None
+
     def start(self) -> "GradProbe":
         ensure_handler()
         if self._handle is not None:

@@ -171,12 +171,12 @@ def test_exceptions_are_logged_and_never_disable_later_checks(tmp_path, monkeypa
 
 
 def test_broken_comparison_is_isolated(tmp_path, monkeypatch):
-    from probekit.freebench import intercept
+    from probekit.freebench import judging
 
     def broken(o, p, floor, exact=False):
         raise ValueError("comparison exploded")
 
-    monkeypatch.setattr(intercept, "device_stats", broken)
+    monkeypatch.setattr(judging, "device_stats", broken)
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change")
     x = torch.ones(3)
     with fb:
