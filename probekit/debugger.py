@@ -51,7 +51,7 @@ def _feature_factory(task: str):
     return getattr(module, func)
 
 
-class _ClassOrInstance:
+class ClassOrInstance:
     """A method that works on an instance, or on the class (then on the newest instance)."""
 
     def __init__(self, func):
@@ -74,6 +74,26 @@ class _ClassOrInstance:
         return self.func.__get__(obj, cls)
 
 
+def debugger_config(config_path=None, task=None, dump_path=None, config: Config | None = None,
+                    options: dict | None = None, default_task: str | None = None) -> Config:
+    """msprobe's ``PrecisionDebugger(config_path, task, dump_path, **options)`` arguments -> a
+    validated ``Config``: ``task``/``dump_path``/options given with a config file override the
+    file's values (as in msprobe); ``config=`` takes a ready ``Config`` instead."""
+    options = options or {}
+    if config is not None:
+        if config_path or options:
+            raise ValueError("pass either config=... or config_path/keyword options, not both")
+        return config
+    if config_path is not None:
+        cfg = load_config(config_path)
+        if task is not None or dump_path is not None or options:
+            cfg = cfg.replace(**({"task": task} if task else {}),
+                              **({"dump_path": dump_path} if dump_path else {}), **options)
+        return cfg
+    return make_config(task or default_task, **({"dump_path": dump_path} if dump_path else {}),
+                       **options)
+
+
 class PrecisionDebugger:
     """Run one probekit feature as msprobe's ``PrecisionDebugger`` would.
 
@@ -90,17 +110,7 @@ class PrecisionDebugger:
     def __init__(self, config_path=None, task=None, dump_path=None, *, config: Config | None = None,
                  model=None, **options):
         ensure_handler()
-        if config is not None:
-            if config_path or options:
-                raise ValueError("pass either config=... or config_path/keyword options, not both")
-            cfg = config
-        elif config_path is not None:
-            cfg = load_config(config_path)
-            if task is not None or dump_path is not None or options:
-                cfg = cfg.replace(**({"task": task} if task else {}),
-                                  **({"dump_path": dump_path} if dump_path else {}), **options)
-        else:
-            cfg = make_config(task, **({"dump_path": dump_path} if dump_path else {}), **options)
+        cfg = debugger_config(config_path, task, dump_path, config, options)
         self.config: Config = cfg
         self.model = model
         self._session = None
@@ -138,28 +148,28 @@ class PrecisionDebugger:
         return True
 
     # -- msprobe API ------------------------------------------------------------------------
-    @_ClassOrInstance
+    @ClassOrInstance
     def start(self, model=None):
         """Begin probing (free_benchmark: intercept API calls until ``stop()``)."""
         if self._skip("start"):
             return
         self._get_session().start(model if model is not None else self.model)
 
-    @_ClassOrInstance
+    @ClassOrInstance
     def stop(self):
         """Stop probing. For grad_probe this ends monitoring: hooks removed, data flushed."""
         if self._skip("stop") or self._session is None:
             return
         self._session.stop()
 
-    @_ClassOrInstance
+    @ClassOrInstance
     def step(self):
         """Mark the end of a training step (free_benchmark: per-step counters reset)."""
         if self._skip("step") or self._session is None:
             return
         self._session.step()
 
-    @_ClassOrInstance
+    @ClassOrInstance
     def monitor(self, model, optimizer=None, scaler=None):
         """grad_probe: record gradient statistics of ``model`` at every training iteration
         (``scaler``: the run's GradScaler, so the steps it skips keep their place)."""

@@ -172,3 +172,16 @@ def test_same_readers_compare_and_msprobe_export(tmp_path):
     mine = probekit.open_grads(runs[0])
     for k in ("max", "min", "norm", "dist", "zeros", "direction"):
         assert np.array_equal(back[k].values, mine[k].values), k
+
+
+def test_debugger_leaves_the_random_streams_alone(tmp_path):
+    import random
+
+    ms.set_seed(7)
+    np.random.seed(3)
+    random.seed(5)
+    before = (np.random.get_state()[1].copy(), random.getstate())
+    PrecisionDebugger(config_path=write_config(tmp_path / "c.json", tmp_path / "d")).close()
+    assert ms.get_seed() == 7                              # not the config's 1234
+    assert np.array_equal(np.random.get_state()[1], before[0])
+    assert random.getstate() == before[1]
