@@ -64,6 +64,19 @@ def _score(st) -> float:
     return math.inf if st.nan_inf or st.sign_flip else st.max_rel
 
 
+def _verdict(stats: list, thr: float) -> str:
+    """``stats`` = [original vs float64, float64 vs its two one-ulp nudges]: inaccurate when the
+    error against float64 exceeds the threshold and the sensitivity, ill-conditioned when the
+    sensitivity alone exceeds the threshold, unconfirmed otherwise."""
+    acc = _score(stats[0])
+    sens = max(_score(stats[1]), _score(stats[2]))
+    if acc > thr and acc > sens:
+        return INACCURATE
+    if sens > thr:
+        return ILL_CONDITIONED
+    return UNCONFIRMED
+
+
 def analyse(func, fresh, spec, items: list) -> dict:
     """``{output_index: cause}`` for the flagged outputs ``items`` = [(index, tensor, thr)].
 
@@ -82,17 +95,8 @@ def analyse(func, fresh, spec, items: list) -> dict:
         for s in nudged:
             pairs.append((r[index], s[index], floor_for(o.dtype)))
     stats = compare_many(pairs)
-    out = {}
-    for k, (index, _, thr) in enumerate(items):
-        acc = _score(stats[3 * k])
-        sens = max(_score(stats[3 * k + 1]), _score(stats[3 * k + 2]))
-        if acc > thr and acc > sens:
-            out[index] = INACCURATE
-        elif sens > thr:
-            out[index] = ILL_CONDITIONED
-        else:
-            out[index] = UNCONFIRMED
-    return out
+    return {index: _verdict(stats[3 * k:3 * k + 3], thr)
+            for k, (index, _, thr) in enumerate(items)}
 
 
 def _grads64(func, leaves, spec, diff, out_index, g) -> list:
@@ -130,14 +134,4 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
             pairs.append(unit_scaled(r[k], s[k]) + (BACKWARD_FLOOR,))
     with torch.no_grad():
         stats = compare_many(pairs)
-    out = {}
-    for j, (index, thr) in enumerate(kept):
-        acc = _score(stats[3 * j])
-        sens = max(_score(stats[3 * j + 1]), _score(stats[3 * j + 2]))
-        if acc > thr and acc > sens:
-            out[index] = INACCURATE
-        elif sens > thr:
-            out[index] = ILL_CONDITIONED
-        else:
-            out[index] = UNCONFIRMED
-    return out
+    return {index: _verdict(stats[3 * j:3 * j + 3], thr) for j, (index, thr) in enumerate(kept)}
