@@ -11,14 +11,13 @@ ipywidgets, matplotlib or zarr: the heavy parts load on first use.
 """
 from __future__ import annotations
 
-import importlib
-
 from ._version import __version__
 from .config import (Config, FreeBenchmarkConfig, GradProbeConfig, config_for, load_config,
                      make_config)
 from .debugger import PrecisionDebugger
 from .errors import (ConfigError, GradCompareError, GradStoreError, MsprobeDumpError,
                      ProbekitError, UnsafePathError)
+from .lazy import lazy_exports
 
 #: public name -> module that defines it (imported on first access)
 _LAZY = {
@@ -36,18 +35,7 @@ __all__ = ["__version__", "Config", "FreeBenchmarkConfig", "GradProbeConfig", "P
            "config_for", "load_config", "make_config", "ProbekitError", "ConfigError",
            "GradStoreError", "GradCompareError", "MsprobeDumpError", "UnsafePathError", *_LAZY]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'probekit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 def load_ipython_extension(ipython) -> None:

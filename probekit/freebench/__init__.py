@@ -14,21 +14,10 @@ importing torch (``probekit.config`` does).
 """
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_exports
 
-_LAZY = {"FreeBench": "bench", "open_session": "bench", "COLUMNS": "results",
-         "CompiledModelError": "compiled"}
+_LAZY = {"FreeBench": ".bench", "open_session": ".bench", "COLUMNS": ".results",
+         "CompiledModelError": ".compiled"}
 __all__ = ["FreeBench", "open_session", "COLUMNS", "CompiledModelError"]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'probekit.freebench' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -7,7 +7,7 @@ Nothing here is imported by ``import probekit``.
 """
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_exports
 
 _LAZY = {
     "PrecisionDebugger": "probekit.mindspore.debugger",
@@ -20,15 +20,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'probekit.mindspore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -8,27 +8,16 @@
 """
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_exports
 
 _LAZY = {
-    "FreeBenchPanel": "widgets", "GradProbePanel": "widgets", "GradExplorer": "explorer",
-    "Findings": "display", "set_defaults": "magics", "get_defaults": "magics",
-    "run_notebook": "run",
+    "FreeBenchPanel": ".widgets", "GradProbePanel": ".widgets", "GradExplorer": ".explorer",
+    "Findings": ".display", "set_defaults": ".magics", "get_defaults": ".magics",
+    "run_notebook": ".run",
 }
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'probekit.notebook' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 def load_ipython_extension(ipython) -> None:
