@@ -83,6 +83,7 @@ class GradProbe:
         self.hook_seconds: list[float] = []
         self._handle = None
         self._writer = None
+        self._plan = None  # statistics plan and workspace, made by start()
         self._once = Once()
         self._select_params()
 
@@ -153,9 +154,8 @@ class GradProbe:
                 if self._writer is not None:
                     self._writer.close()
             finally:
-                scratch = getattr(getattr(self, "_plan", None), "scratch", None)
-                if scratch is not None:
-                    scratch.close()  # the pool's threads end with the probe
+                if self._plan is not None and self._plan.scratch is not None:
+                    self._plan.scratch.close()  # the pool's threads end with the probe
 
     def flush(self) -> None:
         if self._writer is not None:
