@@ -159,10 +159,11 @@ class _BackwardCheck:
                     plain, self.spec), self.call.fuzz_device), plain, self.spec)
             e.applied(self.key, self.name)
             p_leaves, _ = perturb.flatten(pert.args, pert.kwargs)
+            replaced = pert.replaced
             p_in = []
             for i in self.diff:
                 x = p_leaves[i]
-                x = (x if i in pert.replaced else x.detach()).requires_grad_(True)
+                x = (x if i in replaced else x.detach()).requires_grad_(True)
                 p_leaves[i] = x
                 p_in.append(x)
             pa, pkw = perturb.unflatten(p_leaves, self.spec)
@@ -176,7 +177,7 @@ class _BackwardCheck:
         for i, gr, gq in zip(self.diff, g_ref, g_pert):
             if gr is None or gq is None:
                 continue
-            if e.mode.swap_back and i in pert.replaced and gq.dim() >= 1:
+            if e.mode.swap_back and i in replaced and gq.dim() >= 1:
                 gq = perturb.swap_last(gq)
             triples.append((i, *unit_scaled(gr, gq)))
             originals.append(gr)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .metric import EXACT_LEN
+from .metric import EXACT_LEN, combine_fast
 from .modes import MODES
 from .names import ELEMENTWISE
 
@@ -52,4 +52,4 @@ def combine(parts: list, exact: bool) -> tuple:
     if exact:
         assert s.shape[1] == EXACT_LEN
         return tuple(torch.cat([s[:, :3].amax(0), s[:, 3:].sum(0)]).unbind())
-    return s[:, 0].amin(), s[:, 1].amax(), s[:, 2].amax()
+    return combine_fast(s)

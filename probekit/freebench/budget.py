@@ -88,14 +88,17 @@ def _avg(old: float | None, new: float) -> float:
 
 
 class Coverage:
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = {}
-        self.checked: dict[str, int] = {}
+    """Per call site ``(api key, counter)``: times eligible and times checked (named
+    ``Torch.matmul.3`` only when the table is built)."""
 
-    def seen(self, site: str) -> None:
+    def __init__(self) -> None:
+        self.calls: dict[tuple, int] = {}
+        self.checked: dict[tuple, int] = {}
+
+    def seen(self, site: tuple) -> None:
         self.calls[site] = self.calls.get(site, 0) + 1
 
-    def check(self, site: str) -> None:
+    def check(self, site: tuple) -> None:
         self.checked[site] = self.checked.get(site, 0) + 1
 
     def share(self) -> float:
@@ -107,8 +110,9 @@ class Coverage:
     def frame(self):
         import pandas as pd
 
-        names = list(self.calls)
-        return pd.DataFrame({"api_name": pd.Series(names, dtype="object"),
-                             "calls": pd.Series([self.calls[k] for k in names], dtype="int64"),
-                             "checked": pd.Series([self.checked.get(k, 0) for k in names],
+        sites = list(self.calls)
+        return pd.DataFrame({"api_name": pd.Series([f"{k}.{n}" for k, n in sites],
+                                                   dtype="object"),
+                             "calls": pd.Series([self.calls[s] for s in sites], dtype="int64"),
+                             "checked": pd.Series([self.checked.get(s, 0) for s in sites],
                                                   dtype="int64")})

@@ -8,39 +8,45 @@ reads it back in one transfer, then hands each entry and its ``Stats`` to the en
 only the findings into rows. ``syncs`` counts those device-to-host reads.
 
 Exactness: a call site (``stage``, API, counter: ``Torch.matmul.3``) is compared exactly — NaN/Inf
-mismatches and sign flips counted — the first time it is checked and the next time it runs after a
-fast comparison was inconclusive (a non-finite difference, or an error of 1 or more, where a sign
-flip is possible); otherwise with the fast metric (three reductions). An inconclusive fast verdict
-is not reported: the site's next check, exact, reports it (``summary["inconclusive"]`` counts them).
-The same mechanism is the hook for analysing a flagged call again: ``flagged_sites`` holds the sites
-flagged at the last gather, and ``want_exact(site)`` can be extended to re-analyse them next time.
+mismatches and sign flips counted — the first time it is checked, the next time it runs after it
+was flagged with no cause known (``recheck``: the engine explains it then), and from its next run
+on after a fast comparison was inconclusive (a non-finite difference, or an error of 1 or more,
+where a sign flip is possible): such a site is ``unstable`` and stays exact, so its findings are
+not lost every other step. Otherwise the fast metric (eight kernels) is used. An inconclusive fast
+verdict is not reported: the site's next check, exact, reports it (``summary["inconclusive"]``
+counts them). ``flagged_sites`` holds the sites flagged at the last gather.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .metric import stats_from
+from .metric import FAST_LEN, fast_verdict, stats_from
 
 
-@dataclass
 class Pending:
-    """One checked call whose verdict is not read back yet."""
+    """One checked call whose verdict is not read back yet (a slotted class: one is made per
+    checked call)."""
 
-    site: tuple            # (stage, api key, counter)
-    key: str
-    name: str
-    stage: str
-    step: int
-    call_site: str
-    in_dtype: object
-    #: (output_index, dtype, shape, floor) of each compared output
-    outputs: list
-    #: per output, the tuple of 0-dim tensors of ``metric.device_stats``
-    values: list = field(default_factory=list)
-    #: the innermost scoped module the call ran in ("" without module scope)
-    module: str = ""
+    __slots__ = ("site", "key", "name", "stage", "step", "call_site", "in_dtype", "outputs",
+                 "values", "module")
+
+    def __init__(self, site, key, name, stage, step, call_site, in_dtype, outputs, values=None,
+                 module=""):
+        self.site = site              # (stage, api key, counter)
+        self.key = key
+        self.name = name
+        self.stage = stage
+        self.step = step
+        self.call_site = call_site
+        self.in_dtype = in_dtype
+        #: (output_index, dtype, shape, floor, threshold) of each compared output
+        self.outputs = outputs
+        #: per output, the tuple of 0-dim tensors of ``metric.device_stats``
+        self.values = [] if values is None else values
+        #: the innermost scoped module the call ran in ("" without module scope)
+        self.module = module
 
 
 @dataclass(frozen=True)
@@ -55,13 +61,14 @@ class Verdicts:
     def __init__(self) -> None:
         self.pending: list[Pending] = []
         self.exact_done: set = set()      # sites compared exactly at least once
-        self.recheck: set = set()         # sites whose last fast verdict was inconclusive
+        self.recheck: set = set()         # sites flagged with no cause known: explain next run
+        self.unstable: set = set()        # sites with an inconclusive fast verdict: exact from now
         self.flagged_sites: set = set()   # sites flagged at the last gather
         self.syncs = 0
         self.inconclusive = 0
 
     def want_exact(self, site) -> bool:
-        return site not in self.exact_done or site in self.recheck
+        return site not in self.exact_done or site in self.recheck or site in self.unstable
 
     def add(self, entry: Pending, exact: bool) -> None:
         if exact:
@@ -77,42 +84,57 @@ class Verdicts:
         call that is explained while its inputs exist; None when inconclusive."""
         self.exact_done.add(entry.site)
         self.recheck.discard(entry.site)
-        done = self._read([entry])
+        done = self._read([entry], full=True)
         return done[0][1] if done else None
 
-    def gather(self):
-        """[(entry, [Stats per output])] of the conclusive pending entries; one device-to-host
-        read per device holding pending values (``syncs`` counts them)."""
+    def gather(self, full: bool = False):
+        """[(entry, [Stats per output])] of the conclusive pending entries that hold a finding
+        (every conclusive entry when ``full``: preheat calibrates on the clean ones too); one
+        device-to-host read per device holding pending values (``syncs`` counts them)."""
         entries, self.pending = self.pending, []
         self.flagged_sites = set()
-        return self._read(entries)
+        return self._read(entries, full)
 
-    def _read(self, entries):
+    def _read(self, entries, full: bool):
         if not entries:
             return []
         by_device: dict = {}
         for e in entries:
             for vals in e.values:
-                for v in vals:
-                    by_device.setdefault(v.device, []).append(v)
-        read = {}
+                dev = vals[0].device
+                flat = by_device.get(dev)
+                if flat is None:
+                    flat = by_device[dev] = []
+                flat.extend(vals)
+        read, pos = {}, {}
         for device, tensors in by_device.items():
             # stack promotes mixed float32/float64 values to float64 (exact)
-            read[device] = iter(torch.stack(tensors).tolist())
+            read[device] = torch.stack(tensors).tolist()
+            pos[device] = 0
             self.syncs += 1
         out = []
         for e in entries:
-            stats = []
-            ok = True
-            for (_, _, _, floor), vals in zip(e.outputs, e.values):
-                it = read[vals[0].device]
-                st = stats_from([next(it) for _ in vals], floor)
-                if st is None:
-                    ok = False
-                stats.append(st)
+            chunks = []
+            ok, hit = True, full
+            for (_, _, _, _, thr), vals in zip(e.outputs, e.values):
+                dev = vals[0].device
+                i = pos[dev]
+                k = len(vals)
+                pos[dev] = i + k
+                v = read[dev][i:i + k]
+                chunks.append(v)
+                if k == FAST_LEN:  # the common case, judged without building Stats
+                    flagged = fast_verdict(v, thr)
+                    if flagged is None:
+                        ok = False
+                    elif flagged:
+                        hit = True
+                else:
+                    hit = True
             if not ok:
                 self.inconclusive += 1
-                self.recheck.add(e.site)
+                self.unstable.add(e.site)
                 continue
-            out.append((e, stats))
+            if hit:
+                out.append((e, [stats_from(v, o[3]) for o, v in zip(e.outputs, chunks)]))
         return out

@@ -82,6 +82,8 @@ def output_leaves(out) -> list:
 
 def float_outputs(out) -> list[tuple[int, torch.Tensor]]:
     """(output_index, tensor) of the floating-point tensors among the output's leaves."""
+    if isinstance(out, torch.Tensor):  # the common case
+        return [(0, out)] if out.is_floating_point() else []
     return [(i, t) for i, t in enumerate(output_leaves(out))
             if isinstance(t, torch.Tensor) and t.is_floating_point()]
 

@@ -24,7 +24,7 @@ from . import autocast, blocks, cause, handlers, perturb, state
 from .backward import watch
 from .budget import Budget, Coverage
 from .deferred import Verdicts
-from .guards import modes_off, no_autocast
+from .guards import modes_off, no_autocast, quiet
 from .judging import Judging
 from .metric import device_stats, floor_for
 from .modes import MODES
@@ -268,7 +268,7 @@ class Engine(Judging):
                 return stateful
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
-        self.coverage.seen(f"{key}.{n}")
+        self.coverage.seen((key, n))
         if self.budget is not None and not self.budget.admit():
             return self._skip("budget", key, name, func, args, kwargs)
         if self.stage == "backward":
@@ -331,7 +331,7 @@ class Engine(Judging):
         self.busy = True
         t0 = time.perf_counter() if self.budget is not None else 0.0
         try:
-            with modes_off(), torch.no_grad(), no_autocast(self.upcast_mode):
+            with quiet(), no_autocast(self.upcast_mode):
                 self._compare_rerun(call, key, n, name, func, leaves, spec, frame, out)
         except perturb.Cancel as exc:
             self.cancelled(key, name, str(exc))
@@ -348,13 +348,16 @@ class Engine(Judging):
         if not outs:
             self.note_skip("no_float_output", key, name)
             return
-        leaves = state.restore(leaves, call.snap)
+        if call.snap:
+            leaves = state.restore(leaves, call.snap)
         if self.noise_mode:
             leaves = autocast.noise_leaves(leaves, outs)
         base = leaves  # the inputs as the op computed with them (autocast casts included)
-        rows = blocks.row_blocks(self.mode_name, call.info, leaves, outs)
-        if rows is not None:
-            return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs, rows)
+        if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK:
+            rows = blocks.row_blocks(self.mode_name, call.info, leaves, outs)
+            if rows is not None:
+                return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs,
+                                            rows)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)

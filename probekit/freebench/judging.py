@@ -36,11 +36,12 @@ class Judging:
         innermost scoped module of the call (default: the one running now). ``floors`` and
         ``originals``: the metric's floor and the tensor a row describes (dtype, shape; what
         ``explain`` is given), per triple, when the compared tensors are not the original ones
-        (the backward stage compares gradients scaled to unit size). ``explain``: the call's cause analysis (``cause.py``); it needs the
-        call's inputs, so a check that can be explained — a call site's exact checks: its first,
-        and the next one after it was flagged with no cause known — is judged at once (one
-        read-back) and explained while the inputs exist; every other check waits for the
-        gather and takes the cause already found for its site."""
+        (the backward stage compares gradients scaled to unit size). ``explain``: the call's
+        cause analysis (``cause.py``); it needs the call's inputs, so an exact check of a site
+        whose cause is not known yet (its first, and the next one after it was flagged with no
+        cause known) is judged at once (one read-back) and explained while the inputs exist;
+        every other check waits for the gather and takes the cause found for its site (a site is
+        analysed once: the float64 re-runs cost more than the check)."""
         site = (stage, key, n)
         if exact is None:
             exact = self.verdicts.want_exact(site)
@@ -50,17 +51,18 @@ class Judging:
             originals = [o for _, o, _ in triples]
         if values is None:
             values = [device_stats(o, p, f, exact) for (_, o, p), f in zip(triples, floors)]
-        outputs = [(i, o.dtype, tuple(o.shape), f) for (i, _, _), o, f in
-                   zip(triples, originals, floors)]
+        outputs = [(i, o.dtype, tuple(o.shape), f, self.threshold_of(o.dtype, in_dtype))
+                   for (i, _, _), o, f in zip(triples, originals, floors)]
         if not isinstance(frame_or_site, str):
             frame_or_site = call_site(frame_or_site)
         self.checked += 1
-        self.coverage.check(f"{key}.{n}")
-        module = self.current_module() if module is None else module
+        self.coverage.check((key, n))
+        if module is None:
+            module = self.modules.current if self.modules is not None else ""
         entry = Pending(site, key, name, stage, step, frame_or_site, in_dtype, outputs, values,
                         module)
-        if not (exact and explain is not None and not self.mode.exact):
-            self.verdicts.add(entry, exact)
+        if not exact or explain is None or self.mode.exact or site in self.site_causes:
+            self.verdicts.add(entry, exact)   # judged at the gather (no cause analysis needed)
             return
         with torch.no_grad():
             stats = self.verdicts.judge_now(entry)
@@ -70,13 +72,24 @@ class Judging:
                            module=module, explain=explain, site=site):
                 self.verdicts.flagged_sites.add(site)
 
+    def threshold_of(self, out_dtype, in_dtype) -> float:
+        """The threshold of an output dtype for inputs of ``in_dtype`` (``handlers.threshold``,
+        cached per pair)."""
+        thr = self._thresholds.get((out_dtype, in_dtype))
+        if thr is None:
+            thr = self._thresholds[(out_dtype, in_dtype)] = handlers.threshold(
+                self.fb, self.mode_name, out_dtype, in_dtype)
+        return thr
+
     def gather(self) -> None:
         """Read back every pending verdict (one transfer per device) and record the findings."""
         with modes_off(), torch.no_grad():  # invisible to every function mode, as the checks are
-            done = self.verdicts.gather()
+            # preheat calibrates on every verdict; otherwise only findings are turned into rows
+            done = self.verdicts.gather(full=self.preheat is not None)
         rows: list = []
         for e, stats in done:
-            items = [(i, OutMeta(dt, shape), st) for (i, dt, shape, _), st in zip(e.outputs, stats)]
+            items = [(i, OutMeta(dt, shape), st)
+                     for (i, dt, shape, _, _), st in zip(e.outputs, stats)]
             if self.record(e.key, e.name, items, e.in_dtype, e.call_site, stage=e.stage,
                            step=e.step, out=rows, module=e.module, site=e.site):
                 self.verdicts.flagged_sites.add(e.site)
@@ -94,11 +107,7 @@ class Judging:
         flagged = []
         worst = 0.0
         for index, o, st in items:
-            tkey = (o.dtype, in_dtype)
-            thr = self._thresholds.get(tkey)
-            if thr is None:
-                thr = self._thresholds[tkey] = handlers.threshold(self.fb, self.mode_name,
-                                                                  o.dtype, in_dtype)
+            thr = self.threshold_of(o.dtype, in_dtype)
             worst = max(worst, handlers.risk(st, thr))
             kind = handlers.judge(st, thr)
             if kind is None:

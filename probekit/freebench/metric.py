@@ -24,7 +24,7 @@ error of 1 or more).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,8 +39,9 @@ def floor_for(dtype: torch.dtype) -> float:
     return FLOORS.get(dtype, DEFAULT_FLOOR)
 
 
-@dataclass(frozen=True)
-class Stats:
+class Stats(NamedTuple):
+    """One comparison's statistics (a named tuple: one is built per finding)."""
+
     max_rel: float
     max_abs: float
     nan_inf: int
@@ -147,36 +148,28 @@ def compare_many(pairs) -> list[Stats]:
 
 # -- deferred comparison: device-resident values, read back once per step ----------------------
 #: number of values ``device_stats`` returns per pair, by kind
-FAST_LEN, EXACT_LEN = 3, 5
+FAST_LEN, EXACT_LEN = 4, 5
 
 
 def device_stats(o: torch.Tensor, p: torch.Tensor, floor: float, exact: bool = False) -> tuple:
     """The comparison of one pair as 0-dim tensors on ``p``'s device; nothing is read back.
 
-    fast (``exact=False``, 3 values): the min and max of ``err_i`` carrying the sign of
+    fast (``exact=False``, 4 values): the min and max of ``err_i`` carrying the sign of
     ``|o_i| - floor`` (so ``max`` is the worst error above the floor and ``-min`` the worst below
-    it; NaN when any difference is NaN) and ``max |p-o|`` (NaN/Inf when a difference is).
-    ``stats_from`` turns them into
-    ``Stats`` when they are conclusive: every difference finite and ``max err < 1`` (a sign flip
-    needs an error above 1, a NaN/Inf mismatch a non-finite difference); otherwise it answers
-    None and the pair must be compared exactly (``exact=True``: the 5 values of
-    ``exact_stats``). Small tensors take one pass of plain kernels (no chunking, no stack)."""
+    it; NaN when any difference is NaN), then the min and max of ``p_i - o_i`` (``max |p-o|`` is
+    the larger of ``-min`` and ``max``; NaN/Inf when a difference is). ``stats_from`` turns them
+    into ``Stats`` when they are conclusive: every difference finite and ``max err < 1`` (a sign
+    flip needs an error above 1, a NaN/Inf mismatch a non-finite difference); otherwise it answers
+    None and the pair must be compared exactly (``exact=True``: the 5 values of ``exact_stats``).
+
+    Small tensors take one pass of eight kernels (one more to widen a narrow original): no
+    chunking, no stack, no ``abs`` of the difference (``copysign`` sets the sign anyway)."""
     n = o.numel()
     if not exact and 0 < n <= CHUNK and o.shape == p.shape and o.device == p.device:
-        # the fast path of small tensors: one pass, no chunking, no stack
         cdt = o.dtype if o.dtype == p.dtype else torch.promote_types(o.dtype, p.dtype)
         if cdt not in _WIDE:
             cdt = torch.promote_types(cdt, torch.float32)
-        oc = o if o.dtype == cdt else o.to(cdt)
-        pc = p if p.dtype == cdt else p.to(cdt)
-        ad = (pc - oc).abs_()
-        dmax = ad.amax()
-        ao = oc.abs()
-        # err carrying the sign of |o| - floor: its max is the worst error above the floor, minus
-        # its min the worst below it (one aminmax instead of an argmax and a gather); in place,
-        # so a chunk needs at most four temporaries
-        lo, hi = torch.aminmax(ad.div_(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
-        return lo, hi, dmax
+        return _fast_values(o if o.dtype == cdt else o.to(cdt), p, floor)
     cdt, device, parts = _plan(o, p)
     if n == 0:
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -188,18 +181,34 @@ def device_stats(o: torch.Tensor, p: torch.Tensor, floor: float, exact: bool = F
         else:
             s = s[0]
         return tuple(s.unbind())
-    s = torch.stack([_fast_chunk_raw(a, b, floor, cdt, device) for a, b in parts])
-    return s[:, 0].amin(), s[:, 1].amax(), s[:, 2].amax()
+    s = torch.stack([torch.stack(_fast_values(a.to(device=device, dtype=cdt), b.to(device), floor))
+                     for a, b in parts])
+    return combine_fast(s)
 
 
-def _fast_chunk_raw(o, p, floor: float, cdt, device) -> torch.Tensor:
-    """[min signed err, max signed err, max |p-o|] of one chunk (NaN propagating)."""
-    oc = o.to(device=device, dtype=cdt)
-    ad = (p.to(device=device, dtype=cdt) - oc).abs_()
-    dmax = ad.amax()
+def _fast_values(oc: torch.Tensor, p: torch.Tensor, floor: float) -> tuple:
+    """(min signed err, max signed err, min p-o, max p-o) of ``oc`` (already in the compute
+    dtype, never written) and ``p`` (promoted by the subtraction); NaN propagating."""
+    d = p - oc
+    dlo, dhi = torch.aminmax(d)
     ao = oc.abs()
-    lo, hi = torch.aminmax(ad.div_(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
-    return torch.stack([lo, hi, dmax])
+    lo, hi = torch.aminmax(d.div_(ao.clamp_min(floor)).copysign_(ao.sub_(floor)))
+    return lo, hi, dlo, dhi
+
+
+def combine_fast(s: torch.Tensor) -> tuple:
+    """The fast values of a whole tensor from a (parts x 4) stack of its parts' values."""
+    return s[:, 0].amin(), s[:, 1].amax(), s[:, 2].amin(), s[:, 3].amax()
+
+
+def fast_verdict(values, thr: float):
+    """From fast values read back: None when inconclusive, else whether ``max_rel > thr`` (the
+    only way a conclusive fast comparison can be a finding)."""
+    lo, hi, dlo, dhi = values
+    rmax = hi if hi > -lo else -lo
+    if not (rmax < 1.0 and -math.inf < dlo and dhi < math.inf):  # NaN fails every comparison
+        return None
+    return rmax > thr
 
 
 def stats_from(values, floor: float) -> Stats | None:
@@ -208,14 +217,15 @@ def stats_from(values, floor: float) -> Stats | None:
     if len(values) == EXACT_LEN:
         r_hi, r_lo, a_max, mis, flips = values
         return Stats(max(r_hi, r_lo), a_max, int(mis), int(flips), r_hi >= r_lo)
-    lo, hi, dmax = values
-    if not (math.isfinite(dmax) and math.isfinite(lo) and math.isfinite(hi)):
+    lo, hi, dlo, dhi = values
+    if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(dlo)
+            and math.isfinite(dhi)):
         return None
     r_hi, r_lo = max(hi, 0.0), max(-lo, 0.0)
     rmax = max(r_hi, r_lo)
     if rmax >= 1.0:
         return None
-    return Stats(rmax, dmax, 0, 0, r_hi >= r_lo)
+    return Stats(rmax, max(dhi, -dlo, 0.0), 0, 0, r_hi >= r_lo)
 
 
 def compare(o: torch.Tensor, p: torch.Tensor, floor: float | None = None) -> Stats:

@@ -313,12 +313,22 @@ def operator_key(info: ApiInfo, frame) -> str:
         return info.key
 
 
+#: code object -> is it torch's or probekit's (skipped by ``call_site``)
+_INTERNAL_CODE: dict = {}
+
+
 def call_site(frame) -> str:
     """``file.py:123`` of the first frame outside torch and probekit (the user's line)."""
     while frame is not None:
-        fname = frame.f_code.co_filename
-        if not (fname.startswith(_TORCH_DIR) or fname.startswith(_PROBEKIT_DIR)):
-            return f"{os.path.basename(fname)}:{frame.f_lineno}"
+        code = frame.f_code
+        internal = _INTERNAL_CODE.get(code)
+        if internal is None:
+            fname = code.co_filename
+            internal = fname.startswith(_TORCH_DIR) or fname.startswith(_PROBEKIT_DIR)
+            if len(_INTERNAL_CODE) < 100_000:
+                _INTERNAL_CODE[code] = internal
+        if not internal:
+            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return ""
 

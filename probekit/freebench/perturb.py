@@ -195,8 +195,14 @@ class Perturbed:
     in_dtype: torch.dtype | None
     #: applied to each perturbed output tensor before comparing (change_value swaps back)
     post: Callable | None = None
-    #: leaf index -> replacement, for the backward stage
-    replaced: dict | None = None
+    #: the call's leaves before and after the perturbation
+    old: list | None = None
+    new: list | None = None
+
+    @property
+    def replaced(self) -> dict:
+        """Leaf index -> replacement (the backward stage asks; forward checks do not)."""
+        return {i: n for i, (o, n) in enumerate(zip(self.old, self.new)) if n is not o}
 
 
 PERTURBATIONS: dict[str, Callable[[Call, list], tuple]] = {}
@@ -222,8 +228,7 @@ def apply(mode: str, call: Call, leaves: list | None = None, spec=None) -> Pertu
         leaves, spec = flatten(call.args, call.kwargs)
     new, in_dtype, post = PERTURBATIONS[mode](call, leaves)
     args, kwargs = unflatten(new, spec)
-    replaced = {i: n for i, (o, n) in enumerate(zip(leaves, new)) if n is not o}
-    return Perturbed(args, kwargs, in_dtype, post, replaced)
+    return Perturbed(args, kwargs, in_dtype, post, leaves, new)
 
 
 def _replace_first(leaves: list, fn) -> tuple[list, torch.dtype]:

@@ -84,7 +84,10 @@ class CsvSink:
     def write(self, rows: list[dict]) -> None:
         if not rows:
             return
-        data = "".join(_line([_cell(r.get(c, "")) for c in COLUMNS]) for r in rows).encode("utf-8")
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows(
+            [_cell(r.get(c, "")) for c in COLUMNS] for r in rows)
+        data = buf.getvalue().encode("utf-8")
         fd = os.open(self.open(), os.O_WRONLY | os.O_APPEND)
         try:
             view = memoryview(data)
