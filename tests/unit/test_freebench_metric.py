@@ -149,3 +149,43 @@ def test_judge_and_ratio():
     assert handlers.ratio(0.01, 0.004) == 2.5
     assert handlers.ratio(0.01, 0.0) == math.inf and handlers.ratio(0.0, 0.0) == 0.0
     assert handlers.risk(metric.Stats(0.0, 0.0, 1, 0, True), 0.004) == math.inf
+
+
+def _reference(o: torch.Tensor, p: torch.Tensor, floor: float) -> tuple:
+    """The metric's definitions element by element in float64 Python (slow, obviously right)."""
+    r_hi = r_lo = a_max = 0.0
+    mis = flips = 0
+    for x, y in zip(o.double().tolist(), p.double().tolist()):
+        def cls(v):
+            return "nan" if math.isnan(v) else ("+inf" if v == math.inf else
+                                                ("-inf" if v == -math.inf else "finite"))
+        if cls(x) != cls(y):
+            mis += 1
+        if not (math.isfinite(x) and math.isfinite(y)):
+            continue
+        d = abs(y - x)
+        a_max = max(a_max, d)
+        if abs(x) >= floor:
+            r_hi = max(r_hi, d / abs(x))
+            if abs(y) >= floor and (x > 0) != (y > 0):
+                flips += 1
+        else:
+            r_lo = max(r_lo, d / floor)
+    return r_hi, r_lo, a_max, mis, flips
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_exact_values_match_the_definitions_elementwise(dtype):
+    g = torch.Generator().manual_seed(3)
+    o = torch.randn(4000, generator=g) * torch.logspace(-6, 2, 4000)
+    p = o * (1 + 0.01 * torch.randn(4000, generator=g))
+    p[::97] = -p[::97]                                   # sign flips, above and below the floor
+    special = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 1.0, math.nan, math.inf])
+    o[:7], p[:7] = special, torch.tensor([math.nan, math.inf, math.inf, math.nan, -math.inf,
+                                          2.0, -math.inf])
+    o, p = o.to(dtype), p.to(dtype)
+    f = metric.floor_for(dtype)
+    got = [v.item() for v in metric.device_stats(o, p, f, exact=True)]
+    want = _reference(o, p, f)
+    assert got[3:] == [float(want[3]), float(want[4])] and want[3] == 5 and want[4] > 10
+    assert got[:3] == pytest.approx(want[:3], rel=1e-6, abs=0)
