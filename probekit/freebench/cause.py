@@ -64,12 +64,11 @@ def _score(st) -> float:
     return math.inf if st.nan_inf or st.sign_flip else st.max_rel
 
 
-def _verdict(stats: list, thr: float) -> str:
-    """``stats`` = [original vs float64, float64 vs its two one-ulp nudges]: inaccurate when the
-    error against float64 exceeds the threshold and the sensitivity, ill-conditioned when the
-    sensitivity alone exceeds the threshold, unconfirmed otherwise."""
-    acc = _score(stats[0])
-    sens = max(_score(stats[1]), _score(stats[2]))
+def _verdict(acc: float, sens: float, thr: float) -> str:
+    """``acc`` = the worst error of the original against float64, ``sens`` = the worst error of
+    float64 against its one-ulp nudges: inaccurate when ``acc`` exceeds the threshold and the
+    sensitivity, ill-conditioned when the sensitivity alone exceeds the threshold, unconfirmed
+    otherwise."""
     if acc > thr and acc > sens:
         return INACCURATE
     if sens > thr:
@@ -77,26 +76,41 @@ def _verdict(stats: list, thr: float) -> str:
     return UNCONFIRMED
 
 
-def analyse(func, fresh, spec, items: list) -> dict:
+def analyse(func, fresh, spec, items: list, blocks=None) -> dict:
     """``{output_index: cause}`` for the flagged outputs ``items`` = [(index, tensor, thr)].
 
     ``fresh()``: the call's inputs as the original call saw them, with the state it writes as
-    fresh clones (``state.restore``), asked once per re-run. The caller runs this under
-    ``no_grad`` with every function mode off; autocast is turned off here. Raises on failure."""
+    fresh clones (``state.restore``), asked once per re-run. ``blocks``: the call's
+    ``blocks.Plan`` when it was checked in blocks; the analysis then runs block by block (the
+    worst errors of the blocks are those of the whole tensor). One float64 result besides the
+    reference is alive at a time. The caller runs this under ``no_grad`` with every function mode
+    off; autocast is turned off here. Raises on failure."""
     from .guards import no_autocast
 
+    acc = {index: 0.0 for index, _, _ in items}
+    sens = dict(acc)
+    parts = [None] if blocks is None else blocks.parts
     with no_autocast(True):
-        r = dict(_run(func, [_to64(x) for x in fresh()], spec))
-        nudged = [dict(_run(func, [_to64(_nudge(noise)(x)) for x in fresh()], spec))
-                  for noise in (perturb.add_noise, perturb.bit_noise)]
-    pairs = []
-    for index, o, _ in items:
-        pairs.append((o, r[index], floor_for(o.dtype)))
-        for s in nudged:
-            pairs.append((r[index], s[index], floor_for(o.dtype)))
-    stats = compare_many(pairs)
-    return {index: _verdict(stats[3 * k:3 * k + 3], thr)
-            for k, (index, _, thr) in enumerate(items)}
+        for part in parts:
+            def inputs():
+                x = fresh()
+                return x if part is None else blocks.leaves(x, *part)
+
+            def original(o):
+                return o if part is None else blocks.output(o, *part)
+
+            r = dict(_run(func, [_to64(x) for x in inputs()], spec))
+            stats = compare_many([(original(o), r[i], floor_for(o.dtype)) for i, o, _ in items])
+            for (i, _, _), st in zip(items, stats):
+                acc[i] = max(acc[i], _score(st))
+            for noise in (perturb.add_noise, perturb.bit_noise):
+                s = dict(_run(func, [_to64(_nudge(noise)(x)) for x in inputs()], spec))
+                stats = compare_many([(r[i], s[i], floor_for(o.dtype)) for i, o, _ in items])
+                del s
+                for (i, _, _), st in zip(items, stats):
+                    sens[i] = max(sens[i], _score(st))
+            del r
+    return {i: _verdict(acc[i], sens[i], thr) for i, _, thr in items}
 
 
 def _grads64(func, leaves, spec, diff, out_index, g) -> list:
@@ -134,4 +148,6 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
             pairs.append(unit_scaled(r[k], s[k]) + (BACKWARD_FLOOR,))
     with torch.no_grad():
         stats = compare_many(pairs)
-    return {index: _verdict(stats[3 * j:3 * j + 3], thr) for j, (index, thr) in enumerate(kept)}
+    return {index: _verdict(_score(stats[3 * j]), max(_score(stats[3 * j + 1]),
+                                                       _score(stats[3 * j + 2])), thr)
+            for j, (index, thr) in enumerate(kept)}

@@ -353,11 +353,11 @@ class Engine(Judging):
         if self.noise_mode:
             leaves = autocast.noise_leaves(leaves, outs)
         base = leaves  # the inputs as the op computed with them (autocast casts included)
-        if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK:
-            rows = blocks.row_blocks(self.mode_name, call.info, leaves, outs)
-            if rows is not None:
+        if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK and not call.snap:
+            plan = blocks.plan(self.mode_name, call.info, call.args, call.kwargs, leaves, outs)
+            if plan is not None:
                 return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs,
-                                            rows)
+                                            plan)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
@@ -377,26 +377,31 @@ class Engine(Judging):
         """The innermost running named module under module scope ("" without module scope)."""
         return self.modules.current if self.modules is not None else ""
 
-    def _compare_blocks(self, call, key, n, name, func, leaves, spec, frame, outs, rows) -> None:
-        """An element-wise call on a large input: perturbed, re-run and compared block by block
-        of rows, so only one block's upcast input and output exist at a time."""
+    def _compare_blocks(self, call, key, n, name, func, leaves, spec, frame, outs, plan) -> None:
+        """A call with a large output (``blocks.plan``): perturbed, re-run and compared block by
+        block, so only one block's perturbed inputs and output exist at a time."""
         (i, o), = outs
         exact = self.verdicts.want_exact((self.stage, key, n))
         f = floor_for(o.dtype)
         parts, in_dtype = [], None
-        for start, length in rows:
-            b_leaves = blocks.narrow_leaves(leaves, start, length)
+        for start, length in plan.parts:
+            b_leaves = plan.leaves(leaves, start, length)
             b_args, b_kwargs = perturb.unflatten(b_leaves, spec)
             pert = perturb.apply(self.mode_name, perturb.Call(call.info, b_args, b_kwargs,
                                                                call.fuzz_device), b_leaves, spec)
             in_dtype = pert.in_dtype
             p = func(*pert.args, **pert.kwargs)
-            parts.append(device_stats(o.narrow(0, start, length), p, f, exact))
+            (_, p), = handlers.float_outputs(p)
+            parts.append(device_stats(plan.output(o, start, length), p, f, exact))
             del pert, p  # free this block's re-run before the next one
         self.applied(key, name)
-        self.site_causes.setdefault((self.stage, key, n), {})   # no cause analysis in blocks
+
+        def explain(flagged):  # only for flagged calls: float64 re-runs, block by block
+            return cause.analyse(func, lambda: leaves, spec, flagged, blocks=plan)
+
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
-                   values=[blocks.combine(parts, exact)], exact=exact, floors=[f])
+                   values=[blocks.combine(parts, exact)], exact=exact, floors=[f],
+                   explain=explain)
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):
