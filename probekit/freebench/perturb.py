@@ -126,38 +126,42 @@ _FLAT = ("flat",)
 
 def flatten(args: tuple, kwargs: dict):
     """(leaves, spec): tensors and other values found in args/kwargs (descending into plain
-    lists, tuples and dicts); ``unflatten(leaves, spec)`` rebuilds ``(args, kwargs)``."""
+    lists, tuples and dicts); ``unflatten(leaves, spec)`` rebuilds ``(args, kwargs)``.
+
+    Plain recursive functions, not closures that call themselves: such a closure is a reference
+    cycle, and it would keep the call's tensors (and a re-run's upcast copies) alive until the
+    garbage collector runs."""
     if not kwargs and type(args) is tuple and not any(type(a) in _CONTAINERS for a in args):
         return list(args), _FLAT  # the common case: positional leaves only
     leaves: list = []
-
-    def walk(obj):
-        tp = type(obj)
-        if tp is list or tp is tuple:
-            return (tp, [walk(o) for o in obj])
-        if tp is dict:
-            return (dict, [(k, walk(v)) for k, v in obj.items()])
-        leaves.append(obj)
-        return None
-
-    spec = (walk(tuple(args)), walk(dict(kwargs)))
+    spec = (_walk(tuple(args), leaves), _walk(dict(kwargs), leaves))
     return leaves, spec
+
+
+def _walk(obj, leaves: list):
+    tp = type(obj)
+    if tp is list or tp is tuple:
+        return (tp, [_walk(o, leaves) for o in obj])
+    if tp is dict:
+        return (dict, [(k, _walk(v, leaves)) for k, v in obj.items()])
+    leaves.append(obj)
+    return None
 
 
 def unflatten(leaves: list, spec):
     if spec is _FLAT:
         return tuple(leaves), {}
     it = iter(leaves)
+    return _build(spec[0], it), _build(spec[1], it)
 
-    def build(node):
-        if node is None:
-            return next(it)
-        tp, items = node
-        if tp is dict:
-            return {k: build(v) for k, v in items}
-        return tp(build(o) for o in items)
 
-    return build(spec[0]), build(spec[1])
+def _build(node, it):
+    if node is None:
+        return next(it)
+    tp, items = node
+    if tp is dict:
+        return {k: _build(v, it) for k, v in items}
+    return tp(_build(o, it) for o in items)
 
 
 def is_float(x) -> bool:
