@@ -57,6 +57,7 @@ def measure(op: str, mode: str, calls: int, repeats: int, warmup: int = 2) -> di
         plain()
         probed()
     syncs0, checked0 = fb._engine.verdicts.syncs, fb._engine.checked
+    rows0 = fb.summary["flagged"]
     ps, qs = [], []
     for _ in range(repeats):
         ps.append(timed(plain))
@@ -66,7 +67,7 @@ def measure(op: str, mode: str, calls: int, repeats: int, warmup: int = 2) -> di
     return {"op": op, "mode": mode, "plain_us": p * 1e6, "probed_us": q * 1e6,
             "overhead_us": (q - p) * 1e6, "checked_per_round": checked / repeats,
             "syncs_per_call": (fb._engine.verdicts.syncs - syncs0) / max(1, checked),
-            "rows": int(fb.summary["flagged"])}
+            "rows_per_call": (fb.summary["flagged"] - rows0) / max(1, checked)}
 
 
 def main(argv=None) -> int:
@@ -80,11 +81,11 @@ def main(argv=None) -> int:
     res = [measure(op, mode, a.calls, a.repeats) for mode in MODES
            for op in ("add", "matmul", "gelu")]
     lines = ["| pert_mode | op | plain call | probed call | overhead per checked call | "
-             "syncs per checked call |", "|---|---|---:|---:|---:|---:|"]
+             "syncs per checked call | rows/call |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in res:
         lines.append(f"| {r['mode']} | {r['op']} | {r['plain_us']:.1f} µs | "
                      f"{r['probed_us']:.1f} µs | {r['overhead_us']:.1f} µs | "
-                     f"{r['syncs_per_call']:.3f} |")
+                     f"{r['syncs_per_call']:.3f} | {r['rows_per_call']:.2f} |")
     print("\n".join(lines))
     if a.out:
         with open(a.out, "w") as fh:

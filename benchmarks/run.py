@@ -83,6 +83,34 @@ def freebench(pk: str, ms: str, repeats: int, tmp: str) -> dict:
         return {"markdown": fh.read()}
 
 
+def table(pk: str, script: str, args: list) -> str:
+    """The markdown table a benchmark script prints (its last lines starting with ``|``)."""
+    proc = subprocess.run([pk, os.path.join(HERE, script), *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return "\n".join(line for line in proc.stdout.splitlines() if line.startswith("|"))
+
+
+def freebench_costs(pk: str, quick: bool) -> str:
+    """Per checked call (64x64, every call checked) and peak memory (GPT-2-shaped model)."""
+    percall = table(pk, "bench_freebench_percall.py", ["--repeats", "5" if quick else "9"])
+    memory = table(pk, "bench_freebench_memory.py", ["--steps", "2"])
+    return "\n".join([
+        "## Free benchmark: cost per checked call", "",
+        "`python benchmarks/bench_freebench_percall.py`: 64x64 fp32 `add` / `matmul` / `gelu`, "
+        "one torch thread, every call checked, 100 calls then `fb.step()` per round; thread CPU "
+        "time, medians of the rounds after two warm-up rounds; overhead = probed round minus "
+        "plain round, per call (the step's gather included). `rows/call`: findings per checked "
+        "call (fp32 matmul and gelu against float64 are flagged at every call here: ill-"
+        "conditioned elements and gelu's tail; a finding costs a row).", "", percall, "",
+        "## Free benchmark: peak memory", "",
+        "`python benchmarks/bench_freebench_memory.py`: GPT-2-shaped model (4 blocks, width 512, "
+        "8 x 256 tokens, SGD), peak resident memory above the set-up of the same script without "
+        "the probe, 2 steps, each configuration in its own process. Targets: forward check "
+        "<= 1.2x, backward stage <= 1.5x.", "", memory])
+
+
 def models(pk: str, tmp: str, quick: bool) -> dict:
     args = ["--steps", "3", "--layers", "2", "--width", "64"] if quick else []
     return run_json(pk, [os.path.join(HERE, "bench_models.py"), *args], tmp, "models")
@@ -196,6 +224,8 @@ def render(hooks, cmp, fb, args, notes, model_md=None, kept="") -> str:
     ]
     if fb is not None:
         lines += ["", fb.get("markdown", "").strip()]
+        if fb.get("costs"):
+            lines += ["", fb["costs"]]
     if model_md:
         lines += ["", "## Real models (Hugging Face transformers, random weights)", "", model_md]
     lines += ["", "## Targets", "", *targets(hooks, cmp),
@@ -224,6 +254,8 @@ def main(argv=None) -> int:
                         5 if args.quick else 20, 3 if args.quick else 5, tmp)
     fb = None if args.skip_freebench else freebench(pk, args.msprobe_python,
                                                      5 if args.quick else 7, tmp)
+    if fb is not None:
+        fb["costs"] = freebench_costs(pk, args.quick)
     model_md = models(pk, tmp, args.quick)["markdown"]
     text = render(hooks, cmp, fb, args, notes, model_md, kept_notes(args.out))
     with open(args.out, "w") as fh:
