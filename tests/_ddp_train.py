@@ -39,6 +39,9 @@ def main():
     # one write() of less than PIPE_BUF bytes: the two ranks' lines never interleave
     os.write(1, f"rank {rank} done steps={probe.steps_seen} world={dist.get_world_size()} "
                 f"checked={checked}\n".encode())
+    # both ranks leave together: a rank tearing gloo down while the other is still in its last
+    # collective aborted once ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,19 +1,20 @@
 """fuzz_stage "backward": check the input gradients an API produces, without touching the real ones.
 
-At the forward call we keep the API's inputs (references, with their version counters) and hook
-the gradient of its first differentiable output. When that gradient ``g`` arrives during the real
-backward pass, the hook
+At the forward call we keep the API's inputs (references, with their version counters) and, where
+``realgrad.plan`` can tell them apart, hook the autograd nodes that hand each input its gradient
+from this call. In the real backward pass:
 
-1. scales ``g`` by a power of two so that ``max|g|`` lies in [0.5, 1) (exact: only the exponent
-   changes), so the per-dtype floors of the metric apply at unit scale (computed on the device:
-   the check makes one host sync, for the comparison);
-2. recomputes the API on detached copies of the inputs and takes their gradients with
-   ``torch.autograd.grad`` (the reference);
-3. does the same on the perturbed inputs (change_value: the output gradient is swapped like the
-   output and the input gradient swapped back);
-4. compares the gradients input by input (``output_index`` = the input's position in the call's
-   flattened arguments) on the device, the verdict read back at the step's gather point
-   (``deferred.py``), and returns ``None``, so the gradient flowing on is the real one.
+1. the upstream gradient ``g`` is read as the call's last node receives it (a node pre-hook: after
+   any hook on the output tensor), and the input gradients as those nodes compute them: the
+   reference is the gradient the training really used (elsewhere, ``g`` is read by a hook on the
+   first differentiable output and the reference recomputed on detached copies of the inputs);
+2. the API is re-run on the perturbed inputs and their gradients taken with
+   ``torch.autograd.grad`` and the same ``g`` (change_value: the output gradient is swapped like
+   the output and the input gradient swapped back);
+3. the gradients are compared input by input (``output_index`` = the input's position in the
+   call's flattened arguments) relative to the reference's scale (``grad_stats``), on the device;
+   the verdict is read back at the step's gather point (``deferred.py``). Every hook returns
+   ``None``, so the gradient flowing on is the real one.
 
 An input modified in place between the call and its backward cancels the check. For APIs with
 several differentiable outputs, the check covers the gradient flowing through the first one.
@@ -26,8 +27,9 @@ import time
 
 import torch
 
-from . import autocast, cause, handlers, perturb, state
+from . import autocast, cause, handlers, perturb, realgrad, state
 from .guards import modes_off, no_autocast
+from .metric import device_stats
 from .names import call_site
 
 
@@ -51,8 +53,39 @@ def unit_scaled(gr: torch.Tensor, gq: torch.Tensor) -> tuple:
     return a * f, b * f
 
 
+def grad_scale(gr: torch.Tensor) -> tuple:
+    """``(floor, f)`` as 0-dim tensors on ``gr``'s device (no sync): ``f`` the power of two that
+    brings ``max|gr|`` into [0.5, 1) (as ``unit_scaled``), ``floor = BACKWARD_FLOOR / f`` the
+    backward floor in ``gr``'s own units (the largest power of two <= max|gr|)."""
+    lo, hi = torch.aminmax(gr.detach())
+    m = torch.maximum(-lo, hi)
+    if m.dtype != torch.float64:
+        m = m.float()
+    ok = torch.isfinite(m) & (m > 0)
+    _, exp = torch.frexp(torch.where(ok, m, torch.ones_like(m)))
+    f = torch.ldexp(torch.ones_like(m), -exp)
+    return BACKWARD_FLOOR / f, f
+
+
+def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool) -> tuple:
+    """``metric.device_stats`` of the pair ``unit_scaled`` gives, without the scaled copies:
+    the errors are compared against the floor in the gradient's own units (scaling both sides
+    by a power of two changes no relative error) and the largest difference is scaled after."""
+    if gr.numel() == 0:
+        return device_stats(gr, gq, BACKWARD_FLOOR, exact)
+    floor, f = grad_scale(gr)
+    if gq.device != gr.device:  # the values live on the perturbed side's device
+        floor, f = floor.to(gq.device), f.to(gq.device)
+    v = device_stats(gr.detach(), gq.detach(), floor, exact)
+    if exact:
+        return v[0], v[1], v[2] * f, v[3], v[4]
+    return v[0], v[1], v[2] * f, v[3] * f
+
+
 def watch(engine, call, key, n, name, func, leaves, spec, frame):
-    """Run the call; hook its first differentiable output for a backward check."""
+    """Run the call; hook its first differentiable output for a backward check (and, where
+    ``realgrad.plan`` allows, the nodes that hand its inputs their real gradients)."""
+    mark = realgrad.marker()
     out = func(*call.args, **call.kwargs)
     try:
         with modes_off():
@@ -61,16 +94,31 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
                 engine.note_skip("no_float_output", key, name)
                 return out
             diff = [i for i, x in enumerate(leaves) if perturb.is_float(x) and x.requires_grad]
-            sel = next(((i, t) for i, t in outs if t.requires_grad), None)
-            if not diff or sel is None or not torch.is_grad_enabled():
+            with_grad = [(i, t) for i, t in outs if t.requires_grad]
+            if not diff or not with_grad or not torch.is_grad_enabled():
                 engine.note_skip("no_grad", key, name)
                 return out
+            sel = with_grad[0]
             check = _BackwardCheck(engine, call, key, n, name, func, leaves, spec, diff, sel[0],
                                    call_site(frame), engine.step)
             x = autocast.first_tensor(leaves)
             check.autocast = (x.device.type, autocast.enabled_dtype(x.device))
             check.module = engine.current_module()  # the module running at the forward call
-            engine.handles.append(sel[1].register_hook(check))
+            check.out_dtype = sel[1].dtype
+            # the real input gradients only when no other output carries gradients into them
+            edges = realgrad.plan(sel[1], leaves, diff, mark) if len(with_grad) == 1 else None
+            if edges is None:
+                engine.handles.append(sel[1].register_hook(check))
+            else:
+                # the upstream gradient as the call's last node receives it (after every hook
+                # on the output tensor, which may change it), then the inputs' real gradients;
+                # one entry per watched call in ``handles``
+                check.real = True
+                handles = realgrad.Handles([sel[1].grad_fn.register_prehook(
+                    realgrad.upstream(sel[1].output_nr, check.upstream))])
+                for node, hook in realgrad.Collector(edges, check.with_real).hooks():
+                    handles.append(node.register_hook(hook))
+                engine.handles.append(handles)
     except Exception as exc:  # never reaches the training code
         engine.failed(key, name, exc)
     return out
@@ -95,16 +143,37 @@ class _BackwardCheck:
         #: (device type, autocast dtype or None) at the forward call: the re-runs use the same
         self.autocast = None
         self.module = ""
+        self.out_dtype = None
+        #: True: the reference is the real backward's input gradients (``realgrad``); the
+        #: output's hook only keeps the upstream gradient until they arrive
+        self.real = False
+        self.g = None
 
     def __call__(self, grad):
+        """The hook on the output (reference recomputed): the upstream gradient arrives."""
+        self._run(grad, None)
+        return None
+
+    def upstream(self, grad) -> None:
+        """The upstream gradient, kept until the real input gradients arrive (``with_real``)."""
+        if self.leaves is not None and grad is not None:
+            self.g = grad.detach()
+
+    def with_real(self, grads: dict) -> None:
+        """``realgrad.Collector``'s callback: the real input gradients arrived."""
+        g, self.g = self.g, None
+        if g is not None:
+            self._run(g, grads)
+
+    def _run(self, grad, real):
         e = self.engine
         if self.leaves is None or e.busy:
-            return None
+            return
         e.busy = True
         t0 = time.perf_counter() if e.budget is not None else 0.0
         try:
             with modes_off():
-                self._check(grad)
+                self._check(grad, real)
         except perturb.Cancel as exc:
             e.cancelled(self.key, self.name, str(exc))
         except Exception as exc:  # never reaches the training code
@@ -114,7 +183,6 @@ class _BackwardCheck:
             self.leaves = self.call = None  # release the inputs
             if e.budget is not None:
                 e.budget.spent(time.perf_counter() - t0)
-        return None
 
     def _output(self, out):
         for i, t in handlers.float_outputs(out):
@@ -122,38 +190,39 @@ class _BackwardCheck:
                 return t
         raise RuntimeError("the re-run did not produce the hooked output")
 
-    def _check(self, grad):
+    def _check(self, grad, real):
         e = self.engine
         leaves = self.leaves
         if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)):
             raise perturb.Cancel("an input was modified in place before the backward pass")
         snap = self.call.snap  # state the call writes (running statistics...): fresh clones
         g = grad.detach()
-        if g.numel():
-            # power-of-two scale to max|g| in [0.5, 1), computed on the device (no sync)
-            m = g.abs().amax().float()
-            _, exp = torch.frexp(torch.where(torch.isfinite(m) & (m > 0), m, torch.ones_like(m)))
-            g = g * torch.ldexp(torch.ones_like(m), -exp)
+        y_dtype = self.out_dtype
         mode = e.mode_name
         dev, ac_dtype = self.autocast or (None, None)
         same_autocast = torch.autocast(dev, dtype=ac_dtype) if ac_dtype is not None \
             else contextlib.nullcontext()
         with torch.enable_grad(), same_autocast:
-            # reference: the API on detached copies of its inputs
-            ref = list(state.restore(leaves, snap))
-            ref_in = []
-            for i in self.diff:
-                ref[i] = ref[i].detach().requires_grad_(True)
-                ref_in.append(ref[i])
-            a, kw = perturb.unflatten(ref, self.spec)
-            y = self._output(self.func(*a, **kw))
-            g_ref = torch.autograd.grad(y, ref_in, g, allow_unused=True)
+            if real is not None:   # the gradients the real backward gave the inputs
+                g_ref = [real.get(i) for i in self.diff]
+            else:                  # recomputed: the API on detached copies of its inputs
+                ref = list(state.restore(leaves, snap))
+                ref_in = []
+                for i in self.diff:
+                    ref[i] = ref[i].detach().requires_grad_(True)
+                    ref_in.append(ref[i])
+                a, kw = perturb.unflatten(ref, self.spec)
+                y = self._output(self.func(*a, **kw))
+                y_dtype = y.dtype
+                g_ref = torch.autograd.grad(y, ref_in, g, allow_unused=True)
+                del ref, ref_in, a, kw, y
             # perturbed
             plain = [x.detach() if isinstance(x, torch.Tensor) else x
                      for x in state.restore(leaves, snap)]
             if e.noise_mode:  # one ulp of the precision the op computed in (autocast)
-                with torch.no_grad():
-                    plain = autocast.noise_leaves(plain, [(self.out_index, y)])
+                x = autocast.first_tensor(plain)
+                if x is not None:
+                    plain = autocast.cast_like(plain, autocast.enabled_dtype(x.device), y_dtype)
             with torch.no_grad():
                 pert = perturb.apply(mode, perturb.Call(self.call.info, *perturb.unflatten(
                     plain, self.spec), self.call.fuzz_device), plain, self.spec)
@@ -172,20 +241,26 @@ class _BackwardCheck:
             gp_out = g.to(dtype=yp.dtype, device=yp.device)
             if pert.post is not None:
                 gp_out = pert.post(gp_out)
-            g_pert = torch.autograd.grad(yp, p_in, gp_out, allow_unused=True)
-        triples, originals = [], []
-        for i, gr, gq in zip(self.diff, g_ref, g_pert):
-            if gr is None or gq is None:
-                continue
-            if e.mode.swap_back and i in replaced and gq.dim() >= 1:
-                gq = perturb.swap_last(gq)
-            triples.append((i, *unit_scaled(gr, gq)))
-            originals.append(gr)
-        if not triples:
+            g_pert = list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True))
+        in_dtype = pert.in_dtype
+        # the re-run's inputs, output and graph go before the comparisons
+        del yp, gp_out, pert, p_leaves, p_in, pa, pkw, plain
+        exact = e.verdicts.want_exact(("backward", self.key, self.n))
+        values, originals = [], []
+        with torch.no_grad():
+            for k, (i, gr) in enumerate(zip(self.diff, g_ref)):
+                gq, g_pert[k] = g_pert[k], None
+                if gr is None or gq is None:
+                    continue
+                if e.mode.swap_back and i in replaced and gq.dim() >= 1:
+                    gq = perturb.swap_last(gq)
+                values.append(grad_stats(gr, gq, exact))
+                originals.append((i, gr))
+                del gq
+        if not values:
             raise perturb.Cancel("no input gradient to compare")
 
         cast_to = ac_dtype if e.noise_mode else None   # inputs as the op computed with them
-        y_dtype = y.dtype
 
         def fresh():
             return autocast.cast_like(state.restore(leaves, snap), cast_to, y_dtype)
@@ -195,6 +270,7 @@ class _BackwardCheck:
                                           self.out_index, g, flagged)
 
         with torch.no_grad():
-            e.defer(self.key, self.n, self.name, "backward", self.step, self.site, pert.in_dtype,
-                    triples, module=self.module, explain=explain,
-                    floors=[BACKWARD_FLOOR] * len(triples), originals=originals)
+            e.defer(self.key, self.n, self.name, "backward", self.step, self.site, in_dtype,
+                    [(i, gr, None) for i, gr in originals], values=values, exact=exact,
+                    module=self.module, explain=explain,
+                    floors=[BACKWARD_FLOOR] * len(values), originals=[gr for _, gr in originals])

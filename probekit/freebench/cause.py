@@ -128,7 +128,7 @@ def _grads64(func, leaves, spec, diff, out_index, g) -> list:
 def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: list) -> dict:
     """``analyse`` for the backward stage: ``items`` = [(input position, reference gradient,
     thr)], judged with the backward metric (relative to the gradient's scale). ``g`` is the
-    (scaled) upstream gradient the check used."""
+    upstream gradient the check used."""
     from .backward import BACKWARD_FLOOR, unit_scaled
     from .guards import no_autocast
 

@@ -34,7 +34,7 @@ from .modes import MODES
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
              torch.float32: torch.int32, torch.float64: torch.int64}
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-#: per dtype: (smallest normal, largest finite below max, +inf as a 0-dim CPU tensor)
+#: per dtype: (smallest normal, largest finite below max, bit width of its integer view - 1)
 _NEXT_UP: dict = {}
 
 
@@ -73,18 +73,19 @@ def add_noise(t: torch.Tensor) -> torch.Tensor:
     """``t`` with each finite element above the smallest normal moved one ulp towards +inf.
 
     ``nextafter(t, +inf)`` where ``smallest normal <= |t| < max`` (``clamp(|t|, ...) == |t|``),
-    ``t`` elsewhere: five kernels."""
-    _int_view(t)  # Cancel for dtypes without a bit-level perturbation
+    ``t`` elsewhere, done on the integer view (``nextafter`` has no vectorised bf16/fp16 kernel on
+    the CPU: 10-30x slower): the magnitude bits go up one for positive elements and down one for
+    negative ones, i.e. ``bits + (sign >> (width - 1) | 1)`` where the mask holds."""
+    bits = _int_view(t)  # Cancel for dtypes without a bit-level perturbation
     consts = _NEXT_UP.get(t.dtype)
     if consts is None:
         info = torch.finfo(t.dtype)
-        inf = torch.tensor(float("inf"), dtype=t.dtype)  # 0-dim CPU: a scalar on any device
         below_max = torch.nextafter(torch.tensor(info.max, dtype=t.dtype),
                                     torch.tensor(0.0, dtype=t.dtype)).item()
-        consts = _NEXT_UP[t.dtype] = (info.smallest_normal, below_max, inf)
-    lo, hi, inf = consts
+        consts = _NEXT_UP[t.dtype] = (info.smallest_normal, below_max, bits.element_size() * 8 - 1)
+    lo, hi, shift = consts
     a = t.abs()
-    return torch.where(a.clamp(lo, hi) == a, torch.nextafter(t, inf), t)
+    return torch.where(a.clamp(lo, hi) == a, bits + ((bits >> shift) | 1), bits).view(t.dtype)
 
 
 def change_value(t: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ def test_flags_the_input_gradient_and_keeps_the_real_one(tmp_path):
 
 
 def test_scale_invariant(tmp_path):
-    """The output gradient is rescaled by a power of two: the same check for loss and 1024*loss."""
+    """Judged relative to each input gradient's scale: the same check for loss and 1024*loss."""
     found = []
     for scale in (1.0, 1024.0, 2.0 ** -20):
         x = exp_case()

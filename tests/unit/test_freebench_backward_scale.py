@@ -50,7 +50,7 @@ def test_bf16_layer_norm_backward_loss_still_flagged_with_exact_value(tmp_path):
     x = (torch.randn(16, 64, generator=gen()) * 3 + 1).to(bf16).requires_grad_(True)
     w = (torch.rand(64, generator=gen()) + 0.5).to(bf16)
     g = torch.randn(16, 64, generator=gen())
-    g = (g / g.abs().max() * 0.75).to(bf16)      # max|g| in [0.5, 1): the probe leaves g as is
+    g = (g / g.abs().max() * 0.75).to(bf16)      # the probe's perturbed re-run uses g as is
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision", fuzz_stage="backward",
                    list=["layer_norm"])
     with fb:
@@ -90,3 +90,44 @@ def test_fp32_matmul_backward_rounding_on_near_zero_elements_is_not_a_finding(tm
     assert expected(gr, g64) < 1e-5
     per_element = ((gr.double() - g64).abs() / gr.double().abs().clamp_min(1e-4)).max().item()
     assert per_element > 2e-4   # what the old metric saw (fp32 threshold 2e-4)
+
+
+def _pair(n, odt, pdt, special):
+    g = gen()
+    r = torch.randn(n, generator=g) * torch.logspace(-6, 3, n, dtype=torch.float64).float()
+    q = r.double() * (1 + torch.randn(n, generator=g, dtype=torch.float64) * 1e-3)
+    q[: n // 7] = -q[: n // 7]                       # sign flips
+    r, q = r.to(odt), q.to(pdt)
+    if special:
+        r[1], q[2], r[3], q[3], q[5] = math.nan, math.inf, -math.inf, math.inf, -math.inf
+    return r, q
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("n", [1000, (1 << 18) * 3 + 5])
+@pytest.mark.parametrize("odt,pdt,special", [(bf16, torch.float32, False),
+                                              (torch.float32, torch.float64, False),
+                                              (torch.float32, torch.float32, True),
+                                              (torch.float16, torch.float32, True)])
+def test_grad_stats_equal_the_metric_of_the_unit_scaled_pair(exact, n, odt, pdt, special):
+    # the hot path compares in the gradient's own units; the values must be those of the pair
+    # scaled to max|gr| in [0.5, 1) with the floor 0.5, bit for bit
+    from probekit.freebench.backward import BACKWARD_FLOOR, grad_stats, unit_scaled
+    from probekit.freebench.metric import device_stats
+
+    r, q = _pair(n, odt, pdt, special)
+    got = [float(v) for v in grad_stats(r, q, exact)]
+    want = [float(v) for v in device_stats(*unit_scaled(r, q), BACKWARD_FLOOR, exact)]
+    assert len(got) == (5 if exact else 4)
+    assert got == pytest.approx(want, rel=0, abs=0, nan_ok=True)
+
+
+def test_grad_stats_of_an_all_zero_gradient():
+    from probekit.freebench.backward import grad_stats
+
+    r = torch.zeros(8)
+    q = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0.25])
+    # max|r| = 0: floor 1 (f = 1/2), so |q - r| / 1 = 0.25 below the floor (signed negative)
+    # and the scaled difference 0.125
+    assert [float(v) for v in grad_stats(r, q, False)] == [-0.25, 0.0, 0.0, 0.125]
+    assert [float(v) for v in grad_stats(r, q, True)] == [0.0, 0.25, 0.125, 0.0, 0.0]

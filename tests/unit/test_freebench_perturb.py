@@ -246,3 +246,36 @@ def test_flatten_fast_path_for_positional_leaves():
     assert perturb.unflatten([t, 3, None], spec) == ((t, 3, None), {})
     # a container or a keyword argument takes the general path
     assert perturb.flatten((t, [t]), {})[1] != spec and perturb.flatten((t,), {"dim": 0})[1] != spec
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_add_noise_is_nextafter_on_every_16_bit_value(dtype):
+    # all 65536 bit patterns: normals of both signs across every exponent boundary, subnormals,
+    # zeros, +-max, the values just below max, Inf and NaN
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    fi = torch.finfo(dtype)
+    a = x.abs()
+    below_max = torch.nextafter(torch.tensor(fi.max, dtype=dtype), torch.tensor(0.0, dtype=dtype))
+    keep = (a >= fi.smallest_normal) & (a <= below_max)      # NaN fails both
+    expected = torch.where(keep, torch.nextafter(x, torch.tensor(float("inf"), dtype=dtype)), x)
+    y = perturb.add_noise(x)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+    # positive normals (exponents 1..max-1, every mantissa) but max itself, of both signs
+    normals = {torch.float16: 30 * 1024, torch.bfloat16: 254 * 128}[dtype]
+    assert int(keep.sum()) == 2 * (normals - 1)
+    assert bool((y[keep] > x[keep]).all()) and bool(torch.isfinite(y[keep]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_add_noise_is_nextafter_at_the_edges(dtype):
+    fi = torch.finfo(dtype)
+    below_max = torch.nextafter(torch.tensor(fi.max, dtype=dtype), torch.tensor(0.0, dtype=dtype))
+    vals = [fi.smallest_normal, -fi.smallest_normal, fi.smallest_normal / 2, 0.0, -0.0, 1.0, -1.0,
+            2.0, -2.0, 3.5, -1e-30, 1e30, float(below_max), -float(below_max), fi.max, -fi.max,
+            float("inf"), -float("inf"), float("nan")]
+    x = torch.tensor(vals, dtype=dtype)
+    a = x.abs()
+    keep = (a >= fi.smallest_normal) & (a <= below_max)
+    expected = torch.where(keep, torch.nextafter(x, torch.tensor(float("inf"), dtype=dtype)), x)
+    itype = {torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    assert torch.equal(perturb.add_noise(x).view(itype), expected.view(itype))
