@@ -10,7 +10,9 @@ from this call. In the real backward pass:
    first differentiable output and the reference recomputed on detached copies of the inputs);
 2. the API is re-run on the perturbed inputs and their gradients taken with
    ``torch.autograd.grad`` and the same ``g`` (change_value: the output gradient is swapped like
-   the output and the input gradient swapped back);
+   the output and the input gradient swapped back); a call with a large output is re-run block
+   by block (``blocks.plan``, ``_blocked``), so one block's upcast inputs and gradients exist at
+   a time;
 3. the gradients are compared input by input (``output_index`` = the input's position in the
    call's flattened arguments) relative to the reference's scale (``grad_stats``), on the device;
    the verdict is read back at the step's gather point (``deferred.py``). Every hook returns
@@ -27,35 +29,22 @@ import time
 
 import torch
 
-from . import autocast, cause, handlers, perturb, realgrad, state
+from . import autocast, blocks, cause, handlers, perturb, realgrad, state
 from .guards import modes_off, no_autocast
 from .metric import device_stats
 from .names import call_site
 
 
-#: floor of the backward metric, in units of the input gradient's scale (see ``unit_scaled``)
+#: floor of the backward metric, in units of the input gradient's scale: with both gradients
+#: multiplied by the power of two that brings ``max|gr|`` into [0.5, 1), an element is judged
+#: relative to itself when it is at least the largest power of two <= max|gr| (the scale S), and
+#: relative to S when it is smaller: ``|p_i - o_i| / max(|o_i|, S)`` (``grad_stats``)
 BACKWARD_FLOOR = 0.5
-
-
-def unit_scaled(gr: torch.Tensor, gq: torch.Tensor) -> tuple:
-    """Both gradients (in at least fp32) times the power of two that brings ``max|gr|`` into
-    [0.5, 1): exact, on the device. With ``BACKWARD_FLOOR`` = 0.5 an element is then judged
-    relative to itself when it is at least the largest power of two <= max|gr| (the tensor's
-    scale S), and relative to S when it is smaller: ``|p_i - o_i| / max(|o_i|, S)``."""
-    cdt = torch.promote_types(torch.promote_types(gr.dtype, gq.dtype), torch.float32)
-    a, b = gr.detach().to(cdt), gq.detach().to(cdt)
-    if a.numel() == 0:
-        return a, b
-    m = a.abs().amax()
-    ok = torch.isfinite(m) & (m > 0)
-    _, exp = torch.frexp(torch.where(ok, m, torch.ones_like(m)))
-    f = torch.ldexp(torch.ones_like(m), -exp)
-    return a * f, b * f
 
 
 def grad_scale(gr: torch.Tensor) -> tuple:
     """``(floor, f)`` as 0-dim tensors on ``gr``'s device (no sync): ``f`` the power of two that
-    brings ``max|gr|`` into [0.5, 1) (as ``unit_scaled``), ``floor = BACKWARD_FLOOR / f`` the
+    brings ``max|gr|`` into [0.5, 1), ``floor = BACKWARD_FLOOR / f`` the
     backward floor in ``gr``'s own units (the largest power of two <= max|gr|)."""
     lo, hi = torch.aminmax(gr.detach())
     m = torch.maximum(-lo, hi)
@@ -68,7 +57,8 @@ def grad_scale(gr: torch.Tensor) -> tuple:
 
 
 def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool) -> tuple:
-    """``metric.device_stats`` of the pair ``unit_scaled`` gives, without the scaled copies:
+    """``metric.device_stats`` of the pair scaled to ``max|gr|`` in [0.5, 1) with the floor
+    ``BACKWARD_FLOOR``, without the scaled copies:
     the errors are compared against the floor in the gradient's own units (scaling both sides
     by a power of two changes no relative error) and the largest difference is scaled after."""
     if gr.numel() == 0:
@@ -105,6 +95,7 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
             check.autocast = (x.device.type, autocast.enabled_dtype(x.device))
             check.module = engine.current_module()  # the module running at the forward call
             check.out_dtype = sel[1].dtype
+            check.n_outs = len(outs)
             # the real input gradients only when no other output carries gradients into them
             edges = realgrad.plan(sel[1], leaves, diff, mark) if len(with_grad) == 1 else None
             if edges is None:
@@ -144,6 +135,7 @@ class _BackwardCheck:
         self.autocast = None
         self.module = ""
         self.out_dtype = None
+        self.n_outs = 0
         #: True: the reference is the real backward's input gradients (``realgrad``); the
         #: output's hook only keeps the upstream gradient until they arrive
         self.real = False
@@ -190,6 +182,123 @@ class _BackwardCheck:
                 return t
         raise RuntimeError("the re-run did not produce the hooked output")
 
+    def _plan(self, plain, g):
+        """A ``blocks.Plan`` for re-running this call block by block, or None: the call has one
+        floating output, and every compared input gradient either comes block by block (the
+        input is sliced with the output) or, in upcast modes only, is the sum of the blocks'
+        (weights, biases: accumulated in float64, well within the threshold of the original
+        dtype)."""
+        if self.n_outs != 1 or g.numel() <= blocks.BLOCK:
+            return None
+        a, kw = perturb.unflatten(plain, self.spec)
+        plan = blocks.plan(self.engine.mode_name, self.call.info, a, kw, plain,
+                           [(self.out_index, g)])
+        if plan is None:
+            return None
+        sliced = {i for i, _ in plan.split}
+        if not self.engine.upcast_mode and any(i not in sliced for i in self.diff):
+            return None
+        return plan
+
+    def _rerun(self, leaves, g):
+        """Perturb ``leaves``, re-run the API with autograd and return (input gradients for
+        ``diff``, Perturbed) with upstream gradient ``g``."""
+        e = self.engine
+        with torch.no_grad():
+            pert = perturb.apply(e.mode_name, perturb.Call(self.call.info, *perturb.unflatten(
+                leaves, self.spec), self.call.fuzz_device), leaves, self.spec)
+        p_leaves, _ = perturb.flatten(pert.args, pert.kwargs)
+        replaced = pert.replaced
+        p_in = []
+        for i in self.diff:
+            x = p_leaves[i]
+            x = (x if i in replaced else x.detach()).requires_grad_(True)
+            p_leaves[i] = x
+            p_in.append(x)
+        pa, pkw = perturb.unflatten(p_leaves, self.spec)
+        with no_autocast(e.upcast_mode):
+            yp = self._output(self.func(*pa, **pkw))
+        gp_out = g.to(dtype=yp.dtype, device=yp.device)
+        if pert.post is not None:
+            gp_out = pert.post(gp_out)
+        return list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True)), pert
+
+    def _whole(self, plain, g, g_ref, exact):
+        """(values, [(input position, reference gradient)], dtype computed in) of one re-run."""
+        e = self.engine
+        g_pert, pert = self._rerun(plain, g)
+        e.applied(self.key, self.name)
+        replaced, in_dtype = pert.replaced, pert.in_dtype
+        del pert  # the re-run's inputs go before the comparisons
+        values, originals = [], []
+        with torch.no_grad():
+            for k, (i, gr) in enumerate(zip(self.diff, g_ref)):
+                gq, g_pert[k] = g_pert[k], None
+                if gr is None or gq is None:
+                    continue
+                if e.mode.swap_back and i in replaced and gq.dim() >= 1:
+                    gq = perturb.swap_last(gq)
+                values.append(grad_stats(gr, gq, exact))
+                originals.append((i, gr))
+                del gq
+        return values, originals, in_dtype
+
+    def _blocked(self, plan, plain, g, g_ref, exact):
+        """``_whole`` block by block (``plan``): one block's perturbed inputs, output and
+        gradients exist at a time. A sliced input's gradient is compared per block against the
+        same slice of the reference, with the floor of the whole reference; a whole input's
+        gradient is summed over the blocks in float64 and compared once."""
+        sliced = dict(plan.split)
+        scales = {}
+        with torch.no_grad():
+            for i, gr in zip(self.diff, g_ref):
+                if gr is not None and i in sliced and gr.numel():
+                    floor, f = grad_scale(gr)
+                    scales[i] = (floor, f)
+        parts = {i: [] for i in self.diff}
+        acc: dict = {}
+        in_dtype = None
+        for start, length in plan.parts:
+            g_pert, pert = self._rerun(plan.leaves(plain, start, length),
+                                       plan.output(g, start, length))
+            in_dtype = pert.in_dtype
+            del pert
+            with torch.no_grad():
+                for k, (i, gr) in enumerate(zip(self.diff, g_ref)):
+                    gq, g_pert[k] = g_pert[k], None
+                    if gr is None or gq is None:
+                        continue
+                    if i in sliced:
+                        if i not in scales:   # an empty reference: nothing to scale
+                            parts[i].append(device_stats(gr.narrow(sliced[i], start, length),
+                                                         gq, BACKWARD_FLOOR, exact))
+                            continue
+                        floor, f = scales[i]
+                        if gq.device != gr.device:
+                            floor, f = floor.to(gq.device), f.to(gq.device)
+                        v = device_stats(gr.narrow(sliced[i], start, length), gq, floor, exact)
+                        parts[i].append((v[0], v[1], v[2] * f, v[3], v[4]) if exact
+                                        else (v[0], v[1], v[2] * f, v[3] * f))
+                    elif i in acc:
+                        acc[i].add_(gq)
+                    else:
+                        acc[i] = gq.to(torch.float64, copy=True)
+                    del gq
+        self.engine.applied(self.key, self.name)
+        values, originals = [], []
+        with torch.no_grad():
+            for i, gr in zip(self.diff, g_ref):
+                if gr is None:
+                    continue
+                if i in sliced and parts[i]:
+                    values.append(blocks.combine(parts[i], exact))
+                elif i in acc:
+                    values.append(grad_stats(gr, acc.pop(i), exact))
+                else:
+                    continue
+                originals.append((i, gr))
+        return values, originals, in_dtype
+
     def _check(self, grad, real):
         e = self.engine
         leaves = self.leaves
@@ -198,7 +307,6 @@ class _BackwardCheck:
         snap = self.call.snap  # state the call writes (running statistics...): fresh clones
         g = grad.detach()
         y_dtype = self.out_dtype
-        mode = e.mode_name
         dev, ac_dtype = self.autocast or (None, None)
         same_autocast = torch.autocast(dev, dtype=ac_dtype) if ac_dtype is not None \
             else contextlib.nullcontext()
@@ -223,40 +331,13 @@ class _BackwardCheck:
                 x = autocast.first_tensor(plain)
                 if x is not None:
                     plain = autocast.cast_like(plain, autocast.enabled_dtype(x.device), y_dtype)
-            with torch.no_grad():
-                pert = perturb.apply(mode, perturb.Call(self.call.info, *perturb.unflatten(
-                    plain, self.spec), self.call.fuzz_device), plain, self.spec)
-            e.applied(self.key, self.name)
-            p_leaves, _ = perturb.flatten(pert.args, pert.kwargs)
-            replaced = pert.replaced
-            p_in = []
-            for i in self.diff:
-                x = p_leaves[i]
-                x = (x if i in replaced else x.detach()).requires_grad_(True)
-                p_leaves[i] = x
-                p_in.append(x)
-            pa, pkw = perturb.unflatten(p_leaves, self.spec)
-            with no_autocast(e.upcast_mode):
-                yp = self._output(self.func(*pa, **pkw))
-            gp_out = g.to(dtype=yp.dtype, device=yp.device)
-            if pert.post is not None:
-                gp_out = pert.post(gp_out)
-            g_pert = list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True))
-        in_dtype = pert.in_dtype
-        # the re-run's inputs, output and graph go before the comparisons
-        del yp, gp_out, pert, p_leaves, p_in, pa, pkw, plain
-        exact = e.verdicts.want_exact(("backward", self.key, self.n))
-        values, originals = [], []
-        with torch.no_grad():
-            for k, (i, gr) in enumerate(zip(self.diff, g_ref)):
-                gq, g_pert[k] = g_pert[k], None
-                if gr is None or gq is None:
-                    continue
-                if e.mode.swap_back and i in replaced and gq.dim() >= 1:
-                    gq = perturb.swap_last(gq)
-                values.append(grad_stats(gr, gq, exact))
-                originals.append((i, gr))
-                del gq
+            exact = e.verdicts.want_exact(("backward", self.key, self.n))
+            plan = self._plan(plain, g) if not snap else None
+            if plan is not None:
+                values, originals, in_dtype = self._blocked(plan, plain, g, g_ref, exact)
+            else:
+                values, originals, in_dtype = self._whole(plain, g, g_ref, exact)
+            del plain
         if not values:
             raise perturb.Cancel("no input gradient to compare")
 

@@ -10,6 +10,8 @@ at a time. The numbers are those of one comparison of the whole tensor: every pe
 qualifies acts element by element (``improve_precision``, ``bit_noise``, ``add_noise``,
 ``no_change``, ``to_cpu``; not change_value, which reorders), and the metric's maxima and counts
 combine exactly. The cause analysis of a flagged call (``cause.py``) runs over the same blocks.
+The backward stage (``backward.py``) re-runs its perturbed forward and backward by the same plans
+(an input kept whole has its gradient summed over the blocks, in upcast modes only).
 
 Calls that qualify (one floating output of more than ``BLOCK`` elements, no state written):
 

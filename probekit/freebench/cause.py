@@ -128,26 +128,37 @@ def _grads64(func, leaves, spec, diff, out_index, g) -> list:
 def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: list) -> dict:
     """``analyse`` for the backward stage: ``items`` = [(input position, reference gradient,
     thr)], judged with the backward metric (relative to the gradient's scale). ``g`` is the
-    upstream gradient the check used."""
-    from .backward import BACKWARD_FLOOR, unit_scaled
+    upstream gradient the check used. One nudged float64 gradient besides the float64
+    reference is alive at a time, and the comparisons make no scaled copies."""
+    from .backward import BACKWARD_FLOOR, grad_stats
     from .guards import no_autocast
+    from .metric import stats_from
 
+    def score(a, b) -> float:
+        values = torch.stack([v.to(torch.float64) for v in grad_stats(a, b, True)]).tolist()
+        return _score(stats_from(values, BACKWARD_FLOOR))
+
+    pos = {i: k for k, i in enumerate(diff)}
     with no_autocast(True), torch.enable_grad():
         r = _grads64(func, [_to64(x) for x in fresh()], spec, diff, out_index, g)
-        nudged = [_grads64(func, [_to64(_nudge(noise)(x)) for x in fresh()], spec, diff,
-                           out_index, g) for noise in (perturb.add_noise, perturb.bit_noise)]
-    pos = {i: k for k, i in enumerate(diff)}
-    pairs, kept = [], []
-    for index, gr, thr in items:
-        k = pos[index]
-        if r[k] is None or any(s[k] is None for s in nudged):
-            continue
-        kept.append((index, thr))
-        pairs.append(unit_scaled(gr, r[k]) + (BACKWARD_FLOOR,))
-        for s in nudged:
-            pairs.append(unit_scaled(r[k], s[k]) + (BACKWARD_FLOOR,))
-    with torch.no_grad():
-        stats = compare_many(pairs)
-    return {index: _verdict(_score(stats[3 * j]), max(_score(stats[3 * j + 1]),
-                                                       _score(stats[3 * j + 2])), thr)
-            for j, (index, thr) in enumerate(kept)}
+    acc, sens = {}, {}
+    for index, gr, _ in items:
+        ref = r[pos[index]]
+        if ref is not None:
+            with torch.no_grad():
+                acc[index] = score(gr, ref)
+            sens[index] = 0.0
+    for noise in (perturb.add_noise, perturb.bit_noise):
+        with no_autocast(True), torch.enable_grad():
+            s = _grads64(func, [_to64(_nudge(noise)(x)) for x in fresh()], spec, diff,
+                         out_index, g)
+        for index in list(acc):
+            k = pos[index]
+            if s[k] is None:   # no gradient under the nudge: no verdict for this input
+                del acc[index], sens[index]
+                continue
+            with torch.no_grad():
+                sens[index] = max(sens[index], score(r[k], s[k]))
+        del s
+    return {index: _verdict(acc[index], sens[index], thr)
+            for index, _, thr in items if index in acc}

@@ -92,6 +92,18 @@ def test_fp32_matmul_backward_rounding_on_near_zero_elements_is_not_a_finding(tm
     assert per_element > 2e-4   # what the old metric saw (fp32 threshold 2e-4)
 
 
+def unit_scaled(gr, gq):
+    """The definition: both gradients (in at least fp32) times the power of two that brings
+    max|gr| into [0.5, 1) (1/2 when max|gr| is 0 or not finite)."""
+    cdt = torch.promote_types(torch.promote_types(gr.dtype, gq.dtype), torch.float32)
+    a, b = gr.to(cdt), gq.to(cdt)
+    m = a.abs().amax()
+    ok = torch.isfinite(m) & (m > 0)
+    _, exp = torch.frexp(torch.where(ok, m, torch.ones_like(m)))
+    f = torch.ldexp(torch.ones_like(m), -exp)
+    return a * f, b * f
+
+
 def _pair(n, odt, pdt, special):
     g = gen()
     r = torch.randn(n, generator=g) * torch.logspace(-6, 3, n, dtype=torch.float64).float()
@@ -112,7 +124,7 @@ def _pair(n, odt, pdt, special):
 def test_grad_stats_equal_the_metric_of_the_unit_scaled_pair(exact, n, odt, pdt, special):
     # the hot path compares in the gradient's own units; the values must be those of the pair
     # scaled to max|gr| in [0.5, 1) with the floor 0.5, bit for bit
-    from probekit.freebench.backward import BACKWARD_FLOOR, grad_stats, unit_scaled
+    from probekit.freebench.backward import BACKWARD_FLOOR, grad_stats
     from probekit.freebench.metric import device_stats
 
     r, q = _pair(n, odt, pdt, special)
