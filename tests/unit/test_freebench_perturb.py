@@ -248,11 +248,35 @@ def test_flatten_fast_path_for_positional_leaves():
     assert perturb.flatten((t, [t]), {})[1] != spec and perturb.flatten((t,), {"dim": 0})[1] != spec
 
 
+def every_16_bit_value(dtype):
+    """All 65536 bit patterns: normals of both signs across every exponent boundary,
+    subnormals, zeros, +-max, the values just below max, Inf and NaN."""
+    return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+# the float masks (small tensors) and the integer-only masks (large 16-bit CPU tensors)
+MASK_PATHS = pytest.mark.parametrize("int_min", [1, 1 << 30], ids=["int mask", "float mask"])
+
+
+@MASK_PATHS
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_add_noise_is_nextafter_on_every_16_bit_value(dtype):
-    # all 65536 bit patterns: normals of both signs across every exponent boundary, subnormals,
-    # zeros, +-max, the values just below max, Inf and NaN
-    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+def test_bit_noise_flips_the_last_bit_on_every_16_bit_value(dtype, int_min, monkeypatch):
+    monkeypatch.setattr(perturb, "INT_MASK_MIN", int_min)
+    x = every_16_bit_value(dtype)
+    fi = torch.finfo(dtype)
+    a = x.abs()
+    keep = (a >= fi.smallest_normal) & (a <= fi.max)           # NaN fails both
+    expected = torch.where(keep, x.view(torch.int16) ^ 1, x.view(torch.int16))
+    assert torch.equal(perturb.bit_noise(x).view(torch.int16), expected)
+    normals = {torch.float16: 30 * 1024, torch.bfloat16: 254 * 128}[dtype]
+    assert int(keep.sum()) == 2 * normals
+
+
+@MASK_PATHS
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_add_noise_is_nextafter_on_every_16_bit_value(dtype, int_min, monkeypatch):
+    monkeypatch.setattr(perturb, "INT_MASK_MIN", int_min)
+    x = every_16_bit_value(dtype)
     fi = torch.finfo(dtype)
     a = x.abs()
     below_max = torch.nextafter(torch.tensor(fi.max, dtype=dtype), torch.tensor(0.0, dtype=dtype))
