@@ -256,6 +256,14 @@ def every_16_bit_value(dtype):
 
 # the float masks (small tensors) and the integer-only masks (large 16-bit CPU tensors)
 MASK_PATHS = pytest.mark.parametrize("int_min", [1, 1 << 30], ids=["int mask", "float mask"])
+#: positive normal values of each 16-bit dtype (exponents 1..max-1, every mantissa)
+NORMALS = {torch.float16: 30 * 1024, torch.bfloat16: 254 * 128}
+
+
+def normal_up_to(x, upper):
+    """The elements with smallest normal <= |x| <= upper (NaN fails both)."""
+    a = x.abs()
+    return (a >= torch.finfo(x.dtype).smallest_normal) & (a <= upper)
 
 
 @MASK_PATHS
@@ -263,13 +271,10 @@ MASK_PATHS = pytest.mark.parametrize("int_min", [1, 1 << 30], ids=["int mask", "
 def test_bit_noise_flips_the_last_bit_on_every_16_bit_value(dtype, int_min, monkeypatch):
     monkeypatch.setattr(perturb, "INT_MASK_MIN", int_min)
     x = every_16_bit_value(dtype)
-    fi = torch.finfo(dtype)
-    a = x.abs()
-    keep = (a >= fi.smallest_normal) & (a <= fi.max)           # NaN fails both
+    keep = normal_up_to(x, torch.finfo(dtype).max)
     expected = torch.where(keep, x.view(torch.int16) ^ 1, x.view(torch.int16))
     assert torch.equal(perturb.bit_noise(x).view(torch.int16), expected)
-    normals = {torch.float16: 30 * 1024, torch.bfloat16: 254 * 128}[dtype]
-    assert int(keep.sum()) == 2 * normals
+    assert int(keep.sum()) == 2 * NORMALS[dtype]
 
 
 @MASK_PATHS
@@ -278,15 +283,12 @@ def test_add_noise_is_nextafter_on_every_16_bit_value(dtype, int_min, monkeypatc
     monkeypatch.setattr(perturb, "INT_MASK_MIN", int_min)
     x = every_16_bit_value(dtype)
     fi = torch.finfo(dtype)
-    a = x.abs()
     below_max = torch.nextafter(torch.tensor(fi.max, dtype=dtype), torch.tensor(0.0, dtype=dtype))
-    keep = (a >= fi.smallest_normal) & (a <= below_max)      # NaN fails both
+    keep = normal_up_to(x, below_max)
     expected = torch.where(keep, torch.nextafter(x, torch.tensor(float("inf"), dtype=dtype)), x)
     y = perturb.add_noise(x)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
-    # positive normals (exponents 1..max-1, every mantissa) but max itself, of both signs
-    normals = {torch.float16: 30 * 1024, torch.bfloat16: 254 * 128}[dtype]
-    assert int(keep.sum()) == 2 * (normals - 1)
+    assert int(keep.sum()) == 2 * (NORMALS[dtype] - 1)         # all normals but +-max
     assert bool((y[keep] > x[keep]).all()) and bool(torch.isfinite(y[keep]).all())
 
 
