@@ -56,20 +56,27 @@ def grad_scale(gr: torch.Tensor) -> tuple:
     return BACKWARD_FLOOR / f, f
 
 
-def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool) -> tuple:
-    """``metric.device_stats`` of the pair scaled to ``max|gr|`` in [0.5, 1) with the floor
-    ``BACKWARD_FLOOR``, without the scaled copies:
-    the errors are compared against the floor in the gradient's own units (scaling both sides
-    by a power of two changes no relative error) and the largest difference is scaled after."""
-    if gr.numel() == 0:
+def scaled_stats(gr: torch.Tensor, gq: torch.Tensor, scale, exact: bool) -> tuple:
+    """``metric.device_stats`` of ``gr`` (a reference gradient or a block of it) and ``gq``
+    against the backward floor of ``scale`` = ``grad_scale`` of the whole reference (None for an
+    empty one), with the largest difference in the scaled units."""
+    if scale is None:
         return device_stats(gr, gq, BACKWARD_FLOOR, exact)
-    floor, f = grad_scale(gr)
-    if gq.device != gr.device:  # the values live on the perturbed side's device
+    floor, f = scale
+    if gq.device != floor.device:  # the values live on the perturbed side's device
         floor, f = floor.to(gq.device), f.to(gq.device)
     v = device_stats(gr.detach(), gq.detach(), floor, exact)
     if exact:
         return v[0], v[1], v[2] * f, v[3], v[4]
     return v[0], v[1], v[2] * f, v[3] * f
+
+
+def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool) -> tuple:
+    """``metric.device_stats`` of the pair scaled to ``max|gr|`` in [0.5, 1) with the floor
+    ``BACKWARD_FLOOR``, without the scaled copies:
+    the errors are compared against the floor in the gradient's own units (scaling both sides
+    by a power of two changes no relative error) and the largest difference is scaled after."""
+    return scaled_stats(gr, gq, grad_scale(gr) if gr.numel() else None, exact)
 
 
 def watch(engine, call, key, n, name, func, leaves, spec, frame):
@@ -104,7 +111,6 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
                 # the upstream gradient as the call's last node receives it (after every hook
                 # on the output tensor, which may change it), then the inputs' real gradients;
                 # one entry per watched call in ``handles``
-                check.real = True
                 handles = realgrad.Handles([sel[1].grad_fn.register_prehook(
                     realgrad.upstream(sel[1].output_nr, check.upstream))])
                 for node, hook in realgrad.Collector(edges, check.with_real).hooks():
@@ -136,9 +142,7 @@ class _BackwardCheck:
         self.module = ""
         self.out_dtype = None
         self.n_outs = 0
-        #: True: the reference is the real backward's input gradients (``realgrad``); the
-        #: output's hook only keeps the upstream gradient until they arrive
-        self.real = False
+        #: with ``realgrad``: the upstream gradient, kept until the real input gradients arrive
         self.g = None
 
     def __call__(self, grad):
@@ -249,12 +253,9 @@ class _BackwardCheck:
         same slice of the reference, with the floor of the whole reference; a whole input's
         gradient is summed over the blocks in float64 and compared once."""
         sliced = dict(plan.split)
-        scales = {}
-        with torch.no_grad():
-            for i, gr in zip(self.diff, g_ref):
-                if gr is not None and i in sliced and gr.numel():
-                    floor, f = grad_scale(gr)
-                    scales[i] = (floor, f)
+        with torch.no_grad():   # each sliced reference's scale, of the whole tensor
+            scales = {i: grad_scale(gr) if gr.numel() else None
+                      for i, gr in zip(self.diff, g_ref) if gr is not None and i in sliced}
         parts = {i: [] for i in self.diff}
         acc: dict = {}
         in_dtype = None
@@ -269,16 +270,8 @@ class _BackwardCheck:
                     if gr is None or gq is None:
                         continue
                     if i in sliced:
-                        if i not in scales:   # an empty reference: nothing to scale
-                            parts[i].append(device_stats(gr.narrow(sliced[i], start, length),
-                                                         gq, BACKWARD_FLOOR, exact))
-                            continue
-                        floor, f = scales[i]
-                        if gq.device != gr.device:
-                            floor, f = floor.to(gq.device), f.to(gq.device)
-                        v = device_stats(gr.narrow(sliced[i], start, length), gq, floor, exact)
-                        parts[i].append((v[0], v[1], v[2] * f, v[3], v[4]) if exact
-                                        else (v[0], v[1], v[2] * f, v[3] * f))
+                        parts[i].append(scaled_stats(gr.narrow(sliced[i], start, length), gq,
+                                                     scales[i], exact))
                     elif i in acc:
                         acc[i].add_(gq)
                     else:
@@ -306,7 +299,6 @@ class _BackwardCheck:
             raise perturb.Cancel("an input was modified in place before the backward pass")
         snap = self.call.snap  # state the call writes (running statistics...): fresh clones
         g = grad.detach()
-        y_dtype = self.out_dtype
         dev, ac_dtype = self.autocast or (None, None)
         same_autocast = torch.autocast(dev, dtype=ac_dtype) if ac_dtype is not None \
             else contextlib.nullcontext()
@@ -321,7 +313,6 @@ class _BackwardCheck:
                     ref_in.append(ref[i])
                 a, kw = perturb.unflatten(ref, self.spec)
                 y = self._output(self.func(*a, **kw))
-                y_dtype = y.dtype
                 g_ref = torch.autograd.grad(y, ref_in, g, allow_unused=True)
                 del ref, ref_in, a, kw, y
             # perturbed
@@ -330,7 +321,8 @@ class _BackwardCheck:
             if e.noise_mode:  # one ulp of the precision the op computed in (autocast)
                 x = autocast.first_tensor(plain)
                 if x is not None:
-                    plain = autocast.cast_like(plain, autocast.enabled_dtype(x.device), y_dtype)
+                    plain = autocast.cast_like(plain, autocast.enabled_dtype(x.device),
+                                               self.out_dtype)
             exact = e.verdicts.want_exact(("backward", self.key, self.n))
             plan = self._plan(plain, g) if not snap else None
             if plan is not None:
@@ -344,7 +336,7 @@ class _BackwardCheck:
         cast_to = ac_dtype if e.noise_mode else None   # inputs as the op computed with them
 
         def fresh():
-            return autocast.cast_like(state.restore(leaves, snap), cast_to, y_dtype)
+            return autocast.cast_like(state.restore(leaves, snap), cast_to, self.out_dtype)
 
         def explain(flagged):  # only for flagged gradients: float64 recomputations
             return cause.analyse_backward(self.func, fresh, self.spec, self.diff,

@@ -34,8 +34,6 @@ from .modes import MODES
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
              torch.float32: torch.int32, torch.float64: torch.int64}
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-#: per dtype: (smallest normal, largest finite below max, bit width of its integer view - 1)
-_NEXT_UP: dict = {}
 
 
 class Cancel(Exception):
@@ -63,18 +61,22 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 #: there (64x256x4 bf16: add_noise 141 -> 53 us, bit_noise 90 -> 38 us); smaller tensors, wider
 #: dtypes and accelerators keep the fewer-kernel float masks
 INT_MASK_MIN = 1 << 14
-#: per dtype: (bits of the smallest normal - 1, bits of max, magnitude mask, sign shift)
-_INT_CONSTS: dict = {}
+#: per dtype: (smallest normal, largest finite below max, bits of the smallest normal - 1, bits
+#: of max, magnitude mask, sign shift of the integer view)
+_CONSTS: dict = {}
 
 
-def _int_consts(t: torch.Tensor, bits: torch.Tensor) -> tuple:
-    c = _INT_CONSTS.get(t.dtype)
+def _consts(t: torch.Tensor, bits: torch.Tensor) -> tuple:
+    c = _CONSTS.get(t.dtype)
     if c is None:
         info = torch.finfo(t.dtype)
         width = bits.element_size() * 8
+        below_max = torch.nextafter(torch.tensor(info.max, dtype=t.dtype),
+                                    torch.tensor(0.0, dtype=t.dtype)).item()
         sn = torch.tensor(info.smallest_normal, dtype=t.dtype).view(bits.dtype).item()
         mx = torch.tensor(info.max, dtype=t.dtype).view(bits.dtype).item()
-        c = _INT_CONSTS[t.dtype] = (sn - 1, mx, (1 << (width - 1)) - 1, width - 1)
+        c = _CONSTS[t.dtype] = (info.smallest_normal, below_max, sn - 1, mx,
+                                (1 << (width - 1)) - 1, width - 1)
     return c
 
 
@@ -91,7 +93,7 @@ def bit_noise(t: torch.Tensor) -> torch.Tensor:
     ``clamp(min(mag - (normal - 1), (max + 1) - mag), 0, 1)``."""
     bits = _int_view(t)
     if _int_mask(t):
-        sn1, mx, magmask, _ = _int_consts(t, bits)
+        _, _, sn1, mx, magmask, _ = _consts(t, bits)
         mag = bits & magmask
         return (bits ^ torch.minimum(mag - sn1, (mx + 1) - mag).clamp_(0, 1)).view(t.dtype)
     info = torch.finfo(t.dtype)
@@ -108,18 +110,11 @@ def add_noise(t: torch.Tensor) -> torch.Tensor:
     negative ones, i.e. ``bits + (sign >> (width - 1) | 1)`` where the mask holds (large 16-bit
     CPU tensors: the mask from the magnitude bits, as in ``bit_noise``)."""
     bits = _int_view(t)  # Cancel for dtypes without a bit-level perturbation
+    lo, hi, sn1, mx, magmask, shift = _consts(t, bits)
     if _int_mask(t):
-        sn1, mx, magmask, shift = _int_consts(t, bits)
         mag = bits & magmask
         ok = torch.minimum(mag - sn1, mx - mag).clamp_(0, 1)
         return torch.addcmul(bits, ok, (bits >> shift) | 1).view(t.dtype)
-    consts = _NEXT_UP.get(t.dtype)
-    if consts is None:
-        info = torch.finfo(t.dtype)
-        below_max = torch.nextafter(torch.tensor(info.max, dtype=t.dtype),
-                                    torch.tensor(0.0, dtype=t.dtype)).item()
-        consts = _NEXT_UP[t.dtype] = (info.smallest_normal, below_max, bits.element_size() * 8 - 1)
-    lo, hi, shift = consts
     a = t.abs()
     return torch.where(a.clamp(lo, hi) == a, bits + ((bits >> shift) | 1), bits).view(t.dtype)
 

@@ -34,18 +34,13 @@ def plan(out: torch.Tensor, leaves: list, diff: list, mark):
     root = out.grad_fn
     if mark is None or root is None or root._sequence_nr() < mark:
         return None
-    by_node: dict = {}    # input's grad_fn -> {output_nr: position}
-    by_leaf: dict = {}    # id of a leaf input -> position
-    seen_ids = set()
+    targets: dict = {}   # (input's grad_fn, output_nr), or id of a leaf input -> position
     for i in diff:
         x = leaves[i]
-        if id(x) in seen_ids or x is out:
+        key = id(x) if x.grad_fn is None else (x.grad_fn, x.output_nr)
+        if key in targets or x is out:   # passed twice, or the output is an input
             return None
-        seen_ids.add(id(x))
-        if x.grad_fn is not None:
-            by_node.setdefault(x.grad_fn, {})[x.output_nr] = i
-        else:
-            by_leaf[id(x)] = i
+        targets[key] = i
     edges: dict = {}
     inner = {root}
     todo = [root]
@@ -54,15 +49,11 @@ def plan(out: torch.Tensor, leaves: list, diff: list, mark):
         for j, (nxt, nr) in enumerate(node.next_functions):
             if nxt is None:
                 continue
-            pos = by_node.get(nxt, {}).get(nr)
-            if pos is None and by_leaf:
-                var = getattr(nxt, "variable", None)
-                if var is not None:
-                    pos = by_leaf.get(id(var))
+            var = getattr(nxt, "variable", None)   # AccumulateGrad: the leaf it fills
+            pos = targets.get((nxt, nr) if var is None else id(var))
             if pos is not None:
                 edges.setdefault(node, []).append((j, pos))
-            elif nxt not in inner and nxt._sequence_nr() >= mark \
-                    and not hasattr(nxt, "variable"):
+            elif var is None and nxt not in inner and nxt._sequence_nr() >= mark:
                 if len(inner) >= MAX_NODES:
                     return None
                 inner.add(nxt)
