@@ -14,21 +14,20 @@ import os
 
 import numpy as np
 
-from ..atomic import atomic_write
 from ..errors import GradStoreError
+from .storage import LOCAL
 
 _PLAIN_DTYPES = {"bool": np.bool_, "uint8": np.uint8, "int64": np.int64, "float64": np.float64}
 
 
-def plain_meta(array_path: str) -> dict | None:
+def plain_meta(array_path: str, fs=LOCAL) -> dict | None:
     """The ``zarr.json`` of an array whose chunk files can be read and written directly: Zarr
     v3, uncompressed (the ``bytes`` codec alone, little-endian), a regular chunk grid, the
     default ``c/<i>/<j>`` chunk keys, a data type of ``_PLAIN_DTYPES``; None for anything else
     (another writer's layout: read through Zarr instead)."""
     try:
-        with open(os.path.join(array_path, "zarr.json"), encoding="utf-8") as fh:
-            meta = json.load(fh)
-    except OSError:
+        meta = json.loads(fs.read(fs.join(array_path, "zarr.json")))
+    except (OSError, ValueError):
         return None
     codecs = meta.get("codecs", [])
     key_enc = meta.get("chunk_key_encoding", {})
@@ -48,16 +47,16 @@ def check_rows(stored: int, n: int, group_path: str, name: str) -> None:
                              "the store is damaged")
 
 
-def set_rows(array_path: str, n: int) -> None:
+def set_rows(array_path: str, n: int, fs=LOCAL) -> None:
     """Set the first dimension of a Zarr v3 array's metadata to ``n`` (atomic rewrite)."""
-    meta_path = os.path.join(array_path, "zarr.json")
-    with open(meta_path, encoding="utf-8") as fh:
-        meta = json.load(fh)
+    meta_path = fs.join(array_path, "zarr.json")
+    meta = json.loads(fs.read(meta_path))
     meta["shape"][0] = int(n)
-    atomic_write(meta_path, json.dumps(meta, indent=2).encode())
+    fs.write(meta_path, json.dumps(meta, indent=2).encode())
 
 
-def write_step_rows(array_path: str, chunk_rows: int, n0: int, data: np.ndarray) -> None:
+def write_step_rows(array_path: str, chunk_rows: int, n0: int, data: np.ndarray,
+                    fs=LOCAL) -> None:
     """Write ``data`` as rows ``n0...`` of an uncompressed Zarr v3 array chunked along its first
     dimension only (``chunk_rows`` rows, whole trailing dimensions): each chunk file is the
     chunk's little-endian C-order bytes, written to a temporary file and renamed. A chunk that
@@ -68,21 +67,20 @@ def write_step_rows(array_path: str, chunk_rows: int, n0: int, data: np.ndarray)
     dtype = data.dtype.newbyteorder("<")
     for i in range(n0 // chunk_rows, (n0 + len(data) - 1) // chunk_rows + 1):
         r0, r1 = i * chunk_rows, (i + 1) * chunk_rows
-        folder = os.path.join(array_path, "c", str(i))
-        name = os.path.join(folder, key) if tail else folder
-        os.makedirs(os.path.dirname(name) if tail else os.path.dirname(folder), exist_ok=True)
+        folder = fs.join(array_path, "c", str(i))
+        name = fs.join(folder, key) if tail else folder
+        fs.makedirs(fs.dirname(name))
         block = np.zeros((chunk_rows, *tail), dtype)
         if r0 < n0:
-            with open(name, "rb") as fh:
-                old = np.frombuffer(fh.read(), dtype).reshape(chunk_rows, *tail)
+            old = np.frombuffer(fs.read(name), dtype).reshape(chunk_rows, *tail)
             block[:n0 - r0] = old[:n0 - r0]
         lo, hi = max(r0, n0), min(r1, n0 + len(data))
         block[lo - r0:hi - r0] = data[lo - n0:hi - n0]
-        atomic_write(name, block.tobytes())
+        fs.write(name, block.tobytes())
 
 
 def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int,
-                   fill: int = 0) -> None:
+                   fill: int = 0, fs=LOCAL) -> None:
     """Write ``rows`` (1-D uint8 arrays of ``ncols`` bytes) as rows ``n0...`` of an
     uncompressed Zarr v3 array whose chunks are ``chunks`` = (rows, cols), chunk file by chunk
     file: the C-order bytes of the whole chunk (unfilled rows/cols = 0, the fill value), each
@@ -92,19 +90,16 @@ def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int,
 
     def put(path, data, pad=0):
         if fill and np.all(np.asarray(data) == fill) and (not pad or fill == 0):
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
+            fs.remove(path)
             return
-        atomic_write(path, data, pad=pad)
+        fs.write(path, data, pad=pad)
 
     cr, cc = chunks
     ncol_chunks = -(-ncols // cc)
     k = len(rows)
     for i in range(n0 // cr, (n0 + k - 1) // cr + 1):
-        folder = os.path.join(array_path, "c", str(i))
-        os.makedirs(folder, exist_ok=True)
+        folder = fs.join(array_path, "c", str(i))
+        fs.makedirs(folder)
         r0, r1 = i * cr, (i + 1) * cr
         if cr == 1:  # one step per chunk (large models): write the row's pieces as they are
             row = rows[r0 - n0]
@@ -112,16 +107,16 @@ def write_raw_rows(array_path: str, chunks, n0: int, rows: list, ncols: int,
                 piece = row[j * cc:(j + 1) * cc]
                 if fill and piece.size < cc:
                     piece = np.concatenate([piece, np.full(cc - piece.size, fill, np.uint8)])
-                put(os.path.join(folder, str(j)), piece, pad=cc - piece.size)
+                put(fs.join(folder, str(j)), piece, pad=cc - piece.size)
             continue
         block = np.full((cr, ncol_chunks * cc), fill, np.uint8)
         if r0 < n0:  # a chunk begun by an earlier flush
-            block[:, :ncols] = RawChunks(array_path, (r1, ncols), chunks, "uint8", fill, r1)[
-                r0:r1, 0:ncols]
+            block[:, :ncols] = RawChunks(array_path, (r1, ncols), chunks, "uint8", fill, r1,
+                                         fs)[r0:r1, 0:ncols]
         for r in range(max(r0, n0), min(r1, n0 + k)):
             block[r - r0, :ncols] = rows[r - n0]
         for j in range(ncol_chunks):
-            put(os.path.join(folder, str(j)), np.ascontiguousarray(block[:, j * cc:(j + 1) * cc]))
+            put(fs.join(folder, str(j)), np.ascontiguousarray(block[:, j * cc:(j + 1) * cc]))
 
 
 class RawChunks:
@@ -136,20 +131,20 @@ class RawChunks:
 
     ndim = 2
 
-    def __init__(self, path, shape, chunk_shape, dtype, fill, n_rows):
-        self.path, self.chunk_shape = path, tuple(chunk_shape)
+    def __init__(self, path, shape, chunk_shape, dtype, fill, n_rows, fs=LOCAL):
+        self.path, self.chunk_shape, self.fs = path, tuple(chunk_shape), fs
         self.dtype = np.dtype(dtype)
         self.fill = fill
         self.shape = (int(n_rows), int(shape[1]))
 
     @classmethod
-    def open(cls, path: str, n_rows: int):
-        meta = plain_meta(path)
+    def open(cls, path: str, n_rows: int, fs=LOCAL):
+        meta = plain_meta(path, fs)
         if meta is None or len(meta["shape"]) != 2 or meta["data_type"] != "uint8":
             return None
         chunk_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
         return cls(path, meta["shape"], chunk_shape, "uint8", meta.get("fill_value", 0),
-                   min(n_rows, meta["shape"][0]))
+                   min(n_rows, meta["shape"][0]), fs)
 
     def __getitem__(self, key):
         if not isinstance(key, tuple):
@@ -172,6 +167,8 @@ class RawChunks:
         if out.shape != shape:
             raise ValueError(f"out has shape {out.shape}, expected {shape}")
         cr, cc = self.chunk_shape
+        if self.fs.remote:
+            return self._read_remote(r0, r1, c0, c1, out)
         buf = None
         for i in range(r0 // cr, -(-r1 // cr) if r1 > r0 else r0 // cr):
             for j in range(c0 // cc, -(-c1 // cc) if c1 > c0 else c0 // cc):
@@ -197,11 +194,34 @@ class RawChunks:
                                   cols.start - j * cc:cols.stop - j * cc]
         return out
 
+    def _read_remote(self, r0, r1, c0, c1, out):
+        """The same rows and columns from an object store: every chunk object needed is
+        fetched in one concurrent request."""
+        cr, cc = self.chunk_shape
+        keys = [(i, j) for i in range(r0 // cr, -(-r1 // cr) if r1 > r0 else r0 // cr)
+                for j in range(c0 // cc, -(-c1 // cc) if c1 > c0 else c0 // cc)]
+        paths = {k: self.fs.join(self.path, "c", str(k[0]), str(k[1])) for k in keys}
+        got = self.fs.read_many(paths.values())
+        for (i, j), path in paths.items():
+            rows = slice(max(r0, i * cr), min(r1, (i + 1) * cr))
+            cols = slice(max(c0, j * cc), min(c1, (j + 1) * cc))
+            dest = out[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0]
+            raw = got[path]
+            if raw is None:
+                dest[...] = self.fill
+                continue
+            if len(raw) != cr * cc:
+                raise GradStoreError(f"{self.fs.url(path)}: {len(raw)} bytes, expected "
+                                     f"{cr * cc}")
+            dest[...] = np.frombuffer(raw, self.dtype).reshape(cr, cc)[
+                rows.start - i * cr:rows.stop - i * cr, cols.start - j * cc:cols.stop - j * cc]
+        return out
 
-def read_plain(array_path: str, n: int):
+
+def read_plain(array_path: str, n: int, fs=LOCAL):
     """(dimension names, the first ``n`` rows) of an uncompressed Zarr v3 array chunked along its
     first dimension only, read straight from its chunk files; None for any other layout."""
-    meta = plain_meta(array_path)
+    meta = plain_meta(array_path, fs)
     if meta is None:
         return None
     dtype = _PLAIN_DTYPES[meta["data_type"]]
@@ -210,18 +230,18 @@ def read_plain(array_path: str, n: int):
     chunk = grid["configuration"]["chunk_shape"]
     if list(chunk[1:]) != list(shape[1:]):
         return None
-    check_rows(shape[0], n, os.path.dirname(array_path), os.path.basename(array_path))
+    check_rows(shape[0], n, fs.dirname(array_path), os.path.basename(array_path.rstrip("/")))
     cr, tail = chunk[0], tuple(shape[1:])
     out = np.empty((n, *tail), dtype=np.dtype(dtype).newbyteorder("<"))
     per_chunk = cr * int(np.prod(tail, dtype=np.int64)) * out.dtype.itemsize
     zero_idx = "/".join("0" for _ in tail)
-    for i in range(-(-n // cr)):
+    names = [fs.join(array_path, f"c/{i}/{zero_idx}" if tail else f"c/{i}")
+             for i in range(-(-n // cr))]
+    got = fs.read_many(names)
+    for i, name in enumerate(names):
         rows = out[i * cr:min(n, (i + 1) * cr)]
-        name = f"c/{i}/{zero_idx}" if tail else f"c/{i}"
-        try:
-            with open(os.path.join(array_path, name), "rb") as fh:
-                raw = fh.read()
-        except FileNotFoundError:
+        raw = got[name]
+        if raw is None:
             rows[...] = meta.get("fill_value", 0)
             continue
         if len(raw) != per_chunk:
@@ -230,13 +250,18 @@ def read_plain(array_path: str, n: int):
     return tuple(meta.get("dimension_names") or ()), out.astype(dtype, copy=False)
 
 
-def lazy_bits(raw: "RawChunks"):
-    """Wrap ``raw`` for xarray: nothing is read until values are asked for, and then only the
-    selected rows (no dask involved)."""
+def _backend_class():
+    """xarray backend array over a ``RawChunks`` (or anything with its ``shape``, ``dtype`` and
+    ``[rows, cols]`` slicing), made on first use (xarray is imported then) and reachable as the
+    module attribute ``_BitsBackend`` (module ``__getattr__``), so a lazily read Dataset
+    pickles: a dask worker reads the chunk files itself."""
+    cls = globals().get("_BitsBackendClass")
+    if cls is not None:
+        return cls
     from xarray.backends import BackendArray
     from xarray.core import indexing
 
-    class _Backend(BackendArray):
+    class _BitsBackend(BackendArray):
         def __init__(self, arr):
             self.arr, self.shape, self.dtype = arr, arr.shape, arr.dtype
 
@@ -257,7 +282,23 @@ def lazy_bits(raw: "RawChunks"):
                 return self.arr[lo:hi, cols][rows - lo]
             return self.arr[rows, cols]
 
-    return indexing.LazilyIndexedArray(_Backend(raw))
+    _BitsBackend.__module__, _BitsBackend.__qualname__ = __name__, "_BitsBackend"
+    globals()["_BitsBackendClass"] = _BitsBackend
+    return _BitsBackend
+
+
+def __getattr__(name):
+    if name == "_BitsBackend":
+        return _backend_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def lazy_bits(raw: "RawChunks"):
+    """Wrap ``raw`` for xarray: nothing is read until values are asked for, and then only the
+    selected rows (no dask involved)."""
+    from xarray.core import indexing
+
+    return indexing.LazilyIndexedArray(_backend_class()(raw))
 
 
 #: ``Variable.encoding`` key under which ``open_grads`` leaves the chunk reader of a bit array

@@ -8,11 +8,13 @@ previous compared step; ``flag_total`` applies the same rule to ``total``.
 
 The sign bits are read in blocks of steps as 64-bit words, XOR-ed, counted with
 ``np.bitwise_count`` and summed per parameter with ``np.add.reduceat``: no loop over files,
-steps or parameters in Python.
+steps or parameters in Python. ``compare_grads`` runs the blocks of every rank pair as a dask
+graph (``plan_pair`` -> ``count_block`` per block -> ``finish_pair``), on local threads or a
+``dask.distributed`` cluster (``engine.py``).
 """
 from __future__ import annotations
 
-import os
+import threading
 
 import numpy as np
 
@@ -58,15 +60,6 @@ def _word_index(ds, pos: np.ndarray) -> np.ndarray:
         pos) else np.zeros(0, np.int64)
 
 
-def _read_rows(da, rows: np.ndarray) -> np.ndarray:
-    """Rows of a (step, byte) DataArray as one contiguous uint8 array (slices when contiguous)."""
-    if rows.size and np.all(np.diff(rows) == 1):
-        sel = da.isel(step=slice(int(rows[0]), int(rows[-1]) + 1))
-    else:
-        sel = da.isel(step=rows)
-    return np.ascontiguousarray(sel.values, dtype=np.uint8)
-
-
 def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
                  drop_threshold: float = DROP_THRESHOLD, block_bytes: int = _BLOCK_BYTES,
                  noise_aware: bool = True):
@@ -75,9 +68,20 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     When both runs hold significance bits (probekit stores), ``similarity_significant`` compares
     the signs of the elements significant in both runs only (elements whose magnitude is below
     the rounding level of their tensor have random signs), and with ``noise_aware`` the flags
-    and the first divergence use it; ``similarity`` stays msprobe's plain sign similarity."""
-    import xarray as xr
+    and the first divergence use it; ``similarity`` stays msprobe's plain sign similarity.
 
+    In this process, block after block; ``compare_grads`` runs the same blocks as a dask
+    graph."""
+    plan = plan_pair(a, b, block_bytes)
+    src = bit_sources(a, b, plan)
+    parts = [count_block(src, plan, s0, s1) for s0, s1 in plan["blocks"]]
+    return finish_pair(plan, parts, step0_threshold, drop_threshold, noise_aware)
+
+
+def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES) -> dict:
+    """What the comparison of two Datasets needs besides the sign bits (small arrays): shared
+    parameters and steps, word layout, presence, blocks of steps. Raises on runs that cannot
+    be compared."""
     for name, ds in (("first", a), ("second", b)):
         if "direction" not in ds:
             raise GradCompareError(
@@ -108,93 +112,136 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     if steps.size == 0:
         raise GradCompareError(f"the runs share no step (first: {_ranges(steps_a)}; second: "
                                f"{_ranges(steps_b)})")
-
     nbytes_a, nbytes_b = a.sizes["byte"], b.sizes["byte"]
     off_a = np.asarray(a["offset"].values, np.int64)
     off_b = np.asarray(b["offset"].values, np.int64)
     # Same layout (the usual case: same model, same config): XOR whole rows, no gather.
-    same_layout = (len(common) == len(names_a) == len(names_b) and np.array_equal(pos_b, pos_a)
-                   and np.array_equal(off_a, off_b) and nbytes_a == nbytes_b)
-    if not same_layout:
-        words_a, words_b = _word_index(a, pos_a), _word_index(b, pos_b)
+    same_layout = bool(len(common) == len(names_a) == len(names_b)
+                       and np.array_equal(pos_b, pos_a) and np.array_equal(off_a, off_b)
+                       and nbytes_a == nbytes_b)
     nwords = -(-numel_a // 64)
     word0 = np.concatenate([[0], np.cumsum(nwords)[:-1]]).astype(np.int64)
     # Per-parameter sums of the per-word bit counts: a large parameter sums its own columns
     # (numpy's reduce is far faster than reduceat over long segments); the small ones are
     # gathered and summed with one reduceat.
-    big = np.flatnonzero(nwords >= 1024)
     small = np.flatnonzero((nwords > 0) & (nwords < 1024))
-    small_cols = (np.concatenate([np.arange(word0[j], word0[j] + nwords[j]) for j in small])
-                  if small.size else np.zeros(0, np.int64))
-    small_starts = np.concatenate([[0], np.cumsum(nwords[small])[:-1]]).astype(np.int64)
-    differ = np.zeros((steps.size, len(common)), np.int64)
-    use_sig = "significant" in a and "significant" in b
-    differ_sig = np.zeros_like(differ) if use_sig else None
-    count_sig = np.zeros_like(differ) if use_sig else None
     block = max(1, block_bytes // max(1, nbytes_a))
+    return {
+        "common": common, "steps": steps, "rows_a": rows_a, "rows_b": rows_b,
+        "numel": numel_a, "nwords": nwords, "word0": word0, "same_layout": same_layout,
+        "words_a": None if same_layout else _word_index(a, pos_a),
+        "words_b": None if same_layout else _word_index(b, pos_b),
+        "big": np.flatnonzero(nwords >= 1024), "small": small,
+        "small_cols": (np.concatenate([np.arange(word0[j], word0[j] + nwords[j]) for j in small])
+                       if small.size else np.zeros(0, np.int64)),
+        "small_starts": np.concatenate([[0], np.cumsum(nwords[small])[:-1]]).astype(np.int64),
+        "use_sig": "significant" in a and "significant" in b,
+        "present": _present(a, rows_a, pos_a) & _present(b, rows_b, pos_b),
+        "block": block, "blocks": [(s0, min(s0 + block, steps.size))
+                                   for s0 in range(0, steps.size, block)],
+        "nbytes": (nbytes_a, nbytes_b)}
 
-    def sig_rows(ra, rb):
-        if not use_sig:
-            return None, None
-        sa = _read_rows(a["significant"], ra).view(np.uint64)
-        sb = _read_rows(b["significant"], rb).view(np.uint64)
-        return (sa, sb) if same_layout else (sa[:, words_a], sb[:, words_b])
 
-    def one_block(s0: int) -> None:
-        ra, rb = rows_a[s0:s0 + block], rows_b[s0:s0 + block]
-        wa = _read_rows(a["direction"], ra).view(np.uint64)
-        wb = _read_rows(b["direction"], rb).view(np.uint64)
-        if not same_layout:
-            wa, wb = wa[:, words_a], wb[:, words_b]
-        count_block(s0, wa, wb, *sig_rows(ra, rb))
+class _Rows:
+    """Rows of a (step, byte) DataArray, read like ``RawChunks`` (for bits held any other way:
+    in memory, msprobe's dumps, dask arrays)."""
 
-    def per_param(words, target, rows) -> None:
-        bits = _bitwise_count(words)
-        if small.size:
-            target[rows, small] = np.add.reduceat(bits[:, small_cols], small_starts, axis=1,
-                                                  dtype=np.int64)
-        for j in big:  # uint32 cannot overflow below 2**26 words (2**32 bits)
-            acc = np.uint32 if nwords[j] < 1 << 26 else np.int64
-            target[rows, j] = bits[:, word0[j]:word0[j] + nwords[j]].sum(axis=1, dtype=acc)
+    def __init__(self, da) -> None:
+        self.da = da
 
-    def count_block(s0: int, wa, wb, sa=None, sb=None) -> None:
-        rows = slice(s0, s0 + wa.shape[0])
-        x = np.bitwise_xor(wa, wb, out=wa)
-        if sa is not None:
-            both = np.bitwise_and(sa, sb, out=sa)
-            per_param(both, count_sig, rows)
-            per_param(np.bitwise_and(x, both, out=sb), differ_sig, rows)
-        per_param(x, differ, rows)
+    def read(self, r0, r1, c0=0, c1=None, out=None):
+        rows = np.ascontiguousarray(self.da.isel(step=slice(r0, r1)).values, dtype=np.uint8)
+        if out is not None:
+            out[...] = rows
+            return out
+        return rows
 
-    blocks = range(0, steps.size, block)
-    raw_a, raw_b = raw_bits(a), raw_bits(b)
-    if raw_a is not None and raw_b is not None and not same_layout:
-        raw_a = raw_b = None
-    if raw_a is not None and raw_b is not None:
-        # straight from the chunk files into two buffers reused for every block
-        bufs = [np.empty((block, nbytes_a), np.uint8) for _ in range(2)]
 
-        def read_rows(raw, rows, buf):
-            if rows.size and np.all(np.diff(rows) == 1):
-                return raw.read(int(rows[0]), int(rows[-1]) + 1, out=buf[:rows.size])
-            return raw.read(int(rows.min()), int(rows.max()) + 1)[rows - rows.min()]
+def bit_sources(a, b, plan) -> tuple:
+    """(direction a, direction b, significant a, significant b) as readers of rows: the chunk
+    files straight (``RawChunks``, an assembled sharded run's ``AssembledBits``) while the
+    Datasets hold exactly what ``open_grads`` read, else the variables' values."""
+    def one(ds, name):
+        raw = raw_bits(ds, name)
+        return raw if raw is not None else _Rows(ds[name])
 
-        for s0 in blocks:
-            ra, rb = rows_a[s0:s0 + block], rows_b[s0:s0 + block]
-            wa = read_rows(raw_a, ra, bufs[0]).view(np.uint64)
-            wb = read_rows(raw_b, rb, bufs[1]).view(np.uint64)
-            count_block(s0, wa, wb, *sig_rows(ra, rb))
-        blocks = ()
-    workers = min(len(blocks), os.cpu_count() or 1, 4)
-    if workers > 1:  # file reads and the numpy loops release the GIL: blocks in parallel
-        from concurrent.futures import ThreadPoolExecutor
+    sig = plan["use_sig"]
+    return (one(a, "direction"), one(b, "direction"),
+            one(a, "significant") if sig else None, one(b, "significant") if sig else None)
 
-        with ThreadPoolExecutor(workers, thread_name_prefix="probekit-compare") as pool:
-            list(pool.map(one_block, blocks))
-    else:
-        for s0 in blocks:
-            one_block(s0)
-    present = _present(a, rows_a, pos_a) & _present(b, rows_b, pos_b)
+
+_TLS = threading.local()
+
+
+def _buffer(shape, which: int) -> np.ndarray:
+    """A per-thread buffer reused from block to block (fresh memory costs a page fault per
+    page, which is most of a read from the page cache)."""
+    bufs = getattr(_TLS, "bufs", None)
+    if bufs is None:
+        bufs = _TLS.bufs = {}
+    buf = bufs.get(which)
+    if buf is None or buf.shape[1] != shape[1] or buf.shape[0] < shape[0]:
+        buf = bufs[which] = np.empty(shape, np.uint8)
+    return buf[:shape[0]]
+
+
+def _read(src, rows: np.ndarray, which: int) -> np.ndarray:
+    lo, hi = int(rows.min()), int(rows.max()) + 1
+    if hi - lo == rows.size and np.all(np.diff(rows) == 1):
+        width = src.shape[1] if hasattr(src, "shape") else None
+        if width is not None:
+            return src.read(lo, hi, out=_buffer((rows.size, width), which))
+        return src.read(lo, hi)
+    return np.ascontiguousarray(src.read(lo, hi)[rows - lo])
+
+
+def count_block(sources, plan, s0: int, s1: int) -> tuple:
+    """(differ, differ_significant, significant_in_both) per (step, param) for the compared
+    steps ``s0:s1``: the sign words XOR-ed and counted. One task of the comparison's graph."""
+    dir_a, dir_b, sig_a, sig_b = sources
+    ra, rb = plan["rows_a"][s0:s1], plan["rows_b"][s0:s1]
+    n = s1 - s0
+    differ = np.zeros((n, len(plan["common"])), np.int64)
+    differ_sig = np.zeros_like(differ) if plan["use_sig"] else None
+    count_sig = np.zeros_like(differ) if plan["use_sig"] else None
+
+    def words(src, rows, which, cols):
+        w = _read(src, rows, which).view(np.uint64)
+        return w if cols is None else w[:, cols]
+
+    wa = words(dir_a, ra, 0, plan["words_a"])
+    wb = words(dir_b, rb, 1, plan["words_b"])
+    x = np.bitwise_xor(wa, wb, out=wa if plan["same_layout"] else None)
+    if plan["use_sig"]:
+        sa = words(sig_a, ra, 2, plan["words_a"])
+        sb = words(sig_b, rb, 3, plan["words_b"])
+        both = np.bitwise_and(sa, sb, out=sa if plan["same_layout"] else None)
+        _per_param(both, count_sig, plan)
+        _per_param(np.bitwise_and(x, both, out=sb if plan["same_layout"] else None),
+                   differ_sig, plan)
+    _per_param(x, differ, plan)
+    return differ, differ_sig, count_sig
+
+
+def _per_param(words, target, plan) -> None:
+    bits = _bitwise_count(words)
+    small, nwords, word0 = plan["small"], plan["nwords"], plan["word0"]
+    if small.size:
+        target[:, small] = np.add.reduceat(bits[:, plan["small_cols"]], plan["small_starts"],
+                                           axis=1, dtype=np.int64)
+    for j in plan["big"]:  # uint32 cannot overflow below 2**26 words (2**32 bits)
+        acc = np.uint32 if nwords[j] < 1 << 26 else np.int64
+        target[:, j] = bits[:, word0[j]:word0[j] + nwords[j]].sum(axis=1, dtype=acc)
+
+
+def finish_pair(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
+                drop_threshold: float = DROP_THRESHOLD, noise_aware: bool = True):
+    """The comparison Dataset of one pair from its blocks' counts."""
+    import xarray as xr
+
+    differ = np.concatenate([p[0] for p in parts])
+    present, numel_a, nwords = plan["present"], plan["numel"], plan["nwords"]
+    use_sig = plan["use_sig"]
     numel = numel_a.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         similarity = np.where(present & (numel > 0), 1.0 - differ / numel, np.nan)
@@ -205,6 +252,8 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
             "total": (("step",), total)}
     judged, judged_total = similarity, total
     if use_sig:
+        differ_sig = np.concatenate([p[1] for p in parts])
+        count_sig = np.concatenate([p[2] for p in parts])
         count_sig -= nwords * 64 - numel_a  # padding bits are ones in both runs
         with np.errstate(invalid="ignore", divide="ignore"):
             sim_sig = np.where(present & (count_sig > 0), 1.0 - differ_sig / count_sig, np.nan)
@@ -218,7 +267,8 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     data["flag"] = (("step", "param"), flags(judged, step0_threshold, drop_threshold))
     data["flag_total"] = (("step",), flags(judged_total[:, None], step0_threshold,
                                            drop_threshold)[:, 0])
-    out = xr.Dataset(data, coords={"step": steps, "param": np.array(common, dtype=str),
+    out = xr.Dataset(data, coords={"step": plan["steps"],
+                                   "param": np.array(plan["common"], dtype=str),
                                    "numel": ("param", numel_a)})
     out.attrs["noise_aware"] = int(bool(use_sig and noise_aware))
     return out
@@ -260,9 +310,31 @@ def first_divergence(result) -> tuple[int, str]:
     return int(result["step"].values[i]), str(result["param"].values[int(np.argmin(sims))])
 
 
+def pair_runs(runs_a: dict, runs_b: dict, ranks=None) -> list:
+    """[(rank, Dataset a, Dataset b)] to compare. Two runs of one Dataset each (a single
+    process, a DDP run written by one rank, a sharded run assembled) pair whatever rank recorded
+    them: FSDP2 at 2 or 4 ranks, DDP and a single process line up parameter by parameter.
+    Otherwise (one Dataset per rank: pipeline stages, independent ranks) rank r pairs with r."""
+    if len(runs_a) == 1 and len(runs_b) == 1 and (ranks is None or set(runs_a) & set(ranks)):
+        (ra, a), = runs_a.items()
+        (_, b), = runs_b.items()
+        return [(ra, a, b)]
+    common = sorted(set(runs_a) & set(runs_b))
+    if ranks is not None:
+        common = [r for r in common if r in set(ranks)]
+    if not common:
+        raise GradCompareError(f"the runs share no rank (first: {sorted(runs_a)}, second: "
+                               f"{sorted(runs_b)}" + (f", asked: {list(ranks)}" if ranks else "")
+                               + ")")
+    return [(r, runs_a[r], runs_b[r]) for r in common]
+
+
 def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
-                  drop_threshold: float = DROP_THRESHOLD, ranks=None, noise_aware: bool = True):
-    """Compare two runs (paths to probekit or msprobe dumps, or Datasets) -> xarray Dataset.
+                  drop_threshold: float = DROP_THRESHOLD, ranks=None, noise_aware: bool = True,
+                  client=None, scheduler=None, progress=None, storage_options=None,
+                  block_bytes: int = _BLOCK_BYTES):
+    """Compare two runs (paths or fsspec URLs of probekit or msprobe dumps, or Datasets) ->
+    xarray Dataset.
 
     Result: ``similarity(rank, step, param)``, ``total(rank, step)``, ``flag(rank, step, param)``,
     ``flag_total(rank, step)``, ``differ(rank, step, param)`` (elements whose sign differs,
@@ -271,27 +343,39 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     bits in both runs also ``similarity_significant``, ``significant`` (elements significant in
     both) and ``total_significant``; ``noise_aware`` (default) judges flags and the first
     divergence on them, ``noise_aware=False`` on msprobe's plain ``similarity``.
+
+    Runs of one Dataset each (single process, DDP, a sharded run assembled) pair parameter by
+    parameter whatever rank recorded them; runs of several ranks pair rank r with rank r.
+
+    Where it runs: a dask graph, one task per block of steps of each rank pair, on the local
+    cores (dask's threads) by default, or on a ``dask.distributed`` cluster: ``client=`` (a
+    ``distributed.Client``) or ``scheduler=`` (its address, ``"tcp://host:8786"``); the
+    workers read the stores themselves (the same paths or URLs must reach them).
+    ``progress``: None shows progress on stderr once a comparison runs for 2 s, True at once,
+    False never. ``storage_options``: for URLs (credentials, endpoint).
     """
     import xarray as xr
 
+    from .engine import run_graph
     from .sources import load_runs
 
-    runs_a, runs_b = load_runs(a), load_runs(b)
-    common = sorted(set(runs_a) & set(runs_b))
-    if ranks is not None:
-        common = [r for r in common if r in set(ranks)]
-    if not common:
-        raise GradCompareError(f"the runs share no rank (first: {sorted(runs_a)}, second: "
-                               f"{sorted(runs_b)}" + (f", asked: {list(ranks)}" if ranks else "")
-                               + ")")
-    parts = []
-    for r in common:
-        res = compare_rank(runs_a[r], runs_b[r], step0_threshold=step0_threshold,
-                           drop_threshold=drop_threshold, noise_aware=noise_aware)
-        step, param = first_divergence(res)
-        res["first_step"] = ((), step)
-        res["first_param"] = ((), param)
-        parts.append(res.expand_dims(rank=[r]))
+    runs_a = load_runs(a, storage_options=storage_options)
+    runs_b = load_runs(b, storage_options=storage_options)
+    pairs = pair_runs(runs_a, runs_b, ranks)
+    import dask
+
+    tasks = []
+    for r, ds_a, ds_b in pairs:
+        plan = plan_pair(ds_a, ds_b, block_bytes)
+        src = dask.delayed(bit_sources(ds_a, ds_b, plan), pure=False, traverse=False)
+        lazy_plan = dask.delayed(plan, pure=False, traverse=False)
+        parts = [dask.delayed(count_block, pure=True)(src, lazy_plan, s0, s1)
+                 for s0, s1 in plan["blocks"]]
+        tasks.append(dask.delayed(_finish_rank, pure=True)(
+            lazy_plan, parts, step0_threshold, drop_threshold, noise_aware, r))
+    results = run_graph(tasks, client=client, scheduler=scheduler, progress=progress,
+                        label="compare")
+    parts = [res.expand_dims(rank=[r]) for (r, _, _), res in zip(pairs, results)]
     if len(parts) == 1:
         out = parts[0]
     else:
@@ -301,3 +385,11 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
             "total_significant": np.nan}, coords="different", compat="equals")
     out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
     return out
+
+
+def _finish_rank(plan, parts, step0_threshold, drop_threshold, noise_aware, rank):
+    res = finish_pair(plan, parts, step0_threshold, drop_threshold, noise_aware)
+    step, param = first_divergence(res)
+    res["first_step"] = ((), step)
+    res["first_param"] = ((), param)
+    return res

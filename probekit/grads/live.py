@@ -70,7 +70,7 @@ class LiveWriters:
 
     def flush_all(self, path=None) -> None:
         for writer in list(self.writers.values()):
-            if path is None or os.path.abspath(writer.path) == os.path.abspath(path):
+            if path is None or writer.url == path:  # a group's URL (local: absolute path)
                 try:
                     writer.flush()
                 except Exception as exc:  # never raise at exit; say what was lost
@@ -129,6 +129,7 @@ LIVE = LiveWriters()
 
 
 def flush_live(path=None) -> None:
-    """Write the buffered steps of this process's open writers (of the rank group ``path``, or
-    all), so a reader in this process (a notebook) sees every recorded step."""
+    """Write the buffered steps of this process's open writers (of the rank group whose URL is
+    ``path``, its absolute path for a local folder; or all), so a reader in this process (a
+    notebook) sees every recorded step."""
     LIVE.flush_all(path)

@@ -21,6 +21,8 @@ from ..dist import get_rank, rank_selected
 from ..log import Once, ensure_handler, get_logger
 from . import stats as _stats
 from .names import canonical_names
+from .placement import (ddp_first_rank, dtensor_placement, first_replica, is_dtensor,
+                        local_grad)
 from .store import GradWriter
 
 log = get_logger(__name__)
@@ -41,6 +43,13 @@ class GradProbe:
     ``flush_seconds``, ``significance``. The spellings ``level=``, ``steps=``, ``ranks=`` of
     earlier versions still work, with a ``DeprecationWarning``. ``scaler``: the run's
     ``GradScaler``, so that its skipped steps keep their place (a row with no gradient present).
+    ``storage_options``: for a ``dump_path`` that is an fsspec URL (``s3://bucket/run``): passed
+    to the filesystem (endpoint, credentials; the ``AWS_*`` variables work without it).
+
+    Distributed runs write one copy of every gradient: under DTensor sharding (FSDP2, tensor
+    parallel, HSDP) each rank records its own shard with its placement, no gather, and
+    ``open_grads`` assembles full parameters; under DDP the first rank of the group records.
+    A ``rank`` filter, when given, selects the recording ranks as in msprobe.
 
     Parameters are stored under their names without the prefixes of ``torch.compile``, DDP,
     FSDP1 and checkpoint wrappers (``names.canonical_name``); the names as recorded are kept in
@@ -48,7 +57,7 @@ class GradProbe:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, *, config=None, scaler=None,
-                 **options):
+                 storage_options: dict | None = None, **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
@@ -56,6 +65,7 @@ class GradProbe:
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
+        self.storage_options = dict(storage_options or {})
         self.steps_seen = 0  # training iterations begun (the step axis)
         self.hook_seconds: list[float] = []
         self._handles = []
@@ -96,13 +106,36 @@ class GradProbe:
                      len(frozen), frozen[0])
         if not named:
             raise ValueError("grad_probe: the model has no parameter to monitor")
+        named, self._placement = self._shard_plan(named)
         self.param_names = tuple(c for c, _, _ in named)
         self.recorded_names = tuple(n for _, n, _ in named)
         self._params = [p for _, _, p in named]
         self._param_ids = {id(p) for p in self._params}
-        self._sharded = any(_is_dtensor(p) for p in self._params)
-        self.layout = _stats.Layout(self.param_names, tuple(p.numel() for p in self._params),
-                                    tuple(tuple(p.shape) for p in self._params))
+        self._sharded = self._placement is not None
+        # a DTensor with no block placement is gathered whole: every rank joins those gathers
+        self._gathers = self._sharded and any(
+            pl is None and is_dtensor(p) for pl, p in zip(self._placement, self._params))
+        local = (self._placement or [None] * len(named))
+        self.layout = _stats.Layout(
+            self.param_names,
+            tuple(int(torch.Size(pl["local_shape"]).numel()) if pl else p.numel()
+                  for pl, p in zip(local, self._params)),
+            tuple(tuple(pl["local_shape"]) if pl else tuple(p.shape)
+                  for pl, p in zip(local, self._params)))
+
+    def _shard_plan(self, named):
+        """(the parameters this rank records, their placements or None when no parameter is a
+        DTensor): under DTensor sharding each rank records its own shard, and of a replicated
+        shard only the first replica (``placement.py``), unless a ``rank`` filter is given."""
+        if not any(is_dtensor(p) for _, _, p in named):
+            return named, None
+        places = [dtensor_placement(p) if is_dtensor(p) else None for _, _, p in named]
+        keep = [i for i, pl in enumerate(places)
+                if pl is None or self.config.rank or first_replica(pl)]
+        if len(keep) < len(named):
+            log.info("grad_probe: rank %d records %d of %d parameters (the others' shards are "
+                     "replicas recorded by another rank)", get_rank(), len(keep), len(named))
+        return [named[i] for i in keep], [places[i] for i in keep]
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -126,17 +159,29 @@ class GradProbe:
         if not selected:
             log.info("grad_probe: rank %d is not in rank filter %s; nothing is recorded",
                      get_rank(), list(self.config.rank))
-            if not self._sharded:
+            if not self._gathers:
                 return self
-            # sharded (DTensor) gradients are gathered by every rank together: this rank takes
+            # gradients gathered whole are gathered by every rank together: this rank takes
             # part in the gathers and writes nothing
+        elif not self.config.rank and ddp_first_rank(self.model) is False:
+            log.info("grad_probe: rank %d holds the same gradients as the first rank of its DDP "
+                     "group, which records them; nothing is recorded here (rank=[...] records "
+                     "chosen ranks)", get_rank())
+            return self
+        elif not self._params:
+            log.info("grad_probe: rank %d holds only replicas of shards other ranks record; "
+                     "nothing is recorded here", get_rank())
+            return self
         if self._writer is None and selected:  # the store exists (0 committed steps) once recording starts
             section = self.config.grad_probe
+            attrs = {"recorded_params": list(self.recorded_names)}
+            if self._sharded:
+                attrs["placement"] = list(self._placement)
             self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
                                       section.grad_level, section.bounds, section.hash,
                                       section.flush_every, section.flush_seconds,
-                                      attrs={"recorded_params": list(self.recorded_names)},
-                                      significance=section.significance)
+                                      attrs=attrs, significance=section.significance,
+                                      storage_options=self.storage_options)
             self._scratch = _stats.Workspace()
         optimizers = (self.optimizer if isinstance(self.optimizer, (list, tuple))
                       else [self.optimizer] if self.optimizer is not None else [])
@@ -281,8 +326,9 @@ class GradProbe:
         mine = set(self._owners.get(optimizer, ()))
         mine.update(i for i in range(len(grads)) if i not in self._owned)  # owned by none
         part = [g if i in mine else None for i, g in enumerate(grads)]
-        if self._sharded:  # FSDP2: full-parameter gradients (all-gathers every rank joins)
-            part = [_full(g) for g in part]
+        if self._sharded:  # DTensor: this rank's shards (gathered whole where no placement)
+            part = [local_grad(g, p, pl)
+                    for g, p, pl in zip(part, self._params, self._placement)]
             if self._writer is None:  # a rank outside the rank filter: gathered, not recorded
                 return
         for i in sorted(mine):
@@ -344,22 +390,17 @@ class GradProbe:
         from . import open_grads
 
         self.flush()
-        return open_grads(self.dump_path, rank=get_rank(), chunks=chunks)
+        if self._sharded:  # the whole model from every rank's committed shards
+            return open_grads(self.dump_path, chunks=chunks,
+                              storage_options=self.storage_options or None)
+        return open_grads(self.dump_path, rank=get_rank(), chunks=chunks,
+                          storage_options=self.storage_options or None)
 
     def __repr__(self) -> str:
         state = "recording" if self._handles else "stopped"
         return (f"GradProbe({len(self.param_names)} params, level="
                 f"{self.config.grad_probe.grad_level}, steps seen={self.steps_seen}, "
                 f"dump_path={self.dump_path!r}, {state})")
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
-
-
-def _full(g):
-    """The whole gradient of a DTensor (an all-gather every rank takes part in), else ``g``."""
-    return g.full_tensor() if g is not None and _is_dtensor(g) else g
 
 
 class _CallCounter:

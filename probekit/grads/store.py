@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 
 import numpy as np
 
-from ..atomic import atomic_write
 from ..errors import GradStoreError
 from ..log import get_logger
 from .live import LIVE, flush_live
 from .chunks import (RawChunks, bits_variable, check_rows, read_plain, set_rows, write_raw_rows,
                      write_step_rows)
 from .stats import HASH_NBYTES, Layout, StepStats, interval_labels
+from .storage import LOCAL, location, zarr_store
 
 log = get_logger(__name__)
 
@@ -73,33 +72,39 @@ def direction_chunks(nbytes: int, flush_every: int) -> tuple[int, int, int]:
     return step_chunk, byte_chunk, block
 
 
-def rank_group_path(dump_path: str, rank: int) -> str:
-    return os.path.join(dump_path, STORE_NAME, f"rank{int(rank)}")
+def rank_group_path(dump_path: str, rank: int, fs=LOCAL) -> str:
+    return fs.join(dump_path, STORE_NAME, f"rank{int(rank)}")
 
 
-def _write_commit(group_path: str, info: dict) -> None:
-    atomic_write(os.path.join(group_path, COMMIT), json.dumps(info))
+def _write_commit(group_path: str, info: dict, fs=LOCAL) -> None:
+    fs.write(fs.join(group_path, COMMIT), json.dumps(info))
 
 
-def read_commit(group_path: str) -> dict:
-    path = os.path.join(group_path, COMMIT)
+def read_commit(group_path: str, fs=LOCAL) -> dict:
+    path = fs.join(group_path, COMMIT)
     try:
-        with open(path, encoding="utf-8") as fh:
-            info = json.load(fh)
+        info = json.loads(fs.read(path))
     except FileNotFoundError:
-        raise GradStoreError(f"{group_path}: no {COMMIT}; the recording died before its first "
-                             "commit, or this is not a probekit grad store") from None
+        raise GradStoreError(f"{fs.url(group_path)}: no {COMMIT}; the recording died before its "
+                             "first commit, or this is not a probekit grad store") from None
     if not isinstance(info, dict) or not isinstance(info.get("steps"), int):
         raise GradStoreError(f"{path}: unreadable commit marker {info!r}")
     return info
 
 
-def _open_root(store_path: str):
+def _open_root(store_path: str, fs=LOCAL):
     """The store's root group, created if missing. Every rank of a distributed run opens it at
     the same moment: the root's ``zarr.json`` is written once, atomically (temporary file, then
-    an exclusive link), so a rank never meets another's half-made root."""
+    an exclusive link; on an object store one PUT of the same bytes), so a rank never meets
+    another's half-made root."""
     import zarr
 
+    if fs.remote:
+        meta = fs.join(store_path, "zarr.json")
+        if not fs.isfile(meta):
+            fs.write(meta, json.dumps({"zarr_format": 3, "node_type": "group",
+                                       "attributes": {"format": FORMAT}}))
+        return zarr.open_group(zarr_store(fs, store_path), mode="r+", zarr_format=3)
     meta = os.path.join(store_path, "zarr.json")
     if not os.path.isfile(meta):
         tmp = f"{meta}.{os.getpid()}.tmp"
@@ -123,8 +128,13 @@ class GradWriter:
 
     def __init__(self, dump_path: str, rank: int, layout: Layout, level: str, bounds,
                  hash_name: str, flush_every: int, flush_seconds: float = 60.0, *,
-                 attrs: dict | None = None, significance: bool = False) -> None:
-        self.path = rank_group_path(dump_path, rank)
+                 attrs: dict | None = None, significance: bool = False,
+                 storage_options: dict | None = None) -> None:
+        # a URL is checked (protocol, package, bucket) before anything is written
+        self.fs, root_path = location(dump_path, storage_options, for_writing=True)
+        fs = self.fs
+        self.path = rank_group_path(root_path, rank, fs)
+        self.url = fs.url(self.path)
         self.layout = layout
         self.level = level
         self.bounds = tuple(bounds)
@@ -142,11 +152,12 @@ class GradWriter:
         self._oldest = 0.0
         self._lock = threading.Lock()
         self._flushing = None  # thread id while a flush runs (a signal handler must not nest)
-        if os.path.exists(self.path):
-            log.warning("%s exists and will be replaced by this recording", self.path)
-            shutil.rmtree(self.path)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        root = _open_root(os.path.dirname(self.path))
+        fs.refresh()
+        if fs.exists(self.path):
+            log.warning("%s exists and will be replaced by this recording", self.url)
+            fs.rmtree(self.path)
+        fs.makedirs(fs.dirname(self.path))
+        root = _open_root(fs.dirname(self.path), fs)
         self.group = root.create_group(f"rank{int(rank)}", overwrite=True)
         self.group.attrs.update({
             "format": FORMAT, "level": level, "bounds": list(self.bounds), "rank": int(rank),
@@ -165,7 +176,7 @@ class GradWriter:
         if attrs:
             self.group.attrs.update(dict(attrs))
         self._create_arrays()
-        _write_commit(self.path, {"steps": 0, "format": FORMAT})
+        _write_commit(self.path, {"steps": 0, "format": FORMAT}, fs)
         LIVE.add(self)
 
     # -- layout ------------------------------------------------------------------------------
@@ -184,7 +195,7 @@ class GradWriter:
         chunks = chunks or (min(self.block, 16), *tail)
         self.group.create_array(name, shape=(0, *tail), chunks=chunks, dtype=dtype,
                                 dimension_names=dims, fill_value=fill, **kwargs)
-        return os.path.join(self.path, name), chunks[0]  # written directly from here on
+        return self.fs.join(self.path, name), chunks[0]  # written directly from here on
 
     def _create_arrays(self) -> None:
         lay, p = self.layout, len(self.layout.names)
@@ -280,14 +291,14 @@ class GradWriter:
                 bits = [getattr(st, name) if getattr(st, name) is not None else
                         np.full(self.layout.nbytes, 255, np.uint8) for _, st in rows]
                 write_raw_rows(path, self.dir_chunks, n0, bits, self.layout.nbytes,
-                               fill=255 if name == "significant" else 0)
+                               fill=255 if name == "significant" else 0, fs=self.fs)
             else:
-                write_step_rows(path, chunk_rows, n0, columns[name])
+                write_step_rows(path, chunk_rows, n0, columns[name], fs=self.fs)
         for path, _ in self.arrays.values():
-            set_rows(path, n0 + k)
+            set_rows(path, n0 + k, self.fs)
         self.committed = n0 + k
         _write_commit(self.path, {"steps": self.committed, "format": FORMAT,
-                                  "last_step": int(columns["step"][-1])})
+                                  "last_step": int(columns["step"][-1])}, self.fs)
         self._buffer = []
 
     def flush_from_signal(self) -> bool:
@@ -314,20 +325,22 @@ class GradWriter:
 _BITS = ("direction", "significant")  # packed bits per element, read through RawChunks
 
 
-def find_store(path: str) -> str:
+def find_store(path: str, fs=LOCAL) -> str:
     """The ``grads.zarr`` folder for ``path`` (a dump_path or the store itself)."""
     path = os.fspath(path)
-    for candidate in (path, os.path.join(path, STORE_NAME)):
-        if os.path.isfile(os.path.join(candidate, "zarr.json")) and any(
-                d.startswith("rank") for d in os.listdir(candidate)):
+    fs.refresh()
+    for candidate in (path, fs.join(path, STORE_NAME)):
+        if fs.isfile(fs.join(candidate, "zarr.json")) and any(
+                d.startswith("rank") for d in fs.listdir(candidate)):
             return candidate
-    raise GradStoreError(f"{path!r} holds no probekit grad store ({STORE_NAME} with rank groups)")
+    raise GradStoreError(f"{fs.url(path) if fs.remote else path!r} holds no probekit grad "
+                         f"store ({STORE_NAME} with rank groups)")
 
 
-def store_ranks(store: str) -> list[int]:
+def store_ranks(store: str, fs=LOCAL) -> list[int]:
     ranks = []
-    for d in os.listdir(store):
-        if d.startswith("rank") and d[4:].isdigit() and os.path.isdir(os.path.join(store, d)):
+    for d in fs.listdir(store):
+        if d.startswith("rank") and d[4:].isdigit() and fs.isdir(fs.join(store, d)):
             ranks.append(int(d[4:]))
     return sorted(ranks)
 
@@ -341,7 +354,7 @@ _STATIC_ATTRS = {"param": "params", "numel": "numels", "shape": "shapes", "offse
                  "interval": "intervals"}
 
 
-def open_rank(store: str, rank: int, chunks=None):
+def open_rank(store: str, rank: int, chunks=None, fs=LOCAL):
     """The committed steps of one rank group as an xarray Dataset.
 
     ``chunks=None`` loads the arrays into memory; ``chunks="auto"`` (or a dict of dim -> size)
@@ -354,26 +367,31 @@ def open_rank(store: str, rank: int, chunks=None):
     """
     import xarray as xr
 
-    group_path = os.path.join(store, f"rank{int(rank)}")
-    flush_live(group_path)  # a recording in this process: its buffered steps first
-    if not os.path.isdir(group_path):
-        raise GradStoreError(f"{store!r} has no group for rank {rank}; ranks stored: "
-                             f"{store_ranks(store)}")
-    n = read_commit(group_path)["steps"]
+    group_path = fs.join(store, f"rank{int(rank)}")
+    flush_live(fs.url(group_path))  # a recording in this process: its buffered steps first
+    if not fs.isdir(group_path):
+        raise GradStoreError(f"{fs.url(store) if fs.remote else store!r} has no group for rank "
+                             f"{rank}; ranks stored: {store_ranks(store, fs)}")
+    n = read_commit(group_path, fs)["steps"]
     # members looked up by path, not by listing the group (the listing would meet commit.json)
-    names = [m for m in _MEMBERS if os.path.isfile(os.path.join(group_path, m, "zarr.json"))]
-    attrs = _group_attrs(group_path)
+    if fs.remote:
+        got = fs.read_many([fs.join(group_path, m, "zarr.json") for m in _MEMBERS])
+        names = [m for m in _MEMBERS if got[fs.join(group_path, m, "zarr.json")] is not None]
+    else:
+        names = [m for m in _MEMBERS if os.path.isfile(os.path.join(group_path, m, "zarr.json"))]
+    attrs = _group_attrs(group_path, fs)
     arrays = _static_arrays(attrs, names)
     lazy = chunks is not None
     eager = [k for k in names if k not in arrays and k not in _BITS
              and not (lazy and k not in ("step", "hash"))]
-    arrays.update(_eager_arrays(group_path, eager, n))
+    arrays.update(_eager_arrays(group_path, eager, n, fs))
     if lazy:
-        arrays.update(_dask_arrays(group_path, [k for k in names if k not in arrays], n, chunks))
+        arrays.update(_dask_arrays(group_path, [k for k in names if k not in arrays], n, chunks,
+                                   fs))
     steps = arrays["step"][1]
     for name in _BITS:
         if name in names and name not in arrays:
-            arrays[name] = _bits(group_path, name, n, steps)
+            arrays[name] = _bits(group_path, name, n, steps, fs)
     coords = {"step": arrays["step"]}
     for name in _COORDS:
         if name in arrays:
@@ -386,6 +404,8 @@ def open_rank(store: str, rank: int, chunks=None):
         data_vars["hash"] = (("step", "param"), _hex(arrays["hash"][1]))
     for k in _STATIC_ATTRS.values():
         attrs.pop(k, None)
+    if isinstance(attrs.get("placement"), list):  # a shard group (assemble.py reads it)
+        attrs["placement"] = json.dumps(attrs["placement"])
     attrs["rank"] = int(rank)
     attrs["committed_steps"] = n
     return xr.Dataset(data_vars, coords=coords, attrs=_clean_attrs(attrs))
@@ -401,32 +421,32 @@ def _static_arrays(attrs: dict, names) -> dict:
     return out
 
 
-def _eager_arrays(group_path: str, names, n: int) -> dict:
+def _eager_arrays(group_path: str, names, n: int, fs=LOCAL) -> dict:
     """{name: (dims, the committed rows)}: plain arrays from their chunk files, the others (a
     compressed array, another writer's) through Zarr in one round trip."""
     out = {}
     for name in names:
-        plain = read_plain(os.path.join(group_path, name), n)
+        plain = read_plain(fs.join(group_path, name), n, fs)
         if plain is not None:
             out[name] = plain
     rest = [k for k in names if k not in out]
     if rest:
-        _, dims, data = _fetch(group_path, rest, n)
+        _, dims, data = _fetch(group_path, rest, n, fs)
         out.update({k: (dims[k], data[k]) for k in rest})
     return out
 
 
-def _dask_arrays(group_path: str, names, n: int, chunks) -> dict:
+def _dask_arrays(group_path: str, names, n: int, chunks, fs=LOCAL) -> dict:
     """{name: (dims, a dask array over the Zarr chunks)} for a store larger than memory."""
     import dask.array as dsa
     import zarr
 
-    group = zarr.open_group(group_path, mode="r", zarr_format=3)
+    group = zarr.open_group(zarr_store(fs, group_path), mode="r", zarr_format=3)
     out = {}
     for name in names:
         arr = group[name]
         dims = tuple(arr.metadata.dimension_names)
-        raw = RawChunks.open(os.path.join(group_path, name), n) if name in _BITS else None
+        raw = RawChunks.open(fs.join(group_path, name), n, fs) if name in _BITS else None
         if raw is not None:
             out[name] = (dims, dsa.from_array(raw, chunks=_dask_chunks(arr, dims, chunks),
                                               asarray=False))
@@ -438,23 +458,23 @@ def _dask_arrays(group_path: str, names, n: int, chunks) -> dict:
     return out
 
 
-def _bits(group_path: str, name: str, n: int, steps):
+def _bits(group_path: str, name: str, n: int, steps, fs=LOCAL):
     """A packed bit array (step, byte): read lazily from its chunk files, remembering them for
     the comparison (``chunks.raw_bits``); stored another way, through Zarr."""
-    raw = RawChunks.open(os.path.join(group_path, name), n)
+    raw = RawChunks.open(fs.join(group_path, name), n, fs)
     if raw is not None:
         return bits_variable(("step", "byte"), raw, steps)
     import zarr
 
-    return ("step", "byte"), zarr.open_array(os.path.join(group_path, name), mode="r")[:n]
+    group = zarr.open_group(zarr_store(fs, group_path), mode="r", zarr_format=3)
+    return ("step", "byte"), group[name][:n]
 
 
-def _group_attrs(group_path: str) -> dict:
-    with open(os.path.join(group_path, "zarr.json"), encoding="utf-8") as fh:
-        return dict(json.load(fh).get("attributes", {}))
+def _group_attrs(group_path: str, fs=LOCAL) -> dict:
+    return dict(json.loads(fs.read(fs.join(group_path, "zarr.json"))).get("attributes", {}))
 
 
-def _fetch(group_path: str, names, n: int):
+def _fetch(group_path: str, names, n: int, fs=LOCAL):
     """Group attributes, dimension names and the committed data of ``names``, read in one
     round trip through Zarr's event loop (metadata of all arrays together, then all data)."""
     import asyncio
@@ -465,7 +485,7 @@ def _fetch(group_path: str, names, n: int):
         from zarr.api.asynchronous import open_group
         from zarr.core.sync import sync
     except ImportError:  # pragma: no cover - another zarr layout: one array at a time
-        group = zarr.open_group(group_path, mode="r", zarr_format=3)
+        group = zarr.open_group(zarr_store(fs, group_path), mode="r", zarr_format=3)
         meta = {k: tuple(group[k].metadata.dimension_names) for k in names}
         data = {}
         for k in names:
@@ -477,7 +497,7 @@ def _fetch(group_path: str, names, n: int):
         return dict(group.attrs), meta, data
 
     async def run():
-        group = await open_group(group_path, mode="r", zarr_format=3)
+        group = await open_group(zarr_store(fs, group_path), mode="r", zarr_format=3)
         arrays = await asyncio.gather(*(group.getitem(k) for k in names))
         meta = {k: tuple(a.metadata.dimension_names) for k, a in zip(names, arrays)}
         for k, a in zip(names, arrays):

@@ -1,4 +1,5 @@
-"""torchrun --nproc_per_node=2 with gloo and DDP: per-rank outputs, rank filter respected."""
+"""torchrun with gloo: DDP, FSDP2, tensor parallel and HSDP at 2 and 4 ranks; one copy of every
+gradient (shards assembled by the reader), rank filter respected, a killed rank tolerated."""
 import os
 import socket
 import subprocess
@@ -31,31 +32,32 @@ def torchrun(dump_path, ranks="", *extra):
 
 @pytest.mark.slow
 def test_grad_probe_under_torchrun(tmp_path):
+    """DDP: the gradients are equal on every rank after the all-reduce, so only the group's
+    first rank writes; a rank filter keeps msprobe's meaning (the listed ranks write)."""
     out = torchrun(tmp_path / "all")
     assert "rank 0 done steps=4 world=2 checked=0" in out
-    assert "rank 1 done steps=4 world=2 checked=0" in out
+    assert "rank 1 done steps=0 world=2 checked=0" in out  # no hook: nothing to record
     store = tmp_path / "all" / "grads.zarr"
-    assert sorted(os.listdir(store)) == ["rank0", "rank1", "zarr.json"]
-    r0, r1 = open_grads(store, rank=0), open_grads(store, rank=1)
-    assert r0["step"].values.tolist() == r1["step"].values.tolist() == [0, 1, 2, 3]
+    assert sorted(os.listdir(store)) == ["rank0", "zarr.json"]
+    r0 = open_grads(store)
+    assert r0["step"].values.tolist() == [0, 1, 2, 3]
     # stored without DDP's "module." prefix (kept as recorded in an attribute) ...
     assert r0["param"].values.tolist() == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert r0.attrs["recorded_params"][0] == "module.0.weight"
-    # DDP all-reduces gradients: both ranks hold the same gradients at every step
-    assert np.array_equal(r0["direction"].values, r1["direction"].values)
-    assert np.array_equal(r0["max"].values, r1["max"].values)
-    cmp = compare_grads(tmp_path / "all", tmp_path / "all")
-    assert cmp["rank"].values.tolist() == [0, 1]
-    assert np.all(cmp["similarity"].values == 1.0)
     # ... so the DDP run compares with a single-process run on both ranks' data, out of the box
     single_process_run(tmp_path / "single")
-    cmp = compare_grads(tmp_path / "single", {0: r0})
+    cmp = compare_grads(tmp_path / "single", tmp_path / "all")
     assert cmp["param"].values.tolist() == r0["param"].values.tolist()
     assert float(cmp["similarity"].min()) > 0.97
     single = open_grads(tmp_path / "single")
     np.testing.assert_allclose(r0["norm"].values, single["norm"].values, rtol=1e-5)
     torchrun(tmp_path / "one", "1")
     assert sorted(os.listdir(tmp_path / "one" / "grads.zarr")) == ["rank1", "zarr.json"]
+    one = open_grads(tmp_path / "one")
+    assert np.array_equal(one["direction"].values, r0["direction"].values)
+    # one run each: compared parameter by parameter whatever rank recorded it
+    cmp = compare_grads(tmp_path / "all", tmp_path / "one")
+    assert cmp["rank"].values.tolist() == [0] and np.all(cmp["similarity"].values == 1.0)
 
 
 def single_process_run(dump_path):
@@ -90,7 +92,7 @@ def test_both_probes_under_torchrun(tmp_path):
     rows = pd.read_csv(tmp_path / "all" / "free_benchmark.csv")
     assert sorted(rows["rank"].unique().tolist()) == [0, 1]
     assert sorted(rows["step"].unique().tolist()) == [0, 1, 2, 3]
-    assert sorted(os.listdir(tmp_path / "all" / "grads.zarr")) == ["rank0", "rank1", "zarr.json"]
+    assert sorted(os.listdir(tmp_path / "all" / "grads.zarr")) == ["rank0", "zarr.json"]
     out = torchrun(tmp_path / "one", "1", "freebench")
     assert "rank 0 done steps=0 world=2 checked=0" in out
     rows = pd.read_csv(tmp_path / "one" / "free_benchmark.csv")
@@ -98,44 +100,134 @@ def test_both_probes_under_torchrun(tmp_path):
     assert sorted(os.listdir(tmp_path / "one" / "grads.zarr")) == ["rank1", "zarr.json"]
 
 
-@pytest.mark.slow
-def test_fsdp2_runs_record_full_parameters_and_compare(tmp_path):
-    """FSDP2's DTensor gradients: full-parameter statistics on every rank, two FSDP2 runs
-    compare, and an FSDP2 run compares with a single-process run of the same model."""
-    import torch
+LAYOUTS = os.path.join(os.path.dirname(SCRIPT), "_dist_layouts.py")
 
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    import _fsdp2_train
 
+def torchrun_layouts(out, nproc, *layouts, check=True):
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                          "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-                          _fsdp2_train.__file__, str(tmp_path / "a"), str(tmp_path / "b"),
-                          str(tmp_path / "c")],
-                         capture_output=True, text=True, env=env, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    single = _fsdp2_train.make_model()
-    names = [n for n, _ in single.named_parameters()]
-    _fsdp2_train.train(single, str(tmp_path / "single"))
-    ref = open_grads(tmp_path / "single")
-    for rank in (0, 1):
-        ds = open_grads(tmp_path / "a", rank=rank)
-        assert ds["param"].values.tolist() == names
-        assert ds["numel"].values.tolist() == ref["numel"].values.tolist()
-        assert ds["step"].values.tolist() == [0, 1, 2] and bool(ds["present"].all())
-        for var in ("max", "min", "norm"):
-            np.testing.assert_allclose(ds[var].values, ref[var].values, rtol=1e-5, atol=1e-8)
-    cmp = compare_grads(tmp_path / "a", tmp_path / "b")
-    assert cmp["rank"].values.tolist() == [0, 1]
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                          f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+                          f"--master_port={free_port()}", LAYOUTS, str(out), *layouts],
+                         capture_output=True, text=True, env=env, timeout=300)
+    if check:
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def collectives(stdout):
+    """{(rank, layout): (plain, probe)} from _dist_layouts.py's lines."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("rank ") and " collectives " in line:
+            r, layout = line.split()[1:3]
+            plain, probe = (int(x.split("=")[1]) for x in line.split()[-2:])
+            out[(int(r), layout)] = (plain, probe)
+    return out
+
+
+def assert_like_single(run, ref, exact=True):
+    """The assembled run holds the single process's Dataset: same params, shapes, steps,
+    statistics (float rounding of the collectives' sums aside) and sign bits."""
+    ds = open_grads(run)
+    assert ds["param"].values.tolist() == ref["param"].values.tolist()
+    assert ds["numel"].values.tolist() == ref["numel"].values.tolist()
+    assert ds["shape"].values.tolist() == ref["shape"].values.tolist()
+    assert ds["step"].values.tolist() == ref["step"].values.tolist()
+    assert bool(ds["present"].all())
+    for var in ("max", "min", "norm", "zeros", "dist"):
+        np.testing.assert_allclose(ds[var].values, ref[var].values, rtol=1e-5, atol=1e-7)
+    assert np.array_equal(ds["direction"].values, ref["direction"].values)
+    cmp = compare_grads(run, ref)
+    assert cmp["rank"].values.tolist() == [0]
     assert np.all(cmp["similarity"].values == 1.0)
-    cmp = compare_grads(tmp_path / "single", {0: open_grads(tmp_path / "a", rank=0)})
-    assert float(cmp["similarity"].min()) > 0.97
-    # rank filter [1]: rank 0 joined the gathers (no hang) and wrote nothing
-    assert sorted(os.listdir(tmp_path / "c" / "grads.zarr")) == ["rank1", "zarr.json"]
-    c1, a1 = open_grads(tmp_path / "c", rank=1), open_grads(tmp_path / "a", rank=1)
-    assert np.array_equal(c1["max"].values, a1["max"].values)
-    assert np.array_equal(c1["direction"].values, a1["direction"].values)
-    assert torch.distributed.is_available()
+    return ds
+
+
+@pytest.fixture(scope="module")
+def single_ref(tmp_path_factory):
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import _dist_layouts
+
+    path = tmp_path_factory.mktemp("single") / "run"
+    _dist_layouts.train_single(path)
+    ds = open_grads(path)
+    ds.attrs["store"] = str(path / "grads.zarr")
+    return ds
+
+
+@pytest.mark.slow
+def test_two_ranks_fsdp2_tp_ddp_record_one_copy_of_shards(tmp_path, single_ref):
+    """FSDP2 and tensor parallel: every rank records its own shards (no gather: the probe adds
+    no collective), the reader assembles the single process's Dataset; DDP: one rank writes;
+    a rank filter keeps msprobe's meaning (every listed rank writes)."""
+    res = torchrun_layouts(tmp_path, 2, "fsdp2", "tp", "ddp", "ddp_all")
+    counts = collectives(res.stdout)
+    assert len(counts) == 8, res.stdout[-2000:]
+    for (rank, layout), (plain, probe) in counts.items():
+        assert probe == plain, (rank, layout, plain, probe)
+    for layout in ("fsdp2", "tp"):
+        store = tmp_path / layout / "grads.zarr"
+        assert sorted(os.listdir(store)) == ["rank0", "rank1", "zarr.json"]
+        shard = open_grads(tmp_path / layout, rank=1, shards=True)
+        assert int(shard["numel"].sum()) < int(single_ref["numel"].sum())  # a shard, not all
+        ds = assert_like_single(tmp_path / layout, single_ref)
+        assert ds.attrs["assembled_from"] == [0, 1]
+    # tensor parallel: RowwiseParallel's bias is replicated: only mesh coordinate 0 records it
+    tp1 = open_grads(tmp_path / "tp", rank=1, shards=True)
+    assert "1.0.bias" not in tp1["param"].values.tolist()
+    assert "1.0.weight" in tp1["param"].values.tolist()  # Shard(1): a column block
+    assert sorted(os.listdir(tmp_path / "ddp" / "grads.zarr")) == ["rank0", "zarr.json"]
+    assert_like_single(tmp_path / "ddp", single_ref)
+    assert sorted(os.listdir(tmp_path / "ddp_all" / "grads.zarr")) == ["rank0", "rank1",
+                                                                        "zarr.json"]
+    # one copy per replica: DDP's store is what the single process's store is
+    assert store_bytes(tmp_path / "ddp" / "grads.zarr") <= 1.15 * store_bytes(
+        single_ref.attrs["store"])
+
+
+@pytest.mark.slow
+def test_four_ranks_fsdp2_hsdp_ddp_and_layouts_compare(tmp_path, single_ref):
+    """FSDP2 over 4 ranks (one rank holds an empty shard of the 3-element bias), HSDP (2
+    replicas x 2 shards: the second replica writes nothing) and DDP line up parameter by
+    parameter with each other and with a single process, similarity 1.0."""
+    res = torchrun_layouts(tmp_path, 4, "fsdp2", "hsdp", "ddp")
+    for (rank, layout), (plain, probe) in collectives(res.stdout).items():
+        assert probe == plain, (rank, layout, plain, probe)
+    assert sorted(os.listdir(tmp_path / "fsdp2" / "grads.zarr")) == [
+        "rank0", "rank1", "rank2", "rank3", "zarr.json"]
+    assert sorted(os.listdir(tmp_path / "hsdp" / "grads.zarr")) == ["rank0", "rank1",
+                                                                     "zarr.json"]
+    assert sorted(os.listdir(tmp_path / "ddp" / "grads.zarr")) == ["rank0", "zarr.json"]
+    empty = open_grads(tmp_path / "fsdp2", rank=3, shards=True)
+    assert int(empty["numel"].values[-1]) == 0  # 3 rows over 4 ranks
+    for layout in ("fsdp2", "hsdp", "ddp"):
+        assert_like_single(tmp_path / layout, single_ref)
+    cmp = compare_grads(tmp_path / "fsdp2", tmp_path / "hsdp")
+    assert np.all(cmp["similarity"].values == 1.0)
+    assert cmp["param"].values.tolist() == single_ref["param"].values.tolist()
+    assert store_bytes(tmp_path / "ddp" / "grads.zarr") <= 1.15 * store_bytes(
+        single_ref.attrs["store"])  # one copy per replica
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_leaves_the_others_steps_readable(tmp_path):
+    """FSDP2, 2 ranks: rank 1 dies (SIGKILL) after its backward of step 2; rank 0 records step
+    2 and is stopped by torchrun. The store opens at the steps both ranks committed, and rank
+    0's own later steps are readable as shards."""
+    res = torchrun_layouts(tmp_path, 2, "crash", check=False)
+    assert res.returncode != 0
+    ds = open_grads(tmp_path / "crash")
+    r0 = open_grads(tmp_path / "crash", rank=0, shards=True)
+    r1 = open_grads(tmp_path / "crash", rank=1, shards=True)
+    assert r1["step"].values.tolist() == [0]  # step 1 was still buffered when it died
+    assert r0["step"].values.tolist() == [0, 1, 2]  # written on SIGTERM / at exit
+    assert ds["step"].values.tolist() == [0]
+    assert ds["numel"].values.tolist() == [144, 12, 144, 12, 144, 12, 36, 3]
+
+
+def store_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path)
+               for f in files)
 
 
 @pytest.mark.slow

@@ -193,7 +193,20 @@ def test_compare_errors():
     with pytest.raises(GradCompareError, match="grad_level 'L0', which keeps no direction"):
         compare_grads(l0, a)
     with pytest.raises(GradCompareError, match="share no rank"):
-        compare_grads(a, make_ds([[flips(70, 0), flips(8, 0)]], rank=1))
+        compare_grads({0: a, 1: a}, {2: a, 3: a})
+
+
+def test_one_dataset_each_pairs_whatever_rank_recorded_it():
+    """A DDP run written by rank 1, an assembled sharded run, a single process: one Dataset
+    each, compared parameter by parameter (labelled with the first run's rank)."""
+    a = make_ds([[flips(70, 0), flips(8, 0)]], steps=[0])
+    b = make_ds([[flips(70, 7), flips(8, 0)]], steps=[0], rank=1)
+    cmp = compare_grads(a, b)
+    assert cmp["rank"].values.tolist() == [0]
+    assert cmp["similarity"].values.tolist() == [[[0.9, 1.0]]]
+    several = compare_grads({0: a, 1: b}, {0: a, 1: b})  # ranks of several: r with r
+    assert several["rank"].values.tolist() == [0, 1]
+    assert np.all(several["similarity"].values == 1.0)
 
 
 def test_compare_from_stores_in_blocks(tmp_path):

@@ -1,0 +1,99 @@
+"""Where a grad-probe graph runs: dask on the local cores, or a ``dask.distributed`` cluster.
+
+``run_graph(tasks)`` computes a list of ``dask.delayed`` results: with dask's threaded scheduler
+on this machine's cores by default (numpy's loops and file reads release the GIL), with a
+``distributed.Client`` given as ``client=``, or with one connected to ``scheduler=`` (an address
+such as ``"tcp://10.0.0.5:8786"``) for the call. Long runs report progress on stderr: the
+finished tasks over all, at most once a second, from the moment a run has taken ``delay``
+seconds (``progress=True``: from the start; ``False``: never).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+class _Progress:
+    """Finished tasks / all, printed on stderr once the run is slower than ``delay`` seconds."""
+
+    def __init__(self, total: int, label: str, delay: float, stream=None) -> None:
+        self.total, self.label, self.delay = total, label, delay
+        self.stream = stream or sys.stderr
+        self.done = 0
+        self.t0 = self.last = time.monotonic()
+        self.shown = False
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.t0 >= self.delay and (now - self.last >= 1.0 or not self.shown
+                                             or self.done == self.total):
+            self.last, self.shown = now, True
+            self.stream.write(f"\r[probekit] {self.label}: {self.done}/{self.total} tasks, "
+                              f"{now - self.t0:.0f} s")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run_graph(tasks: list, *, client=None, scheduler=None, progress=None, label="graph",
+              num_workers: int | None = None) -> list:
+    """The values of ``tasks`` (``dask.delayed`` objects), computed together."""
+    import dask
+
+    if client is not None and scheduler is not None:
+        raise ValueError("client= and scheduler= given; accepted: one of them (a "
+                         "distributed.Client, or the address of its scheduler)")
+    delay = 0.0 if progress is True else 2.0
+    show = progress is not False
+    if scheduler is not None:
+        try:
+            from distributed import Client
+        except ImportError:
+            raise ImportError("scheduler=: a dask.distributed cluster needs the distributed "
+                              "package: pip install 'probekit[distributed]'") from None
+        try:
+            client = Client(scheduler, timeout="20s", set_as_default=False)
+        except OSError as exc:
+            raise ConnectionError(f"scheduler: {scheduler!r} cannot be reached ({exc}); "
+                                  "accepted: the address of a running dask scheduler, "
+                                  "e.g. tcp://host:8786") from None
+        try:
+            return _on_client(client, tasks, show, delay, label)
+        finally:
+            client.close()
+    if client is not None:
+        return _on_client(client, tasks, show, delay, label)
+    graph = dask.delayed(list)(tasks)  # one graph: shared inputs are computed once
+    n = len(dict(graph.__dask_graph__()))
+    bar = _Progress(n, label, delay) if show else None
+    if bar is None:
+        return graph.compute(scheduler="threads", num_workers=num_workers)
+    from dask.callbacks import Callback
+
+    class Count(Callback):
+        def _posttask(self, key, result, dsk, state, worker_id):
+            bar.step()
+
+    try:
+        with Count():
+            return graph.compute(scheduler="threads", num_workers=num_workers)
+    finally:
+        bar.close()
+
+
+def _on_client(client, tasks, show, delay, label) -> list:
+    from distributed import as_completed
+
+    futures = client.compute(tasks)
+    if show:
+        bar = _Progress(len(futures), label, delay)
+        try:
+            for _ in as_completed(futures):
+                bar.step()
+        finally:
+            bar.close()
+    return client.gather(futures)

@@ -1,0 +1,121 @@
+"""Run under torchrun (gloo): the grad probe under several parallel layouts of one tiny model.
+
+argv: output folder, then the layouts to run, in order: ``fsdp2``, ``ddp``, ``ddp_all`` (DDP with
+``rank=[every rank]``: msprobe's filter, every rank writes), ``tp`` (tensor parallel: colwise /
+rowwise Linear layers), ``hsdp`` (4 ranks: 2 replicas x 2 shards), ``crash`` (FSDP2; the last
+rank kills itself in the middle of step 2, after its backward, before its optimizer step).
+
+Every rank trains on the same batch, so the gradients are those of a single process on it
+(``make_model``, ``batches``, ``train_single``). Each layout's store is ``{out}/{layout}``; a
+line ``rank R LAYOUT collectives plain=N probe=M`` gives the gloo collectives of one profiled
+step without and with the probe.
+"""
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(12, 12), torch.nn.GELU())
+                                 for _ in range(3)], torch.nn.Linear(12, 3))
+
+
+def batches(steps=4):
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(16, 12, generator=gen), torch.randn(16, 3, generator=gen))
+            for _ in range(steps)]
+
+
+def train_single(path, steps=4):
+    """The reference: one process, the same model and batches."""
+    from probekit.grads import GradProbe
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with GradProbe(model, grad_level="L2", dump_path=str(path), significance=True,
+                   flush_every=1):
+        for x, y in batches(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+
+def wrap(layout):
+    model = make_model()
+    world = dist.get_world_size()
+    if layout in ("fsdp2", "crash", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+                if layout == "hsdp" else None)
+        for block in list(model)[:3]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if layout in ("ddp", "ddp_all"):
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if layout == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        mesh = init_device_mesh("cpu", (world,))
+        return parallelize_module(model, mesh, {"0.0": ColwiseParallel(),
+                                                "1.0": RowwiseParallel(),
+                                                "2.0": ColwiseParallel(), "3": RowwiseParallel()})
+    raise SystemExit(f"unknown layout {layout!r}")
+
+
+def run(layout, path, probe):
+    from torch.profiler import profile
+
+    from probekit.grads import GradProbe
+
+    model = wrap(layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ranks = list(range(dist.get_world_size())) if layout == "ddp_all" else None
+    gp = (GradProbe(model, grad_level="L2", dump_path=path, rank=ranks, significance=True,
+                    flush_every=1).start() if probe else None)
+    data = batches()
+    collectives = 0
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        if step == len(data) - 1:
+            with profile() as prof:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            collectives = sum(1 for e in prof.events() if e.name.startswith("gloo:"))
+            continue
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if layout == "crash" and step == 2 and dist.get_rank() == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after backward, before step()
+        opt.step()
+    if gp is not None:
+        gp.stop()
+    return collectives
+
+
+def main():
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    out, layouts = sys.argv[1], sys.argv[2:]
+    rank = dist.get_rank()
+    for layout in layouts:
+        if layout == "crash":  # the last one: a rank dies, torchrun ends the others
+            run(layout, os.path.join(out, layout), True)
+            continue
+        plain = run(layout, os.path.join(out, layout + "_plain"), False)
+        probed = run(layout, os.path.join(out, layout), True)
+        os.write(1, f"rank {rank} {layout} collectives plain={plain} probe={probed}\n".encode())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
