@@ -9,13 +9,38 @@ from .report import PLOTS
 
 
 def _declare_compare(p):
-    p.add_argument("run_a", help="first run: probekit dump folder, grads.zarr, or msprobe dump")
+    p.add_argument("run_a", help="first run: probekit dump folder, grads.zarr, its fsspec URL "
+                                 "(s3://...), or msprobe dump")
     p.add_argument("run_b", help="second run")
     p.add_argument("-o", "--output", required=True, help="output folder (msprobe's layout)")
     p.add_argument("--plots", choices=PLOTS, default="summary",
                    help="PNGs to render: every parameter (msprobe), summary only, or none")
     p.add_argument("--step0-threshold", type=float, default=STEP0_THRESHOLD)
     p.add_argument("--drop-threshold", type=float, default=DROP_THRESHOLD)
+    p.add_argument("--scheduler", metavar="ADDR", default=None,
+                   help="run the comparison on this dask.distributed scheduler "
+                        "(tcp://host:8786); default: the local cores")
+    _storage_argument(p)
+
+
+def _storage_argument(p):
+    p.add_argument("--storage-options", metavar="JSON", type=_json_object, default=None,
+                   help="fsspec storage_options for URL runs, as a JSON object (endpoint, "
+                        "credentials); the usual AWS_* variables work without it")
+
+
+def _json_object(text):
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("accepted: a JSON object, e.g. "
+                                         "'{\"endpoint_url\": \"http://host:9000\"}'")
+    return value
 
 
 @command("grads", "compare", "compare the gradient signs of two runs, per rank/step/param")
@@ -24,7 +49,8 @@ def compare(args) -> int:
 
     result = GradComparator.compare_distributed(
         args.run_a, args.run_b, args.output, plots=args.plots,
-        step0_threshold=args.step0_threshold, drop_threshold=args.drop_threshold)
+        step0_threshold=args.step0_threshold, drop_threshold=args.drop_threshold,
+        scheduler=args.scheduler, storage_options=args.storage_options)
     for rank in result["rank"].values:
         r = result.sel(rank=rank)
         step, param = int(r["first_step"].item()), str(r["first_param"].item())
@@ -45,15 +71,17 @@ compare.declare = _declare_compare
 
 
 def _declare_summary(p):
-    p.add_argument("run", help="probekit dump folder, grads.zarr, or msprobe dump")
+    p.add_argument("run", help="probekit dump folder, grads.zarr, its fsspec URL, or msprobe "
+                               "dump")
     p.add_argument("--rank", type=int, default=None)
+    _storage_argument(p)
 
 
 @command("grads", "summary", "describe a recorded run: ranks, steps, params, last statistics")
 def summary(args) -> int:
     from .sources import load_runs
 
-    runs = load_runs(args.run)
+    runs = load_runs(args.run, storage_options=args.storage_options)
     for rank, ds in sorted(runs.items()):
         if args.rank is not None and rank != args.rank:
             continue
@@ -75,16 +103,17 @@ summary.declare = _declare_summary
 
 
 def _declare_export(p):
-    p.add_argument("run", help="probekit dump folder or grads.zarr")
+    p.add_argument("run", help="probekit dump folder, grads.zarr or its fsspec URL")
     p.add_argument("--to", choices=("msprobe",), required=True)
     p.add_argument("output", help="output folder")
+    _storage_argument(p)
 
 
 @command("grads", "export", "write a run in another tool's layout (msprobe's grad dump)")
 def export(args) -> int:
     from .msprobe import write_grad_dump
 
-    files = write_grad_dump(args.run, args.output)
+    files = write_grad_dump(args.run, args.output, storage_options=args.storage_options)
     print(f"wrote {len(files)} files under {args.output}")
     return 0
 

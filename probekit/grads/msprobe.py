@@ -162,11 +162,12 @@ def _load_direction(step_dir: str, param: str, numel: int) -> np.ndarray:
     return arr.reshape(-1)
 
 
-def write_grad_dump(source, out_path: str, ranks=None) -> list[str]:
-    """Write a grad run (path or Dataset) in msprobe's layout under ``out_path``; returns files."""
+def write_grad_dump(source, out_path: str, ranks=None, storage_options=None) -> list[str]:
+    """Write a grad run (path, URL or Dataset) in msprobe's layout under ``out_path``; returns
+    the files written."""
     from .sources import load_runs
 
-    runs = load_runs(source, chunks=None)
+    runs = load_runs(source, chunks=None, storage_options=storage_options)
     written = []
     for rank, ds in sorted(runs.items()):
         if ranks is not None and rank not in ranks:

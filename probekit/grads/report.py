@@ -35,16 +35,18 @@ class GradComparator:
     @staticmethod
     def compare_distributed(dump_path1, dump_path2, output_path, *, plots: str = "all",
                             step0_threshold: float = STEP0_THRESHOLD,
-                            drop_threshold: float = DROP_THRESHOLD):
+                            drop_threshold: float = DROP_THRESHOLD, **compare_options):
         """Compare every rank two runs share; write ``rank{r}/similarities.csv`` and plots.
 
         ``plots``: ``"all"`` (msprobe's per-parameter PNGs + summary), ``"summary"`` (only
-        ``summary_similarities.png``) or ``"none"``. Returns the comparison Dataset.
+        ``summary_similarities.png``) or ``"none"``. ``compare_options`` go to
+        ``compare_grads`` (``client``, ``scheduler``, ``progress``, ``storage_options``, ...).
+        Returns the comparison Dataset.
         """
         if plots not in PLOTS:
             raise ValueError(f"plots: {plots!r} is not valid; accepted: {', '.join(PLOTS)}")
         result = compare_grads(dump_path1, dump_path2, step0_threshold=step0_threshold,
-                               drop_threshold=drop_threshold)
+                               drop_threshold=drop_threshold, **compare_options)
         os.makedirs(output_path, exist_ok=True)
         for rank in result["rank"].values:
             rank_dir = os.path.join(output_path, f"rank{int(rank)}")
