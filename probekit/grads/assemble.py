@@ -23,9 +23,9 @@ comparison, the plots, ``GradExplorer``) works on it unchanged:
   single process's), a parameter in several gets the md5 of its shards' digests in offset
   order (attribute ``hash_per_shard`` lists them): equal between runs sharded the same way.
 
-Shards recorded twice (replicas written on purpose with a ``rank`` filter) are taken once. A
-parameter whose shards do not cover it (a ``rank`` filter that left ranks out) is not assembled:
-when no parameter is whole, the rank groups are returned as recorded.
+Shards recorded twice (replicas written on purpose with a ``rank`` filter) are taken once. When
+a parameter's shards do not cover it (a ``rank`` filter that left ranks out), nothing is
+assembled: the rank groups are returned as recorded.
 """
 from __future__ import annotations
 
@@ -103,13 +103,11 @@ def assemble_runs(runs: dict) -> dict:
         parts = pieces[name]
         covered = sum(int(sharded[r]["numel"].values[j]) for r, j, _ in parts)
         (whole if covered == _global_numel(name, parts, sharded) else partial).append(name)
-    if not whole:
-        log.info("grad store: no parameter has all its shards recorded (a rank filter?); the "
-                 "ranks are read as recorded, shard by shard")
-        return runs
     if partial:
-        log.warning("grad store: %d parameters miss shards and are left out (first: %s)",
-                    len(partial), partial[0])
+        log.info("grad store: %d of %d parameters miss shards (a rank filter? first: %s); the "
+                 "ranks are read as recorded, shard by shard", len(partial), len(order),
+                 partial[0])
+        return runs
     out = {r: ds for r, ds in runs.items() if r not in sharded}
     label = min(sharded)
     out[label] = _assemble(sharded, whole, {n: pieces[n] for n in whole}, label)
