@@ -347,7 +347,8 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     Runs of one Dataset each (single process, DDP, a sharded run assembled) pair parameter by
     parameter whatever rank recorded them; runs of several ranks pair rank r with rank r.
 
-    Where it runs: a dask graph, one task per block of steps of each rank pair, on the local
+    Where it runs: a dask graph, one task per block of steps of each rank pair (the counts of
+    differing bits; the similarities are computed from them here), on the local
     cores (dask's threads) by default, or on a ``dask.distributed`` cluster: ``client=`` (a
     ``distributed.Client``) or ``scheduler=`` (its address, ``"tcp://host:8786"``); the
     workers read the stores themselves (the same paths or URLs must reach them).
@@ -364,17 +365,24 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     pairs = pair_runs(runs_a, runs_b, ranks)
     import dask
 
-    tasks = []
+    plans, tasks = [], []
     for r, ds_a, ds_b in pairs:
         plan = plan_pair(ds_a, ds_b, block_bytes)
         src = dask.delayed(bit_sources(ds_a, ds_b, plan), pure=False, traverse=False)
         lazy_plan = dask.delayed(plan, pure=False, traverse=False)
-        parts = [dask.delayed(count_block, pure=True)(src, lazy_plan, s0, s1)
-                 for s0, s1 in plan["blocks"]]
-        tasks.append(dask.delayed(_finish_rank, pure=True)(
-            lazy_plan, parts, step0_threshold, drop_threshold, noise_aware, r))
-    results = run_graph(tasks, client=client, scheduler=scheduler, progress=progress,
-                        label="compare")
+        plans.append(plan)
+        tasks += [dask.delayed(count_block, pure=True)(src, lazy_plan, s0, s1)
+                  for s0, s1 in plan["blocks"]]
+    counts = iter(run_graph(tasks, client=client, scheduler=scheduler, progress=progress,
+                            label="compare"))
+    results = []
+    for plan in plans:  # cheap: per-parameter arithmetic on the counts
+        res = finish_pair(plan, [next(counts) for _ in plan["blocks"]], step0_threshold,
+                          drop_threshold, noise_aware)
+        step, param = first_divergence(res)
+        res["first_step"] = ((), step)
+        res["first_param"] = ((), param)
+        results.append(res)
     parts = [res.expand_dims(rank=[r]) for (r, _, _), res in zip(pairs, results)]
     if len(parts) == 1:
         out = parts[0]
@@ -385,11 +393,3 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
             "total_significant": np.nan}, coords="different", compat="equals")
     out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
     return out
-
-
-def _finish_rank(plan, parts, step0_threshold, drop_threshold, noise_aware, rank):
-    res = finish_pair(plan, parts, step0_threshold, drop_threshold, noise_aware)
-    step, param = first_divergence(res)
-    res["first_step"] = ((), step)
-    res["first_param"] = ((), param)
-    return res

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 import time
 
+from ..errors import GradCompareError
+
 
 class _Progress:
     """Finished tasks / all, printed on stderr once the run is slower than ``delay`` seconds."""
@@ -56,11 +58,11 @@ def run_graph(tasks: list, *, client=None, scheduler=None, progress=None, label=
             raise ImportError("scheduler=: a dask.distributed cluster needs the distributed "
                               "package: pip install 'probekit[distributed]'") from None
         try:
-            client = Client(scheduler, timeout="20s", set_as_default=False)
-        except OSError as exc:
-            raise ConnectionError(f"scheduler: {scheduler!r} cannot be reached ({exc}); "
-                                  "accepted: the address of a running dask scheduler, "
-                                  "e.g. tcp://host:8786") from None
+            client = Client(scheduler, timeout="10s", set_as_default=False)
+        except (OSError, ValueError, TypeError) as exc:
+            raise GradCompareError(f"scheduler: {scheduler!r} cannot be reached "
+                                   f"({type(exc).__name__}: {exc}); accepted: the address of a "
+                                   "running dask scheduler, e.g. tcp://host:8786") from None
         try:
             return _on_client(client, tasks, show, delay, label)
         finally:
@@ -88,12 +90,13 @@ def run_graph(tasks: list, *, client=None, scheduler=None, progress=None, label=
 def _on_client(client, tasks, show, delay, label) -> list:
     from distributed import as_completed
 
-    futures = client.compute(tasks)
-    if show:
-        bar = _Progress(len(futures), label, delay)
-        try:
-            for _ in as_completed(futures):
-                bar.step()
-        finally:
-            bar.close()
-    return client.gather(futures)
+    with client.as_current():  # a client made for this call is nobody's default
+        futures = client.compute(tasks)
+        if show:
+            bar = _Progress(len(futures), label, delay)
+            try:
+                for _ in as_completed(futures):
+                    bar.step()
+            finally:
+                bar.close()
+        return client.gather(futures)

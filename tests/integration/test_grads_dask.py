@@ -1,0 +1,97 @@
+"""The comparison as a dask graph: local threads by default, a dask.distributed LocalCluster
+through ``client=`` or ``scheduler=`` (worker processes read the stores themselves), the CLI's
+``--scheduler``; progress on stderr. Same numbers everywhere."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from probekit.grads import compare_grads
+from probekit.grads.stats import Layout, StepStats
+from probekit.grads.store import GradWriter
+
+pytestmark = pytest.mark.slow
+
+LAYOUT = Layout(("a.weight", "a.bias", "b"), (1300, 3, 640), ((130, 10), (3,), (64, 10)))
+
+
+def write_runs(path, ranks, steps, seed):
+    for r in range(ranks):
+        w = GradWriter(str(path), r, LAYOUT, "L1", (-1, 0, 1), "md5", 4, significance=True)
+        for s in range(steps):
+            rng = np.random.default_rng([seed, r, s] if s < 3 else [0, r, s])  # 3+: same runs
+            p = len(LAYOUT.names)
+            w.append(s, StepStats(present=np.ones(p, bool), max=rng.random(p),
+                                  min=-rng.random(p), norm=rng.random(p),
+                                  direction=rng.integers(0, 256, LAYOUT.nbytes, np.uint8),
+                                  significant=rng.integers(0, 256, LAYOUT.nbytes, np.uint8)))
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as lc, Client(lc) as client:
+        yield lc, client
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    write_runs(base / "a", 6, 7, seed=1)
+    write_runs(base / "b", 6, 7, seed=2)
+    return base
+
+
+def test_local_cluster_client_and_address_give_the_local_result(runs, cluster, capsys):
+    lc, client = cluster
+    local = compare_grads(runs / "a", runs / "b", block_bytes=LAYOUT.nbytes * 2)
+    assert local["rank"].values.tolist() == list(range(6))
+    assert local["step"].values.tolist() == list(range(7))
+    assert np.all(local["similarity"].values[:, 3:] == 1.0)  # the runs agree from step 3
+    assert np.all(local["similarity"].values[:, :3] < 0.6)
+    on_client = compare_grads(runs / "a", runs / "b", block_bytes=LAYOUT.nbytes * 2,
+                              client=client, progress=True)
+    xr.testing.assert_identical(on_client, local)
+    err = capsys.readouterr().err
+    assert "[probekit] compare: " in err and "tasks" in err
+    # 6 rank pairs x 4 blocks of 2 steps: all of them ran on the workers
+    assert err.rstrip().split("\r")[-1].startswith("[probekit] compare: 24/24 tasks")
+    by_address = compare_grads(runs / "a", runs / "b", scheduler=lc.scheduler_address,
+                               progress=False)
+    xr.testing.assert_identical(by_address, local)
+    assert capsys.readouterr().err == ""
+
+
+def test_sharded_runs_on_the_cluster(tmp_path, cluster):
+    """Assembled sharded runs travel to worker processes (their bit readers pickle)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "unit"))
+    from test_grads_assemble import write_sharded, write_single
+
+    write_sharded(tmp_path / "sharded", {0: 3, 1: 3, 2: 3, 3: 3})
+    write_single(tmp_path / "single", 3)
+    cmp = compare_grads(tmp_path / "sharded", tmp_path / "single", client=cluster[1])
+    assert np.all(cmp["similarity"].values == 1.0)
+    xr.testing.assert_identical(cmp, compare_grads(tmp_path / "sharded", tmp_path / "single"))
+
+
+def test_cli_scheduler(runs, cluster, tmp_path):
+    lc, _ = cluster
+    out = subprocess.run([sys.executable, "-m", "probekit.cli", "grads", "compare",
+                          str(runs / "a"), str(runs / "b"), "-o", str(tmp_path / "cmp"),
+                          "--plots", "none", "--scheduler", lc.scheduler_address],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank 5: 7 steps x 3 params compared" in out.stdout
+    assert sorted(os.listdir(tmp_path / "cmp")) == [f"rank{r}" for r in range(6)]
+    bad = subprocess.run([sys.executable, "-m", "probekit.cli", "grads", "compare",
+                          str(runs / "a"), str(runs / "b"), "-o", str(tmp_path / "cmp2"),
+                          "--scheduler", "tcp://127.0.0.1:9"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert bad.returncode != 0 and "tcp://127.0.0.1:9" in bad.stderr
