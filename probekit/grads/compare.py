@@ -28,6 +28,7 @@ log = get_logger(__name__)
 STEP0_THRESHOLD = 0.97
 DROP_THRESHOLD = 0.03
 _BLOCK_BYTES = 8 << 20  # sign bytes of one run per block (two runs' blocks are in memory)
+_TASK_BYTES = 64 << 20  # sign bytes of one run per dask task (its blocks one after another)
 
 
 _POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], np.uint8)
@@ -78,7 +79,7 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     return finish_pair(plan, parts, step0_threshold, drop_threshold, noise_aware)
 
 
-def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES) -> dict:
+def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES) -> dict:
     """What the comparison of two Datasets needs besides the sign bits (small arrays): shared
     parameters and steps, word layout, presence, blocks of steps. Raises on runs that cannot
     be compared."""
@@ -126,6 +127,9 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES) -> dict:
     # gathered and summed with one reduceat.
     small = np.flatnonzero((nwords > 0) & (nwords < 1024))
     block = max(1, block_bytes // max(1, nbytes_a))
+    per_task = max(1, task_bytes // max(1, nbytes_a))  # steps per task, whole blocks
+    block = min(block, per_task)
+    per_task = per_task // block * block
     return {
         "common": common, "steps": steps, "rows_a": rows_a, "rows_b": rows_b,
         "numel": numel_a, "nwords": nwords, "word0": word0, "same_layout": same_layout,
@@ -137,8 +141,8 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES) -> dict:
         "small_starts": np.concatenate([[0], np.cumsum(nwords[small])[:-1]]).astype(np.int64),
         "use_sig": "significant" in a and "significant" in b,
         "present": _present(a, rows_a, pos_a) & _present(b, rows_b, pos_b),
-        "block": block, "blocks": [(s0, min(s0 + block, steps.size))
-                                   for s0 in range(0, steps.size, block)],
+        "block": block, "blocks": [(s0, min(s0 + per_task, steps.size))
+                                   for s0 in range(0, steps.size, per_task)],
         "nbytes": (nbytes_a, nbytes_b)}
 
 
@@ -197,7 +201,16 @@ def _read(src, rows: np.ndarray, which: int) -> np.ndarray:
 
 def count_block(sources, plan, s0: int, s1: int) -> tuple:
     """(differ, differ_significant, significant_in_both) per (step, param) for the compared
-    steps ``s0:s1``: the sign words XOR-ed and counted. One task of the comparison's graph."""
+    steps ``s0:s1``, a block of ``plan["block"]`` steps at a time (read into per-thread
+    buffers, so a task's memory is two blocks). One task of the comparison's graph."""
+    step = plan["block"]
+    parts = [_count(sources, plan, b0, min(b0 + step, s1)) for b0 in range(s0, s1, step)]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(None if p[0] is None else np.concatenate(p) for p in zip(*parts))
+
+
+def _count(sources, plan, s0: int, s1: int) -> tuple:
     dir_a, dir_b, sig_a, sig_b = sources
     ra, rb = plan["rows_a"][s0:s1], plan["rows_b"][s0:s1]
     n = s1 - s0
@@ -332,7 +345,7 @@ def pair_runs(runs_a: dict, runs_b: dict, ranks=None) -> list:
 def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
                   drop_threshold: float = DROP_THRESHOLD, ranks=None, noise_aware: bool = True,
                   client=None, scheduler=None, progress=None, storage_options=None,
-                  block_bytes: int = _BLOCK_BYTES):
+                  block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES):
     """Compare two runs (paths or fsspec URLs of probekit or msprobe dumps, or Datasets) ->
     xarray Dataset.
 
@@ -353,7 +366,8 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     ``distributed.Client``) or ``scheduler=`` (its address, ``"tcp://host:8786"``); the
     workers read the stores themselves (the same paths or URLs must reach them).
     ``progress``: None shows progress on stderr once a comparison runs for 2 s, True at once,
-    False never. ``storage_options``: for URLs (credentials, endpoint).
+    False never. ``storage_options``: for URLs (credentials, endpoint). ``block_bytes`` (8 MiB)
+    and ``task_bytes`` (64 MiB): sign bytes of one run read at once, and per task.
     """
     import xarray as xr
 
@@ -367,7 +381,7 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
 
     plans, tasks = [], []
     for r, ds_a, ds_b in pairs:
-        plan = plan_pair(ds_a, ds_b, block_bytes)
+        plan = plan_pair(ds_a, ds_b, block_bytes, task_bytes)
         src = dask.delayed(bit_sources(ds_a, ds_b, plan), pure=False, traverse=False)
         lazy_plan = dask.delayed(plan, pure=False, traverse=False)
         plans.append(plan)

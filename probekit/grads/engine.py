@@ -69,20 +69,23 @@ def run_graph(tasks: list, *, client=None, scheduler=None, progress=None, label=
             client.close()
     if client is not None:
         return _on_client(client, tasks, show, delay, label)
-    graph = dask.delayed(list)(tasks)  # one graph: shared inputs are computed once
-    n = len(dict(graph.__dask_graph__()))
-    bar = _Progress(n, label, delay) if show else None
-    if bar is None:
-        return graph.compute(scheduler="threads", num_workers=num_workers)
+    if not show:
+        return list(dask.compute(*tasks, scheduler="threads", num_workers=num_workers,
+                                 optimize_graph=False))
     from dask.callbacks import Callback
+
+    keys = {t.key for t in tasks}
+    bar = _Progress(len(tasks), label, delay)
 
     class Count(Callback):
         def _posttask(self, key, result, dsk, state, worker_id):
-            bar.step()
+            if key in keys:
+                bar.step()
 
     try:
         with Count():
-            return graph.compute(scheduler="threads", num_workers=num_workers)
+            return list(dask.compute(*tasks, scheduler="threads", num_workers=num_workers,
+                                     optimize_graph=False))
     finally:
         bar.close()
 

@@ -50,12 +50,12 @@ def runs(tmp_path_factory):
 
 def test_local_cluster_client_and_address_give_the_local_result(runs, cluster, capsys):
     lc, client = cluster
-    local = compare_grads(runs / "a", runs / "b", block_bytes=LAYOUT.nbytes * 2)
+    local = compare_grads(runs / "a", runs / "b", task_bytes=LAYOUT.nbytes * 2)
     assert local["rank"].values.tolist() == list(range(6))
     assert local["step"].values.tolist() == list(range(7))
     assert np.all(local["similarity"].values[:, 3:] == 1.0)  # the runs agree from step 3
     assert np.all(local["similarity"].values[:, :3] < 0.6)
-    on_client = compare_grads(runs / "a", runs / "b", block_bytes=LAYOUT.nbytes * 2,
+    on_client = compare_grads(runs / "a", runs / "b", task_bytes=LAYOUT.nbytes * 2,
                               client=client, progress=True)
     xr.testing.assert_identical(on_client, local)
     err = capsys.readouterr().err
