@@ -50,6 +50,12 @@ def write_runs(base: str, ranks: int, params: int, steps: int) -> None:
 
 
 def _maxrss() -> int:
+    """This process's peak RSS (VmHWM: reset at exec, unlike ru_maxrss, which a worker process
+    would inherit from the process that started it)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -7,8 +7,8 @@ and without the grad probe (L2). Per configuration and rank:
 * collectives per step: the gloo collectives (``gloo:*`` profiler events) of one profiled step,
   with the probe minus without;
 * peak memory per rank: the process's peak RSS with the probe minus without (separate runs;
-  this includes importing zarr/xarray), and what training adds to the peak after a warm-up step
-  with the probe minus without (the probe's memory while recording);
+  both import probekit.grads, zarr and xarray first, so this is the probe's memory while
+  recording);
 * bytes per step: what the store gained per step, all ranks together;
 * hook time: the median of the probe's per-step hook time (statistics + buffering).
 
@@ -75,6 +75,11 @@ def worker(args) -> None:
     import torch.distributed as dist
     from torch.profiler import profile
 
+    import xarray  # noqa: F401  (the probe's imports in both runs: RSS compares like with like)
+    import zarr  # noqa: F401
+
+    import probekit.grads  # noqa: F401
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
@@ -104,8 +109,6 @@ def worker(args) -> None:
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
         opt.step()
 
-    step()  # warm-up outside the measurements: optimizer state, first allocations
-    rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
     for _ in range(args.steps - 1):
         step()
@@ -118,7 +121,6 @@ def worker(args) -> None:
     out = {"rank": rank, "world": dist.get_world_size(), "mode": args.mode,
            "probe": bool(args.probe), "collectives": collectives, "step_s": wall,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "rss_start": rss_start,
            "hook_s": statistics.median(probe.hook_seconds) if probe and probe.hook_seconds
            else 0.0, "params": sum(p.numel() for p in model.parameters()),
            "tensors": len(list(model.parameters()))}
@@ -179,18 +181,14 @@ def measure(args) -> dict:
                 probed = launch(args, mode, n, True, work)
                 coll = [p["collectives"] - q["collectives"] for p, q in zip(probed, plain)]
                 mem = [p["peak_rss"] - q["peak_rss"] for p, q in zip(probed, plain)]
-                # what training adds to the peak after set-up (imports, first step) with the
-                # probe, minus the same without: the probe's memory while recording
-                grow = [(p["peak_rss"] - p["rss_start"]) - (q["peak_rss"] - q["rss_start"])
-                        for p, q in zip(probed, plain)]
                 results.append({
                     "mode": mode, "ranks": n, "params": plain[0]["params"],
                     "tensors": plain[0]["tensors"],
                     "plain_collectives": plain[0]["collectives"],
                     "extra_collectives": max(coll),
                     "extra_peak_rss_max": max(mem), "extra_peak_rss_median":
-                        statistics.median(mem), "extra_training_peak_max": max(grow),
-                    "bytes_per_step": probed[0]["store_bytes"] / (args.steps + 1),  # + warm-up
+                        statistics.median(mem),
+                    "bytes_per_step": probed[0]["store_bytes"] / args.steps,
                     "hook_s_max": max(p["hook_s"] for p in probed),
                     "step_s_plain": statistics.median(q["step_s"] for q in plain),
                     "step_s_probed": statistics.median(p["step_s"] for p in probed)})
@@ -201,14 +199,14 @@ def measure(args) -> dict:
 
 
 def markdown(data: dict) -> str:
-    lines = ["| layout | ranks | collectives/step (plain) | + probe | peak RSS + probe (max rank) "
-             "| training peak + probe (max rank) | store bytes/step (all ranks) "
-             "| hook time/step (max rank) | step plain → probed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| layout | ranks | collectives/step (plain) | + probe | peak RSS + probe (max rank, "
+             "median) | store bytes/step (all ranks) | hook time/step (max rank) "
+             "| step plain → probed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["results"]:
         lines.append(f"| {r['mode']} | {r['ranks']} | {r['plain_collectives']} | "
-                     f"+{r['extra_collectives']} | {r['extra_peak_rss_max'] / 2**20:+.0f} MiB | "
-                     f"{r.get('extra_training_peak_max', float('nan')) / 2**20:+.0f} MiB | "
+                     f"+{r['extra_collectives']} | {r['extra_peak_rss_max'] / 2**20:+.0f} MiB, "
+                     f"{r['extra_peak_rss_median'] / 2**20:+.0f} MiB | "
                      f"{r['bytes_per_step'] / 2**20:.2f} MiB | {r['hook_s_max'] * 1e3:.0f} ms | "
                      f"{r['step_s_plain']:.2f} → {r['step_s_probed']:.2f} s |")
     return "\n".join(lines)

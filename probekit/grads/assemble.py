@@ -35,7 +35,7 @@ import json
 import numpy as np
 
 from ..log import get_logger
-from .chunks import bits_variable, raw_bits
+from .chunks import bit_reader, bits_variable
 from .stats import padded_nbytes
 
 log = get_logger(__name__)
@@ -198,7 +198,7 @@ def _assemble(runs: dict, names: list, pieces: dict, label: int):
         for var in _BITS:
             if var in first and all(var in runs[r] for r in used):
                 bits = AssembledBits(
-                    {r: _source(runs[r], var) for r in used}, rows,
+                    {r: bit_reader(runs[r], var) for r in used}, rows,
                     [(int(o), int(n), [_piece(runs, r, j, p) for r, j, p in pieces[name]])
                      for name, o, n in zip(names, offsets, numels)],
                     fill=255 if var == "significant" else 0)
@@ -208,22 +208,6 @@ def _assemble(runs: dict, names: list, pieces: dict, label: int):
     if per_shard_hash:
         attrs["hash_per_shard"] = per_shard_hash
     return xr.Dataset(data, coords=coords, attrs=attrs)
-
-
-def _source(ds, var):
-    """What a shard group's bits are read from: its chunk files, or the variable's data."""
-    raw = raw_bits(ds, var)
-    return raw if raw is not None else _Rows(ds[var])
-
-
-class _Rows:
-    """Rows of a (step, byte) DataArray (in memory, or dask with ``chunks="auto"``)."""
-
-    def __init__(self, da) -> None:
-        self.da, self.shape = da, da.shape
-
-    def read(self, lo: int, hi: int) -> np.ndarray:
-        return np.ascontiguousarray(self.da.isel(step=slice(lo, hi)).values, dtype=np.uint8)
 
 
 def _piece(runs, r, j, place):
@@ -267,7 +251,7 @@ class AssembledBits:
         if idx.size == 0:
             return np.zeros((0, src.shape[1]), np.uint8)
         lo, hi = int(idx.min()), int(idx.max()) + 1
-        block = src.read(lo, hi) if hasattr(src, "read") else np.asarray(src[lo:hi])
+        block = src.read(lo, hi)
         return block if hi - lo == idx.size and idx[0] == lo and np.all(np.diff(idx) == 1) \
             else block[idx - lo]
 

@@ -325,3 +325,27 @@ def raw_bits(ds, name: str = "direction"):
     if var.shape != raw.shape or not np.array_equal(np.asarray(ds["step"].values), steps):
         return None
     return raw
+
+
+class Rows:
+    """Rows of a (step, byte) DataArray read like ``RawChunks`` (``read(r0, r1, out=)``): bits
+    held any other way (in memory, an msprobe dump, dask arrays with ``chunks="auto"``)."""
+
+    def __init__(self, da) -> None:
+        self.da, self.shape = da, tuple(da.shape)
+
+    def read(self, r0: int, r1: int, c0: int = 0, c1: int | None = None, out=None):
+        sel = self.da.isel(step=slice(r0, r1), byte=slice(c0, c1))
+        rows = np.ascontiguousarray(sel.values, dtype=np.uint8)
+        if out is not None:
+            out[...] = rows
+            return out
+        return rows
+
+
+def bit_reader(ds, name: str = "direction"):
+    """What the rows of ``ds[name]`` are read from: its chunk files straight (``raw_bits``:
+    ``RawChunks``, or an assembled run's ``AssembledBits``) while the Dataset holds exactly what
+    ``open_grads`` read, else ``Rows`` over the variable."""
+    raw = raw_bits(ds, name)
+    return raw if raw is not None else Rows(ds[name])

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import GradCompareError
 from ..log import get_logger
 from .names import canonical_names
-from .chunks import raw_bits
+from .chunks import bit_reader
 
 log = get_logger(__name__)
 
@@ -146,32 +146,14 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
         "nbytes": (nbytes_a, nbytes_b)}
 
 
-class _Rows:
-    """Rows of a (step, byte) DataArray, read like ``RawChunks`` (for bits held any other way:
-    in memory, msprobe's dumps, dask arrays)."""
-
-    def __init__(self, da) -> None:
-        self.da = da
-
-    def read(self, r0, r1, c0=0, c1=None, out=None):
-        rows = np.ascontiguousarray(self.da.isel(step=slice(r0, r1)).values, dtype=np.uint8)
-        if out is not None:
-            out[...] = rows
-            return out
-        return rows
-
-
 def bit_sources(a, b, plan) -> tuple:
     """(direction a, direction b, significant a, significant b) as readers of rows: the chunk
     files straight (``RawChunks``, an assembled sharded run's ``AssembledBits``) while the
     Datasets hold exactly what ``open_grads`` read, else the variables' values."""
-    def one(ds, name):
-        raw = raw_bits(ds, name)
-        return raw if raw is not None else _Rows(ds[name])
-
     sig = plan["use_sig"]
-    return (one(a, "direction"), one(b, "direction"),
-            one(a, "significant") if sig else None, one(b, "significant") if sig else None)
+    return (bit_reader(a, "direction"), bit_reader(b, "direction"),
+            bit_reader(a, "significant") if sig else None,
+            bit_reader(b, "significant") if sig else None)
 
 
 _TLS = threading.local()
@@ -192,10 +174,7 @@ def _buffer(shape, which: int) -> np.ndarray:
 def _read(src, rows: np.ndarray, which: int) -> np.ndarray:
     lo, hi = int(rows.min()), int(rows.max()) + 1
     if hi - lo == rows.size and np.all(np.diff(rows) == 1):
-        width = src.shape[1] if hasattr(src, "shape") else None
-        if width is not None:
-            return src.read(lo, hi, out=_buffer((rows.size, width), which))
-        return src.read(lo, hi)
+        return src.read(lo, hi, out=_buffer((rows.size, src.shape[1]), which))
     return np.ascontiguousarray(src.read(lo, hi)[rows - lo])
 
 

@@ -2,6 +2,7 @@
 reader, the comparison and the CLI take s3:// URLs, credentials the fsspec way (AWS_* variables
 or storage_options); a killed writer leaves the committed steps readable; a bad URL or a missing
 bucket is an error naming it, and nothing lands on the local disk."""
+import json
 import os
 import subprocess
 import sys
@@ -64,34 +65,33 @@ def local_run(path, steps):
     ns["train"](str(path), steps)
 
 
-def test_record_read_compare_and_cli_on_s3(s3, tmp_path, monkeypatch):
-    # a process with only the AWS_* variables set: recorded, stopped
-    res = run_script("train('s3://probekit-runs/a', 5)", s3.env, tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_record_read_compare_and_cli_on_s3(s3, tmp_path, monkeypatch, capsys):
+    from probekit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for k, v in s3.env.items():  # credentials and endpoint from the AWS_* variables alone
+        monkeypatch.setenv(k, v)
+    local_run("s3://probekit-runs/a", 5)
     assert os.listdir(tmp_path) == []  # nothing written locally
     local_run(tmp_path / "local", 5)
     local = open_grads(tmp_path / "local")
-    # readers: storage_options, or the same AWS_* variables
-    remote = open_grads("s3://probekit-runs/a", storage_options=s3.options)
-    xr.testing.assert_identical(remote.drop_attrs(), local.drop_attrs())
-    for k, v in s3.env.items():
-        monkeypatch.setenv(k, v)
     lazy = open_grads("s3://probekit-runs/a", chunks="auto")
     xr.testing.assert_identical(lazy.compute().drop_attrs(), local.drop_attrs())
     cmp = compare_grads("s3://probekit-runs/a", tmp_path / "local")
     assert np.all(cmp["similarity"].values == 1.0)
     assert cmp["step"].values.tolist() == [0, 1, 2, 3, 4]
-    out = subprocess.run([sys.executable, "-m", "probekit.cli", "grads", "compare",
-                          "s3://probekit-runs/a", str(tmp_path / "local"), "-o",
-                          str(tmp_path / "cmp"), "--plots", "none"], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "5 steps x 4 params compared" in out.stdout
+    assert main(["grads", "compare", "s3://probekit-runs/a", str(tmp_path / "local"), "-o",
+                 str(tmp_path / "cmp"), "--plots", "none"]) == 0
+    assert "5 steps x 4 params compared" in capsys.readouterr().out
     assert os.path.isfile(tmp_path / "cmp" / "rank0" / "similarities.csv")
-    out = subprocess.run([sys.executable, "-m", "probekit.cli", "grads", "summary",
-                          "s3://probekit-runs/a"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=120)
-    assert out.returncode == 0 and "5 steps (0..4)" in out.stdout, out.stderr[-2000:]
+    # the readers with storage_options instead of the variables
+    for k in s3.env:
+        monkeypatch.delenv(k)
+    remote = open_grads("s3://probekit-runs/a", storage_options=s3.options)
+    xr.testing.assert_identical(remote.drop_attrs(), local.drop_attrs())
+    opts = json.dumps(s3.options)
+    assert main(["grads", "summary", "s3://probekit-runs/a", "--storage-options", opts]) == 0
+    assert "5 steps (0..4)" in capsys.readouterr().out
 
 
 def test_writer_killed_or_exiting_without_stop_on_s3(s3, tmp_path):
@@ -109,7 +109,8 @@ def test_writer_killed_or_exiting_without_stop_on_s3(s3, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_bad_url_and_missing_bucket_name_it_and_write_nothing(s3, tmp_path, monkeypatch):
+def test_bad_url_and_missing_bucket_name_it_and_write_nothing(s3, tmp_path, monkeypatch,
+                                                              capsys):
     import torch
 
     monkeypatch.chdir(tmp_path)
@@ -124,9 +125,8 @@ def test_bad_url_and_missing_bucket_name_it_and_write_nothing(s3, tmp_path, monk
         open_grads("s3://no-such-bucket/run")
     with pytest.raises(GradStoreError, match="probekit-runs/never-recorded"):
         compare_grads("s3://probekit-runs/never-recorded", "s3://probekit-runs/never-recorded")
-    res = subprocess.run([sys.executable, "-m", "probekit.cli", "grads", "summary",
-                          "s3://no-such-bucket/run"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(
-                             os.path.dirname(os.path.abspath(__file__))))}, timeout=120)
-    assert res.returncode != 0 and "no-such-bucket" in res.stderr
+    from probekit.cli import main
+
+    assert main(["grads", "summary", "s3://no-such-bucket/run"]) == 2
+    assert "no-such-bucket" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []  # no ./s3:/... or ./nosuch:/... folders
