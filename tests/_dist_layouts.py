@@ -97,7 +97,22 @@ def run(layout, path, probe):
         opt.step()
     if gp is not None:
         gp.stop()
+    if probe and layout in ("fsdp2", "tp", "hsdp"):
+        check_amax(model, layout)
     return collectives
+
+
+def check_amax(model, layout):
+    """placement.shard_amax (one all-reduce per mesh group) against the gathered gradients."""
+    from probekit.grads.placement import dtensor_placement, shard_amax
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    places = [dtensor_placement(p) for p in params]
+    amax = shard_amax([p.grad.to_local() for p in params], params, places)
+    full = [float(p.grad.full_tensor().abs().max()) for p in params]
+    ok = all(a == f if any(x != "R" for x in pl["placements"]) else a is None
+             for a, f, pl in zip(amax, full, places))
+    os.write(1, f"rank {dist.get_rank()} {layout} amax ok={ok}\n".encode())
 
 
 def main():

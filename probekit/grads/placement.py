@@ -76,3 +76,43 @@ def ddp_first_rank(model) -> bool | None:
     if not isinstance(model, DistributedDataParallel) or not dist.is_initialized():
         return None
     return dist.get_rank(model.process_group) == 0
+
+
+def shard_amax(grads, params, places) -> list:
+    """The largest finite ``|x|`` of each parameter's whole gradient, from its shards: each
+    rank's local maxima, one MAX all-reduce per mesh group the recorded shards are spread over
+    (the ranks of the mesh dimensions they are sharded on: FSDP2's shard group, a TP group; one
+    group for a 1-D mesh). None for a parameter not sharded (its own gradient is whole).
+
+    What the significance threshold of a shard is judged against (``eps(dtype) * max|x|`` over
+    the whole gradient, issue 21), so shard-local bits equal a single process's. Only ranks
+    that record take part: the replicas that record nothing are outside these groups' work
+    (their own replica's groups are separate)."""
+    import torch
+    import torch.distributed as dist
+
+    out = [None] * len(params)
+    groups: dict = {}
+    for i, (g, p, pl) in enumerate(zip(grads, params, places)):
+        if pl is None or not any(x != "R" for x in pl["placements"]):
+            continue
+        dims = tuple(d for d, x in enumerate(pl["placements"]) if x != "R")
+        key = (id(p.device_mesh), dims)
+        groups.setdefault(key, (p.device_mesh, dims, []))[2].append((i, g))
+    for mesh, dims, members in groups.values():
+        local = torch.zeros(len(members), dtype=torch.float64)
+        for k, (_, g) in enumerate(members):
+            if g is not None and g.numel():
+                a = g.detach().abs()
+                a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype))
+                local[k] = a.max().double().cpu()
+        if len(dims) == 1:
+            group = mesh.get_group(dims[0])
+        elif mesh.size() == dist.get_world_size():  # sharded over the whole world
+            group = None
+        else:  # several sharded dimensions of a sub-mesh: their flattened group
+            group = mesh._flatten("_".join(mesh.mesh_dim_names[d] for d in dims)).get_group()
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        for k, (i, _) in enumerate(members):
+            out[i] = float(local[k])
+    return out

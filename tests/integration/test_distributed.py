@@ -163,6 +163,8 @@ def test_two_ranks_fsdp2_tp_ddp_record_one_copy_of_shards(tmp_path, single_ref):
     res = torchrun_layouts(tmp_path, 2, "fsdp2", "tp", "ddp", "ddp_all")
     counts = collectives(res.stdout)
     assert len(counts) == 8, res.stdout[-2000:]
+    for layout in ("fsdp2", "tp"):  # the shards' largest |g|, for the significance threshold
+        assert res.stdout.count(f"{layout} amax ok=True") == 2, res.stdout[-2000:]
     for (rank, layout), (plain, probe) in counts.items():
         assert probe == plain, (rank, layout, plain, probe)
     for layout in ("fsdp2", "tp"):
@@ -191,6 +193,8 @@ def test_four_ranks_fsdp2_hsdp_ddp_and_layouts_compare(tmp_path, single_ref):
     replicas x 2 shards: the second replica writes nothing) and DDP line up parameter by
     parameter with each other and with a single process, similarity 1.0."""
     res = torchrun_layouts(tmp_path, 4, "fsdp2", "hsdp", "ddp")
+    for layout in ("fsdp2", "hsdp"):
+        assert res.stdout.count(f"{layout} amax ok=True") == 4, res.stdout[-2000:]
     for (rank, layout), (plain, probe) in collectives(res.stdout).items():
         assert probe == plain, (rank, layout, plain, probe)
     assert sorted(os.listdir(tmp_path / "fsdp2" / "grads.zarr")) == [
