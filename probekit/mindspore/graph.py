@@ -182,6 +182,17 @@ def check_construct(construct) -> str | None:
     return None
 
 
+def sharding() -> str | None:
+    """What in MindSpore's parallel context hands the optimizer slices of its parameters (their
+    gradients then differ from the shapes probekit recorded), or None."""
+    mode = ms.get_auto_parallel_context("parallel_mode")
+    if mode in ("semi_auto_parallel", "auto_parallel"):
+        return f"parallel_mode={mode!r} (parameters sliced by the compiler)"
+    if ms.get_auto_parallel_context("enable_parallel_optimizer"):
+        return "enable_parallel_optimizer=True (optimizer states and updates sharded)"
+    return None
+
+
 def current_tap(optimizer) -> Tap | None:
     return optimizer.__dict__.get(TAP_ATTR)
 

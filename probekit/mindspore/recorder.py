@@ -14,9 +14,11 @@ every reader of probekit works on a MindSpore run unchanged.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -40,6 +42,27 @@ log = get_logger(__name__)
 class GraphModeError(RuntimeError):
     """Something the MindSpore grad probe cannot record in a compiled (graph-mode) step; the
     message names it and what to do instead."""
+
+
+_RECORDING: "weakref.WeakSet[GradProbe]" = weakref.WeakSet()
+_EXIT_HOOKED = False
+
+
+def _sync_at_exit() -> None:
+    """At exit, before the store's exit flush (``grads.live``, registered earlier, runs later):
+    let queued steps' callbacks reach the probes still recording."""
+    if any(True for _ in _RECORDING):
+        try:
+            _graph.synchronize()
+        except Exception as exc:  # at interpreter exit: report, never raise
+            log.warning("grad_probe: waiting for MindSpore at exit failed: %s", exc)
+
+
+def _hook_exit() -> None:
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        atexit.register(_sync_at_exit)
+        _EXIT_HOOKED = True
 
 
 def get_rank() -> int:
@@ -160,6 +183,13 @@ class GradProbe:
                 f"grad_probe: {type(self.optimizer).__name__} cannot be monitored: {why}. "
                 "probekit taps the gradients where the optimizer receives them; monitor a "
                 "mindspore.nn.Optimizer called as optimizer(gradients)")
+        sliced = _graph.sharding()
+        if sliced:
+            raise GraphModeError(
+                f"grad_probe: MindSpore's {sliced} is not supported: the optimizer would receive "
+                "slices of the gradients, which probekit does not record as parameters. Record "
+                "with parallel_mode 'stand_alone', 'data_parallel' or 'hybrid_parallel' "
+                "(parameters whole on each rank), or record the PyTorch twin of the model")
         tap = self._make_tap(_stats.resolve_where(self.where))
         if self._writer is None:
             section = self.config.grad_probe
@@ -173,6 +203,8 @@ class GradProbe:
         tap.attach(self)
         _graph.install(self.optimizer, tap)
         self._tap = tap
+        _RECORDING.add(self)
+        _hook_exit()
         log.info("grad_probe: monitoring %d parameters (MindSpore, %s statistics) at level %s "
                  "into %s", len(self.param_names), tap.kind, self.config.grad_probe.grad_level,
                  self.dump_path)
@@ -204,6 +236,7 @@ class GradProbe:
         Raises ``GraphModeError`` (after writing) when the optimizer ran steps the probe did
         not see: a train step compiled before ``monitor()`` holds no tap."""
         tap, self._tap = self._tap, None
+        _RECORDING.discard(self)
         missed = 0
         try:
             if tap is not None:
@@ -302,6 +335,11 @@ class GradProbe:
                          if self._selected(self.steps_seen) else None)
 
     def _fill(self, k: int, array) -> None:
+        if array.size != self.layout.numels[k]:
+            raise GraphModeError(
+                f"grad_probe: the compiled step handed {self.layout.names[k]!r} a gradient of "
+                f"{array.size} elements; the parameter has {self.layout.numels[k]} (a sliced or "
+                "resized parameter is not supported). Record without sharding the parameters")
         section = self.config.grad_probe
         part = host_stats.compute([_stats.host_view(array, self._dtypes[k])], self._single[k],
                                   section.grad_level, section.bounds, section.hash,

@@ -185,6 +185,7 @@ class DeviceStats(nn.Cell):
         self.n = numels
         self.empty = tuple(n == 0 for n in numels)
         self.f64 = tuple(dt == ms.float64 for dt in dtypes)
+        self.widen = tuple(dt in (ms.float16, ms.bfloat16) for dt in dtypes)  # to float32
         self.eps = tuple(eps(dt) for dt in dtypes)
         self.nrow = tuple(n // ROW * ROW for n in numels)  # elements summed in float32 rows
         self.nblk = tuple(n // chunk for n in numels)  # whole significance blocks
@@ -210,14 +211,15 @@ class DeviceStats(nn.Cell):
             if self.empty[j]:
                 rows.append(self._empty_row())
                 continue
-            f = grads[j].reshape(-1)
-            if self.f64[j]:
-                w = f.astype(ms.float64)
-            else:
-                w = f.astype(ms.float32)
-            nan_mask = ops.isnan(w)
-            vals = [w.max().astype(ms.float64), w.min().astype(ms.float64), self._sumsq(w, j),
-                    nan_mask.astype(ms.int32).sum().astype(ms.float64)]
+            w = grads[j].reshape(-1)
+            if self.widen[j]:
+                w = w.astype(ms.float32)  # exact
+            sumsq = self._sumsq(w, j)
+            if self.want_l2:
+                nans = ops.isnan(w).astype(ms.int32).sum().astype(ms.float64)
+            else:  # only whether there is one: a NaN, and only a NaN, makes the squares' sum NaN
+                nans = ops.isnan(sumsq).astype(ms.float64)
+            vals = [w.max().astype(ms.float64), w.min().astype(ms.float64), sumsq, nans]
             if self.want_l2:
                 for b in self.bounds:
                     vals.append((w <= b).astype(ms.int32).sum().astype(ms.float64))
@@ -226,8 +228,7 @@ class DeviceStats(nn.Cell):
             if self.want_bits:
                 signs.append(self._pack(w > 0, self.pad[j], False))
                 if self.want_sig:
-                    signs_big = self._significant(w, nan_mask, j)
-                    sigs.append(self._pack(signs_big, self.pad[j], True))
+                    sigs.append(self._pack(self._significant(w, j), self.pad[j], True))
             if self.want_raw:
                 raws.append(w.astype(ms.float32))
         out = [ops.stack(rows)]
@@ -258,24 +259,23 @@ class DeviceStats(nn.Cell):
             total = total + (tail * tail).sum().astype(ms.float64)
         return total
 
-    def _significant(self, w, nan_mask, j):
-        """|x| > eps * max|x| over each block (a block with a NaN: nothing significant)."""
+    def _significant(self, w, j):
+        """|x| > eps * max|x| over each block (a block with a NaN: nothing significant; the
+        block's sum of |x| is NaN exactly then)."""
         a = ops.abs(w)
         whole = self.nblk[j] * self.blk
         parts = []
         if self.nblk[j] > 0:
             head = a[:whole] if whole < self.n[j] else a
             blocks = head.reshape(-1, self.blk)
-            nans = nan_mask[:whole] if whole < self.n[j] else nan_mask
-            bad = nans.reshape(-1, self.blk).astype(ms.int32).sum(1, keepdims=True) > 0
+            bad = ops.isnan(blocks.sum(1, keepdims=True))
             thr = blocks.max(1, keepdims=True) * self.eps[j]
             thr = ops.select(bad, ops.full_like(thr, float("inf")), thr)
             parts.append((blocks > thr).reshape(-1))
         if whole < self.n[j]:
             tail = a[whole:]
-            bad = nan_mask[whole:].astype(ms.int32).sum() > 0
             thr = tail.max() * self.eps[j]
-            thr = ops.select(bad, ops.full_like(thr, float("inf")), thr)
+            thr = ops.select(ops.isnan(tail.sum()), ops.full_like(thr, float("inf")), thr)
             parts.append(tail > thr)
         if len(parts) == 1:
             return parts[0]

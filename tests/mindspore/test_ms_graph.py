@@ -251,26 +251,46 @@ def test_an_uncompiled_optimizer_in_pynative_and_in_a_jit_step(tmp_path):
 RECORDER = textwrap.dedent("""
     import sys, numpy as np, mindspore as ms
     sys.path.insert(0, sys.argv[2])
-    from ms_models import MLP, data, make_step, run_steps
-    from probekit.mindspore import PrecisionDebugger
-    ms.set_context(mode=ms.GRAPH_MODE)
+    from ms_models import MLP, data, graph_mode, make_step, run_steps
+    from probekit.mindspore import GradProbe, PrecisionDebugger
+    mode, how = sys.argv[3], sys.argv[4]
     ms.set_seed(1)
     net = MLP()
     opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.05)
-    dbg = PrecisionDebugger(task="grad_probe", dump_path=sys.argv[1], grad_level="L1",
-                            flush_every=4)
-    dbg.monitor(opt)
-    print(run_steps(make_step("graph_cell", net, opt), data(7, seed=3))[-1])
-    # no stop(): the debugger's exit handler writes the buffered steps
+    options = dict(task="grad_probe", dump_path=sys.argv[1], grad_level="L1", flush_every=4)
+    if how == "debugger":
+        PrecisionDebugger(**options).monitor(opt)
+    else:
+        options.pop("task")
+        GradProbe(opt, **options).start()
+    with graph_mode(mode):
+        step = make_step(mode, net, opt)
+        for x, y in data(7, seed=3):
+            loss = step(ms.Tensor(x), ms.Tensor(y))  # never waited for (PyNative: queued)
+    # no stop(): the exit handlers wait for the queued steps and write them
 """)
 
 
-def test_graph_mode_exit_without_stop_keeps_every_step(tmp_path):
+@pytest.mark.parametrize("mode,how", [("graph_cell", "debugger"), ("jit", "probe")])
+def test_exit_without_stop_keeps_every_step(tmp_path, mode, how):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", RECORDER, str(tmp_path / "d"),
-                          os.path.dirname(os.path.abspath(__file__))],
+                          os.path.dirname(os.path.abspath(__file__)), mode, how],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     ds = probekit.open_grads(tmp_path / "d")
     assert ds["step"].values.tolist() == list(range(7))  # 7: not a multiple of flush_every
     assert np.isfinite(ds["norm"].values).all() and (ds["norm"].values > 0).all()
+
+
+def test_sliced_parameters_are_refused_by_name(tmp_path):
+    net, opt = new_run()
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    try:
+        with pytest.raises(GraphModeError, match="parallel_mode='semi_auto_parallel' \\(parameters "
+                                                 "sliced by the compiler\\) is not supported.*"
+                                                 "Record with parallel_mode 'stand_alone'"):
+            GradProbe(opt, dump_path=tmp_path).start()
+    finally:
+        ms.reset_auto_parallel_context()
+    assert "construct" not in opt.__dict__ and not (tmp_path / "grads.zarr").exists()
