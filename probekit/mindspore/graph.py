@@ -71,7 +71,6 @@ class Tap(nn.Cell):
         super().__init__(auto_prefix=False)
         object.__setattr__(self, "probe", None)
         object.__setattr__(self, "original", original)
-        self.nparams = len(optimizer.parameters)
 
     def attach(self, probe) -> None:
         object.__setattr__(self, "probe", probe)
