@@ -31,7 +31,7 @@ import os
 
 import numpy as np
 
-from . import check_numpy
+from .compat import check_numpy
 
 check_numpy()  # before MindSpore is imported: numpy 2 beside its numpy-1 wheel
 
