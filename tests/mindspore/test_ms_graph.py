@@ -125,6 +125,26 @@ def test_in_graph_statistics_equal_the_host_path(tmp_path):
     assert len(losses) == 3
 
 
+@pytest.mark.parametrize("sink", [False, True])
+def test_model_train_in_graph_mode(tmp_path, sink):
+    """mindspore.train.Model.train (GRAPH_MODE, 2 epochs of a dataset; on the CPU also with
+    dataset_sink_mode): every step recorded, the values of a PyNative run of the same batches."""
+    import mindspore.dataset as msds
+
+    batches = data(4, seed=12)
+    record("pynative", tmp_path / "ref", batches * 2, grad_level="L1")
+    net, opt = new_run()
+    dset = msds.GeneratorDataset(lambda: iter(batches), ["x", "y"], shuffle=False)
+    with graph_mode("graph_model"):
+        probe = GradProbe(opt, grad_level="L1", dump_path=tmp_path / "model").start()
+        ms.train.Model(net, ms.nn.MSELoss(), opt).train(2, dset, dataset_sink_mode=sink)
+        probe.stop()
+    ref, got = probekit.open_grads(tmp_path / "ref"), probekit.open_grads(tmp_path / "model")
+    assert got["step"].values.tolist() == list(range(8))
+    for k in ("max", "min", "norm", "direction"):
+        assert np.array_equal(got[k].values, ref[k].values), k
+
+
 def test_graph_mode_set_after_monitor(tmp_path):
     batches = data(3, seed=4)
     net, opt = new_run()
