@@ -1,4 +1,5 @@
-"""A small MindSpore MLP and its training loop for the tests (PyNative mode)."""
+"""A small MindSpore MLP, its data, and the ways MindSpore users run a training step (PyNative,
+@ms.jit, GRAPH_MODE) for the tests."""
 import numpy as np
 
 import mindspore as ms
