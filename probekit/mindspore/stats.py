@@ -15,14 +15,14 @@ Two paths give the same ``StepStats`` (the statistics and byte layout of
 
 Per parameter the device path computes, in the gradient's own precision widened exactly to
 float32 (fp16/bf16) or kept float64: max, min (NaN when the gradient holds a NaN: MindSpore's
-reductions skip NaN, so a NaN count restores numpy's propagation), the sum of squares as float32
-squares summed per row of 4096 elements and the rows summed in float64 (the host path's
-accumulation; float64 gradients in float64), the signs ``x > 0`` packed 8 per byte (most
-significant bit first, zero-padded to a 64-bit boundary per parameter), with ``significance``
-the significance bits by the host path's rule (``|x| > eps(dtype) * max|x|`` with the maximum
-over each block of ``probekit.grads.stats.CHUNK`` elements from the parameter's start; a block
-holding a NaN has no significant element; padding bits are ones), and at L2 one ``x <= b`` count
-per bound plus the zero count (exact int32 counts).
+reductions skip NaN; a NaN is found from the NaN sum of squares, or counted at L2), the sum of
+squares as float32 squares summed per row of 4096 elements and the rows summed in float64 (the
+host path's accumulation; float64 gradients in float64), the signs ``x > 0`` packed 8 per byte
+(most significant bit first, zero-padded to a 64-bit boundary per parameter), with
+``significance`` the significance bits by the host path's rule (``|x| > SIGNIFICANCE *
+eps(dtype) * max|x|``, the maximum over each block of ``probekit.grads.stats.CHUNK`` elements
+from the parameter's start; a block holding a NaN has no significant element; padding bits are
+ones), and at L2 one ``x <= b`` count per bound plus the zero count (exact int32 counts).
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ class DeviceStats(nn.Cell):
     def __init__(self, numels, dtypes, level: str, bounds, significance: bool = False, *,
                  compiled: bool = False, chunk: int | None = None) -> None:
         super().__init__()
-        from ..grads.stats import CHUNK
+        from ..grads.stats import CHUNK, SIGNIFICANCE
 
         chunk = CHUNK if chunk is None else chunk
         numels = tuple(int(n) for n in numels)
@@ -186,7 +186,7 @@ class DeviceStats(nn.Cell):
         self.empty = tuple(n == 0 for n in numels)
         self.f64 = tuple(dt == ms.float64 for dt in dtypes)
         self.widen = tuple(dt in (ms.float16, ms.bfloat16) for dt in dtypes)  # to float32
-        self.eps = tuple(eps(dt) for dt in dtypes)
+        self.eps = tuple(SIGNIFICANCE * eps(dt) for dt in dtypes)  # the threshold's factor
         self.nrow = tuple(n // ROW * ROW for n in numels)  # elements summed in float32 rows
         self.nblk = tuple(n // chunk for n in numels)  # whole significance blocks
         self.blk = chunk
