@@ -14,7 +14,9 @@ from this call. In the real backward pass:
    by block (``blocks.plan``, ``_blocked``), so one block's upcast inputs and gradients exist at
    a time;
 3. the gradients are compared input by input (``output_index`` = the input's position in the
-   call's flattened arguments) relative to the reference's scale (``grad_stats``), on the device;
+   call's flattened arguments) relative to the reference gradient's scale (``grad_stats``), with
+   the threshold of the dtype the forward call computed in (under autocast the gradients of a
+   bf16 op arrive as fp32 tensors but were computed in bf16), on the device;
    the verdict is read back at the step's gather point (``deferred.py``). Every hook returns
    ``None``, so the gradient flowing on is the real one.
 
@@ -35,48 +37,11 @@ from .metric import device_stats
 from .names import call_site
 
 
-#: floor of the backward metric, in units of the input gradient's scale: with both gradients
-#: multiplied by the power of two that brings ``max|gr|`` into [0.5, 1), an element is judged
-#: relative to itself when it is at least the largest power of two <= max|gr| (the scale S), and
-#: relative to S when it is smaller: ``|p_i - o_i| / max(|o_i|, S)`` (``grad_stats``)
-BACKWARD_FLOOR = 0.5
-
-
-def grad_scale(gr: torch.Tensor) -> tuple:
-    """``(floor, f)`` as 0-dim tensors on ``gr``'s device (no sync): ``f`` the power of two that
-    brings ``max|gr|`` into [0.5, 1), ``floor = BACKWARD_FLOOR / f`` the
-    backward floor in ``gr``'s own units (the largest power of two <= max|gr|)."""
-    lo, hi = torch.aminmax(gr.detach())
-    m = torch.maximum(-lo, hi)
-    if m.dtype != torch.float64:
-        m = m.float()
-    ok = torch.isfinite(m) & (m > 0)
-    _, exp = torch.frexp(torch.where(ok, m, torch.ones_like(m)))
-    f = torch.ldexp(torch.ones_like(m), -exp)
-    return BACKWARD_FLOOR / f, f
-
-
-def scaled_stats(gr: torch.Tensor, gq: torch.Tensor, scale, exact: bool) -> tuple:
-    """``metric.device_stats`` of ``gr`` (a reference gradient or a block of it) and ``gq``
-    against the backward floor of ``scale`` = ``grad_scale`` of the whole reference (None for an
-    empty one), with the largest difference in the scaled units."""
-    if scale is None:
-        return device_stats(gr, gq, BACKWARD_FLOOR, exact)
-    floor, f = scale
-    if gq.device != floor.device:  # the values live on the perturbed side's device
-        floor, f = floor.to(gq.device), f.to(gq.device)
-    v = device_stats(gr.detach(), gq.detach(), floor, exact)
-    if exact:
-        return v[0], v[1], v[2] * f, v[3], v[4]
-    return v[0], v[1], v[2] * f, v[3] * f
-
-
 def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool) -> tuple:
-    """``metric.device_stats`` of the pair scaled to ``max|gr|`` in [0.5, 1) with the floor
-    ``BACKWARD_FLOOR``, without the scaled copies:
-    the errors are compared against the floor in the gradient's own units (scaling both sides
-    by a power of two changes no relative error) and the largest difference is scaled after."""
-    return scaled_stats(gr, gq, grad_scale(gr) if gr.numel() else None, exact)
+    """``metric.device_stats`` of a reference gradient (or a block of it) and the perturbed one:
+    the deviation relative to the gradient tensor's own scale (``max|gr|``; blocks combine to the
+    whole tensor's)."""
+    return device_stats(gr.detach(), gq.detach(), None, exact)
 
 
 def watch(engine, call, key, n, name, func, leaves, spec, frame):
@@ -253,9 +218,6 @@ class _BackwardCheck:
         same slice of the reference, with the floor of the whole reference; a whole input's
         gradient is summed over the blocks in float64 and compared once."""
         sliced = dict(plan.split)
-        with torch.no_grad():   # each sliced reference's scale, of the whole tensor
-            scales = {i: grad_scale(gr) if gr.numel() else None
-                      for i, gr in zip(self.diff, g_ref) if gr is not None and i in sliced}
         parts = {i: [] for i in self.diff}
         acc: dict = {}
         in_dtype = None
@@ -270,8 +232,8 @@ class _BackwardCheck:
                     if gr is None or gq is None:
                         continue
                     if i in sliced:
-                        parts[i].append(scaled_stats(gr.narrow(sliced[i], start, length), gq,
-                                                     scales[i], exact))
+                        parts[i].append(grad_stats(gr.narrow(sliced[i], start, length), gq,
+                                                   exact))
                     elif i in acc:
                         acc[i].add_(gq)
                     else:
@@ -284,7 +246,7 @@ class _BackwardCheck:
                 if gr is None:
                     continue
                 if i in sliced and parts[i]:
-                    values.append(blocks.combine(parts[i], exact))
+                    values.append(blocks.combine(parts[i]))
                 elif i in acc:
                     values.append(grad_stats(gr, acc.pop(i), exact))
                 else:
@@ -318,11 +280,12 @@ class _BackwardCheck:
             # perturbed
             plain = [x.detach() if isinstance(x, torch.Tensor) else x
                      for x in state.restore(leaves, snap)]
-            if e.noise_mode:  # one ulp of the precision the op computed in (autocast)
-                x = autocast.first_tensor(plain)
-                if x is not None:
-                    plain = autocast.cast_like(plain, autocast.enabled_dtype(x.device),
-                                               self.out_dtype)
+            # the inputs as the op computed with them (autocast): the noise is one ulp of that
+            # precision, the upcast starts from what the kernel really received
+            x = autocast.first_tensor(plain)
+            if x is not None:
+                plain = autocast.cast_like(plain, autocast.enabled_dtype(x.device),
+                                           self.out_dtype)
             exact = e.verdicts.want_exact(("backward", self.key, self.n))
             plan = self._plan(plain, g) if not snap else None
             if plan is not None:
@@ -333,17 +296,15 @@ class _BackwardCheck:
         if not values:
             raise perturb.Cancel("no input gradient to compare")
 
-        cast_to = ac_dtype if e.noise_mode else None   # inputs as the op computed with them
+        def fresh():   # the inputs as the op computed with them
+            return autocast.cast_like(state.restore(leaves, snap), ac_dtype, self.out_dtype)
 
-        def fresh():
-            return autocast.cast_like(state.restore(leaves, snap), cast_to, self.out_dtype)
-
-        def explain(flagged):  # only for flagged gradients: float64 recomputations
+        def explain(items):  # only for flagged gradients: float64 recomputations
             return cause.analyse_backward(self.func, fresh, self.spec, self.diff,
-                                          self.out_index, g, flagged)
+                                          self.out_index, g, items)
 
         with torch.no_grad():
             e.defer(self.key, self.n, self.name, "backward", self.step, self.site, in_dtype,
                     [(i, gr, None) for i, gr in originals], values=values, exact=exact,
-                    module=self.module, explain=explain,
-                    floors=[BACKWARD_FLOOR] * len(values), originals=[gr for _, gr in originals])
+                    module=self.module, explain=explain, originals=[gr for _, gr in originals],
+                    compute=[self.out_dtype] * len(values))

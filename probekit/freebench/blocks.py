@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .metric import EXACT_LEN, combine_fast
+from .metric import combine as _combine
 from .modes import MODES
 from .names import ELEMENTWISE
 
@@ -158,12 +158,6 @@ def plan(mode: str, info, args: tuple, kwargs: dict, leaves: list, outs: list):
     return Plan(d, [(s, min(rows, size - s)) for s in range(0, size, rows)], split)
 
 
-def combine(parts: list, exact: bool) -> tuple:
+def combine(parts: list, exact: bool = False) -> tuple:
     """One comparison's values from the per-block ones (on the device, no sync)."""
-    if len(parts) == 1:
-        return parts[0]
-    s = torch.stack([torch.stack(list(p)).to(torch.float64) for p in parts])
-    if exact:
-        assert s.shape[1] == EXACT_LEN
-        return tuple(torch.cat([s[:, :3].amax(0), s[:, 3:].sum(0)]).unbind())
-    return combine_fast(s)
+    return _combine(parts)
