@@ -5,12 +5,12 @@ Float64 re-runs of the call, on its inputs as the op computed with them (autocas
 included) upcast to float64:
 
 * ``r``: the reference (every floating input in float64);
-* ``s``: the same with every floating input first moved by one ulp of its *own* dtype, then
-  upcast, twice: every element towards +inf (``perturb.add_noise``: the condition number of a
-  sum) and every element one ulp towards zero (``perturb.bit_noise``: in opposite directions for
-  elements of opposite signs, which a shift-invariant op such as softmax does not ignore). How far
-  the mathematical result moves under a one-ulp input change, whatever the kernel; the larger of
-  the two counts.
+* ``s``: the same with the floating inputs first moved by one ulp of their *own* dtype, then
+  upcast (``NUDGES``): every element towards +inf (``perturb.add_noise``: the condition number of
+  a sum) and every element's last bit flipped (``perturb.flip_last_bit``: up or down by the
+  element's own bits, which a shift-invariant op such as softmax does not ignore, while equal
+  values stay equal), in every input and in the first alone. How far the mathematical result
+  moves under a one-ulp input change, whatever the kernel; the largest move counts.
 
 Both are measured with the row's own metric (``metric.py``, the call's scale of ``scales.py``:
 ``sum |a||b|`` recomputed on the float64 inputs for the accumulating APIs in the accuracy modes,
@@ -61,6 +61,27 @@ def _nudge(noise):
         except perturb.Cancel:  # a dtype without a bit-level ulp: left as is
             return x
     return fn
+
+
+#: the one-ulp nudges of the sensitivity: (noise, every floating input or the first only).
+#: Nudging every input alike misses a difference of two inputs that move together (both
+#: values one ulp up: (a + ulp) - (b + ulp)); the noise modes move the first alone. The flips
+#: follow each element's own bits, so equal values stay equal (a constant batch-norm channel
+#: stays constant: its exact output, 0, does not move)
+NUDGES = ((perturb.add_noise, False), (perturb.flip_last_bit, False),
+          (perturb.add_noise, True), (perturb.flip_last_bit, True))
+
+
+def nudged(leaves: list, noise, first_only: bool) -> list:
+    """The leaves with ``noise`` applied to every floating tensor, or to the first only."""
+    fn = _nudge(noise)
+    if not first_only:
+        return [fn(x) for x in leaves]
+    out, done = list(leaves), False
+    for i, x in enumerate(leaves):
+        if not done and perturb.is_float(x):
+            out[i], done = fn(x), True
+    return out
 
 
 def _run(func, leaves, spec, kwargs_fix=None) -> list:
@@ -130,8 +151,8 @@ def analyse(func, fresh, spec, items: list, blocks=None) -> dict:
             stats = compare_many([(original(o), r[i], sc[i]) for i, o, _ in items])
             for (i, _, _), st in zip(items, stats):
                 acc[i] = max(acc[i], _score(st))
-            for noise in (perturb.add_noise, perturb.bit_noise):
-                s = dict(_run(func, [_to64(_nudge(noise)(x)) for x in inputs()], spec))
+            for noise, first in NUDGES:
+                s = dict(_run(func, [_to64(x) for x in nudged(inputs(), noise, first)], spec))
                 stats = compare_many([(r[i], s[i], sc[i]) for i, _, _ in items])
                 del s
                 for (i, _, _), st in zip(items, stats):
@@ -172,9 +193,9 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
             with torch.no_grad():
                 acc[index] = score(gr, ref)
             sens[index] = 0.0
-    for noise in (perturb.add_noise, perturb.bit_noise):
+    for noise, first in NUDGES:
         with no_autocast(True), torch.enable_grad():
-            s = _grads64(func, [_to64(_nudge(noise)(x)) for x in fresh()], spec, diff,
+            s = _grads64(func, [_to64(x) for x in nudged(fresh(), noise, first)], spec, diff,
                          out_index, g)
         for index in list(acc):
             k = pos[index]

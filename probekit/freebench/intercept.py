@@ -374,7 +374,7 @@ class Engine(Judging):
             raise RuntimeError("the perturbed call returned outputs of another structure")
         if pert.post is not None:
             p_outs = [(i, pert.post(t)) for i, t in p_outs]
-        scales_ = self._scales(kind, func, pert.new, spec, p_outs)
+        scales_ = self._scales(kind, func, pert.new, spec, p_outs, outs)
 
         def explain(items):  # only for flagged calls: float64 re-runs
             return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items)
@@ -383,14 +383,16 @@ class Engine(Judging):
                    [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain,
                    kinds=[kind] * len(outs), scales_=scales_)
 
-    def _scales(self, kind, func, p_leaves, spec, p_outs) -> list:
-        """The per-element scale of each output (None: the tensor's own scale)."""
+    def _scales(self, kind, func, p_leaves, spec, p_outs, outs) -> list:
+        """The per-element scale of each output (None: the tensor's own scale); ``outs``: the
+        original outputs (their dtypes are the compute dtypes)."""
         if kind == scales.MAGNITUDE:
             a, kw = perturb.unflatten(scales.magnitude_leaves(p_leaves), spec)
             got = dict(handlers.float_outputs(scales.magnitude_run(func, a, kw)))
             return [got.get(i) for i, _ in p_outs]
         if kind == scales.ELEMENT:
-            return [p.abs().add_(scales.element_offset(p.dtype)) for _, p in p_outs]
+            return [p.abs().add_(scales.element_offset(o.dtype)) for (_, p), (_, o) in
+                    zip(p_outs, outs)]
         return [None] * len(p_outs)
 
     def current_module(self) -> str:
@@ -412,7 +414,7 @@ class Engine(Judging):
             in_dtype = pert.in_dtype
             p = func(*pert.args, **pert.kwargs)
             (_, p), = handlers.float_outputs(p)
-            (sc,) = self._scales(kind, func, pert.new, spec, [(i, p)])
+            (sc,) = self._scales(kind, func, pert.new, spec, [(i, p)], outs)
             parts.append(device_stats(plan.output(o, start, length), p, sc, exact))
             del pert, p, sc  # free this block's re-run before the next one
         self.applied(key, name)

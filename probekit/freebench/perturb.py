@@ -7,7 +7,8 @@ three kernels (what a check costs is counted in ``benchmarks/bench_freebench_ops
 ==================  ===========================================================================
 improve_precision   every floating input upcast: fp16/bf16 -> fp32; fp32 -> fp64 (fp64: cancelled)
 bit_noise           first floating input: every finite element with ``|x| > smallest normal``
-                    moved one ulp towards zero (its last bit changes; ``x * (1 - u)``)
+                    moved one ulp, towards zero and away from zero alternately along the last
+                    dimension (its last bit changes)
 add_noise           first floating input: every finite element with ``|x| > smallest normal``
                     moved one ulp towards +inf (``nextafter(x, inf)``, as ``fmax(x / (1 - u),
                     x * (1 - u))``; it cannot round away, unlike msprobe's constant epsilon, which
@@ -57,26 +58,61 @@ def _noise_consts(t: torch.Tensor) -> tuple:
     return c
 
 
-def bit_noise(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with every element above the smallest normal moved one ulp towards zero (its last
-    bit changes), in one kernel: ``t * (1 - u)``.
+_ALTERNATE: dict = {}
 
-    For ``|x| = m * 2^e`` with ``1 <= m < 2`` the exact product is ``x - (m/2) ulp(x)``, which
-    rounds to ``x - ulp(x)`` (for ``m = 1`` it is exactly the spacing below ``x``); ``1 - u`` is
-    representable in every floating dtype and the product is rounded once (16-bit types are
-    multiplied in float32, where it is exact). Zeros, subnormals (their change rounds away), the
-    smallest normal (a tie, rounded to itself), +-Inf and NaN are unchanged. Elements of
-    opposite signs move in opposite directions."""
-    return t * _noise_consts(t)[1]
+
+def _alternate(t: torch.Tensor) -> tuple:
+    """(multiplier, divisor) along ``t``'s last dim: ``(1 - u, 1)`` at even positions, ``(1,
+    1 - u)`` at odd ones, in ``t``'s dtype (cached per length, dtype and device)."""
+    n = t.shape[-1] if t.dim() else 1
+    key = (n, t.dtype, t.device)
+    c = _ALTERNATE.get(key)
+    if c is None:
+        f = _noise_consts(t)[1]
+        even = (torch.arange(n, device=t.device) % 2 == 0)
+        one = torch.ones(n, dtype=t.dtype, device=t.device)
+        c = _ALTERNATE[key] = (torch.where(even, f, one).to(t.dtype),
+                               torch.where(even, one, f).to(t.dtype))
+        if not t.dim():
+            c = _ALTERNATE[key] = (c[0][0], c[1][0])
+    return c
+
+
+def bit_noise(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every element above the smallest normal moved by one ulp (its last bit
+    changes), towards zero at even positions of the last dimension and away from zero at odd ones,
+    in two kernels: ``t * m / d`` with ``(m, d) = (1 - u, 1)`` or ``(1, 1 - u)``.
+
+    Neighbouring elements move in opposite directions, which a shift-invariant op such as softmax
+    does not ignore (a shift of every element by one ulp it would). ``x * (1 - u)`` and
+    ``x / (1 - u)`` are the next values towards and away from zero (see ``add_noise``); the
+    factors are exact in every floating dtype, so every kernel path gives the same bits. Zeros
+    (with their sign), subnormals, +-Inf and NaN are unchanged (so are the smallest normal at an
+    even position, a tie, and the largest finite value at an odd one becomes Inf, its next value
+    up)."""
+    m, d = _alternate(t)
+    return t.mul(m).div_(d)
+
+
+def flip_last_bit(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the lowest mantissa bit flipped in each finite element >= the smallest normal
+    (one ulp up or down, by the element's own bits: equal values move alike). Not a pert_mode:
+    the cause analysis nudges inputs with it (``cause.py``), where its six kernels do not matter
+    and keeping equal values equal does (a constant batch-norm channel stays constant)."""
+    info = torch.finfo(t.dtype)
+    bits = t.view(_INT_VIEW[t.dtype])
+    a = t.abs()
+    return (bits ^ (a.clamp(info.smallest_normal, info.max) == a)).view(t.dtype)
 
 
 def add_noise(t: torch.Tensor) -> torch.Tensor:
     """``t`` with every element above the smallest normal moved one ulp towards +inf, in three
     kernels: ``fmax(t / (1 - u), t * (1 - u))``.
 
-    ``x / (1 - u) = x + (m/2)(1 + u + ...) ulp(x)`` rounds to the next value away from zero (the
-    ``u^2`` terms break the tie at ``m = 1``; never 1.5 ulp), ``x * (1 - u)`` to the next value
-    towards zero (``bit_noise``): ``fmax`` keeps the larger, the one towards +inf. Both are exact
+    For ``|x| = m * 2^e`` with ``1 <= m < 2``, ``x / (1 - u) = x + (m/2)(1 + u + ...) ulp(x)``
+    rounds to the next value away from zero (the ``u^2`` terms break the tie at ``m = 1``; never
+    1.5 ulp), and ``x * (1 - u) = x - (m/2) ulp(x)`` to the next value towards zero (for ``m = 1``
+    it is exactly the spacing below ``x``): ``fmax`` keeps the larger, the one towards +inf. Both are exact
     (a correctly rounded quotient and product; the 16-bit types divide in float32, where the
     quotient's rounding stays far inside the margin), the divisor is representable in every
     floating dtype, and no intermediate is rounded to the low-precision type, so every CPU kernel
