@@ -374,6 +374,10 @@ class Engine(Judging):
             raise RuntimeError("the perturbed call returned outputs of another structure")
         if pert.post is not None:
             p_outs = [(i, pert.post(t)) for i, t in p_outs]
+        if self.upcast_mode and any(torch.finfo(p.dtype).eps > torch.finfo(o.dtype).eps
+                                    for (_, o), (_, p) in zip(outs, p_outs)):
+            # e.g. bincount: fp16 weights sum into float64, fp32 ones into float32
+            raise perturb.Cancel("the upcast re-run computes in a narrower dtype than the call")
         scales_ = self._scales(kind, func, pert.new, spec, p_outs, outs)
 
         def explain(items):  # only for flagged calls: float64 re-runs
