@@ -190,7 +190,10 @@ class _BackwardCheck:
         gp_out = g.to(dtype=yp.dtype, device=yp.device)
         if pert.post is not None:
             gp_out = pert.post(gp_out)
-        return list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True)), pert
+        # the backward without autocast, as the real one runs (autocast applies to the ops of a
+        # backward run while it is on: an upcast re-run's gradients would be bf16 again)
+        with no_autocast(True):
+            return list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True)), pert
 
     def _whole(self, plain, g, g_ref, exact):
         """(values, [(input position, reference gradient)], dtype computed in) of one re-run."""
@@ -275,7 +278,8 @@ class _BackwardCheck:
                     ref_in.append(ref[i])
                 a, kw = perturb.unflatten(ref, self.spec)
                 y = self._output(self.func(*a, **kw))
-                g_ref = torch.autograd.grad(y, ref_in, g, allow_unused=True)
+                with no_autocast(True):
+                    g_ref = torch.autograd.grad(y, ref_in, g, allow_unused=True)
                 del ref, ref_in, a, kw, y
             # perturbed
             plain = [x.detach() if isinstance(x, torch.Tensor) else x

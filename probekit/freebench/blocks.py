@@ -122,6 +122,16 @@ def _candidates(name: str, args: tuple, kwargs: dict, leaves: list, out: torch.T
     return None
 
 
+def _even_rows(x: torch.Tensor, dim: int) -> bool:
+    """Does one slice of ``x`` along ``dim`` hold an even number of flattened rows?"""
+    if dim >= x.dim() - 1:
+        return False
+    n = 1
+    for size in x.shape[dim + 1:-1]:
+        n *= size
+    return n % 2 == 0
+
+
 def plan(mode: str, info, args: tuple, kwargs: dict, leaves: list, outs: list):
     """A ``Plan`` for a call whose single floating output exceeds ``BLOCK`` elements, or None
     (checked whole)."""
@@ -153,6 +163,12 @@ def plan(mode: str, info, args: tuple, kwargs: dict, leaves: list, outs: list):
     per, d, split = best
     size = o.shape[d]
     rows = max(1, BLOCK // per)
+    # bit_noise's checkerboard follows each input's indices: a block must start at an even
+    # flattened row (or column) of every sliced input, so its pattern is the whole call's
+    if rows % 2 and not all(_even_rows(leaves[i], j) for i, j in split):
+        if rows < 2:
+            return None
+        rows -= 1
     if rows >= size:
         return None
     return Plan(d, [(s, min(rows, size - s)) for s in range(0, size, rows)], split)

@@ -202,7 +202,8 @@ class Engine(Judging):
             skipped["out_of_module"] = self.out_of_module
         out = {"calls": self.calls, "checked": self.checked, "skipped": skipped,
                "flagged": self.flagged, "steps": self.step}
-        out["hotspots"] = len(self._hot)
+        if self._hot:
+            out["hotspots"] = len(self._hot)
         pending = sum(len(rows) for rows in self._held.values())
         if pending:
             out["pending"] = pending

@@ -7,8 +7,8 @@ three kernels (what a check costs is counted in ``benchmarks/bench_freebench_ops
 ==================  ===========================================================================
 improve_precision   every floating input upcast: fp16/bf16 -> fp32; fp32 -> fp64 (fp64: cancelled)
 bit_noise           first floating input: every finite element with ``|x| > smallest normal``
-                    moved one ulp, towards zero and away from zero alternately along the last
-                    dimension (its last bit changes)
+                    moved one ulp, towards zero and away from zero in a checkerboard over (row,
+                    column) (its last bit changes)
 add_noise           first floating input: every finite element with ``|x| > smallest normal``
                     moved one ulp towards +inf (``nextafter(x, inf)``, as ``fmax(x / (1 - u),
                     x * (1 - u))``; it cannot round away, unlike msprobe's constant epsilon, which
@@ -58,39 +58,62 @@ def _noise_consts(t: torch.Tensor) -> tuple:
     return c
 
 
+#: (length, dtype, device) -> (multipliers, divisors): 1-D, ``(1 - u, 1)`` / ``(1, 1 - u)``
+#: alternating from an even position
 _ALTERNATE: dict = {}
+#: (shape, dtype, device) -> the checkerboard views of ``_ALTERNATE``'s vectors for that shape
+_CHECKER: dict = {}
+_CHECKER_MAX = 4096
 
 
-def _alternate(t: torch.Tensor) -> tuple:
-    """(multiplier, divisor) along ``t``'s last dim: ``(1 - u, 1)`` at even positions, ``(1,
-    1 - u)`` at odd ones, in ``t``'s dtype (cached per length, dtype and device)."""
-    n = t.shape[-1] if t.dim() else 1
-    key = (n, t.dtype, t.device)
-    c = _ALTERNATE.get(key)
-    if c is None:
+def _checker(t: torch.Tensor) -> tuple:
+    """(multiplier, divisor) shaped like ``t``: ``(1 - u, 1)`` where the element's row (all
+    dims but the last, flattened) plus its column is even, ``(1, 1 - u)`` where it is odd: a
+    checkerboard, no memory beyond one vector of ``rows + cols`` (overlapping strided views)."""
+    shape = tuple(t.shape)
+    key = (shape, t.dtype, t.device)
+    c = _CHECKER.get(key)
+    if c is not None:
+        return c
+    cols = shape[-1] if shape else 1
+    rows = t.numel() // cols if cols else 0
+    need = max(1, rows + cols)
+    length = 1 << (need - 1).bit_length()
+    vkey = (length, t.dtype, t.device)
+    vec = _ALTERNATE.get(vkey)
+    if vec is None:
         f = _noise_consts(t)[1]
-        even = (torch.arange(n, device=t.device) % 2 == 0)
-        one = torch.ones(n, dtype=t.dtype, device=t.device)
-        c = _ALTERNATE[key] = (torch.where(even, f, one).to(t.dtype),
-                               torch.where(even, one, f).to(t.dtype))
-        if not t.dim():
-            c = _ALTERNATE[key] = (c[0][0], c[1][0])
+        even = torch.arange(length, device=t.device) % 2 == 0
+        one = torch.ones(length, dtype=t.dtype, device=t.device)
+        vec = _ALTERNATE[vkey] = (torch.where(even, f, one).to(t.dtype),
+                                  torch.where(even, one, f).to(t.dtype))
+    strides, acc = [], 1
+    for size in reversed(shape[:-1]):
+        strides.append(acc)
+        acc *= size
+    strides = tuple(reversed(strides)) + ((1,) if shape else ())
+    c = tuple(v.as_strided(shape, strides) for v in vec)
+    if len(_CHECKER) >= _CHECKER_MAX:
+        _CHECKER.clear()
+    _CHECKER[key] = c
     return c
 
 
 def bit_noise(t: torch.Tensor) -> torch.Tensor:
     """``t`` with every element above the smallest normal moved by one ulp (its last bit
-    changes), towards zero at even positions of the last dimension and away from zero at odd ones,
-    in two kernels: ``t * m / d`` with ``(m, d) = (1 - u, 1)`` or ``(1, 1 - u)``.
+    changes), towards zero and away from zero in a checkerboard (row of the flattened leading
+    dims plus column even: towards zero), in two kernels: ``t * m / d`` with ``(m, d) = (1 - u,
+    1)`` or ``(1, 1 - u)``.
 
-    Neighbouring elements move in opposite directions, which a shift-invariant op such as softmax
-    does not ignore (a shift of every element by one ulp it would). ``x * (1 - u)`` and
-    ``x / (1 - u)`` are the next values towards and away from zero (see ``add_noise``); the
-    factors are exact in every floating dtype, so every kernel path gives the same bits. Zeros
-    (with their sign), subnormals, +-Inf and NaN are unchanged (so are the smallest normal at an
-    even position, a tie, and the largest finite value at an odd one becomes Inf, its next value
-    up)."""
-    m, d = _alternate(t)
+    Neighbouring elements, along the last dim and down every column, move in opposite
+    directions, which neither a shift-invariant op such as softmax nor a sum over rows (a weight
+    gradient sums over tokens) ignores, as it would a shift or a scaling of every element.
+    ``x * (1 - u)`` and ``x / (1 - u)`` are the next values towards and away from zero (see
+    ``add_noise``); the factors are exact in every floating dtype, so every kernel path gives the
+    same bits. Zeros (with their sign), subnormals, +-Inf and NaN are unchanged (so is the
+    smallest normal where it moves towards zero, a tie; the largest finite value where it moves
+    away from zero becomes Inf, its next value up)."""
+    m, d = _checker(t)
     return t.mul(m).div_(d)
 
 

@@ -30,14 +30,21 @@ def test_bit_noise_moves_one_ulp_alternately_above_the_floor(dtype):
     assert y.dtype == dtype and y.shape == x.shape
     tiny = torch.finfo(dtype).smallest_normal
     big = x.abs() > tiny
-    # every element above the floor moved by exactly one ulp: towards zero at even positions of
-    # the last dim, away from zero at odd ones; the others (0, values below the smallest normal)
-    # are unchanged
-    even = (torch.arange(x.shape[-1]) % 2 == 0).expand_as(x)
+    # every element above the floor moved by exactly one ulp: towards zero where row + column is
+    # even, away from zero where it is odd (a checkerboard); the others (0, values below the
+    # smallest normal) are unchanged
+    even = checkerboard(x)
     assert bool(((y.abs() < x.abs()) == even)[big].all())
     step = (y.double() - x.double()).abs()
     assert torch.equal(step[big], torch.minimum(ulp(x).double(), ulp(y).double())[big])
     assert torch.equal(y[~big], x[~big])
+
+
+def checkerboard(x):
+    """True where (row of the flattened leading dims + column) is even."""
+    d = x.shape[-1] if x.dim() else 1
+    r = x.numel() // d
+    return ((torch.arange(r).view(-1, 1) + torch.arange(d)) % 2 == 0).reshape(x.shape)
 
 
 def test_bit_noise_exact_values_bf16():
@@ -289,19 +296,28 @@ def _exhaustive(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_noise_is_exact_on_every_16_bit_value(dtype):
-    x, keep, up, away, towards = _exhaustive(dtype)
+    x, keep, up, _, _ = _exhaustive(dtype)
     assert int(keep.sum()) == 2 * NORMALS[dtype] - 2          # all normals but +-smallest
-    for layout in (x, x.view(256, 256), x.view(-1, 1)):
-        even = (torch.arange(layout.shape[-1]) % 2 == 0).expand_as(layout).reshape(-1)
+    sn = torch.finfo(dtype).smallest_normal
+    for layout in (x, x.view(256, 256), x.view(-1, 1), x.view(16, 16, 256), x.view(256, 256).t()):
+        flat = layout.reshape(-1)                              # logical order
+        xk, kk, aw, to = _exhaustive_of(flat)
+        even = checkerboard(layout).reshape(-1)
         y = perturb.bit_noise(layout).reshape(-1)
-        expected = torch.where(keep, torch.where(even, towards, away), x)
-        sn = x.abs() == torch.finfo(dtype).smallest_normal      # a tie towards zero: unchanged
-        expected = torch.where(sn & ~even, away, expected)
+        expected = torch.where(kk, torch.where(even, to, aw), xk)
+        expected = torch.where((xk.abs() == sn) & ~even, aw, expected)   # towards zero: a tie
         assert same_bits(y, expected)
     a = perturb.add_noise(x)
-    expected = torch.where(keep | (x == torch.finfo(dtype).smallest_normal), up, x)
+    expected = torch.where(keep | (x == sn), up, x)
     assert same_bits(a, expected)
     assert bool((a[keep] > x[keep]).all())
+
+
+def _exhaustive_of(flat):
+    """(values, above the smallest normal, one ulp away from zero, one ulp towards zero)."""
+    keep = above_smallest_normal(flat)
+    away = torch.nextafter(flat, torch.where(flat > 0, float("inf"), -float("inf")).to(flat.dtype))
+    return flat, keep, away, torch.nextafter(flat, torch.zeros_like(flat))
 
 
 def test_noise_is_the_same_on_every_cpu_kernel_path():
