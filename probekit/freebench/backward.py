@@ -31,22 +31,39 @@ import time
 
 import torch
 
-from . import autocast, blocks, cause, handlers, perturb, realgrad, state
+from . import autocast, blocks, cause, handlers, perturb, realgrad, scales, state
 from .guards import modes_off, no_autocast
 from .metric import device_stats
 from .names import call_site
 
 
-def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool) -> tuple:
+def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None) -> tuple:
     """``metric.device_stats`` of a reference gradient (or a block of it) and the perturbed one:
     the deviation relative to the gradient tensor's own scale (``max|gr|``; blocks combine to the
-    whole tensor's)."""
-    return device_stats(gr.detach(), gq.detach(), None, exact)
+    whole tensor's), or to ``scale`` element by element (an accumulating API's gradient in the
+    accuracy modes: the same gradient computed on absolute values, ``sum |g||b|``)."""
+    return device_stats(gr.detach(), gq.detach(), scale, exact)
+
+
+#: APIs whose gradient goes to the elements they select (a maximum, a pooling window's largest
+#: value): under a one-ulp input change a tie (frequent in bf16) can break the other way and the
+#: gradient moves to another element whole. That is the sensitivity of a choice, not a loss of
+#: precision, so the sensitivity modes (bit_noise, add_noise, change_value) do not check their
+#: gradients (the upcast modes and no_change do)
+SELECTION = frozenset("""
+max min amax amin maximum minimum fmax fmin max_pool1d max_pool2d max_pool3d
+max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool1d
+adaptive_max_pool2d adaptive_max_pool3d fractional_max_pool2d fractional_max_pool3d median
+nanmedian mode cummax cummin kthvalue topk sort msort
+""".split())
 
 
 def watch(engine, call, key, n, name, func, leaves, spec, frame):
     """Run the call; hook its first differentiable output for a backward check (and, where
     ``realgrad.plan`` allows, the nodes that hand its inputs their real gradients)."""
+    if call.info.name in SELECTION and not (engine.mode.upcast or engine.mode.exact):
+        engine.note_skip("selection", key, name)
+        return func(*call.args, **call.kwargs)
     mark = realgrad.marker()
     out = func(*call.args, **call.kwargs)
     try:
@@ -109,6 +126,11 @@ class _BackwardCheck:
         self.n_outs = 0
         #: with ``realgrad``: the upstream gradient, kept until the real input gradients arrive
         self.g = None
+        #: how the gradients are scaled (``scales.scale_kind``: an accumulating API's gradients
+        #: against their magnitudes in the accuracy modes, else the tensor's own scale)
+        self.kind = scales.scale_kind(engine.mode_name, call.info.name)
+        if self.kind == scales.ELEMENT:
+            self.kind = scales.TENSOR
 
     def __call__(self, grad):
         """The hook on the output (reference recomputed): the upstream gradient arrives."""
@@ -193,12 +215,28 @@ class _BackwardCheck:
         # the backward without autocast, as the real one runs (autocast applies to the ops of a
         # backward run while it is on: an upcast re-run's gradients would be bf16 again)
         with no_autocast(True):
-            return list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True)), pert
+            grads = list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True))
+            mags = self._magnitudes(p_leaves, gp_out) if self.kind == scales.MAGNITUDE else None
+        return grads, mags, pert
+
+    def _magnitudes(self, p_leaves, gp_out) -> list:
+        """The input gradients of the call on absolute values with upstream ``|g|``: for an
+        accumulating (multilinear) API, ``sum |g||b|``, the scale its gradients' rounding is
+        bounded by (``scales.py``)."""
+        a_leaves = scales.magnitude_leaves([x.detach() if isinstance(x, torch.Tensor) else x
+                                            for x in p_leaves])
+        a_in = []
+        for i in self.diff:
+            a_leaves[i] = a_leaves[i].requires_grad_(True)
+            a_in.append(a_leaves[i])
+        a, kw = perturb.unflatten(a_leaves, self.spec)
+        ya = self._output(self.func(*a, **scales.magnitude_kwargs(kw)))
+        return list(torch.autograd.grad(ya, a_in, gp_out.abs(), allow_unused=True))
 
     def _whole(self, plain, g, g_ref, exact):
         """(values, [(input position, reference gradient)], dtype computed in) of one re-run."""
         e = self.engine
-        g_pert, pert = self._rerun(plain, g)
+        g_pert, mags, pert = self._rerun(plain, g)
         e.applied(self.key, self.name)
         replaced, in_dtype = pert.replaced, pert.in_dtype
         del pert  # the re-run's inputs go before the comparisons
@@ -210,7 +248,7 @@ class _BackwardCheck:
                     continue
                 if e.mode.swap_back and i in replaced and gq.dim() >= 1:
                     gq = perturb.swap_last(gq)
-                values.append(grad_stats(gr, gq, exact))
+                values.append(grad_stats(gr, gq, exact, None if mags is None else mags[k]))
                 originals.append((i, gr))
                 del gq
         return values, originals, in_dtype
@@ -223,25 +261,31 @@ class _BackwardCheck:
         sliced = dict(plan.split)
         parts = {i: [] for i in self.diff}
         acc: dict = {}
+        acc_mag: dict = {}
         in_dtype = None
         for start, length in plan.parts:
-            g_pert, pert = self._rerun(plan.leaves(plain, start, length),
-                                       plan.output(g, start, length))
+            g_pert, mags, pert = self._rerun(plan.leaves(plain, start, length),
+                                             plan.output(g, start, length))
             in_dtype = pert.in_dtype
             del pert
             with torch.no_grad():
                 for k, (i, gr) in enumerate(zip(self.diff, g_ref)):
                     gq, g_pert[k] = g_pert[k], None
+                    mag = None if mags is None else mags[k]
                     if gr is None or gq is None:
                         continue
                     if i in sliced:
                         parts[i].append(grad_stats(gr.narrow(sliced[i], start, length), gq,
-                                                   exact))
+                                                   exact, mag))
                     elif i in acc:
                         acc[i].add_(gq)
+                        if mag is not None:
+                            acc_mag[i].add_(mag)
                     else:
                         acc[i] = gq.to(torch.float64, copy=True)
-                    del gq
+                        if mag is not None:
+                            acc_mag[i] = mag.to(torch.float64, copy=True)
+                    del gq, mag
         self.engine.applied(self.key, self.name)
         values, originals = [], []
         with torch.no_grad():
@@ -251,7 +295,7 @@ class _BackwardCheck:
                 if i in sliced and parts[i]:
                     values.append(blocks.combine(parts[i]))
                 elif i in acc:
-                    values.append(grad_stats(gr, acc.pop(i), exact))
+                    values.append(grad_stats(gr, acc.pop(i), exact, acc_mag.pop(i, None)))
                 else:
                     continue
                 originals.append((i, gr))
@@ -311,4 +355,4 @@ class _BackwardCheck:
             e.defer(self.key, self.n, self.name, "backward", self.step, self.site, in_dtype,
                     [(i, gr, None) for i, gr in originals], values=values, exact=exact,
                     module=self.module, explain=explain, originals=[gr for _, gr in originals],
-                    compute=[self.out_dtype] * len(values))
+                    compute=[self.out_dtype] * len(values), kinds=[self.kind] * len(values))

@@ -161,7 +161,7 @@ def analyse(func, fresh, spec, items: list, blocks=None) -> dict:
     return {i: verdict(acc[i], sens[i], cdts[i]) for i, _, _ in items}
 
 
-def _grads64(func, leaves, spec, diff, out_index, g) -> list:
+def _grads64(func, leaves, spec, diff, out_index, g, kwargs_fix=None) -> list:
     """Input gradients (for the leaves in ``diff``) of the call's output ``out_index`` with
     upstream gradient ``g``, everything in float64."""
     leaves = list(leaves)
@@ -169,7 +169,7 @@ def _grads64(func, leaves, spec, diff, out_index, g) -> list:
     for i in diff:
         leaves[i] = leaves[i].detach().requires_grad_(True)
         ins.append(leaves[i])
-    y = dict(_run(func, leaves, spec))[out_index]
+    y = dict(_run(func, leaves, spec, kwargs_fix))[out_index]
     return list(torch.autograd.grad(y, ins, g.to(torch.float64), allow_unused=True))
 
 
@@ -179,19 +179,26 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
     check used. One nudged float64 gradient besides the float64 reference is alive at a time."""
     from .guards import no_autocast
 
-    def score(a, b) -> float:
-        return _score(compare_many([(a, b, None)])[0])
-
     pos = {i: k for k, i in enumerate(diff)}
     cdts = {index: desc[6] for index, _, desc in items}
+    mag = [None] * len(diff)
     with no_autocast(True), torch.enable_grad():
-        r = _grads64(func, [_to64(x) for x in fresh()], spec, diff, out_index, g)
+        x64 = [_to64(x) for x in fresh()]
+        r = _grads64(func, x64, spec, diff, out_index, g)
+        if any(desc[3] == MAGNITUDE for _, _, desc in items):   # sum |g||b| (scales.py)
+            mag = _grads64(func, scales.magnitude_leaves(x64), spec, diff, out_index, g.abs(),
+                           scales.magnitude_kwargs)
+        del x64
+
+    def score(a, b, k) -> float:
+        return _score(compare_many([(a, b, mag[k])])[0])
+
     acc, sens = {}, {}
     for index, gr, _ in items:
         ref = r[pos[index]]
         if ref is not None:
             with torch.no_grad():
-                acc[index] = score(gr, ref)
+                acc[index] = score(gr, ref, pos[index])
             sens[index] = 0.0
     for noise, first in NUDGES:
         with no_autocast(True), torch.enable_grad():
@@ -203,7 +210,7 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
                 del acc[index], sens[index]
                 continue
             with torch.no_grad():
-                sens[index] = max(sens[index], score(r[k], s[k]))
+                sens[index] = max(sens[index], score(r[k], s[k], k))
         del s
     return {index: verdict(acc[index], sens[index], cdts[index])
             for index, _, _ in items if index in acc}

@@ -43,6 +43,8 @@ EXTRA_REASONS = {
     "dtype_arg": "fix: the call fixes its output dtype explicitly",
     "meta": "meta tensors hold no values",
     "budget": "the overhead budget leaves this call to a later step (call sites rotate)",
+    "selection": "its gradient goes to the elements it selects: a one-ulp tie break moves it "
+                 "elsewhere, a choice rather than a precision loss (sensitivity modes, backward)",
 }
 
 
@@ -141,6 +143,7 @@ class Engine(Judging):
         self.budget = Budget(fb.budget) if fb.budget is not None else None
         self.coverage = Coverage()
         self._thresholds: dict = {}           # compute dtype -> threshold
+        self._judged: dict = {}               # (compute, tensor, input dtype) -> judged dtype
         self.site_causes: dict = {}           # call site -> {output_index: cause}
         self._uncaused: dict = {}             # call site -> its rows with a provisional cause
         self._held: dict = {}                 # call site -> rows waiting for the analysis

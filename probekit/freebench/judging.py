@@ -26,7 +26,7 @@ keeps the row as written); a row that needs the analysis to be a finding at all 
 
 Uses these attributes of the engine: ``fb``, ``mode``, ``mode_name``, ``stage``, ``step``,
 ``rank``, ``preheat``, ``verdicts``, ``coverage``, ``checked``, ``flagged``, ``emit``, ``once``,
-``site_causes``, ``_uncaused``, ``_held``, ``_hot``, ``_thresholds``, and its
+``site_causes``, ``_uncaused``, ``_held``, ``_hot``, ``_thresholds``, ``_judged``, and its
 ``current_module()``.
 """
 from __future__ import annotations
@@ -79,6 +79,7 @@ class Judging:
             values = [device_stats(o, p, s, exact) for (_, o, p), s in zip(triples, scales_)]
         outputs = []
         for (i, _, _), o, kind, cdt in zip(triples, originals, kinds, compute):
+            cdt = self.judged_dtype(cdt, o.dtype, in_dtype)
             thr = self.threshold_of(cdt)
             outputs.append((i, o.dtype, tuple(o.shape), kind, thr,
                             scales.hot_level(self.mode_name, cdt, thr), cdt))
@@ -107,6 +108,15 @@ class Judging:
             held = {r["output_index"] for r in self._held[site]}
             self._explain(site, name, explain,
                           [(i, o, out) for i, o, _, out in items if i in held])
+
+    def judged_dtype(self, compute_dtype, tensor_dtype, in_dtype):
+        """``scales.effective_dtype`` for this mode (cached)."""
+        key = (compute_dtype, tensor_dtype, in_dtype)
+        d = self._judged.get(key)
+        if d is None:
+            d = self._judged[key] = scales.effective_dtype(self.mode_name, compute_dtype,
+                                                           tensor_dtype, in_dtype)
+        return d
 
     def threshold_of(self, compute_dtype) -> float:
         """The threshold of this mode for a call computing in ``compute_dtype`` (cached)."""

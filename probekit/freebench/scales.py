@@ -19,7 +19,8 @@ A check measures a deviation ``d = p - o`` between the original output ``o`` and
 
 ``e = max_i |d_i| / S_i``, and the threshold comes from the unit roundoff ``u`` of the compute
 dtype (the output dtype in the forward stage, autocast included; the dtype the forward call
-computed in for its gradients in the backward stage; ``unit_roundoff``):
+computed in for its gradients in the backward stage; ``unit_roundoff``), or of the compared
+tensor's or the perturbed input's dtype where that is less precise (``effective_dtype``):
 
 * accuracy modes (improve_precision, to_cpu: ``d`` is the kernel's error against a more precise
   result): ``ACCURACY_UNITS * u`` -- a correct kernel rounds its output (at most ``u`` of the
@@ -91,6 +92,23 @@ def scale_kind(mode_name: str, api_name: str) -> str:
     if api_name in ELEMENT_APIS:
         return ELEMENT
     return TENSOR
+
+
+def effective_dtype(mode_name: str, compute_dtype, tensor_dtype=None, in_dtype=None):
+    """The dtype whose unit roundoff a check is judged with: the least precise of the dtype the
+    call computes in, the compared tensor's own (a gradient stored in bf16 for a bf16 input of a
+    float32 op is rounded to bf16) and, in the sensitivity modes, the perturbed input's (one ulp
+    of a bf16 input is 2^-8 of it whatever the op computes in: its output cannot keep more)."""
+    dtypes = [compute_dtype, tensor_dtype]
+    if not MODES[mode_name].upcast:
+        dtypes.append(in_dtype)
+    best, worst = None, -1.0
+    for d in dtypes:
+        if isinstance(d, torch.dtype) and d.is_floating_point:
+            u = unit_roundoff(d)
+            if u > worst:
+                best, worst = d, u
+    return best if best is not None else compute_dtype
 
 
 def threshold(mode_name: str, compute_dtype: torch.dtype, override=None) -> float:

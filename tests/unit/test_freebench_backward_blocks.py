@@ -82,9 +82,8 @@ def test_blocked_backward_rows_equal_the_whole_rerun(tmp_path, monkeypatch, case
         assert len(a) == len(b) == 5
         if _cases()[case][2]:          # every gradient sliced: the very same numbers
             assert a == b
-        else:                          # a few fp32 eps of the gradient's scale
-            scale = max(abs(v) for v in a[2:4])
-            assert a == pytest.approx(b, rel=0, abs=1e-6 * scale)
+        else:   # a few fp32 eps of the gradient's scale (|g| <= ~40 here): 4.4e-6 per eps
+            assert a == pytest.approx(b, rel=0, abs=2e-5)
     if mode != "improve_precision":
         return
     # one row per input gradient (the threshold is tiny), same rows either way
