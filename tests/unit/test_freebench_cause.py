@@ -65,10 +65,24 @@ CASES = [
 ]
 
 
+def _batch_norm_kernel_is_wrong() -> bool:
+    # the AVX2 and AVX-512 kernels give up to ~0.95 where the exact result is 0; the plain
+    # (default) kernel gives exactly 0 (ATEN_CPU_CAPABILITY=default)
+    y = F.batch_norm(constant_channels(), torch.zeros(5), torch.ones(5), training=True)
+    return y.abs().max().item() > 16 * 2.0 ** -24
+
+
+#: cases whose bug lives in some CPU kernel paths only: name -> does this path have it?
+KERNEL_DEPENDENT = {"batch_norm_constant_channels": _batch_norm_kernel_is_wrong}
+
+
 @pytest.mark.parametrize("name, mode, fn, expected", CASES, ids=[c[0] for c in CASES])
 def test_cause(tmp_path, name, mode, fn, expected):
     fb = probe(tmp_path, mode, fn)
     df = fb.results
+    if name in KERNEL_DEPENDENT and not KERNEL_DEPENDENT[name]():
+        assert df.empty, df    # this CPU kernel path computes it right: nothing to find
+        return
     assert len(df) == 1, df
     assert df["cause"].tolist() == [expected]
     with open(fb.csv_path, newline="") as f:

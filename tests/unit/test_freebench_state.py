@@ -141,11 +141,14 @@ def test_training_batch_norm_checked_on_cloned_statistics(tmp_path):
     rm0, rv0 = rm.clone(), rv.clone()
     fb, out = probe(tmp_path, lambda: F.batch_norm(x, rm, rv, training=True))
     df = fb.results
-    assert df["api_name"].tolist() == ["Functional.batch_norm.0.forward"]
+    # the vectorised (AVX2, AVX-512) kernels get it wrong; the plain one (default) gives 0
+    assert df["api_name"].tolist() == (["Functional.batch_norm.0.forward"]
+                                       if out.abs().max() > 0 else [])
     # float64 recomputation: every output is 0 up to 1e-9; the fp32 one is not
     p64 = F.batch_norm(x.double(), rm0.double(), rv0.double(), training=True)
     assert p64.abs().max().item() < 1e-8
-    assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p64), rel=1e-6)
+    if len(df):
+        assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p64), rel=1e-6)
     # the running statistics were updated once, exactly as without the probe
     rm1, rv1 = rm0.clone(), rv0.clone()
     F.batch_norm(x, rm1, rv1, training=True)
