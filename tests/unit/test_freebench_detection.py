@@ -167,6 +167,13 @@ def test_conditioning_the_dtype_predicts_is_a_hot_spot_not_a_finding(tmp_path):
     assert hot["max_rel"].iloc[0] == 2.0 ** -17 and hot["cause"].tolist() == ["ill-conditioned"]
     assert hot["count"].tolist() == [1] and fb.summary["hotspots"] == 1
     assert not (tmp_path / "bit_noise" / "free_benchmark.csv").read_text().count("Torch.sub")
+    # the findings view: none, and the hot spot counted; shown apart only when asked
+    from probekit.freebench.view import Findings
+
+    page = fb._repr_html_()
+    assert "no findings" in page and "1 hot spot" in page and "Torch.sub" not in page
+    page = Findings.of(fb, hotspots=True)._repr_html_()
+    assert "<b>Hot spots</b>" in page and "Torch.sub.0.forward" in page
     # ten times the cancellation (1e4 + 1) - 1e4: most of fp32's bits lost, a finding
     fb = run(tmp_path / "b", "bit_noise", {}, torch.sub, (torch.tensor([10001.0]),
                                                             torch.tensor([10000.0])))
