@@ -107,7 +107,6 @@ class Engine(Judging):
         self.fix = fb.handler_type == "fix"
         self.mode = MODES[fb.pert_mode]
         self.upcast_mode = self.mode.upcast
-        self.noise_mode = self.mode.noise
         classifier = Classifier()
         self.classify = classifier
         self.cache = classifier.cache
