@@ -61,7 +61,8 @@ KERNEL_PATH_TESTS ?= tests/unit/test_freebench_detection.py tests/unit/test_free
 test: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed chromium
 	PROBEKIT_REQUIRE_MSPROBE=1 PROBEKIT_MSPROBE_PYTHON=$(CURDIR)/$(MSPROBE_VENV)/bin/python \
 	  $(PY) -m pytest --ignore=tests/mindspore $(PYTEST_ARGS)
-	PROBEKIT_REQUIRE_MINDSPORE=1 $(MINDSPORE_VENV)/bin/python -m pytest tests/mindspore $(PYTEST_ARGS)
+	PROBEKIT_REQUIRE_MINDSPORE=1 PROBEKIT_NUMPY2_PYTHON=$(CURDIR)/$(PY) \
+	  $(MINDSPORE_VENV)/bin/python -m pytest tests/mindspore $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory kernel-paths
 
 kernel-paths: $(VENV)/.installed

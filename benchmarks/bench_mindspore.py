@@ -8,7 +8,15 @@ the same framework (``torch.sum`` / ``ops.sum`` of each gradient). With ``--mspr
 MindSpore grad probe of mindstudio-probe (if importable here) is timed on the same optimizer.
 
     .venv-mindspore/bin/python benchmarks/bench_mindspore.py --out bench_out/ms.json \
-        --results benchmarks/RESULTS.md     # (re)writes its section of RESULTS.md (make bench)
+        --results benchmarks/RESULTS.md     # (re)writes its sections of RESULTS.md (make bench)
+
+A second part (``--graph``, on by default; ``--graph-only`` runs only it) times whole training
+steps of a ~10M-parameter MLP: compiled (GRAPH_MODE, one ``@ms.jit`` step with the optimizer
+inside) and PyNative, each plain and with the probe at L1 (the host statistics the CPU gets by
+default, and the in-graph ops of the accelerator path) and L2. Every variant is built and
+compiled first, then they run in turns, a block of steps each, several rounds; reported are
+the medians over rounds of each variant's step time over the plain step's time in the same
+round, the probe's final write included (spread over the recorded steps).
 """
 from __future__ import annotations
 
@@ -107,6 +115,94 @@ def msprobe_run(params, grads, level: str, dump: str) -> dict | None:
     return {"per_step_s": (total - base) / len(grads), "bytes_per_step": du(dump) / len(grads)}
 
 
+GRAPH_SIZES = (1024, 2048, 2048, 2048, 10)  # 10.5M parameters
+GRAPH_VARIANTS = (("plain", None, None), ("L1 host", "L1", "host"),
+                  ("L1 in-graph", "L1", "device"), ("L2 host", "L2", "host"))
+
+
+def _mlp(sizes):
+    from mindspore import nn
+
+    class MLP(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.CellList([nn.Dense(a, b) for a, b in zip(sizes, sizes[1:])])
+
+        def construct(self, x):
+            for layer in self.layers[:-1]:
+                x = ops.tanh(layer(x))
+            return self.layers[-1](x)
+
+    return MLP()
+
+
+def _train_step(compiled: bool):
+    """A fresh model, its SGD optimizer and a train step (``@ms.jit``, optimizer inside, or
+    PyNative with the optimizer's own compiled construct)."""
+    ms.set_seed(0)
+    net = _mlp(GRAPH_SIZES)
+    opt = ms.nn.SGD(net.trainable_params(), learning_rate=1e-4)
+    loss_fn = ms.nn.MSELoss()
+
+    def forward(x, y):
+        return loss_fn(net(x), y)
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+
+    def step(x, y):
+        loss, grads = grad_fn(x, y)
+        opt(grads)
+        return loss
+
+    return opt, (ms.jit(step) if compiled else step)
+
+
+def graph_bench(mode: str, batch: int, rounds: int, block: int, tmp: str) -> list:
+    """Step times of every variant in turns (see the module docstring); one row per variant."""
+    from probekit.mindspore import GradProbe
+
+    compiled = mode == "graph"
+    ms.set_context(mode=ms.GRAPH_MODE if compiled else ms.PYNATIVE_MODE)
+    rng = np.random.default_rng(0)
+    x = ms.Tensor(rng.standard_normal((batch, GRAPH_SIZES[0])).astype(np.float32))
+    y = ms.Tensor(rng.standard_normal((batch, GRAPH_SIZES[-1])).astype(np.float32))
+    runs = []
+    for name, level, where in GRAPH_VARIANTS:
+        opt, step = _train_step(compiled)
+        probe = None
+        if level:
+            probe = GradProbe(opt, grad_level=level, where=where,
+                              dump_path=os.path.join(tmp, f"{mode}_{level}_{where}")).start()
+        for _ in range(2):  # compile, warm up
+            step(x, y).asnumpy()
+        runs.append({"name": name, "step": step, "probe": probe, "times": []})
+    for _ in range(rounds):
+        for run in runs:
+            t0 = time.perf_counter()
+            for _ in range(block):
+                loss = run["step"](x, y)
+            loss.asnumpy()
+            run["times"].append((time.perf_counter() - t0) / block)
+    rows = []
+    plain = runs[0]["times"]
+    for run in runs:
+        extra = 0.0
+        if run["probe"] is not None:
+            t0 = time.perf_counter()
+            run["probe"].stop()
+            extra = (time.perf_counter() - t0) / max(1, run["probe"].steps_seen)
+        times = [t + extra for t in run["times"]]
+        rows.append({"mode": mode, "variant": run["name"], "batch": batch,
+                     "params": sum(a * b + b for a, b in zip(GRAPH_SIZES, GRAPH_SIZES[1:])),
+                     "step_s": statistics.median(times),
+                     "ratio": statistics.median(t / p for t, p in zip(times, plain)),
+                     "ratio_best": min(times) / min(plain),
+                     "rounds": rounds, "block": block})
+        print(json.dumps(rows[-1]), flush=True)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=float, nargs="+", default=[1.0, 16.8])
@@ -115,16 +211,27 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--msprobe", action="store_true")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--results", help="RESULTS.md whose MindSpore section is (re)written")
+    parser.add_argument("--results", help="RESULTS.md whose MindSpore sections are (re)written")
+    parser.add_argument("--no-graph", dest="graph", action="store_false",
+                        help="skip the compiled-training part")
+    parser.add_argument("--graph-only", action="store_true",
+                        help="only the compiled-training part")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--block", type=int, default=3)
     args = parser.parse_args(argv)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     import logging
 
     logging.getLogger("probekit").setLevel(logging.WARNING)
-    rows = []
+    rows, graph_rows = [], []
     tmp = tempfile.mkdtemp(prefix="bench_ms_")
+    load0 = os.getloadavg()[0]
     try:
-        for size in args.sizes:
+        if args.graph or args.graph_only:
+            for mode in ("graph", "pynative"):
+                graph_rows += graph_bench(mode, args.batch, args.rounds, args.block, tmp)
+        for size in (() if args.graph_only else args.sizes):
             torch.manual_seed(0)
             model = build_model(size)
             nparams = sum(p.numel() for p in model.parameters())
@@ -157,9 +264,13 @@ def main(argv=None) -> int:
                 "numpy": np.__version__, "python": sys.version.split()[0]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"rows": rows, "versions": versions}, fh, indent=1)
+        json.dump({"rows": rows, "graph_rows": graph_rows, "versions": versions}, fh, indent=1)
     if args.results:
-        write_section(args.results, render(rows, versions, args))
+        if rows:
+            write_section(args.results, render(rows, versions, args))
+        if graph_rows:
+            write_section(args.results, render_graph(graph_rows, versions, load0),
+                          GRAPH_BEGIN, GRAPH_END)
     return 0
 
 
@@ -199,14 +310,53 @@ def render(rows, versions, args) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: str, section: str) -> None:
+GRAPH_BEGIN = "<!-- mindspore-graph: written by bench_mindspore.py -->"
+GRAPH_END = "<!-- /mindspore-graph -->"
+_MODE_TITLES = {"graph": "GRAPH_MODE, one `@ms.jit` step (optimizer inside)",
+                "pynative": "PyNative (optimizer's own compiled construct)"}
+
+
+def render_graph(rows, versions, load0: float) -> str:
+    load = os.getloadavg()[0]
+    r0 = rows[0]
+    lines = [GRAPH_BEGIN, "## Grad probe: MindSpore training steps, compiled and PyNative", "",
+             f"`benchmarks/bench_mindspore.py` in `.venv-mindspore` (mindspore "
+             f"{versions['mindspore']}, numpy {versions['numpy']}); load average {load0:.2f} "
+             f"at the start, {load:.2f} at the end (a shared 2-core machine: read the ratios). "
+             f"An MLP {' → '.join(str(s) for s in GRAPH_SIZES)} ({r0['params'] / 1e6:.1f}M "
+             f"parameters, tanh, MSE, SGD), batch {r0['batch']}, fp32 on the CPU. Each variant is "
+             f"built and compiled first; then they run in turns, {r0['block']} steps each, "
+             f"{r0['rounds']} rounds; × plain = median over rounds of the variant's step time "
+             "over the plain step's in the same round, the probe's final write included "
+             "(\"best rounds\": the fastest round of each over the fastest plain round, the "
+             "least disturbed by other load). "
+             "`host` = the statistics the CPU gets by default (each gradient handed, in place, "
+             "from the graph to probekit's chunked CPU path); `in-graph` = the accelerator "
+             "path (`where=\"device\"`: MindSpore ops in the training graph, the results "
+             "handed over once per step), here on MindSpore's CPU kernels.", "",
+             "| training step | plain step | " + " | ".join(
+                 v for v, _, _ in GRAPH_VARIANTS[1:]) + " |",
+             "|---|---|" + "---|" * (len(GRAPH_VARIANTS) - 1)]
+    for mode in _MODE_TITLES:
+        mine = [r for r in rows if r["mode"] == mode]
+        if not mine:
+            continue
+        cells = [f"**{r['ratio']:.2f}×** ({_ms(r['step_s'])}; best rounds {r['ratio_best']:.2f}×)"
+                 for r in mine[1:]]
+        lines.append(f"| {_MODE_TITLES[mode]} | {_ms(mine[0]['step_s'])} | " + " | ".join(cells)
+                     + " |")
+    lines.append(GRAPH_END)
+    return "\n".join(lines)
+
+
+def write_section(path: str, section: str, begin: str = BEGIN, end: str = END) -> None:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError:
         text = ""
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     with open(path, "w", encoding="utf-8") as fh:

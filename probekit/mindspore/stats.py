@@ -1,38 +1,44 @@
 """Gradient statistics of one optimizer step of a MindSpore model.
 
-Two paths give the same ``StepStats``. On an accelerator (Ascend, GPU) the statistics are
-computed with MindSpore's own ops on the device (``compute_device``, below). When MindSpore runs
-on the CPU the gradients already are host memory: ``compute_host`` hands them (without a copy) to
-probekit's chunked CPU path, which MindSpore's CPU kernels are several times slower than.
+Two paths give the same ``StepStats`` (the statistics and byte layout of
+``probekit.grads.stats``, which the store's ``GradWriter`` takes as it is):
 
-Both give the statistics and byte layout of ``probekit.grads.stats`` (a ``StepStats`` the
-store's ``GradWriter`` takes as it is). The device path works on the whole step at once:
+* **host** (MindSpore on the CPU, chosen automatically there): the gradients already are host
+  memory, so they are viewed without a copy (``asnumpy`` -> ``torch.from_numpy``) and go through
+  probekit's chunked CPU path (``probekit.grads.stats.compute``), the very code that records
+  PyTorch's CPU gradients. MindSpore's CPU kernels are several times slower than that path.
+* **device** (Ascend, GPU): ``DeviceStats``, a ``Cell`` of MindSpore ops, computes every
+  statistic where the gradients are, and hands back three tensors (statistics, packed bits,
+  and at L0 the float32 bytes the MD5 digest is computed from on the host, as msprobe's is).
+  The same cell runs compiled inside a training graph (``probekit.mindspore.graph``) and,
+  jit-compiled on its own, for gradients handed over in PyNative mode.
 
-* every gradient is flattened (fp16/bf16 widened to float32, exactly; a step holding a float64
-  gradient is processed in float64) and all are concatenated,
-  each followed by zero padding up to a 64-bit boundary — the padded order *is* the sign-bit
-  layout of the store;
-* one segment id per element (the pads belong to an extra, discarded segment) turns every
-  per-parameter statistic into one segment reduction for all parameters: ``max``, ``min``,
-  the sum of squares in float64 (so the norm is the float64 norm of the float32 values), the
-  NaN count, and at L2 one ``x <= b`` count per bound plus the zero count;
-* the sign bits ``x > 0`` are packed 8 per byte (most significant bit first) on the device;
-* everything is viewed as bytes and concatenated: **one** transfer to the host per step (at L0
-  the float32 gradient bytes travel too: the MD5 digest is computed on the host, as msprobe's is).
-
-A NaN makes ``max``/``min``/``norm`` NaN (MindSpore's segment max/min skip NaN; the NaN count
-restores numpy's propagation) and falls in no interval.
+Per parameter the device path computes, in the gradient's own precision widened exactly to
+float32 (fp16/bf16) or kept float64: max, min (NaN when the gradient holds a NaN: MindSpore's
+reductions skip NaN; a NaN is found from the NaN sum of squares, or counted at L2), the sum of
+squares as float32 squares summed per row of 4096 elements and the rows summed in float64 (the
+host path's accumulation; float64 gradients in float64), the signs ``x > 0`` packed 8 per byte
+(most significant bit first, zero-padded to a 64-bit boundary per parameter), with
+``significance`` the significance bits by the host path's rule (``|x| > SIGNIFICANCE *
+eps(dtype) * max|x|``, the maximum over each block of ``probekit.grads.stats.CHUNK`` elements
+from the parameter's start; a block holding a NaN has no significant element; padding bits are
+ones), and at L2 one ``x <= b`` count per bound plus the zero count (exact int32 counts).
 """
 from __future__ import annotations
 
 import numpy as np
 
-import mindspore as ms
-from mindspore import ops
+from .compat import check_numpy
+
+check_numpy()  # before MindSpore is imported: numpy 2 beside its numpy-1 wheel
+
+import mindspore as ms  # noqa: E402
+from mindspore import nn, ops
 
 from ..grads.stats import HASH_NBYTES, Layout, StepStats, hasher, padded_nbytes
 
 _FLOAT_TYPES = None
+ROW = 4096  # elements per float32 row sum of squares (then summed in float64)
 
 
 def _is_float(dtype) -> bool:
@@ -42,67 +48,31 @@ def _is_float(dtype) -> bool:
     return dtype in _FLOAT_TYPES
 
 
-#: elements (with padding) per group of parameters reduced together on the device: bounds the
-#: float64 copy of the device path to 128 MiB (a larger parameter makes a group of its own)
-GROUP_ELEMS = 1 << 24
+def eps(dtype) -> float:
+    """Machine epsilon of a MindSpore floating-point dtype (the significance rule's unit)."""
+    return {ms.float16: 2.0 ** -10, ms.bfloat16: 2.0 ** -7, ms.float32: 2.0 ** -23,
+            ms.float64: 2.0 ** -52}[dtype]
 
 
-class Group:
-    """Consecutive parameters reduced together: their indices, segment ids and pads."""
-
-    def __init__(self, index, numels) -> None:
-        self.index = list(index)
-        self.pads = [padded_nbytes(numels[i]) * 8 - numels[i] for i in self.index]
-        k = len(self.index)
-        ids = []
-        for j, i in enumerate(self.index):
-            ids.append(np.full(numels[i], j, np.int32))
-            ids.append(np.full(self.pads[j], k, np.int32))  # the pads' own, discarded segment
-        self.ids = ms.Tensor(np.concatenate(ids) if ids else np.zeros(0, np.int32))
-        self.nbytes = sum(padded_nbytes(numels[i]) for i in self.index)
+def stat_rows(level: str, bounds) -> int:
+    """Statistics per parameter in ``DeviceStats``' first output: max, min, sum of squares,
+    NaN count, then at L2 one ``x <= b`` count per bound and the zero count."""
+    return 4 + (len(bounds) + 1 if level == "L2" else 0)
 
 
 class Plan:
-    """Per-layout constants kept between steps: device groups (built on first device use) and the
-    host path's scratch buffers."""
+    """Per-layout state kept between steps: the host path's scratch buffers and the device
+    path's compiled statistics cells (one per gradient dtypes, level and options)."""
 
-    def __init__(self, layout: Layout, group_elems: int = GROUP_ELEMS) -> None:
+    def __init__(self, layout: Layout) -> None:
         self.layout = layout
         self.p = len(layout.names)
-        self.numels = np.asarray(layout.numels, np.int64)
-        self.group_elems = group_elems
         self.scratch = None  # the host path's reusable buffers
-        self._groups = None
-        self._zero_pads = {}
-        self._weights = None
+        self.cells: dict = {}
 
-    @property
-    def groups(self) -> list:
-        if self._groups is None:
-            groups, cur, size = [], [], 0
-            for i, n in enumerate(self.layout.numels):
-                padded = padded_nbytes(n) * 8
-                if cur and size + padded > self.group_elems:
-                    groups.append(cur)
-                    cur, size = [], 0
-                cur.append(i)
-                size += padded
-            if cur:
-                groups.append(cur)
-            self._groups = [Group(g, self.layout.numels) for g in groups]
-        return self._groups
-
-    @property
-    def weights(self):
-        if self._weights is None:
-            self._weights = ms.Tensor(np.array([[128], [64], [32], [16], [8], [4], [2], [1]],
-                                               np.float32))
-        return self._weights
-
-    def pad(self, k: int, dtype):
-        if (k, dtype) not in self._zero_pads:
-            self._zero_pads[k, dtype] = ops.zeros(k, dtype)
-        return self._zero_pads[k, dtype]
+    def close(self) -> None:
+        if self.scratch is not None:
+            self.scratch.close()  # the pool's threads end with the probe
 
 
 def on_cpu() -> bool:
@@ -110,164 +80,268 @@ def on_cpu() -> bool:
     return ms.get_context("device_target") == "CPU"
 
 
+def resolve_where(where: str) -> str:
+    if where == "auto":
+        return "host" if on_cpu() else "device"
+    if where not in ("host", "device"):
+        raise ValueError(f"where: {where!r} is not valid; accepted: auto, host, device")
+    return where
+
+
 def compute(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
-            where: str = "auto") -> StepStats:
+            where: str = "auto", significance: bool = False) -> StepStats:
     """Statistics of ``grads`` (one MindSpore Tensor or None per parameter of the plan's layout).
 
-    ``where``: ``"device"`` = MindSpore's ops on the device, one transfer (``compute_device``);
-    ``"host"`` = the gradients' host memory read by probekit's chunked CPU path
-    (``probekit.grads.stats.compute``); ``"auto"`` = host when MindSpore runs on the CPU (the
-    gradients are already in host memory, and the cache-resident chunked pass is several times
-    faster there than MindSpore's CPU kernels), else device.
+    ``where``: ``"device"`` = ``DeviceStats`` on the gradients' device; ``"host"`` = the
+    gradients' host memory read by probekit's chunked CPU path; ``"auto"`` = host when MindSpore
+    runs on the CPU (the gradients are already in host memory, and the cache-resident chunked
+    pass is several times faster there than MindSpore's CPU kernels), else device.
     """
-    if where == "auto":
-        where = "host" if on_cpu() else "device"
+    where = resolve_where(where)
+    _check(grads, plan.layout)
     if where == "host":
-        return compute_host(grads, plan, level, bounds, hash_name)
-    if where != "device":
-        raise ValueError(f"where: {where!r} is not valid; accepted: auto, host, device")
-    return compute_device(grads, plan, level, bounds, hash_name)
+        return compute_host(grads, plan, level, bounds, hash_name, significance)
+    return compute_device(grads, plan, level, bounds, hash_name, significance)
 
 
-def compute_host(grads, plan: Plan, level: str, bounds, hash_name: str = "md5") -> StepStats:
-    """The gradients as host arrays (no copy for CPU tensors), through probekit's CPU path."""
+def _check(grads, layout: Layout) -> None:
+    for name, numel, g in zip(layout.names, layout.numels, grads):
+        if g is None:
+            continue
+        if g.size != numel:
+            raise ValueError(f"gradient of {name!r} has {g.size} elements; the recording "
+                             f"started with {numel}")
+        if not _is_float(g.dtype):
+            raise TypeError(f"gradient of {name!r} has dtype {g.dtype}, not a floating-point "
+                            "type")
+
+
+def host_view(array: np.ndarray, dtype):
+    """A torch view of a gradient's host array (bf16 arrives widened to float32 and is narrowed
+    back, exactly, so the significance rule sees the gradient's own dtype)."""
     import torch
 
+    t = torch.from_numpy(array)
+    return t.to(torch.bfloat16) if dtype == ms.bfloat16 else t
+
+
+def compute_host(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
+                 significance: bool = False) -> StepStats:
+    """The gradients as host arrays (no copy for CPU tensors), through probekit's CPU path."""
     from ..grads import stats as host_stats
 
     if plan.scratch is None:
         plan.scratch = host_stats.Workspace()
     views = []
-    for name, g in zip(plan.layout.names, grads):
+    for g in grads:
         if g is None:
             views.append(None)
             continue
-        if not _is_float(g.dtype):
-            raise TypeError(f"gradient of {name!r} has dtype {g.dtype}, not a floating-point "
-                            "type")
-        if g.dtype == ms.bfloat16:  # numpy has no bfloat16: widen on the device (exact)
+        dtype = g.dtype
+        if dtype == ms.bfloat16:  # numpy has no bfloat16: widen on the device (exact)
             g = g.astype(ms.float32)
-        views.append(torch.from_numpy(g.asnumpy()))
-    return host_stats.compute(views, plan.layout, level, bounds, hash_name, plan.scratch)
+        views.append(host_view(g.asnumpy(), dtype))
+    return host_stats.compute(views, plan.layout, level, bounds, hash_name, plan.scratch,
+                              significance)
 
 
-def compute_device(grads, plan: Plan, level: str, bounds, hash_name: str = "md5") -> StepStats:
-    """Every statistic with MindSpore's ops on the gradients' device; one transfer per step."""
+def compute_device(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
+                   significance: bool = False) -> StepStats:
+    """Every statistic with MindSpore's ops on the gradients' device (``DeviceStats``, compiled
+    once per dtypes and options); the results come back in at most three transfers."""
     layout = plan.layout
-    p = plan.p
-    out = StepStats(present=np.zeros(p, bool), max=np.full(p, np.nan), min=np.full(p, np.nan),
+    present = np.array([g is not None for g in grads], bool)
+    dtypes = tuple(g.dtype if g is not None else ms.float32 for g in grads)
+    key = (dtypes, level, tuple(bounds), bool(significance))
+    cell = plan.cells.get(key)
+    if cell is None:
+        cell = plan.cells[key] = DeviceStats(layout.numels, dtypes, level, bounds, significance,
+                                             compiled=True)
+    filled = tuple(g if g is not None else ops.zeros(int(n), ms.float32)
+                   for g, n in zip(grads, layout.numels))
+    outs = cell(filled)
+    host = [o.asnumpy() for o in outs]
+    return unpack(host, layout, present, level, bounds, hash_name, significance)
+
+
+class DeviceStats(nn.Cell):
+    """Every statistic of one step's gradients with MindSpore ops, compilable into a graph.
+
+    ``DeviceStats(numels, dtypes, level, bounds, significance)(grads)`` -> a tuple: the
+    statistics ``(P, stat_rows)`` float64; at L1/L2 the packed sign bits (``layout.nbytes``
+    uint8), then with ``significance`` the packed significance bits (as many); at L0 the
+    gradients as float32, concatenated unpadded. ``unpack`` turns them into ``StepStats``.
+    Parameters are processed one by one (no concatenated or float64 copy of the step).
+    """
+
+    def __init__(self, numels, dtypes, level: str, bounds, significance: bool = False, *,
+                 compiled: bool = False, chunk: int | None = None) -> None:
+        super().__init__()
+        from ..grads.stats import CHUNK, SIGNIFICANCE
+
+        chunk = CHUNK if chunk is None else chunk
+        numels = tuple(int(n) for n in numels)
+        self.idx = tuple(range(len(numels)))
+        self.n = numels
+        self.empty = tuple(n == 0 for n in numels)
+        self.f64 = tuple(dt == ms.float64 for dt in dtypes)
+        self.widen = tuple(dt in (ms.float16, ms.bfloat16) for dt in dtypes)  # to float32
+        self.eps = tuple(SIGNIFICANCE * eps(dt) for dt in dtypes)  # the threshold's factor
+        self.nrow = tuple(n // ROW * ROW for n in numels)  # elements summed in float32 rows
+        self.nblk = tuple(n // chunk for n in numels)  # whole significance blocks
+        self.blk = chunk
+        self.pad = tuple(padded_nbytes(n) * 8 - n for n in numels)
+        self.level = level
+        self.bounds = tuple(float(b) for b in bounds)
+        self.want_bits = level in ("L1", "L2")
+        self.want_sig = bool(significance) and self.want_bits
+        self.want_l2 = level == "L2"
+        self.want_raw = level == "L0"
+        self.weights = ms.Tensor(np.array([[128], [64], [32], [16], [8], [4], [2], [1]],
+                                          np.float32))
+        if compiled:  # PyNative callers: one compiled graph instead of op-by-op launches
+            self.construct = ms.jit(self.construct)
+
+    def construct(self, grads):
+        rows = []
+        signs = []
+        sigs = []
+        raws = []
+        for j in self.idx:
+            if self.empty[j]:
+                rows.append(self._empty_row())
+                continue
+            w = grads[j].reshape(-1)
+            if self.widen[j]:
+                w = w.astype(ms.float32)  # exact
+            sumsq = self._sumsq(w, j)
+            if self.want_l2:
+                nans = ops.isnan(w).astype(ms.int32).sum().astype(ms.float64)
+            else:  # only whether there is one: a NaN, and only a NaN, makes the squares' sum NaN
+                nans = ops.isnan(sumsq).astype(ms.float64)
+            vals = [w.max().astype(ms.float64), w.min().astype(ms.float64), sumsq, nans]
+            if self.want_l2:
+                for b in self.bounds:
+                    vals.append((w <= b).astype(ms.int32).sum().astype(ms.float64))
+                vals.append((w == 0).astype(ms.int32).sum().astype(ms.float64))
+            rows.append(ops.stack(vals))
+            if self.want_bits:
+                signs.append(self._pack(w > 0, self.pad[j], False))
+                if self.want_sig:
+                    sigs.append(self._pack(self._significant(w, j), self.pad[j], True))
+            if self.want_raw:
+                raws.append(w.astype(ms.float32))
+        out = [ops.stack(rows)]
+        if self.want_bits:
+            out.append(ops.cat(signs))
+            if self.want_sig:
+                out.append(ops.cat(sigs))
+        if self.want_raw:
+            out.append(ops.cat(raws))
+        return tuple(out)
+
+    def _empty_row(self):
+        k = 4
+        if self.want_l2:
+            k = k + len(self.bounds) + 1
+        return ops.zeros(k, ms.float64)
+
+    def _sumsq(self, w, j):
+        if self.f64[j]:
+            return (w * w).sum()
+        m = self.nrow[j]
+        total = ops.zeros((), ms.float64)
+        if m > 0:
+            head = w[:m] if m < self.n[j] else w
+            total = total + (head * head).reshape(-1, 4096).sum(1).astype(ms.float64).sum()
+        if m < self.n[j]:
+            tail = w[m:]
+            total = total + (tail * tail).sum().astype(ms.float64)
+        return total
+
+    def _significant(self, w, j):
+        """|x| > eps * max|x| over each block (a block with a NaN: nothing significant; the
+        block's sum of |x| is NaN exactly then)."""
+        a = ops.abs(w)
+        whole = self.nblk[j] * self.blk
+        parts = []
+        if self.nblk[j] > 0:
+            head = a[:whole] if whole < self.n[j] else a
+            blocks = head.reshape(-1, self.blk)
+            bad = ops.isnan(blocks.sum(1, keepdims=True))
+            thr = blocks.max(1, keepdims=True) * self.eps[j]
+            thr = ops.select(bad, ops.full_like(thr, float("inf")), thr)
+            parts.append((blocks > thr).reshape(-1))
+        if whole < self.n[j]:
+            tail = a[whole:]
+            thr = tail.max() * self.eps[j]
+            thr = ops.select(ops.isnan(tail.sum()), ops.full_like(thr, float("inf")), thr)
+            parts.append(tail > thr)
+        if len(parts) == 1:
+            return parts[0]
+        return ops.cat(parts)
+
+    def _pack(self, mask, pad, fill):
+        """Bits packed 8 per byte, most significant first, padded with ``fill`` bits."""
+        bits = mask.astype(ms.float32)
+        if pad > 0:
+            if fill:
+                bits = ops.cat([bits, ops.ones(pad, ms.float32)])
+            else:
+                bits = ops.cat([bits, ops.zeros(pad, ms.float32)])
+        return ops.matmul(bits.reshape(-1, 8), self.weights).astype(ms.uint8).reshape(-1)
+
+
+def unpack(host, layout: Layout, present, level: str, bounds, hash_name: str = "md5",
+           significance: bool = False) -> StepStats:
+    """``StepStats`` from ``DeviceStats``' outputs as host arrays (``present``: the parameters
+    that had a gradient; the others' values are discarded)."""
+    p = len(layout.names)
+    present = np.asarray(present, bool)
+    stat = np.asarray(host[0], np.float64).reshape(p, stat_rows(level, bounds))
+    numels = np.asarray(layout.numels, np.int64)
+    out = StepStats(present=present.copy(), max=np.full(p, np.nan), min=np.full(p, np.nan),
                     norm=np.full(p, np.nan))
+    have = present & (numels > 0)
+    nan = stat[:, 3] > 0
+    out.max[have] = np.where(nan, np.nan, stat[:, 0])[have]
+    out.min[have] = np.where(nan, np.nan, stat[:, 1])[have]
+    out.norm[have] = np.sqrt(stat[:, 2])[have]
+    if level == "L2":
+        nb = len(bounds)
+        le = stat[:, 4:4 + nb]
+        n = np.maximum(numels, 1).astype(np.float64)
+        inner = np.diff(le, axis=1, prepend=0)
+        last = numels - stat[:, 3] - le[:, -1]
+        dist = np.concatenate([inner, last[:, None]], axis=1) / n[:, None]
+        out.zeros = np.full(p, np.nan)
+        out.dist = np.full((p, nb + 1), np.nan)
+        out.dist[have] = dist[have]
+        out.zeros[have] = (stat[:, 4 + nb] / n)[have]
+    if level in ("L1", "L2"):
+        absent = _absent_bytes(layout, present)
+        out.direction = np.asarray(host[1], np.uint8).reshape(-1).copy()
+        out.direction[absent] = 0
+        if significance:
+            out.significant = np.asarray(host[2], np.uint8).reshape(-1).copy()
+            out.significant[absent] = 255
     if level == "L0":
         out.hash = np.zeros((p, HASH_NBYTES[hash_name]), np.uint8)
-    if level in ("L1", "L2"):
-        out.direction = np.zeros(layout.nbytes, np.uint8)
-    if level == "L2":
-        out.zeros = np.full(p, np.nan)
-        out.dist = np.full((p, len(bounds) + 1), np.nan)
-    for i, g in enumerate(grads):
-        if g is None:
-            continue
-        if g.size != layout.numels[i]:
-            raise ValueError(f"gradient of {layout.names[i]!r} has {g.size} elements; the "
-                             f"recording started with {layout.numels[i]}")
-        if not _is_float(g.dtype):
-            raise TypeError(f"gradient of {layout.names[i]!r} has dtype {g.dtype}, not a "
-                            "floating-point type")
-        out.present[i] = True
-    parts, done = [], []
-    for grp in plan.groups:
-        if not out.present[grp.index].any():
-            continue
-        parts += _group_parts([grads[i] for i in grp.index], grp, plan, level, bounds)
-        done.append(grp)
-    if not done:
-        return out
-    host = ops.cat(parts).asnumpy() if len(parts) > 1 else parts[0].asnumpy()  # one transfer
-    pos = 0
-    offsets = layout.offsets
-    for grp in done:
-        pos = _unpack_group(host, pos, grp, plan, out, level, bounds, hash_name, offsets)
+        f32 = np.asarray(host[1]).reshape(-1).view(np.float32)
+        start = 0
+        for i in range(p):
+            if present[i] and numels[i]:
+                d = hasher(hash_name)
+                d.update(f32[start:start + numels[i]].tobytes())
+                out.hash[i] = np.frombuffer(d.digest(), np.uint8)
+            start += numels[i]
     return out
 
 
-def _group_parts(grads, grp: Group, plan: Plan, level: str, bounds) -> list:
-    """Device tensors (uint8) holding one group's statistics, sign bits and (L0) float32 bytes."""
-    # float64 gradients keep float64 (then the whole group is float64); the rest become float32
-    wide_t = ms.float64 if any(g is not None and g.dtype == ms.float64 for g in grads) \
-        else ms.float32
-    pieces = []
-    for j, g in enumerate(grads):
-        if g is None:  # zeros: no sign bit; its statistics are discarded
-            pieces.append(plan.pad(padded_nbytes(plan.numels[grp.index[j]]) * 8, wide_t))
-            continue
-        flat = g.reshape(-1)
-        if flat.dtype != wide_t:
-            flat = flat.astype(wide_t)  # fp16/bf16 -> float32/float64: exact
-        pieces.append(flat)
-        if grp.pads[j]:
-            pieces.append(plan.pad(grp.pads[j], wide_t))
-    flat = ops.cat(pieces) if len(pieces) > 1 else pieces[0]
-    segs = len(grp.index) + 1
-    wide = flat.astype(ms.float64)
-    rows = [ops.unsorted_segment_max(wide, grp.ids, segs),
-            ops.unsorted_segment_min(wide, grp.ids, segs),
-            ops.unsorted_segment_sum(wide * wide, grp.ids, segs),
-            ops.unsorted_segment_sum(ops.isnan(flat).astype(ms.float64), grp.ids, segs)]
-    del wide
-    if level == "L2":
-        rows += [ops.unsorted_segment_sum((flat <= float(b)).astype(ms.float64), grp.ids, segs)
-                 for b in bounds]
-        rows.append(ops.unsorted_segment_sum((flat == 0).astype(ms.float64), grp.ids, segs))
-    parts = [ops.stack(rows).view(ms.uint8).reshape(-1)]
-    if level in ("L1", "L2"):
-        bits = (flat > 0).astype(ms.float32).reshape(-1, 8)
-        parts.append(ops.matmul(bits, plan.weights).astype(ms.uint8).reshape(-1))
-    if level == "L0":
-        f32 = flat if flat.dtype == ms.float32 else flat.astype(ms.float32)
-        parts.append(f32.view(ms.uint8).reshape(-1))
-    return parts
-
-
-def _unpack_group(host, pos, grp: Group, plan: Plan, out: StepStats, level, bounds, hash_name,
-                  offsets) -> int:
-    """Fill ``out`` from one group's bytes of the transfer at ``pos``; returns the next ``pos``."""
-    idx = np.asarray(grp.index)
-    segs = idx.size + 1
-    k = 4 + (len(bounds) + 1 if level == "L2" else 0)
-    stat = host[pos:pos + k * segs * 8].view(np.float64).reshape(k, segs)[:, :-1]
-    pos += k * segs * 8
-    have = out.present[idx]
-    sel = idx[have]
-    numels = plan.numels[idx]
-    nan = stat[3] > 0
-    out.max[sel] = np.where(nan, np.nan, stat[0])[have]
-    out.min[sel] = np.where(nan, np.nan, stat[1])[have]
-    out.norm[sel] = np.sqrt(stat[2])[have]
-    empty = sel[plan.numels[sel] == 0]  # a zero-element gradient: present, no values
-    out.max[empty] = out.min[empty] = out.norm[empty] = np.nan
-    if level == "L2":
-        nb = len(bounds)
-        le = stat[4:4 + nb].T  # (params, bounds): count of x <= b
-        n = np.maximum(numels, 1).astype(np.float64)
-        inner = np.diff(le, axis=1, prepend=0)
-        last = numels - stat[3] - le[:, -1]
-        dist = np.concatenate([inner, last[:, None]], axis=1) / n[:, None]
-        out.dist[sel] = dist[have]
-        out.zeros[sel] = (stat[4 + nb] / n)[have]
-        out.dist[empty], out.zeros[empty] = np.nan, np.nan
-    if level in ("L1", "L2"):
-        lo = offsets[idx[0]]
-        out.direction[lo:lo + grp.nbytes] = host[pos:pos + grp.nbytes]
-        pos += grp.nbytes
-    if level == "L0":
-        nf = grp.nbytes * 8
-        f32 = host[pos:pos + nf * 4].view(np.float32)
-        start = 0
-        for j, i in enumerate(grp.index):
-            if out.present[i]:
-                d = hasher(hash_name)
-                d.update(f32[start:start + plan.numels[i]].tobytes())
-                out.hash[i] = np.frombuffer(d.digest(), np.uint8)
-            start += padded_nbytes(plan.numels[i]) * 8
-        pos += nf * 4
-    return pos
+def _absent_bytes(layout: Layout, present) -> np.ndarray:
+    """Byte positions of the parameters without a gradient (their bits are not recorded)."""
+    mask = np.zeros(layout.nbytes, bool)
+    for i, off in enumerate(layout.offsets):
+        if not present[i]:
+            mask[off:off + padded_nbytes(layout.numels[i])] = True
+    return mask

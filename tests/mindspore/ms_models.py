@@ -1,4 +1,5 @@
-"""A small MindSpore MLP and its training loop for the tests (PyNative mode)."""
+"""A small MindSpore MLP, its data, and the ways MindSpore users run a training step (PyNative,
+@ms.jit, GRAPH_MODE) for the tests."""
 import numpy as np
 
 import mindspore as ms
@@ -31,3 +32,49 @@ def train(net, opt, batches, grads_out=None):
         if grads_out is not None:
             grads_out.append([g.asnumpy().copy() for g in grads])
         opt(grads)
+
+
+#: the ways a MindSpore user runs a training step (docs/mindspore.md)
+MODES = ("pynative", "jit", "graph_cell", "graph_split")
+
+
+def make_step(mode, net, opt):
+    """A training step ``step(x, y) -> loss`` as written in ``mode``: ``pynative`` (eager, the
+    optimizer's own @jit construct compiled), ``jit`` (the whole step in one ``@ms.jit``, the
+    optimizer inside, as MindSpore's tutorials write it), ``graph_cell`` (GRAPH_MODE,
+    ``TrainOneStepCell``) and ``graph_split`` (GRAPH_MODE, forward/backward and the optimizer
+    called from Python one after the other). GRAPH_MODE is the caller's (``graph_mode``)."""
+    loss_fn = nn.MSELoss()
+    if mode == "graph_cell":
+        return nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), opt)
+
+    def forward(x, y):
+        return loss_fn(net(x), y)
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+
+    def step(x, y):
+        loss, grads = grad_fn(x, y)
+        opt(grads)
+        return loss
+
+    return ms.jit(step) if mode == "jit" else step
+
+
+class graph_mode:
+    """``with graph_mode(mode):`` GRAPH_MODE for the graph_* modes, PyNative restored after."""
+
+    def __init__(self, mode):
+        self.on = mode.startswith("graph")
+
+    def __enter__(self):
+        if self.on:
+            ms.set_context(mode=ms.GRAPH_MODE)
+        return self
+
+    def __exit__(self, *exc):
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def run_steps(step, batches):
+    return [float(step(ms.Tensor(x), ms.Tensor(y)).asnumpy()) for x, y in batches]

@@ -15,7 +15,7 @@ from probekit.grads import GradProbe as TorchGradProbe  # noqa: E402
 from probekit.mindspore import GradProbe, align_runs, compare_frameworks  # noqa: E402
 from probekit.mindspore.align import AlignError, ms_to_torch_name  # noqa: E402
 
-from ms_models import MLP, data, train  # noqa: E402
+from ms_models import MLP, data, graph_mode, make_step, run_steps, train  # noqa: E402
 
 STEPS = 6
 
@@ -31,7 +31,9 @@ class TorchMLP(torch.nn.Module):
         return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def record_both(tmp_path, level="L2"):
+def record_both(tmp_path, level="L2", mode=None, significance=False):
+    """The same MLP, weights and batches in PyTorch and MindSpore (PyNative, or compiled in
+    ``mode``: see ms_models.make_step), each recorded by its probe."""
     ms.set_seed(11)
     net = MLP()
     tnet = TorchMLP()
@@ -40,11 +42,17 @@ def record_both(tmp_path, level="L2"):
             p.copy_(torch.from_numpy(net.parameters_dict()[name].asnumpy()))
     batches = data(STEPS, seed=4)
     opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.05)
-    probe = GradProbe(opt, grad_level=level, dump_path=tmp_path / "ms").start()
-    train(net, opt, batches)
+    probe = GradProbe(opt, grad_level=level, dump_path=tmp_path / "ms",
+                      significance=significance).start()
+    if mode is None:
+        train(net, opt, batches)
+    else:
+        with graph_mode(mode):
+            run_steps(make_step(mode, net, opt), batches)
     probe.stop()
     topt = torch.optim.SGD(tnet.parameters(), lr=0.05)
-    with TorchGradProbe(tnet, topt, grad_level=level, dump_path=str(tmp_path / "pt")):
+    with TorchGradProbe(tnet, topt, grad_level=level, dump_path=str(tmp_path / "pt"),
+                        significance=significance):
         for x, y in batches:
             topt.zero_grad()
             torch.nn.functional.mse_loss(tnet(torch.from_numpy(x)), torch.from_numpy(y)).backward()
@@ -69,6 +77,19 @@ def test_pytorch_and_mindspore_mlp_agree_for_every_step(tmp_path):
     titles = [ax.get_title() for ax in ex.figure.axes if ax.get_title()]
     assert titles[0] == "Direction similarity: fc2.weight"
     assert ex.flagged_params() == [] and ex.image.value[:4] == b"\x89PNG"
+
+
+def test_graph_mode_run_agrees_with_pytorch(tmp_path):
+    """A GRAPH_MODE MindSpore run (TrainOneStepCell) against PyTorch from the same weights:
+    similarity 1.0 at every step, plain and noise-aware (significance bits on both sides)."""
+    pt, msr = record_both(tmp_path, level="L2", mode="graph_cell", significance=True)
+    res = compare_frameworks(pt, msr)
+    assert np.asarray(res["similarity"].values).shape[-2:] == (STEPS, 6)
+    assert (np.asarray(res["similarity"].values) == 1.0).all()
+    assert (np.asarray(res["similarity_significant"].values) == 1.0).all()
+    assert (np.asarray(res["significant"].values) > 0).all()
+    a, b = probekit.open_grads(pt), probekit.open_grads(msr)
+    assert np.allclose(a["norm"].values, b["norm"].values, rtol=1e-4)
 
 
 def test_cli_compares_the_two_frameworks(tmp_path):

@@ -9,7 +9,7 @@ from ms_util import require_mindspore
 
 ms = require_mindspore()
 
-from probekit.grads.stats import Layout, interval_labels  # noqa: E402
+from probekit.grads.stats import Layout, interval_labels, padded_nbytes  # noqa: E402
 from probekit.mindspore.stats import Plan, compute  # noqa: E402
 
 BOUNDS = (-0.5, 0, 0.25, 1)
@@ -112,25 +112,47 @@ def test_bfloat16_and_auto_path():
         compute([g], Plan(layout), "L1", BOUNDS, where="gpu")
 
 
-def test_device_groups_give_the_same_result():
-    """Parameters split in several device groups (bounded float64 copy): the same statistics."""
-    rng = np.random.default_rng(11)
-    arrays = grads_set(rng)
-    names = tuple(f"p{i}" for i in range(len(arrays)))
-    layout = Layout(names, tuple(a.size for a in arrays), tuple(a.shape for a in arrays))
-    grads = [ms.Tensor(a) for a in arrays]
-    grads[1] = None
-    one = compute(grads, Plan(layout), "L2", BOUNDS, where="device")
-    plan = Plan(layout, group_elems=512)
-    assert [g.index for g in plan.groups] == [[0, 1], [2, 3], [4]]  # padded: 448+64, 128+64, 640
-    for level in ("L0", "L2"):
-        split = compute(grads, plan, level, BOUNDS, where="device")
-        ref = compute(grads, Plan(layout), level, BOUNDS, where="host")
-        for k in ("present", "max", "min", "hash", "dist", "zeros", "direction"):
-            a, b = getattr(split, k), getattr(ref, k)
-            assert (a is None) == (b is None)
-            if a is not None:
-                assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), (level, k)
-        assert np.allclose(split.norm, ref.norm, rtol=2 ** -24, equal_nan=True)
-    assert np.array_equal(one.direction, compute(grads, plan, "L1", BOUNDS,
-                                                  where="device").direction)
+def significant_ref(x: np.ndarray, eps: float, block: int) -> np.ndarray:
+    """The significance rule of probekit.grads.stats: |x| > eps * max|x| over each block of
+    ``block`` elements from the start; a block holding a NaN has no significant element."""
+    x = x.reshape(-1).astype(np.float64)
+    out = np.zeros(x.size, bool)
+    for lo in range(0, x.size, block):
+        part = np.abs(x[lo:lo + block])
+        if not np.isnan(part).any():
+            out[lo:lo + block] = part > np.float32(eps * part.max())
+    return out
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_significance_bits_by_the_pytorch_rule(where):
+    """The significance bits of both paths: per block of CHUNK elements, the gradient's own
+    epsilon (bf16/fp16 too), NaN blocks without significant elements, padding bits set."""
+    from probekit.grads.stats import CHUNK
+
+    rng = np.random.default_rng(12)
+    big = rng.standard_normal(2 * CHUNK + 1000).astype(np.float32)
+    big[:CHUNK] *= 1e-3
+    big[7] = 2e-9  # above its block's threshold (~1e-3 * 2^-23), below the whole tensor's
+    big[CHUNK + 5] = np.nan  # the second block: nothing significant
+    half = (rng.standard_normal(300) * 4).astype(np.float16)
+    half[3] = np.float16(2.0 ** -13)
+    bf = np.float32(rng.standard_normal(100))
+    bf[0], bf[1] = 1.0, 2.0 ** -9  # above float32's rounding level, below bfloat16's
+    grads = [ms.Tensor(big), ms.Tensor(half), ms.Tensor(bf).astype(ms.bfloat16)]
+    widened = [big, half.astype(np.float32), grads[2].astype(ms.float32).asnumpy()]
+    layout = Layout(("big", "half", "bf"), tuple(a.size for a in widened),
+                    tuple(a.shape for a in widened))
+    out = compute(grads, Plan(layout), "L1", BOUNDS, where=where, significance=True)
+    offsets = layout.offsets
+    for i, (x, e) in enumerate(zip(widened, (2.0 ** -23, 2.0 ** -10, 2.0 ** -7))):
+        nb = -(-x.size // 64) * 8
+        bits = out.significant[offsets[i]:offsets[i] + nb]
+        want = significant_ref(x, e, CHUNK)
+        assert np.array_equal(np.unpackbits(bits, count=x.size).astype(bool), want), i
+        assert np.unpackbits(bits)[x.size:].all()  # padding: ones
+    got = np.unpackbits(out.significant[:padded_nbytes(big.size)], count=big.size)
+    assert got[7] == 1 and not got[CHUNK:2 * CHUNK].any()
+    assert np.unpackbits(out.significant[offsets[2]:offsets[2] + 1])[:2].tolist() == [1, 0]
+    plain = compute(grads, Plan(layout), "L1", BOUNDS, where=where)
+    assert plain.significant is None and np.array_equal(plain.direction, out.direction)
