@@ -1,5 +1,6 @@
 # probekit: every target sets itself up on a fresh machine.
 #   make test   - create .venv, install torch (CPU build) + probekit[test], run the whole suite
+#                 (the free benchmark's verdict tests again on the avx2 and default CPU kernels)
 #   make demo   - same set-up, then run the main job headless; outputs under demo_out/
 #   make bench  - also create .venv-msprobe (mindstudio-probe 1.0.4) and run the benchmarks
 #   make test also creates .venv-mindspore (MindSpore's CPU wheel, numpy < 2, torch, probekit)
@@ -18,7 +19,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: test demo bench lab chromium clean
+.PHONY: test kernel-paths demo bench lab chromium clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +47,15 @@ chromium:
 	  echo "installing Debian's chromium for the browser tests"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
+# the free benchmark's verdicts must not depend on the CPU's vector kernels: its detection,
+# triage and notebook tests run again on x86's other kernel paths (skipped where torch does not
+# honour ATEN_CPU_CAPABILITY, e.g. on ARM)
+KERNEL_PATHS ?= avx2 default
+KERNEL_PATH_TESTS ?= tests/unit/test_freebench_detection.py tests/unit/test_freebench_cause.py \
+  tests/integration/test_triage.py \
+  "tests/notebook/test_notebooks.py::test_notebook_runs_clean[01_quickstart.ipynb]" \
+  "tests/notebook/test_notebooks.py::test_notebook_runs_clean[02_free_benchmark.ipynb]"
+
 # the interop tests run the real msprobe 1.0.4 from its own venv, the MindSpore tests run in
 # theirs; make them fail, not skip, here
 test: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed chromium
@@ -53,6 +63,16 @@ test: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed
 	  $(PY) -m pytest --ignore=tests/mindspore $(PYTEST_ARGS)
 	PROBEKIT_REQUIRE_MINDSPORE=1 PROBEKIT_NUMPY2_PYTHON=$(CURDIR)/$(PY) \
 	  $(MINDSPORE_VENV)/bin/python -m pytest tests/mindspore $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory kernel-paths
+
+kernel-paths: $(VENV)/.installed
+	@for cap in $(KERNEL_PATHS); do \
+	  if ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import sys, torch; \
+	    sys.exit(torch.backends.cpu.get_cpu_capability() != '$$cap'.upper())"; then \
+	    echo "== free benchmark verdicts on the $$cap CPU kernels"; \
+	    ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q $(KERNEL_PATH_TESTS) $(PYTEST_ARGS) || exit 1; \
+	  else echo "== $$cap CPU kernels: not available here, skipped"; fi; \
+	done
 
 demo: $(VENV)/.installed
 	$(PY) -m probekit.demo --out demo_out

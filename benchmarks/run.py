@@ -93,22 +93,44 @@ def table(pk: str, script: str, args: list) -> str:
 
 
 def freebench_costs(pk: str, quick: bool) -> str:
-    """Per checked call (64x64, every call checked) and peak memory (GPT-2-shaped model)."""
+    """Per checked call (64x64, every call checked), operators per checked call, and peak
+    memory (GPT-2-shaped model)."""
     percall = table(pk, "bench_freebench_percall.py", ["--repeats", "5" if quick else "9"])
+    ops = table(pk, "bench_freebench_ops.py", [])
     memory = table(pk, "bench_freebench_memory.py", ["--steps", "2"])
     return "\n".join([
+        "## Free benchmark: operators per checked call", "",
+        "`python benchmarks/bench_freebench_ops.py`: dispatched ATen operators (torch.profiler's "
+        "top-level `aten::` events; on an accelerator each is a kernel launch) per checked call "
+        "on the healthy path (a call site already seen), 64x64 fp32 unless named, the probed "
+        "step minus the same calls without the probe; the step's gather (one `stack`, one "
+        "read-back for all its checks) apart. Goal (issue 19): <= 8 per mode; before: 12-18, "
+        "23 for change_value.", "", ops, "",
         "## Free benchmark: cost per checked call", "",
         "`python benchmarks/bench_freebench_percall.py`: 64x64 fp32 `add` / `matmul` / `gelu`, "
         "one torch thread, every call checked, 100 calls then `fb.step()` per round; thread CPU "
         "time, medians of the rounds after two warm-up rounds; overhead = probed round minus "
         "plain round, per call (the step's gather included). `rows/call`: findings per checked "
-        "call (fp32 matmul and gelu against float64 are flagged at every call here: ill-"
-        "conditioned elements and gelu's tail; a finding costs a row).", "", percall, "",
+        "call (healthy calls: 0).", "", percall, "",
         "## Free benchmark: peak memory", "",
         "`python benchmarks/bench_freebench_memory.py`: GPT-2-shaped model (4 blocks, width 512, "
         "8 x 256 tokens, SGD), peak resident memory above the set-up of the same script without "
         "the probe, 2 steps, each configuration in its own process. Targets: forward check "
         "<= 1.2x, backward stage <= 1.5x.", "", memory])
+
+
+def zoo(pk: str, tmp: str, quick: bool) -> str:
+    """The healthy zoo (issue 19): findings per healthy model, dtype, mode and stage."""
+    args = ["--models", "gpt2,resnet"] if quick else []
+    res = run_json(pk, [os.path.join(HERE, "bench_zoo.py"), *args], tmp, "zoo")
+    return "\n".join([
+        "## Free benchmark: the healthy zoo", "",
+        "`python benchmarks/bench_zoo.py`: GPT-2, LLaMA, BERT (transformers, 3 layers, width 96, "
+        "dropout off), a ResNet with BatchNorm and a ViT (transformers' classes), random weights, "
+        "2 SGD steps on random batches, in fp32, bf16 and bf16 autocast; forward and backward "
+        "stage; improve_precision, bit_noise, add_noise. A healthy model should give no "
+        "findings; the same sweep before issue 19 is in the notes below.", "",
+        res["markdown"]])
 
 
 def models(pk: str, tmp: str, quick: bool) -> dict:
@@ -184,7 +206,7 @@ def targets(hooks, cmp) -> list[str]:
     return out
 
 
-def render(hooks, cmp, fb, args, notes, model_md=None, kept="") -> str:
+def render(hooks, cmp, fb, args, notes, model_md=None, kept="", zoo_md="") -> str:
     lines = [
         "# probekit benchmarks", "",
         f"Produced by `{args.command}` on {datetime.date.today().isoformat()}.", "",
@@ -226,6 +248,8 @@ def render(hooks, cmp, fb, args, notes, model_md=None, kept="") -> str:
         lines += ["", fb.get("markdown", "").strip()]
         if fb.get("costs"):
             lines += ["", fb["costs"]]
+    if zoo_md:
+        lines += ["", zoo_md]
     if model_md:
         lines += ["", "## Real models (Hugging Face transformers, random weights)", "", model_md]
     lines += ["", "## Targets", "", *targets(hooks, cmp),
@@ -257,7 +281,8 @@ def main(argv=None) -> int:
     if fb is not None:
         fb["costs"] = freebench_costs(pk, args.quick)
     model_md = models(pk, tmp, args.quick)["markdown"]
-    text = render(hooks, cmp, fb, args, notes, model_md, kept_notes(args.out))
+    zoo_md = zoo(pk, tmp, args.quick)
+    text = render(hooks, cmp, fb, args, notes, model_md, kept_notes(args.out), zoo_md)
     with open(args.out, "w") as fh:
         fh.write(text)
     print(f"written {args.out}")

@@ -39,7 +39,9 @@ FUZZ_LEVELS = ("L1",)
 GRAD_LEVELS = ("L0", "L1", "L2")
 HASH_ALGORITHMS = ("md5", "xxh3")
 THRESHOLD_KEYS = ("float16", "bfloat16", "float32", "other")
-DEFAULT_THRESHOLDS = {"float16": 0.002, "bfloat16": 0.004, "float32": 0.0002, "other": 0.0002}
+#: no override: every threshold comes from the unit roundoff of the dtype a call computes in
+#: (``probekit/freebench/scales.py``); ``free_benchmark.thresholds`` overrides it per dtype
+DEFAULT_THRESHOLDS: dict = {}
 
 
 def _fail(key: str, value: Any, accepted: str) -> None:
@@ -101,7 +103,8 @@ class FreeBenchmarkConfig:
     if_preheat: bool = False
     preheat_step: int = 15
     max_sample: int = 20
-    #: probekit extension: relative-error thresholds by output dtype
+    #: probekit extension: threshold overrides by compute dtype (default: none, every threshold
+    #: derived from the dtype's unit roundoff)
     thresholds: Mapping = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
     #: probekit extension: check only calls made inside these modules (names as in
     #: ``model.named_modules()``; a single name is accepted; empty = everywhere)
@@ -167,9 +170,12 @@ class FreeBenchmarkConfig:
                     f"free_benchmark.budget: {b!r} is not valid with handler_type 'fix'; "
                     "accepted: null (fix replaces every call it covers)")
 
-    def threshold_for(self, dtype_name: str) -> float:
-        """The relative-error threshold for an output of ``dtype_name`` (e.g. ``"bfloat16"``)."""
-        return self.thresholds.get(dtype_name, self.thresholds["other"])
+    def threshold_for(self, dtype_name: str) -> float | None:
+        """The threshold override for calls computing in ``dtype_name`` (e.g. ``"bfloat16"``;
+        ``other`` covers the dtypes not named), or None: derived from the unit roundoff."""
+        if dtype_name in self.thresholds:
+            return self.thresholds[dtype_name]
+        return self.thresholds.get("other")
 
 
 def _thresholds(value: Any) -> Mapping:

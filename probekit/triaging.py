@@ -14,10 +14,10 @@
    losing accuracy; re-runs fp16/bf16 in fp32, fp32 in fp64) and ``add_noise`` (an
    ill-conditioned op amplifying one-ulp input changes); ``add_noise`` only when every floating
    parameter/buffer of the suspects is float64, where there is nothing wider to re-run in;
-4. findings at least ``min_ratio`` (10) times their threshold, NaN/Inf mismatches and sign
-   flips are listed per suspect, most severe first (NaN/Inf, then by ``max_rel / threshold``:
-   the call that amplifies most is the likeliest cause); weaker ones (near-zero outputs of
-   well-conditioned ops, see docs/free_benchmark.md, Limits) are only counted.
+4. the findings (each a defect or a loss of most significant bits, docs/free_benchmark.md) are
+   listed per suspect, most severe first (NaN/Inf, then by ``max_rel / threshold``: the call
+   that loses most is the likeliest cause); with ``min_ratio`` above 1 (default 1) the weaker
+   ones are only counted.
 
 Check mode: the model's parameters, buffers, ``.grad`` tensors (the same objects), train/eval
 flags, the optimizer's state (``optimizer=``) and the RNG states (torch, CUDA, ``random``, numpy)
@@ -46,7 +46,8 @@ from .log import ROOT as LOG_ROOT, get_logger
 log = get_logger(__name__)
 
 STAGES = ("forward", "backward")
-MIN_RATIO = 10.0
+#: every finding is listed: each means a defect or a loss of most significant bits (issue 19)
+MIN_RATIO = 1.0
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -315,8 +316,8 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
     Datasets, as ``compare_grads`` takes them) or ``comparison=`` an existing comparison.
     ``top``: suspect modules checked; ``up``: levels each suspect is widened by;
     ``pert_modes``: default ``pert_modes_for`` the suspects' dtype; ``stages``: forward,
-    backward; ``min_ratio``: findings listed from this ``max_rel / threshold`` on (NaN/Inf and
-    sign flips always); ``optimizer``: restored too if ``step_fn`` steps it; ``dump_path``: where
+    backward; ``min_ratio``: findings listed from this ``max_rel / threshold`` on (default 1: all;
+    NaN/Inf always); ``optimizer``: restored too if ``step_fn`` steps it; ``dump_path``: where
     the free benchmark's CSV goes (default: a temporary folder, removed afterwards); ``rank``:
     the rank whose divergence is reported (default: the first with a flag); ``verbose``: keep
     the free benchmark's per-API INFO log lines (default: warnings only while it runs).

@@ -2,11 +2,12 @@
 
 Under ``torch.autocast(dtype=torch.bfloat16)`` a matmul or linear receives fp32 tensors and casts
 them to bf16 inside the op. A one-ulp fp32 change (bit_noise, add_noise) is then rounded away by
-that cast, so the check would see no difference at all. ``noise_leaves`` casts the fp32 inputs to
-the dtype the op actually computed in (its output's dtype, when that is the autocast dtype) before
-the noise is added: the re-run without noise is bit for bit the original call (autocast would
-have made the same cast), and the noise is one ulp of the computing precision. fp64 inputs are
-left alone, as autocast leaves them.
+that cast, and an upcast reference computed from the fp32 inputs would count the cast's rounding
+as the kernel's error. ``compute_leaves`` casts the fp32 inputs to the dtype the op actually
+computed in (its output's dtype, when that is the autocast dtype) before any mode perturbs them:
+the re-run without perturbation is bit for bit the original call (autocast would have made the
+same cast), the noise is one ulp of the computing precision, and improve_precision upcasts what
+the kernel really received. fp64 inputs are left alone, as autocast leaves them.
 
 ``fix`` upcasts the inputs and disables autocast, so its result must be cast back to what the
 caller would have seen: ``caller_dtype`` asks the original call for it when autocast is on.
@@ -36,7 +37,7 @@ def first_tensor(leaves: list):
     return None
 
 
-def noise_leaves(leaves: list, outs: list) -> list:
+def compute_leaves(leaves: list, outs: list) -> list:
     """``leaves`` with fp32 inputs cast to the op's autocast compute dtype (see module doc); the
     same list when autocast is off or the op computed in fp32."""
     x = first_tensor(leaves)

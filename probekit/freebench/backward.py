@@ -14,7 +14,9 @@ from this call. In the real backward pass:
    by block (``blocks.plan``, ``_blocked``), so one block's upcast inputs and gradients exist at
    a time;
 3. the gradients are compared input by input (``output_index`` = the input's position in the
-   call's flattened arguments) relative to the reference's scale (``grad_stats``), on the device;
+   call's flattened arguments) relative to the reference gradient's scale (``grad_stats``), with
+   the threshold of the dtype the forward call computed in (under autocast the gradients of a
+   bf16 op arrive as fp32 tensors but were computed in bf16), on the device;
    the verdict is read back at the step's gather point (``deferred.py``). Every hook returns
    ``None``, so the gradient flowing on is the real one.
 
@@ -29,59 +31,39 @@ import time
 
 import torch
 
-from . import autocast, blocks, cause, handlers, perturb, realgrad, state
+from . import autocast, blocks, cause, handlers, perturb, realgrad, scales, state
 from .guards import modes_off, no_autocast
 from .metric import device_stats
 from .names import call_site
 
 
-#: floor of the backward metric, in units of the input gradient's scale: with both gradients
-#: multiplied by the power of two that brings ``max|gr|`` into [0.5, 1), an element is judged
-#: relative to itself when it is at least the largest power of two <= max|gr| (the scale S), and
-#: relative to S when it is smaller: ``|p_i - o_i| / max(|o_i|, S)`` (``grad_stats``)
-BACKWARD_FLOOR = 0.5
+def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None) -> tuple:
+    """``metric.device_stats`` of a reference gradient (or a block of it) and the perturbed one:
+    the deviation relative to the gradient tensor's own scale (``max|gr|``; blocks combine to the
+    whole tensor's), or to ``scale`` element by element (an accumulating API's gradient in the
+    accuracy modes: the same gradient computed on absolute values, ``sum |g||b|``)."""
+    return device_stats(gr.detach(), gq.detach(), scale, exact)
 
 
-def grad_scale(gr: torch.Tensor) -> tuple:
-    """``(floor, f)`` as 0-dim tensors on ``gr``'s device (no sync): ``f`` the power of two that
-    brings ``max|gr|`` into [0.5, 1), ``floor = BACKWARD_FLOOR / f`` the
-    backward floor in ``gr``'s own units (the largest power of two <= max|gr|)."""
-    lo, hi = torch.aminmax(gr.detach())
-    m = torch.maximum(-lo, hi)
-    if m.dtype != torch.float64:
-        m = m.float()
-    ok = torch.isfinite(m) & (m > 0)
-    _, exp = torch.frexp(torch.where(ok, m, torch.ones_like(m)))
-    f = torch.ldexp(torch.ones_like(m), -exp)
-    return BACKWARD_FLOOR / f, f
-
-
-def scaled_stats(gr: torch.Tensor, gq: torch.Tensor, scale, exact: bool) -> tuple:
-    """``metric.device_stats`` of ``gr`` (a reference gradient or a block of it) and ``gq``
-    against the backward floor of ``scale`` = ``grad_scale`` of the whole reference (None for an
-    empty one), with the largest difference in the scaled units."""
-    if scale is None:
-        return device_stats(gr, gq, BACKWARD_FLOOR, exact)
-    floor, f = scale
-    if gq.device != floor.device:  # the values live on the perturbed side's device
-        floor, f = floor.to(gq.device), f.to(gq.device)
-    v = device_stats(gr.detach(), gq.detach(), floor, exact)
-    if exact:
-        return v[0], v[1], v[2] * f, v[3], v[4]
-    return v[0], v[1], v[2] * f, v[3] * f
-
-
-def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool) -> tuple:
-    """``metric.device_stats`` of the pair scaled to ``max|gr|`` in [0.5, 1) with the floor
-    ``BACKWARD_FLOOR``, without the scaled copies:
-    the errors are compared against the floor in the gradient's own units (scaling both sides
-    by a power of two changes no relative error) and the largest difference is scaled after."""
-    return scaled_stats(gr, gq, grad_scale(gr) if gr.numel() else None, exact)
+#: APIs whose gradient goes to the elements they select (a maximum, a pooling window's largest
+#: value): under a one-ulp input change a tie (frequent in bf16) can break the other way and the
+#: gradient moves to another element whole. That is the sensitivity of a choice, not a loss of
+#: precision, so the sensitivity modes (bit_noise, add_noise, change_value) do not check their
+#: gradients (the upcast modes and no_change do)
+SELECTION = frozenset("""
+max min amax amin maximum minimum fmax fmin max_pool1d max_pool2d max_pool3d
+max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool1d
+adaptive_max_pool2d adaptive_max_pool3d fractional_max_pool2d fractional_max_pool3d median
+nanmedian mode cummax cummin kthvalue topk sort msort
+""".split())
 
 
 def watch(engine, call, key, n, name, func, leaves, spec, frame):
     """Run the call; hook its first differentiable output for a backward check (and, where
     ``realgrad.plan`` allows, the nodes that hand its inputs their real gradients)."""
+    if call.info.name in SELECTION and not (engine.mode.upcast or engine.mode.exact):
+        engine.note_skip("selection", key, name)
+        return func(*call.args, **call.kwargs)
     mark = realgrad.marker()
     out = func(*call.args, **call.kwargs)
     try:
@@ -144,6 +126,11 @@ class _BackwardCheck:
         self.n_outs = 0
         #: with ``realgrad``: the upstream gradient, kept until the real input gradients arrive
         self.g = None
+        #: how the gradients are scaled (``scales.scale_kind``: an accumulating API's gradients
+        #: against their magnitudes in the accuracy modes, else the tensor's own scale)
+        self.kind = scales.scale_kind(engine.mode_name, call.info.name)
+        if self.kind == scales.ELEMENT:
+            self.kind = scales.TENSOR
 
     def __call__(self, grad):
         """The hook on the output (reference recomputed): the upstream gradient arrives."""
@@ -225,12 +212,31 @@ class _BackwardCheck:
         gp_out = g.to(dtype=yp.dtype, device=yp.device)
         if pert.post is not None:
             gp_out = pert.post(gp_out)
-        return list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True)), pert
+        # the backward without autocast, as the real one runs (autocast applies to the ops of a
+        # backward run while it is on: an upcast re-run's gradients would be bf16 again)
+        with no_autocast(True):
+            grads = list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True))
+            mags = self._magnitudes(p_leaves, gp_out) if self.kind == scales.MAGNITUDE else None
+        return grads, mags, pert
+
+    def _magnitudes(self, p_leaves, gp_out) -> list:
+        """The input gradients of the call on absolute values with upstream ``|g|``: for an
+        accumulating (multilinear) API, ``sum |g||b|``, the scale its gradients' rounding is
+        bounded by (``scales.py``)."""
+        a_leaves = scales.magnitude_leaves([x.detach() if isinstance(x, torch.Tensor) else x
+                                            for x in p_leaves])
+        a_in = []
+        for i in self.diff:
+            a_leaves[i] = a_leaves[i].requires_grad_(True)
+            a_in.append(a_leaves[i])
+        a, kw = perturb.unflatten(a_leaves, self.spec)
+        ya = self._output(self.func(*a, **scales.magnitude_kwargs(kw)))
+        return list(torch.autograd.grad(ya, a_in, gp_out.abs(), allow_unused=True))
 
     def _whole(self, plain, g, g_ref, exact):
         """(values, [(input position, reference gradient)], dtype computed in) of one re-run."""
         e = self.engine
-        g_pert, pert = self._rerun(plain, g)
+        g_pert, mags, pert = self._rerun(plain, g)
         e.applied(self.key, self.name)
         replaced, in_dtype = pert.replaced, pert.in_dtype
         del pert  # the re-run's inputs go before the comparisons
@@ -242,7 +248,7 @@ class _BackwardCheck:
                     continue
                 if e.mode.swap_back and i in replaced and gq.dim() >= 1:
                     gq = perturb.swap_last(gq)
-                values.append(grad_stats(gr, gq, exact))
+                values.append(grad_stats(gr, gq, exact, None if mags is None else mags[k]))
                 originals.append((i, gr))
                 del gq
         return values, originals, in_dtype
@@ -253,30 +259,33 @@ class _BackwardCheck:
         same slice of the reference, with the floor of the whole reference; a whole input's
         gradient is summed over the blocks in float64 and compared once."""
         sliced = dict(plan.split)
-        with torch.no_grad():   # each sliced reference's scale, of the whole tensor
-            scales = {i: grad_scale(gr) if gr.numel() else None
-                      for i, gr in zip(self.diff, g_ref) if gr is not None and i in sliced}
         parts = {i: [] for i in self.diff}
         acc: dict = {}
+        acc_mag: dict = {}
         in_dtype = None
         for start, length in plan.parts:
-            g_pert, pert = self._rerun(plan.leaves(plain, start, length),
-                                       plan.output(g, start, length))
+            g_pert, mags, pert = self._rerun(plan.leaves(plain, start, length),
+                                             plan.output(g, start, length))
             in_dtype = pert.in_dtype
             del pert
             with torch.no_grad():
                 for k, (i, gr) in enumerate(zip(self.diff, g_ref)):
                     gq, g_pert[k] = g_pert[k], None
+                    mag = None if mags is None else mags[k]
                     if gr is None or gq is None:
                         continue
                     if i in sliced:
-                        parts[i].append(scaled_stats(gr.narrow(sliced[i], start, length), gq,
-                                                     scales[i], exact))
+                        parts[i].append(grad_stats(gr.narrow(sliced[i], start, length), gq,
+                                                   exact, mag))
                     elif i in acc:
                         acc[i].add_(gq)
+                        if mag is not None:
+                            acc_mag[i].add_(mag)
                     else:
                         acc[i] = gq.to(torch.float64, copy=True)
-                    del gq
+                        if mag is not None:
+                            acc_mag[i] = mag.to(torch.float64, copy=True)
+                    del gq, mag
         self.engine.applied(self.key, self.name)
         values, originals = [], []
         with torch.no_grad():
@@ -284,9 +293,9 @@ class _BackwardCheck:
                 if gr is None:
                     continue
                 if i in sliced and parts[i]:
-                    values.append(blocks.combine(parts[i], exact))
+                    values.append(blocks.combine(parts[i]))
                 elif i in acc:
-                    values.append(grad_stats(gr, acc.pop(i), exact))
+                    values.append(grad_stats(gr, acc.pop(i), exact, acc_mag.pop(i, None)))
                 else:
                     continue
                 originals.append((i, gr))
@@ -313,16 +322,18 @@ class _BackwardCheck:
                     ref_in.append(ref[i])
                 a, kw = perturb.unflatten(ref, self.spec)
                 y = self._output(self.func(*a, **kw))
-                g_ref = torch.autograd.grad(y, ref_in, g, allow_unused=True)
+                with no_autocast(True):
+                    g_ref = torch.autograd.grad(y, ref_in, g, allow_unused=True)
                 del ref, ref_in, a, kw, y
             # perturbed
             plain = [x.detach() if isinstance(x, torch.Tensor) else x
                      for x in state.restore(leaves, snap)]
-            if e.noise_mode:  # one ulp of the precision the op computed in (autocast)
-                x = autocast.first_tensor(plain)
-                if x is not None:
-                    plain = autocast.cast_like(plain, autocast.enabled_dtype(x.device),
-                                               self.out_dtype)
+            # the inputs as the op computed with them (autocast): the noise is one ulp of that
+            # precision, the upcast starts from what the kernel really received
+            x = autocast.first_tensor(plain)
+            if x is not None:
+                plain = autocast.cast_like(plain, autocast.enabled_dtype(x.device),
+                                           self.out_dtype)
             exact = e.verdicts.want_exact(("backward", self.key, self.n))
             plan = self._plan(plain, g) if not snap else None
             if plan is not None:
@@ -333,17 +344,15 @@ class _BackwardCheck:
         if not values:
             raise perturb.Cancel("no input gradient to compare")
 
-        cast_to = ac_dtype if e.noise_mode else None   # inputs as the op computed with them
+        def fresh():   # the inputs as the op computed with them
+            return autocast.cast_like(state.restore(leaves, snap), ac_dtype, self.out_dtype)
 
-        def fresh():
-            return autocast.cast_like(state.restore(leaves, snap), cast_to, self.out_dtype)
-
-        def explain(flagged):  # only for flagged gradients: float64 recomputations
+        def explain(items):  # only for flagged gradients: float64 recomputations
             return cause.analyse_backward(self.func, fresh, self.spec, self.diff,
-                                          self.out_index, g, flagged)
+                                          self.out_index, g, items)
 
         with torch.no_grad():
             e.defer(self.key, self.n, self.name, "backward", self.step, self.site, in_dtype,
                     [(i, gr, None) for i, gr in originals], values=values, exact=exact,
-                    module=self.module, explain=explain,
-                    floors=[BACKWARD_FLOOR] * len(values), originals=[gr for _, gr in originals])
+                    module=self.module, explain=explain, originals=[gr for _, gr in originals],
+                    compute=[self.out_dtype] * len(values), kinds=[self.kind] * len(values))

@@ -242,6 +242,19 @@ class FreeBench:
         return s
 
     @property
+    def hotspots(self):
+        """What the dtype predicts, kept apart from the findings (never in ``results`` or the
+        CSV): one row per call site and output whose check moved by more than a correct kernel's
+        rounding explains without being a finding -- a sensitivity mode's output that moved by
+        more than ``16 u`` of its scale but kept most of its bits, or an accuracy mode's error that
+        the inputs' own conditioning explains (``cause``), or one waiting for its call site's
+        analysis (cause ``pending``). The worst check is shown, ``count`` says how many there
+        were; most severe first."""
+        self._gather()
+        return _results.hotspot_frame(list(self._engine._hot.values()) + [
+            dict(r, count=1) for rows in self._engine._held.values() for r in rows])
+
+    @property
     def coverage(self):
         """DataFrame, one row per call site eligible for a check (``api_name`` with its counter,
         e.g. ``Torch.matmul.3``): ``calls`` (times it ran) and ``checked`` (times it was checked).

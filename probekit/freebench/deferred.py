@@ -8,11 +8,11 @@ reads it back in one transfer, then hands each entry and its ``Stats`` to the en
 only the findings into rows. ``syncs`` counts those device-to-host reads.
 
 Exactness: a call site (``stage``, API, counter: ``Torch.matmul.3``) is compared exactly — NaN/Inf
-mismatches and sign flips counted — the first time it is checked, the next time it runs after it
+mismatches counted — the first time it is checked, the next time it runs after it
 was flagged with no cause known (``recheck``: the engine explains it then), and from its next run
 on after a fast comparison was inconclusive (a non-finite difference, or an error of 1 or more,
-where a sign flip is possible): such a site is ``unstable`` and stays exact, so its findings are
-not lost every other step. Otherwise the fast metric (eight kernels) is used. An inconclusive fast
+or a zero per-element scale): such a site is ``unstable`` and stays exact, so its findings are
+not lost every other step. Otherwise the fast metric (three kernels) is used. An inconclusive fast
 verdict is not reported: the site's next check, exact, reports it (``summary["inconclusive"]``
 counts them). ``flagged_sites`` holds the sites flagged at the last gather.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metric import FAST_LEN, fast_verdict, stats_from
+from .metric import fast_error, stats_from
 
 
 class Pending:
@@ -41,7 +41,8 @@ class Pending:
         self.step = step
         self.call_site = call_site
         self.in_dtype = in_dtype
-        #: (output_index, dtype, shape, floor, threshold) of each compared output
+        #: (output_index, dtype, shape, scale kind, threshold, hot-spot level, compute dtype)
+        #: of each compared output
         self.outputs = outputs
         #: per output, the tuple of 0-dim tensors of ``metric.device_stats``
         self.values = [] if values is None else values
@@ -116,19 +117,19 @@ class Verdicts:
         for e in entries:
             chunks = []
             ok, hit = True, full
-            for (_, _, _, _, thr), vals in zip(e.outputs, e.values):
+            for desc, vals in zip(e.outputs, e.values):
                 dev = vals[0].device
                 i = pos[dev]
                 k = len(vals)
                 pos[dev] = i + k
                 v = read[dev][i:i + k]
                 chunks.append(v)
-                if k == FAST_LEN:  # the common case, judged without building Stats
-                    flagged = fast_verdict(v, thr)
-                    if flagged is None:
+                if k != 5:  # fast values, judged without building Stats
+                    err = fast_error(v)
+                    if err is None:
                         ok = False
-                    elif flagged:
-                        hit = True
+                    elif err > desc[5]:  # above the hot-spot level (= threshold but in
+                        hit = True       # the sensitivity modes)
                 else:
                     hit = True
             if not ok:

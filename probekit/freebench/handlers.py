@@ -1,17 +1,10 @@
 """Turning comparisons into findings (check) and perturbed outputs into replacements (fix).
 
-Thresholds (``threshold``): the configured relative-error threshold of the *output* dtype
-(fp16 0.002, bf16 0.004, fp32 0.0002, others 0.0002 by default), with two adjustments:
-
-* bit_noise / add_noise move an input by one ulp, a relative change of up to ``eps`` of the input
-  dtype (bf16: 0.0078, above bf16's own threshold). An exact or well-conditioned op passes that
-  change through unchanged, so for these modes the threshold is ``max(threshold, 2 * eps(input))``:
-  a finding means the API amplified its input noise more than twice.
-* no_change re-runs on an exact copy: any difference is non-determinism, so its threshold is 0.
-
-A row is reported (``judge``) when a NaN/Inf appears or disappears (kind ``nan_inf``), a sign flips
-(``sign_flip``), or ``max_rel > threshold`` (``rel_error`` when the worst element is above the
-floor, ``abs_error`` when it is below it).
+Thresholds (``threshold``): from the unit roundoff of the dtype a call computes in, per mode
+(``scales.threshold``: ``16 u`` of the call's scale for the accuracy modes, ``sqrt(u)`` of the
+output's scale for the sensitivity modes, 0 for no_change), unless ``free_benchmark.thresholds``
+overrides the dtype's. A row is reported (``judge``) when a NaN/Inf appears, disappears or
+changes (kind ``nan_inf``), or ``max_rel > threshold`` (``rel_error``).
 
 fix (improve_precision / to_cpu): the API is run on the upcast (or CPU) inputs *with autograd*, and
 its floating outputs are cast back to the dtype the original call would have produced and moved
@@ -25,8 +18,8 @@ import math
 
 import torch
 
+from . import scales
 from .metric import Stats
-from .modes import MODES, NOISE_FACTOR
 
 
 
@@ -34,25 +27,18 @@ def dtype_key(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def threshold(fb_config, pert_mode: str, out_dtype: torch.dtype, in_dtype) -> float:
-    mode = MODES[pert_mode]
-    if mode.exact:
-        return 0.0
-    thr = fb_config.threshold_for(dtype_key(out_dtype))
-    noisy = mode.noise and isinstance(in_dtype, torch.dtype)
-    if noisy and in_dtype.is_floating_point:
-        thr = max(thr, NOISE_FACTOR * torch.finfo(in_dtype).eps)
-    return thr
+def threshold(fb_config, pert_mode: str, compute_dtype: torch.dtype) -> float:
+    """The finding threshold of ``pert_mode`` for a call computing in ``compute_dtype``."""
+    return scales.threshold(pert_mode, compute_dtype,
+                            fb_config.threshold_for(dtype_key(compute_dtype)))
 
 
 def judge(stats: Stats, thr: float) -> str | None:
     """The kind of finding, or None when the output is consistent."""
     if stats.nan_inf:
         return "nan_inf"
-    if stats.sign_flip:
-        return "sign_flip"
     if stats.max_rel > thr:
-        return "rel_error" if stats.rel_part else "abs_error"
+        return "rel_error"
     return None
 
 
@@ -63,8 +49,8 @@ def ratio(max_rel: float, thr: float) -> float:
 
 
 def risk(stats: Stats, thr: float) -> float:
-    """What preheat calibrates on: the ratio, infinite for NaN/Inf mismatches and sign flips."""
-    if stats.nan_inf or stats.sign_flip:
+    """What preheat calibrates on: the ratio, infinite for NaN/Inf mismatches."""
+    if stats.nan_inf:
         return math.inf
     return ratio(stats.max_rel, thr)
 

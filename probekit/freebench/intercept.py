@@ -20,13 +20,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
-from . import autocast, blocks, cause, handlers, perturb, state
+from . import autocast, blocks, cause, handlers, perturb, scales, state
 from .backward import watch
 from .budget import Budget, Coverage
 from .deferred import Verdicts
 from .guards import modes_off, no_autocast, quiet
 from .judging import Judging
-from .metric import device_stats, floor_for
+from .metric import device_stats
 from .modes import MODES
 from .names import PROPERTY, REASONS, Classifier, dynamic_skip, operator_key
 from .preheat import Preheat
@@ -43,6 +43,8 @@ EXTRA_REASONS = {
     "dtype_arg": "fix: the call fixes its output dtype explicitly",
     "meta": "meta tensors hold no values",
     "budget": "the overhead budget leaves this call to a later step (call sites rotate)",
+    "selection": "its gradient goes to the elements it selects: a one-ulp tie break moves it "
+                 "elsewhere, a choice rather than a precision loss (sensitivity modes, backward)",
 }
 
 
@@ -105,7 +107,6 @@ class Engine(Judging):
         self.fix = fb.handler_type == "fix"
         self.mode = MODES[fb.pert_mode]
         self.upcast_mode = self.mode.upcast
-        self.noise_mode = self.mode.noise
         classifier = Classifier()
         self.classify = classifier
         self.cache = classifier.cache
@@ -140,9 +141,12 @@ class Engine(Judging):
         self.verdicts = Verdicts()
         self.budget = Budget(fb.budget) if fb.budget is not None else None
         self.coverage = Coverage()
-        self._thresholds: dict = {}           # (output dtype, input dtype) -> threshold
+        self._thresholds: dict = {}           # compute dtype -> threshold
+        self._judged: dict = {}               # (compute, tensor, input dtype) -> judged dtype
         self.site_causes: dict = {}           # call site -> {output_index: cause}
-        self._uncaused: dict = {}             # call site -> its rows still without a cause
+        self._uncaused: dict = {}             # call site -> its rows with a provisional cause
+        self._held: dict = {}                 # call site -> rows waiting for the analysis
+        self._hot: dict = {}                  # (stage, api_name, output_index) -> hot spot row
 
     # -- filters -------------------------------------------------------------------------------
     @staticmethod
@@ -200,6 +204,11 @@ class Engine(Judging):
             skipped["out_of_module"] = self.out_of_module
         out = {"calls": self.calls, "checked": self.checked, "skipped": skipped,
                "flagged": self.flagged, "steps": self.step}
+        if self._hot:
+            out["hotspots"] = len(self._hot)
+        pending = sum(len(rows) for rows in self._held.values())
+        if pending:
+            out["pending"] = pending
         if self.verdicts.inconclusive:
             out["inconclusive"] = self.verdicts.inconclusive
         if self.budget is not None:
@@ -350,14 +359,16 @@ class Engine(Judging):
             return
         if call.snap:
             leaves = state.restore(leaves, call.snap)
-        if self.noise_mode:
-            leaves = autocast.noise_leaves(leaves, outs)
-        base = leaves  # the inputs as the op computed with them (autocast casts included)
+        # the inputs as the op computed with them (autocast's casts included): every mode
+        # measures the op at the precision it computes in
+        leaves = autocast.compute_leaves(leaves, outs)
+        base = leaves
+        kind = scales.scale_kind(self.mode_name, call.info.name)
         if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK and not call.snap:
             plan = blocks.plan(self.mode_name, call.info, call.args, call.kwargs, leaves, outs)
             if plan is not None:
                 return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs,
-                                            plan)
+                                            plan, kind)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
@@ -366,23 +377,41 @@ class Engine(Judging):
             raise RuntimeError("the perturbed call returned outputs of another structure")
         if pert.post is not None:
             p_outs = [(i, pert.post(t)) for i, t in p_outs]
+        if self.upcast_mode and any(torch.finfo(p.dtype).eps > torch.finfo(o.dtype).eps
+                                    for (_, o), (_, p) in zip(outs, p_outs)):
+            # e.g. bincount: fp16 weights sum into float64, fp32 ones into float32
+            raise perturb.Cancel("the upcast re-run computes in a narrower dtype than the call")
+        scales_ = self._scales(kind, func, pert.new, spec, p_outs, outs)
 
-        def explain(flagged):  # only for flagged calls: float64 re-runs
-            return cause.analyse(func, lambda: state.restore(base, call.snap), spec, flagged)
+        def explain(items):  # only for flagged calls: float64 re-runs
+            return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items)
 
         self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
-                   [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain)
+                   [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain,
+                   kinds=[kind] * len(outs), scales_=scales_)
+
+    def _scales(self, kind, func, p_leaves, spec, p_outs, outs) -> list:
+        """The per-element scale of each output (None: the tensor's own scale); ``outs``: the
+        original outputs (their dtypes are the compute dtypes)."""
+        if kind == scales.MAGNITUDE:
+            a, kw = perturb.unflatten(scales.magnitude_leaves(p_leaves), spec)
+            got = dict(handlers.float_outputs(scales.magnitude_run(func, a, kw)))
+            return [got.get(i) for i, _ in p_outs]
+        if kind == scales.ELEMENT:
+            return [p.abs().add_(scales.element_offset(o.dtype)) for (_, p), (_, o) in
+                    zip(p_outs, outs)]
+        return [None] * len(p_outs)
 
     def current_module(self) -> str:
         """The innermost running named module under module scope ("" without module scope)."""
         return self.modules.current if self.modules is not None else ""
 
-    def _compare_blocks(self, call, key, n, name, func, leaves, spec, frame, outs, plan) -> None:
+    def _compare_blocks(self, call, key, n, name, func, leaves, spec, frame, outs, plan,
+                        kind) -> None:
         """A call with a large output (``blocks.plan``): perturbed, re-run and compared block by
         block, so only one block's perturbed inputs and output exist at a time."""
         (i, o), = outs
         exact = self.verdicts.want_exact((self.stage, key, n))
-        f = floor_for(o.dtype)
         parts, in_dtype = [], None
         for start, length in plan.parts:
             b_leaves = plan.leaves(leaves, start, length)
@@ -392,16 +421,16 @@ class Engine(Judging):
             in_dtype = pert.in_dtype
             p = func(*pert.args, **pert.kwargs)
             (_, p), = handlers.float_outputs(p)
-            parts.append(device_stats(plan.output(o, start, length), p, f, exact))
-            del pert, p  # free this block's re-run before the next one
+            (sc,) = self._scales(kind, func, pert.new, spec, [(i, p)], outs)
+            parts.append(device_stats(plan.output(o, start, length), p, sc, exact))
+            del pert, p, sc  # free this block's re-run before the next one
         self.applied(key, name)
 
-        def explain(flagged):  # only for flagged calls: float64 re-runs, block by block
-            return cause.analyse(func, lambda: leaves, spec, flagged, blocks=plan)
+        def explain(items):  # only for flagged calls: float64 re-runs, block by block
+            return cause.analyse(func, lambda: leaves, spec, items, blocks=plan)
 
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
-                   values=[blocks.combine(parts, exact)], exact=exact, floors=[f],
-                   explain=explain)
+                   values=[blocks.combine(parts)], exact=exact, explain=explain, kinds=[kind])
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):

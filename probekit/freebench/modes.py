@@ -17,10 +17,11 @@ no_change                          yes               npu
 to_cpu                     yes                       cpu
 ==================  =====  ======  =====  =========  ============
 
-* ``noise``: moves an input by one ulp, a relative change of up to ``eps`` of the input dtype; the
-  threshold becomes ``max(threshold, NOISE_FACTOR * eps(input dtype))``.
-* ``upcast``: re-runs at a higher precision (or on the CPU in fp32/fp64): autocast is turned off
-  for the re-run, and ``handler_type="fix"`` may swap its result in.
+* ``noise``: moves an input by one ulp: a sensitivity mode, judged against ``sqrt(u)`` of the
+  output's scale (``scales.py``), as are the other modes that are neither upcast nor exact.
+* ``upcast``: re-runs at a higher precision (or on the CPU in fp32/fp64): an accuracy mode (judged
+  against ``16 u`` of the call's scale); autocast is turned off for the re-run, and
+  ``handler_type="fix"`` may swap its result in.
 * ``exact``: re-runs on an exact copy, so any difference is non-determinism: threshold 0.
 * ``swap_back``: reorders elements; outputs (and, in the backward stage, gradients) are swapped
   back before comparing.
@@ -30,10 +31,6 @@ to_cpu                     yes                       cpu
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-#: the noise modes' threshold floor, in units of the input dtype's eps
-NOISE_FACTOR = 2.0
-
 
 @dataclass(frozen=True)
 class Mode:

@@ -1,15 +1,18 @@
 """Perturbations: pure functions on tensors, and the registry that applies them to a call.
 
 Every tensor function returns a new tensor and leaves its input, the global RNG and any module
-state alone (the noise is deterministic: it comes from the bit pattern of each element).
+state alone (the noise is deterministic: it comes from each element's value). Each costs one to
+three kernels (what a check costs is counted in ``benchmarks/bench_freebench_ops.py``).
 
 ==================  ===========================================================================
 improve_precision   every floating input upcast: fp16/bf16 -> fp32; fp32 -> fp64 (fp64: cancelled)
-bit_noise           first floating input: the lowest mantissa bit of every finite element with
-                    ``|x| > smallest normal`` flipped (a change of exactly one ulp, up or down)
-add_noise           first floating input: every finite element with ``|x| > smallest normal`` moved
-                    one ulp towards +inf (``nextafter(x, inf)``; it cannot round away, unlike
-                    msprobe's constant epsilon, which left fp16 inputs unchanged)
+bit_noise           first floating input: every finite element with ``|x| > smallest normal``
+                    moved one ulp, towards zero and away from zero in a checkerboard over (row,
+                    column) (its last bit changes)
+add_noise           first floating input: every finite element with ``|x| > smallest normal``
+                    moved one ulp towards +inf (``nextafter(x, inf)``, as ``fmax(x / (1 - u),
+                    x * (1 - u))``; it cannot round away, unlike msprobe's constant epsilon, which
+                    left fp16 inputs unchanged)
 change_value        first floating input: first and last elements of the last dimension swapped
                     (in every row). Only for APIs whose result does not depend on that order
                     (element-wise ops, reductions, softmax); the perturbed output is swapped back
@@ -41,82 +44,107 @@ class Cancel(Exception):
 
 
 # -- tensor functions ---------------------------------------------------------------------------
-def _noise_mask(t: torch.Tensor, below_max: bool = False) -> torch.Tensor:
-    """Finite elements with ``|x| >= smallest normal`` (and ``< max`` when asked); NaN fails both
-    comparisons, so no separate (slow) isfinite pass is needed."""
-    info = torch.finfo(t.dtype)
-    a = t.abs()
-    return (a >= info.smallest_normal) & ((a < info.max) if below_max else (a <= info.max))
+#: per dtype: (u, 1 - u): the unit roundoff and the noise factor (representable in the dtype)
+_NOISE: dict = {}
 
 
-def _int_view(t: torch.Tensor) -> torch.Tensor:
-    itype = _INT_VIEW.get(t.dtype)
-    if itype is None:
-        raise Cancel(f"dtype {t.dtype} has no bit-level perturbation")
-    return t.view(itype)
-
-
-#: 16-bit CPU tensors of at least this many elements take the integer-only masks (``_int_mask``):
-#: the CPU's bf16/fp16 comparisons and ``where`` are several times slower than int16 arithmetic
-#: there (64x256x4 bf16: add_noise 141 -> 53 us, bit_noise 90 -> 38 us); smaller tensors, wider
-#: dtypes and accelerators keep the fewer-kernel float masks
-INT_MASK_MIN = 1 << 14
-#: per dtype: (smallest normal, largest finite below max, bits of the smallest normal - 1, bits
-#: of max, magnitude mask, sign shift of the integer view)
-_CONSTS: dict = {}
-
-
-def _consts(t: torch.Tensor, bits: torch.Tensor) -> tuple:
-    c = _CONSTS.get(t.dtype)
+def _noise_consts(t: torch.Tensor) -> tuple:
+    c = _NOISE.get(t.dtype)
     if c is None:
-        info = torch.finfo(t.dtype)
-        width = bits.element_size() * 8
-        below_max = torch.nextafter(torch.tensor(info.max, dtype=t.dtype),
-                                    torch.tensor(0.0, dtype=t.dtype)).item()
-        sn = torch.tensor(info.smallest_normal, dtype=t.dtype).view(bits.dtype).item()
-        mx = torch.tensor(info.max, dtype=t.dtype).view(bits.dtype).item()
-        c = _CONSTS[t.dtype] = (info.smallest_normal, below_max, sn - 1, mx,
-                                (1 << (width - 1)) - 1, width - 1)
+        if t.dtype not in _INT_VIEW:
+            raise Cancel(f"dtype {t.dtype} has no bit-level perturbation")
+        u = torch.finfo(t.dtype).eps / 2
+        c = _NOISE[t.dtype] = (u, 1.0 - u)
     return c
 
 
-def _int_mask(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.element_size() == 2 and t.numel() >= INT_MASK_MIN
+#: (length, dtype, device) -> (multipliers, divisors): 1-D, ``(1 - u, 1)`` / ``(1, 1 - u)``
+#: alternating from an even position
+_ALTERNATE: dict = {}
+#: (shape, dtype, device) -> the checkerboard views of ``_ALTERNATE``'s vectors for that shape
+_CHECKER: dict = {}
+_CHECKER_MAX = 4096
+
+
+def _checker(t: torch.Tensor) -> tuple:
+    """(multiplier, divisor) shaped like ``t``: ``(1 - u, 1)`` where the element's row (all
+    dims but the last, flattened) plus its column is even, ``(1, 1 - u)`` where it is odd: a
+    checkerboard, no memory beyond one vector of ``rows + cols`` (overlapping strided views)."""
+    shape = tuple(t.shape)
+    key = (shape, t.dtype, t.device)
+    c = _CHECKER.get(key)
+    if c is not None:
+        return c
+    cols = shape[-1] if shape else 1
+    rows = t.numel() // cols if cols else 0
+    need = max(1, rows + cols)
+    length = 1 << (need - 1).bit_length()
+    vkey = (length, t.dtype, t.device)
+    vec = _ALTERNATE.get(vkey)
+    if vec is None:
+        f = _noise_consts(t)[1]
+        even = torch.arange(length, device=t.device) % 2 == 0
+        one = torch.ones(length, dtype=t.dtype, device=t.device)
+        vec = _ALTERNATE[vkey] = (torch.where(even, f, one).to(t.dtype),
+                                  torch.where(even, one, f).to(t.dtype))
+    strides, acc = [], 1
+    for size in reversed(shape[:-1]):
+        strides.append(acc)
+        acc *= size
+    strides = tuple(reversed(strides)) + ((1,) if shape else ())
+    c = tuple(v.as_strided(shape, strides) for v in vec)
+    if len(_CHECKER) >= _CHECKER_MAX:
+        _CHECKER.clear()
+    _CHECKER[key] = c
+    return c
 
 
 def bit_noise(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with the lowest mantissa bit flipped in each finite element >= the smallest normal.
+    """``t`` with every element above the smallest normal moved by one ulp (its last bit
+    changes), towards zero and away from zero in a checkerboard (row of the flattened leading
+    dims plus column even: towards zero), in two kernels: ``t * m / d`` with ``(m, d) = (1 - u,
+    1)`` or ``(1, 1 - u)``.
 
-    The mask is ``clamp(|t|, smallest normal, max) == |t|`` (NaN, Inf, zeros and subnormals fail
-    it): three kernels, and the XOR takes the boolean mask as 0/1 directly. Large 16-bit CPU
-    tensors compute the same mask on the magnitude bits instead (``_int_mask``): 0/1 =
-    ``clamp(min(mag - (normal - 1), (max + 1) - mag), 0, 1)``."""
-    bits = _int_view(t)
-    if _int_mask(t):
-        _, _, sn1, mx, magmask, _ = _consts(t, bits)
-        mag = bits & magmask
-        return (bits ^ torch.minimum(mag - sn1, (mx + 1) - mag).clamp_(0, 1)).view(t.dtype)
+    Neighbouring elements, along the last dim and down every column, move in opposite
+    directions, which neither a shift-invariant op such as softmax nor a sum over rows (a weight
+    gradient sums over tokens) ignores, as it would a shift or a scaling of every element.
+    ``x * (1 - u)`` and ``x / (1 - u)`` are the next values towards and away from zero (see
+    ``add_noise``); the factors are exact in every floating dtype, so every kernel path gives the
+    same bits. Zeros (with their sign), subnormals, +-Inf and NaN are unchanged (so is the
+    smallest normal where it moves towards zero, a tie; the largest finite value where it moves
+    away from zero becomes Inf, its next value up)."""
+    m, d = _checker(t)
+    return t.mul(m).div_(d)
+
+
+def flip_last_bit(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the lowest mantissa bit flipped in each finite element >= the smallest normal
+    (one ulp up or down, by the element's own bits: equal values move alike). Not a pert_mode:
+    the cause analysis nudges inputs with it (``cause.py``), where its six kernels do not matter
+    and keeping equal values equal does (a constant batch-norm channel stays constant)."""
     info = torch.finfo(t.dtype)
+    bits = t.view(_INT_VIEW[t.dtype])
     a = t.abs()
     return (bits ^ (a.clamp(info.smallest_normal, info.max) == a)).view(t.dtype)
 
 
 def add_noise(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with each finite element above the smallest normal moved one ulp towards +inf.
+    """``t`` with every element above the smallest normal moved one ulp towards +inf, in three
+    kernels: ``fmax(t / (1 - u), t * (1 - u))``.
 
-    ``nextafter(t, +inf)`` where ``smallest normal <= |t| < max`` (``clamp(|t|, ...) == |t|``),
-    ``t`` elsewhere, done on the integer view (``nextafter`` has no vectorised bf16/fp16 kernel on
-    the CPU: 10-30x slower): the magnitude bits go up one for positive elements and down one for
-    negative ones, i.e. ``bits + (sign >> (width - 1) | 1)`` where the mask holds (large 16-bit
-    CPU tensors: the mask from the magnitude bits, as in ``bit_noise``)."""
-    bits = _int_view(t)  # Cancel for dtypes without a bit-level perturbation
-    lo, hi, sn1, mx, magmask, shift = _consts(t, bits)
-    if _int_mask(t):
-        mag = bits & magmask
-        ok = torch.minimum(mag - sn1, mx - mag).clamp_(0, 1)
-        return torch.addcmul(bits, ok, (bits >> shift) | 1).view(t.dtype)
-    a = t.abs()
-    return torch.where(a.clamp(lo, hi) == a, bits + ((bits >> shift) | 1), bits).view(t.dtype)
+    For ``|x| = m * 2^e`` with ``1 <= m < 2``, ``x / (1 - u) = x + (m/2)(1 + u + ...) ulp(x)``
+    rounds to the next value away from zero (the ``u^2`` terms break the tie at ``m = 1``; never
+    1.5 ulp), and ``x * (1 - u) = x - (m/2) ulp(x)`` to the next value towards zero (for ``m = 1``
+    it is exactly the spacing below ``x``): ``fmax`` keeps the larger, the one towards +inf. Both are exact
+    (a correctly rounded quotient and product; the 16-bit types divide in float32, where the
+    quotient's rounding stays far inside the margin), the divisor is representable in every
+    floating dtype, and no intermediate is rounded to the low-precision type, so every CPU kernel
+    path gives the same bits. Zeros (with their sign), subnormals, the negative smallest normal
+    (a tie), +-Inf and NaN are unchanged; +max becomes +Inf, its next value up. Unlike msprobe's
+    constant epsilon (which left fp16 inputs unchanged) it cannot round away, and since every
+    element moves the same way it measures the condition number of sums directly."""
+    c = _noise_consts(t)[1]
+    return torch.fmax(t / c, t * c)
 
 
 def change_value(t: torch.Tensor) -> torch.Tensor:
@@ -128,12 +156,19 @@ def change_value(t: torch.Tensor) -> torch.Tensor:
     return swap_last(t)
 
 
+_SWAPS: dict = {}
+
+
 def swap_last(t: torch.Tensor) -> torch.Tensor:
-    """Swap index 0 and -1 of the last dimension (its own inverse)."""
-    out = t.clone()
-    out[..., 0] = t[..., -1]
-    out[..., -1] = t[..., 0]
-    return out
+    """Swap index 0 and -1 of the last dimension (its own inverse): one ``index_select`` with a
+    permutation cached per length and device."""
+    n = t.shape[-1]
+    perm = _SWAPS.get((n, t.device))
+    if perm is None:
+        idx = list(range(n))
+        idx[0], idx[-1] = idx[-1], idx[0]
+        perm = _SWAPS[(n, t.device)] = torch.tensor(idx, device=t.device)
+    return t.index_select(-1, perm)
 
 
 def no_change(t: torch.Tensor) -> torch.Tensor:

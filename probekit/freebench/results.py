@@ -122,6 +122,15 @@ def frame(rows: list[dict]):
     return df.astype(DTYPES)
 
 
+def hotspot_frame(rows: list[dict]):
+    """Hot spots (``FreeBench.hotspots``): ``COLUMNS`` plus ``count``, largest ratio first."""
+    import pandas as pd
+
+    df = frame(rows)
+    df["count"] = pd.Series([int(r.get("count", 1)) for r in rows], dtype="int64")
+    return by_severity(df).reset_index(drop=True)
+
+
 def by_severity(df):
     """Rows sorted: NaN/Inf mismatches, then sign flips, then by ratio (largest first)."""
     if df.empty:

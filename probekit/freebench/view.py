@@ -17,6 +17,10 @@ COLUMNS = (("API", "api_name"), ("steps", "steps"), ("kind", "kind"), ("cause", 
            ("shape", "shape"), ("output", "output_index"), ("call site", "call_site"),
            ("module", "module"))
 NUMERIC = ("max_rel", "threshold", "ratio", "output_index")
+#: columns of the hot spots table
+HOT_COLUMNS = (("API", "api_name"), ("cause", "cause"), ("max_rel", "max_rel"),
+               ("threshold", "threshold"), ("× threshold", "ratio"), ("checks", "count"),
+               ("dtype", "dtype"), ("shape", "shape"), ("call site", "call_site"))
 
 # Inline styles: notebook front-ends (and nbconvert's templates) style tables with selectors
 # more specific than a <style> block of ours would be; inline attributes always win.
@@ -113,6 +117,9 @@ def summary_line(summary: dict | None, n_rows: int = 0) -> str:
     else:
         parts.append("0 skipped")
     parts.append(f"{summary.get('flagged', n_rows):,} flagged")
+    hot = summary.get("hotspots", 0) + summary.get("pending", 0)
+    if hot:              # what the dtype predicts: kept apart (FreeBench.hotspots)
+        parts.append(f"{hot:,} hot spot{'' if hot == 1 else 's'}")
     if summary.get("steps"):            # completed steps (step() calls); none in a one-off cell
         steps = summary["steps"]
         parts.append(f"{steps} step{'s' if steps != 1 else ''}")
@@ -123,9 +130,11 @@ class Findings:
     """Free-benchmark results as a table by severity plus a summary line."""
 
     def __init__(self, results, summary: dict | None = None, *, top: int = 25, name: str = "",
-                 mode: str = ""):
+                 mode: str = "", hotspots=None):
         self.results = results
         self.summary = summary
+        #: ``FreeBench.hotspots`` to show under the findings (None: not shown, the default)
+        self.hotspots = hotspots
         self.top = top
         #: the user-namespace name of the FreeBench (pointed to when rows are cut)
         self.name = name
@@ -133,12 +142,14 @@ class Findings:
         self.mode = mode
 
     @classmethod
-    def of(cls, bench, **kwargs) -> "Findings":
-        """From a ``FreeBench``: its ``results``, ``summary`` and mode."""
+    def of(cls, bench, hotspots: bool = False, **kwargs) -> "Findings":
+        """From a ``FreeBench``: its ``results``, ``summary`` and mode (and, with ``hotspots``,
+        its hot spots in a table of their own)."""
         section = bench.config.free_benchmark
         kwargs.setdefault("mode", f"{section.pert_mode}, {section.handler_type}, "
                                   f"{section.fuzz_stage}")
-        return cls(bench.results, bench.summary, **kwargs)
+        return cls(bench.results, bench.summary, hotspots=bench.hotspots if hotspots else None,
+                   **kwargs)
 
     def _title(self) -> str:
         return f"Free benchmark ({self.mode})" if self.mode else "Free benchmark"
@@ -190,8 +201,30 @@ class Findings:
             if len(calls) > self.top:
                 out.append(f'<div class="pk-more" style="color:#666;margin-top:4px">'
                            f'{html.escape(self._more(calls))}</div>')
+        if self.hotspots is not None:
+            out.append(self._hotspots_html())
         out.append("</div>")
         return "\n".join(out)
+
+    def _hotspots_html(self) -> str:
+        """The hot spots: what the dtype predicts (not findings), worst check per call site."""
+        hot = self.hotspots
+        head = (f'<div class="pk-hotspots" style="margin:8px 0 4px 0;color:#555"><b>Hot spots'
+                f'</b> — {len(hot)} call site{"" if len(hot) == 1 else "s"} whose output moved '
+                f'more than a correct kernel\'s rounding explains, by what their dtype predicts '
+                f'(not findings)</div>')
+        if hot.empty:
+            return head
+        cols = [(h, c) for h, c in HOT_COLUMNS if c in hot.columns]
+        rows = ["<table class='pk-hotspots' style='border-collapse:collapse;margin:0'><thead><tr>"
+                + "".join(f'<th style="{_TH}">{html.escape(h)}</th>' for h, _ in cols)
+                + "</tr></thead><tbody>"]
+        for _, row in hot.head(self.top).iterrows():
+            rows.append("<tr>" + "".join(
+                f'<td style="{_TD.format(align="right" if c in NUMERIC + ("count",) else "left")}">'
+                f'{html.escape(self._cell(c, row[c]))}</td>' for _, c in cols) + "</tr>")
+        rows.append("</tbody></table>")
+        return head + "".join(rows)
 
     @staticmethod
     def _columns(calls) -> list:

@@ -166,6 +166,8 @@ class FreeBenchMagics(Magics):
               help=f"user-namespace variable that receives the FreeBench (default {DEFAULT_NAME})")
     @argument("--top", type=int, default=25, metavar="N", help="rows shown in the table")
     @argument("--plot", action="store_true", help="also show the findings ranked in a chart")
+    @argument("--hotspots", action="store_true",
+              help="also show the hot spots: what the dtype predicts, not findings")
     @argument("--quiet", action="store_true", help="display nothing (results still stored)")
     @argument("--model", metavar="NAME", help="user-namespace variable holding the model "
               "whose modules --module names")
@@ -248,7 +250,7 @@ class FreeBenchMagics(Magics):
     def _show(self, bench, args) -> None:
         from IPython.display import Image, display
 
-        display(Findings.of(bench, top=args.top, name=args.name))
+        display(Findings.of(bench, hotspots=args.hotspots, top=args.top, name=args.name))
         if args.plot and len(bench.results):
             display(Image(data=findings_png(bench, top=args.top)))
 

@@ -124,8 +124,9 @@ class ConfigPanel(w.VBox):
         if key in CHOICES:
             control = w.Dropdown(options=list(CHOICES[key]), value=value, **common)
         elif key == "thresholds":
-            sub = {k: w.FloatText(value=float(value[k]), description=k, style=_DESC,
-                                  tooltip=f"max_rel threshold for {k} outputs",
+            sub = {k: w.FloatText(value=float(value.get(k, 0.0)), description=k, style=_DESC,
+                                  tooltip=f"threshold for calls computing in {k}; 0: from "
+                                          "its unit roundoff (default)",
                                   layout=w.Layout(width="auto")) for k in THRESHOLD_KEYS}
             self.controls[key] = sub
             return list(sub.values())
@@ -162,7 +163,7 @@ class ConfigPanel(w.VBox):
         out = {}
         for key, control in self.controls.items():
             if key == "thresholds":
-                out[key] = {k: c.value for k, c in control.items()}
+                out[key] = {k: c.value for k, c in control.items() if c.value}
             elif key in ("rank", "step"):
                 out[key] = parse_ints(key, control.value)
             elif key == "bounds":
@@ -251,8 +252,8 @@ class ConfigPanel(w.VBox):
                                f"{', '.join(self.controls)}")
             control = self.controls[key]
             if key == "thresholds":
-                for k, v in value.items():
-                    control[k].value = v
+                for k, c in control.items():
+                    c.value = value.get(k, 0.0)
             elif isinstance(control, w.Text) and not isinstance(value, str):
                 control.value = ", ".join(str(v) for v in value)
             else:
@@ -290,7 +291,7 @@ class FreeBenchPanel(ConfigPanel):
         ("Which APIs", ["scope", "list", "module"]),
         ("Preheat", ["if_preheat", "preheat_step", "max_sample"]),
         ("Overhead budget", ["budget"]),
-        ("Thresholds (max_rel by output dtype)", ["thresholds"]),
+        ("Threshold overrides (0: from the dtype)", ["thresholds"]),
         ("Where", ["dump_path", "rank", "step"]),
     )
 

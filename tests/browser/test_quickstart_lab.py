@@ -48,10 +48,14 @@ def run_quickstart(page, lab, artifacts):
 
     outputs = page.locator(".jp-OutputArea-output")
     assert outputs.filter(has_text="Traceback").count() == 0
-    first = page.locator(".probekit-findings").first
-    expect(first).to_contain_text("Free benchmark (bit_noise, check, forward)")
-    expect(first.locator("table")).to_be_visible()
-    expect(first.locator("tr", has_text="Tensor.__sub__")).not_to_have_count(0)
+    # the healthy model: silent; the planted one: the subtraction flagged
+    healthy, planted = page.locator(".probekit-findings").nth(0), page.locator(
+        ".probekit-findings").nth(1)
+    expect(healthy).to_contain_text("Free benchmark (bit_noise, check, forward) ✓ no findings")
+    expect(healthy.locator("table")).to_have_count(0)
+    expect(planted).to_contain_text("Free benchmark (bit_noise, check, forward)")
+    expect(planted.locator("table")).to_be_visible()
+    expect(planted.locator("tr", has_text="Tensor.__sub__")).not_to_have_count(0)
     plots = page.locator(".jp-OutputArea-output img")
     expect(plots.first).to_be_visible(timeout=TIMEOUT)
     assert plots.first.evaluate("img => img.naturalWidth") > 300

@@ -68,14 +68,16 @@ def test_planted_op_found_in_its_module_and_clean_blocks_clean(runs):
     assert list(report.suspects["findings"]) == [len(f), 0, 0]
     top = f.iloc[0]
     assert (top["api_name"], top["module"], top["kind"], top["pert_modes"]) == (
-        "Tensor.__sub__.0.forward", "blocks.2.norm", "abs_error", "add_noise")
-    assert top["call_site"] == "_triage_model.py:19" and top["ratio"] > 1000
+        "Tensor.__sub__.0.forward", "blocks.2.norm", "rel_error", "add_noise")
+    # one bf16 ulp of E[x^2] (8 at 1600) moves the variance by half its own scale: sqrt(u) is
+    # 1/16, so ratio 8
+    assert top["call_site"] == "_triage_model.py:19" and top["ratio"] >= 8
     assert list(f["ratio"]) == sorted(f["ratio"], reverse=True)
     text = str(report)
     assert text.startswith("Triage: runs diverge first at step 0, parameter 'blocks.2.fc1.weight'")
     assert "1. blocks.2 (flagged at step 0" in text
     assert "Tensor.__sub__.0.forward [add_noise]" in text
-    assert "2. blocks.0 (flagged at step 0" in text and ": no flagged call (" in text
+    assert "2. blocks.0 (flagged at step 0" in text and ": no flagged call\n" in text + "\n"
     page = report._repr_html_()
     assert "<code>blocks.2.fc1.weight</code>" in page and "Tensor.__sub__.0.forward" in page
     assert page.count("<tr>") == 2 + 3 + len(f)          # two header rows

@@ -154,7 +154,7 @@ def test_exception_propagates_and_probe_is_removed(ip):
     ("--preheat --preheat-step 2 --max-sample 3", "max_sample", 3),
     ("--budget 0.2", "budget", 0.2),
     ("--threshold float16=0.001 --threshold other=1e-5", "thresholds",
-     {"float16": 0.001, "bfloat16": 0.004, "float32": 0.0002, "other": 1e-5}),
+     {"float16": 0.001, "other": 1e-5}),   # the others: from the dtype's unit roundoff
 ])
 def test_every_option_sets_its_config_key(ip, line, key, value):
     ip.run_line_magic("freebench_config", line)

@@ -22,7 +22,7 @@ def test_config_check_prints_effective_settings(tmp_path, capsys, msprobe_config
     assert head == f"{path}: OK (task free_benchmark)"
     effective = json.loads(body)
     assert effective["free_benchmark"]["pert_mode"] == "bit_noise"
-    assert effective["free_benchmark"]["thresholds"]["bfloat16"] == 0.004
+    assert effective["free_benchmark"]["thresholds"] == {}   # none overridden
 
 
 def test_config_check_bad_value(tmp_path, capsys, msprobe_config_dict):

@@ -18,8 +18,7 @@ def test_spec_defaults():
     assert (fb.scope, fb.api_list, fb.fuzz_device, fb.pert_mode, fb.handler_type, fb.fuzz_level,
             fb.fuzz_stage, fb.if_preheat, fb.preheat_step, fb.max_sample) == (
         (), (), "npu", "improve_precision", "check", "L1", "forward", False, 15, 20)
-    assert dict(fb.thresholds) == {"float16": 0.002, "bfloat16": 0.004, "float32": 0.0002,
-                                   "other": 0.0002}
+    assert dict(fb.thresholds) == {}    # every threshold from the compute dtype's roundoff
     gp = GradProbeConfig()
     assert (gp.grad_level, gp.param_list, gp.bounds, gp.hash) == ("L1", (), (-1, 0, 1), "md5")
     cfg = Config(task="grad_probe")
@@ -105,8 +104,9 @@ def test_replace_revalidates():
 def test_threshold_for():
     fb = FreeBenchmarkConfig(thresholds={"float16": 0.01})
     assert fb.threshold_for("float16") == 0.01
-    assert fb.threshold_for("bfloat16") == 0.004
-    assert fb.threshold_for("float64") == 0.0002
+    assert fb.threshold_for("bfloat16") is None and fb.threshold_for("float64") is None
+    fb = FreeBenchmarkConfig(thresholds={"other": 1e-9})
+    assert fb.threshold_for("float64") == 1e-9 and fb.threshold_for("float16") == 1e-9
 
 
 BAD = [

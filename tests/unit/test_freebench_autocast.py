@@ -23,12 +23,12 @@ def probe(tmp_path, fn, use_autocast, **options):
     return fb, out
 
 
-@pytest.mark.parametrize("mode", ["bit_noise", "add_noise"])
+@pytest.mark.parametrize("mode", ["bit_noise"])   # add_noise moves every term alike: it cancels
 def test_noise_under_autocast_is_one_ulp_of_bf16(tmp_path, mode):
-    # a bf16 matmul over k=4096 amplifies one-ulp input noise; under autocast the fp32 inputs
-    # are rounded to bf16 inside the op, so fp32 noise vanished (0 findings before)
-    a = torch.randn(8, 4096, generator=gen())
-    b = torch.randn(4096, 8, generator=gen())
+    # a bf16 matmul whose sums cancel (terms of 100 or 100.5 times +-1, balanced: the results
+    # are small against their terms) amplifies one-ulp input noise; under autocast the fp32
+    # inputs are rounded to bf16 inside the op, so fp32 noise vanished (0 findings before)
+    a, b = cancelling_matmul_inputs()
     fb, y = probe(tmp_path / "ac", lambda: torch.matmul(a, b), True, pert_mode=mode)
     ref, y16 = probe(tmp_path / "bf", lambda: torch.matmul(a.to(bf16), b.to(bf16)), False,
                      pert_mode=mode)
@@ -40,8 +40,16 @@ def test_noise_under_autocast_is_one_ulp_of_bf16(tmp_path, mode):
     # the same check as on the bf16 inputs autocast computes with
     assert df["max_rel"].iloc[0] == dref["max_rel"].iloc[0]
     assert df["cause"].tolist() == dref["cause"].tolist() == ["ill-conditioned"]
-    assert df["threshold"].iloc[0] == 2 * torch.finfo(bf16).eps
+    assert df["threshold"].iloc[0] == 2.0 ** -4        # sqrt(u) of bf16: most bits lost
     assert df["ratio"].iloc[0] > 2
+
+
+def cancelling_matmul_inputs():
+    g16 = torch.Generator().manual_seed(1)
+    a = 100 + 0.5 * torch.randint(0, 2, (8, 4096), generator=g16).float()   # exact in bf16
+    signs = torch.ones(4096, 8)
+    signs[torch.randperm(4096, generator=g16)[:2048]] = -1.0
+    return a, signs
 
 
 def test_fp32_policy_ops_keep_fp32_noise(tmp_path):
@@ -72,7 +80,7 @@ def test_backward_stage_reruns_under_the_forward_autocast(tmp_path):
     with ref:
         torch.matmul(x16, w16).backward(signs.to(bf16))
     df, dref = fb.results, ref.results
-    assert dref["output_index"].tolist() == [1] and dref["ratio"].iloc[0] > 10
+    assert dref["output_index"].tolist() == [1] and dref["ratio"].iloc[0] > 2
     # the check under autocast is the check of the bf16 computation autocast made (before, its
     # re-runs were fp32 with fp32 noise)
     assert df["output_index"].tolist() == [1]

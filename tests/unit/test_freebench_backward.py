@@ -56,7 +56,7 @@ def test_output_index_is_the_input_position(tmp_path, monkeypatch):
     real = intercept.Engine.record
 
     def spy(self, key, name, items, *a, **k):
-        seen.append((name, [i for i, _, _ in items]))
+        seen.append((name, [i for i, _, _, _ in items]))
         return real(self, key, name, items, *a, **k)
 
     monkeypatch.setattr(intercept.Engine, "record", spy)

@@ -40,9 +40,6 @@ CASES = [
     ("fp16_softmax_large_logits", "bit_noise",
      lambda: torch.softmax((torch.randn(4, 64, generator=gen()) * 2 + 1000).to(fp16), -1),
      "ill-conditioned"),
-    ("bf16_matmul_large_k", "add_noise",
-     lambda: torch.matmul(torch.randn(8, 4096, generator=gen()).to(bf16),
-                          torch.randn(4096, 8, generator=gen()).to(bf16)), "ill-conditioned"),
     # pytorch/pytorch#5410: constant channels must normalise to 0 (a one-ulp change keeps them
     # constant), the fp32 kernel gives up to 0.95
     ("batch_norm_constant_channels", "improve_precision",
@@ -68,10 +65,24 @@ CASES = [
 ]
 
 
+def _batch_norm_kernel_is_wrong() -> bool:
+    # the AVX2 and AVX-512 kernels give up to ~0.95 where the exact result is 0; the plain
+    # (default) kernel gives exactly 0 (ATEN_CPU_CAPABILITY=default)
+    y = F.batch_norm(constant_channels(), torch.zeros(5), torch.ones(5), training=True)
+    return y.abs().max().item() > 16 * 2.0 ** -24
+
+
+#: cases whose bug lives in some CPU kernel paths only: name -> does this path have it?
+KERNEL_DEPENDENT = {"batch_norm_constant_channels": _batch_norm_kernel_is_wrong}
+
+
 @pytest.mark.parametrize("name, mode, fn, expected", CASES, ids=[c[0] for c in CASES])
 def test_cause(tmp_path, name, mode, fn, expected):
     fb = probe(tmp_path, mode, fn)
     df = fb.results
+    if name in KERNEL_DEPENDENT and not KERNEL_DEPENDENT[name]():
+        assert df.empty, df    # this CPU kernel path computes it right: nothing to find
+        return
     assert len(df) == 1, df
     assert df["cause"].tolist() == [expected]
     with open(fb.csv_path, newline="") as f:
@@ -90,21 +101,73 @@ def test_overflow_float64_is_finite(tmp_path):
 def test_no_change_findings_are_nondeterministic(tmp_path):
     # CPU torch has no nondeterministic op to re-run; judge two real outputs that differ as a
     # no_change check would see them
+    from probekit.freebench import scales
+
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change")
     o = torch.rand(4, generator=gen())
     st = compare(o, o * (1 + 1e-3))
-    fb._engine.record("Torch.exp", "Torch.exp.0.forward", [(0, o, st)], o.dtype, "t.py:1")
+    desc = (0, o.dtype, tuple(o.shape), scales.TENSOR, 0.0, 0.0, o.dtype)
+    fb._engine.record("Torch.exp", "Torch.exp.0.forward", [(0, o, st, desc)], "t.py:1")
     assert fb.results["kind"].tolist() == ["rel_error"]
     assert fb.results["cause"].tolist() == ["nondeterministic"]
+
+
+@torch.library.custom_op("probekit_test::bf16_accumulating_sum", mutates_args=())
+def bf16_accumulating_sum(x: torch.Tensor) -> torch.Tensor:
+    """A reduction kernel that accumulates in its input's dtype (what a correct bf16 kernel must
+    not do): the running sum over the last dim is rounded to bf16 at every step."""
+    acc = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    for i in range(x.shape[-1]):
+        acc = acc + x[..., i]
+    return acc
+
+
+@bf16_accumulating_sum.register_fake
+def _(x):
+    return x.new_empty(x.shape[:-1])
+
+
+def test_low_precision_accumulation_is_inaccurate(tmp_path):
+    # the same sum as torch.sum computes it (float32 accumulation, one rounding): not flagged
+    x = torch.rand(8, 2048, generator=gen()).to(bf16)
+    fb = probe(tmp_path / "good", "improve_precision", lambda: torch.sum(x, -1))
+    assert fb.results.empty and fb.summary["checked"] == 1
+    # a kernel of ours that accumulates in bf16: sums of 2048 values in [0, 1) stall at 256
+    fb = probe(tmp_path / "bad", "improve_precision",
+               lambda: torch.ops.probekit_test.bf16_accumulating_sum(x))
+    df = fb.results
+    assert df["api_name"].tolist() == ["Torch.bf16_accumulating_sum.0.forward"]
+    assert df["cause"].tolist() == ["inaccurate"] and df["ratio"].iloc[0] > 10
+    assert df["threshold"].iloc[0] == 16 * 2.0 ** -8
+
+
+def test_healthy_fp32_linear_is_neither_flagged_nor_inaccurate(tmp_path):
+    # issue 19: a healthy fp32 linear was labelled inaccurate against float64
+    x = torch.randn(64, 256, generator=gen())
+    w = torch.randn(256, 256, generator=gen()) / 16
+    b = torch.randn(256, generator=gen())
+    for mode in ("improve_precision", "bit_noise", "add_noise"):
+        fb = probe(tmp_path / mode, mode, lambda: F.linear(x, w, b))
+        assert fb.results.empty and fb.hotspots.empty, mode
+    # and asked directly, the analysis does not blame the kernel
+    from probekit.freebench import perturb, scales
+
+    o = F.linear(x, w, b)
+    leaves, spec = perturb.flatten((x, w, b), {})
+    for kind in (scales.MAGNITUDE, scales.TENSOR):
+        desc = (0, o.dtype, tuple(o.shape), kind, 0.0, 0.0, o.dtype)
+        with torch.no_grad():
+            got = cause.analyse(F.linear, lambda: leaves, spec, [(0, o, desc)])
+        assert got == {0: "unconfirmed"}, kind
 
 
 def test_cause_analysis_runs_only_for_flagged_calls(tmp_path, monkeypatch):
     seen = []
     real = cause.analyse
 
-    def counting(func, fresh, spec, items):   # the real analysis, counted
+    def counting(func, fresh, spec, items, blocks=None):   # the real analysis, counted
         seen.append([i for i, _, _ in items])
-        return real(func, fresh, spec, items)
+        return real(func, fresh, spec, items, blocks)
 
     monkeypatch.setattr(cause, "analyse", counting)
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
@@ -115,3 +178,49 @@ def test_cause_analysis_runs_only_for_flagged_calls(tmp_path, monkeypatch):
         torch.add(torch.tensor([1e4 + 0.01]), torch.tensor([-1e4]))  # flagged
     assert fb.summary["checked"] == 6 and fb.summary["flagged"] == 1
     assert seen == [[0]]
+
+
+def test_cause_is_never_empty_without_a_logged_reason(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import pandas as pd
+
+    # 1. a site first flagged by a deferred verdict: the measurement's own cause at once (the
+    #    CSV too), refined by the float64 analysis at the site's next run
+    fb = FreeBench(dump_path=str(tmp_path / "deferred"), pert_mode="bit_noise")
+    for a, b in [(2.0, 3.0), (1e4 + 0.01, -1e4), (1e4 + 0.01, -1e4)]:
+        with fb:
+            torch.tensor([a]) + torch.tensor([b])
+        fb.step()
+    assert fb.results["cause"].tolist() == ["ill-conditioned"] * 2
+    on_disk = pd.read_csv(fb.csv_path, keep_default_na=False)
+    assert on_disk["cause"].tolist() == ["ill-conditioned"] * 2
+    # 2. an error the input's conditioning may explain (accuracy mode, between 16 u and sqrt(u)
+    #    of the output's scale): not reported until explained; meanwhile a hot spot 'pending',
+    #    said once in the log; explained at the next run (here: conditioning, a hot spot)
+    base = torch.randn(16, 64, generator=gen())
+    fb = FreeBench(dump_path=str(tmp_path / "pending"), pert_mode="improve_precision",
+                   list=["layer_norm"])
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        for step, offset in enumerate((0.0, 3000.0, 3000.0)):
+            with fb:
+                F.layer_norm(base + offset, (64,))
+            fb.step()
+            if step == 1:
+                assert fb.hotspots["cause"].tolist() == ["pending"]
+                assert fb.summary["pending"] == 1 and fb.results.empty
+    assert sum("explained at the call's next run" in r.getMessage() for r in caplog.records) == 1
+    assert fb.results.empty and fb.hotspots["cause"].tolist() == ["ill-conditioned"]
+    assert fb.hotspots["count"].tolist() == [2] and "pending" not in fb.summary
+    # 3. the analysis fails: the row keeps what the measurement shows, and the log says why
+    def broken(*a, **k):
+        raise RuntimeError("no float64 kernel")
+
+    monkeypatch.setattr(cause, "analyse", broken)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        fb = probe(tmp_path / "broken", "bit_noise",
+                   lambda: torch.add(torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])))
+    assert fb.results["cause"].tolist() == ["ill-conditioned"]
+    assert any("no cause for Torch.add.0.forward (RuntimeError: no float64 kernel)"
+               in r.getMessage() for r in caplog.records)

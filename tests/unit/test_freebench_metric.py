@@ -1,42 +1,60 @@
-"""The error metric: exact values on small tensors, NaN/Inf, sign flips, floors, chunking."""
+"""The error metric and its thresholds: exact values on small tensors, the call's own scale
+(tensor, sum |a||b|, per element), NaN/Inf, chunking, thresholds from the unit roundoff."""
 import math
 
 import pytest
 import torch
 
-from probekit.freebench import handlers, metric
 from probekit.config import FreeBenchmarkConfig
+from probekit.freebench import handlers, metric, scales
 
 
 def t(values, dtype=torch.float32):
     return torch.tensor(values, dtype=dtype)
 
 
-def test_relative_above_floor_absolute_below():
-    o = t([2.0, 4.0, 0.0, 1e-6])
-    p = t([2.5, 4.0, 0.0, 1e-6])
+def test_tensor_scale_is_the_outputs_largest_magnitude():
+    o = t([2.0, -4.0, 0.0, 1e-6])
+    p = t([2.5, -4.0, 1e-3, 1e-6])
     s = metric.compare(o, p)
-    assert (s.max_rel, s.max_abs, s.nan_inf, s.sign_flip, s.rel_part) == (0.25, 0.5, 0, 0, True)
-    # below the fp32 floor (1e-4) the error is measured against the floor
-    o = t([0.0, 1.0])
-    p = t([2.0 ** -20, 1.0])
-    s = metric.compare(o, p)
-    assert s.max_rel == pytest.approx(2.0 ** -20 / 1e-4, rel=1e-12)
-    assert s.max_abs == 2.0 ** -20 and s.rel_part is False
+    assert s == metric.Stats(0.5 / 4.0, 0.5, 0, 4.0)
+    # a near-zero element's own relative error does not count: only the tensor's scale does
+    o, p = t([0.0, 1.0]), t([2.0 ** -20, 1.0])
+    assert metric.compare(o, p).max_rel == 2.0 ** -20
+
+
+def test_all_zero_output():
+    z = torch.zeros(4)
+    assert metric.compare(z, z.clone()).max_rel == 0.0
+    assert metric.compare(z, t([0.0, 0.0, 1e-30, 0.0])).max_rel == math.inf
+
+
+def test_per_element_scale():
+    o, p = t([1.0, -2.0, 0.0]), t([1.5, -2.0, 0.25])
+    s = metric.compare(o, p, t([10.0, 1.0, 0.5]))
+    assert s.max_rel == 0.5 and s.max_abs == 0.5 and math.isnan(s.scale)
+    fast = [v.item() for v in metric.device_stats(o, p, t([10.0, 1.0, 0.5]))]
+    assert fast == [0.0, 0.5] and metric.stats_from(fast, scales.MAGNITUDE).max_rel == 0.5
+    # 0 / 0 where the scale is zero: the fast form is inconclusive, the exact one ignores it
+    fast = [v.item() for v in metric.device_stats(t([0.0]), t([0.0]), t([0.0]))]
+    assert metric.fast_error(fast) is None and metric.stats_from(fast, scales.MAGNITUDE) is None
+    assert metric.compare(t([0.0]), t([0.0]), t([0.0])).max_rel == 0.0
 
 
 def test_inputs_are_never_modified():
     o = torch.tensor([-1.0, 2.0, -3.0])
     p = torch.tensor([-1.5, 2.0, 3.0])
-    oc, pc = o.clone(), p.clone()
-    metric.compare(o, p)
-    metric.exact_stats(o, p, 1e-4)
-    assert torch.equal(o, oc) and torch.equal(p, pc)
+    sc = torch.tensor([1.0, 2.0, 3.0])
+    oc, pc, scc = o.clone(), p.clone(), sc.clone()
+    for exact in (False, True):
+        metric.device_stats(o, p, None, exact)
+        metric.device_stats(o, p, sc, exact)
+    assert torch.equal(o, oc) and torch.equal(p, pc) and torch.equal(sc, scc)
 
 
 def test_identical_outputs_score_zero():
     o = torch.randn(100)
-    assert metric.compare(o, o.clone()) == metric.Stats(0.0, 0.0, 0, 0, True)
+    assert metric.compare(o, o.clone()) == metric.Stats(0.0, 0.0, 0, o.abs().max().item())
 
 
 def test_compared_in_the_wider_dtype():
@@ -48,8 +66,7 @@ def test_compared_in_the_wider_dtype():
 def test_negative_cancellation_scores_like_its_positive_mirror():
     # msprobe clamps signed values to a positive floor: the negative case was never flagged
     pos_o, pos_p = t([1e4 + 0.01]) - 1e4, t([1e4 + 0.01 + 2 ** -10]) - 1e4
-    neg_o, neg_p = -pos_o, -pos_p
-    sp, sn = metric.compare(pos_o, pos_p), metric.compare(neg_o, neg_p)
+    sp, sn = metric.compare(pos_o, pos_p), metric.compare(-pos_o, -pos_p)
     assert sp == sn
     assert sp.max_rel == pytest.approx(2 ** -10 / 0.009765625)
 
@@ -59,11 +76,14 @@ def test_nan_inf_mismatch_does_not_hide_the_rest():
     p = t([float("nan"), 3.0, 3.0, float("nan"), float("inf")])
     s = metric.compare(o, p)
     assert s.nan_inf == 1            # nan==nan and inf==inf are consistent
-    assert s.max_rel == 0.5          # the finite element 2 -> 3 is still measured
+    assert s.max_rel == 1.0 / 3.0    # the finite element 2 -> 3, against the finite scale 3
     assert s.max_abs == 1.0
     o = t([float("inf"), -float("inf"), 1.0])
     p = t([-float("inf"), 5.0, 1.0])
     assert metric.compare(o, p).nan_inf == 2
+    # the fast form cannot tell: inconclusive
+    fast = [v.item() for v in metric.device_stats(o, p)]
+    assert metric.fast_error(fast) is None and metric.stats_from(fast) is None
 
 
 def test_nan_in_one_chunk_does_not_hide_that_chunk(monkeypatch):
@@ -76,25 +96,21 @@ def test_nan_in_one_chunk_does_not_hide_that_chunk(monkeypatch):
     assert (s.nan_inf, s.max_rel) == (1, 0.5)
 
 
-def test_sign_flip_counted_above_floor_only():
-    o = t([1.0, -2.0, 1e-6, 5.0])
-    p = t([-1.0, -2.0, -1e-6, 5.0])
-    s = metric.compare(o, p)
-    assert s.sign_flip == 1 and s.max_rel == 2.0
-    assert handlers.judge(s, 0.0002) == "sign_flip"
-
-
-def test_chunked_equals_unchunked(monkeypatch):
+@pytest.mark.parametrize("per_element", [False, True])
+def test_chunked_equals_unchunked(monkeypatch, per_element):
     g = torch.Generator().manual_seed(0)
     o = torch.randn(37, 53, generator=g)
     p = o * (1 + 1e-3 * torch.randn(37, 53, generator=g))
-    whole = metric.compare(o, p)
-    monkeypatch.setattr(metric, "CHUNK", 100)          # rows of 53: 1 row per chunk
-    assert metric.compare(o, p) == whole
-    monkeypatch.setattr(metric, "CHUNK", 10)           # a row is split element-wise
-    assert metric.compare(o, p) == whole
+    sc = o.abs() + 1 if per_element else None
+    whole = metric.compare(o, p, sc)
+    fast = [v.item() for v in metric.device_stats(o, p, sc)]
+    for size in (100, 10):                      # 1 row per chunk; a row split element-wise
+        monkeypatch.setattr(metric, "CHUNK", size)
+        assert metric.compare(o, p, sc) == whole
+        assert [v.item() for v in metric.device_stats(o, p, sc)] == pytest.approx(fast,
+                                                                                 rel=1e-15)
     # non-contiguous inputs are sliced, never copied whole
-    assert metric.compare(o.t(), p.t()) == whole
+    assert metric.compare(o.t(), p.t(), None if sc is None else sc.t()) == whole
 
 
 def test_chunks_slice_without_copies():
@@ -108,7 +124,7 @@ def test_chunks_slice_without_copies():
 
 def test_compare_many_one_entry_per_pair_and_shape_check():
     a, b = t([1.0, 2.0]), t([1.0, 2.2])
-    out = metric.compare_many([(a, a, 1e-4), (a, b, 1e-4)])
+    out = metric.compare_many([(a, a, None), (a, b, None)])
     assert out[0].max_rel == 0.0 and out[1].max_rel == pytest.approx(0.1, rel=1e-6)
     assert metric.compare_many([]) == []
     with pytest.raises(ValueError, match="shapes differ"):
@@ -119,73 +135,97 @@ def test_empty_tensors():
     assert metric.compare(torch.zeros(0), torch.zeros(0)).max_rel == 0.0
 
 
-def test_floors_per_dtype():
-    assert metric.floor_for(torch.bfloat16) == 1e-2
-    assert metric.floor_for(torch.float16) == 1e-3
-    assert metric.floor_for(torch.float32) == 1e-4
-    assert metric.floor_for(torch.float64) == 1e-8
-
-
-def test_thresholds():
+def test_unit_roundoff_and_thresholds():
+    assert [scales.unit_roundoff(d) for d in (torch.bfloat16, torch.float16, torch.float32,
+                                              torch.float64)] == [2.0 ** -8, 2.0 ** -11,
+                                                                  2.0 ** -24, 2.0 ** -53]
     fb = FreeBenchmarkConfig()
-    assert handlers.threshold(fb, "improve_precision", torch.bfloat16, torch.float32) == 0.004
-    assert handlers.threshold(fb, "improve_precision", torch.float16, torch.float32) == 0.002
-    assert handlers.threshold(fb, "improve_precision", torch.float32, torch.float64) == 0.0002
-    assert handlers.threshold(fb, "improve_precision", torch.float64, None) == 0.0002
-    # noise modes: at least twice the relative size of a one-ulp input change
-    assert handlers.threshold(fb, "bit_noise", torch.bfloat16, torch.bfloat16) == 2 * 2 ** -7
-    assert handlers.threshold(fb, "add_noise", torch.float16, torch.float16) == 0.002
-    assert handlers.threshold(fb, "bit_noise", torch.float32, torch.float32) == 0.0002
-    assert handlers.threshold(fb, "no_change", torch.float32, torch.float32) == 0.0
+    # accuracy modes: 16 units of roundoff of the compute dtype
+    assert handlers.threshold(fb, "improve_precision", torch.bfloat16) == 2.0 ** -4
+    assert handlers.threshold(fb, "improve_precision", torch.float16) == 2.0 ** -7
+    assert handlers.threshold(fb, "to_cpu", torch.float32) == 2.0 ** -20
+    # sensitivity modes: sqrt(u), half of the significant bits lost
+    assert handlers.threshold(fb, "bit_noise", torch.bfloat16) == 2.0 ** -4
+    assert handlers.threshold(fb, "add_noise", torch.float16) == 2.0 ** -5.5
+    assert handlers.threshold(fb, "change_value", torch.float32) == 2.0 ** -12
+    assert handlers.threshold(fb, "no_change", torch.float32) == 0.0
     custom = FreeBenchmarkConfig(thresholds={"float32": 0.01})
-    assert handlers.threshold(custom, "to_cpu", torch.float32, None) == 0.01
+    assert handlers.threshold(custom, "to_cpu", torch.float32) == 0.01
+    assert handlers.threshold(custom, "to_cpu", torch.float16) == 2.0 ** -7
+    # hot spots: sensitivity checks above 16 u (none in bf16: 16 u = sqrt(u))
+    assert scales.hot_level("bit_noise", torch.float32, 2.0 ** -12) == 2.0 ** -20
+    assert scales.hot_level("bit_noise", torch.bfloat16, 2.0 ** -4) == 2.0 ** -4
+    assert scales.hot_level("improve_precision", torch.float32, 2.0 ** -20) == 2.0 ** -20
+
+
+def test_scale_kinds():
+    assert scales.scale_kind("improve_precision", "matmul") == scales.MAGNITUDE
+    assert scales.scale_kind("to_cpu", "index_put") == scales.MAGNITUDE
+    assert scales.scale_kind("improve_precision", "log_softmax") == scales.ELEMENT
+    assert scales.scale_kind("improve_precision", "layer_norm") == scales.TENSOR
+    assert scales.scale_kind("bit_noise", "matmul") == scales.TENSOR
+    assert scales.scale_kind("add_noise", "log_softmax") == scales.TENSOR
+
+
+def test_magnitude_is_the_call_on_absolute_values():
+    a = t([[1.0, -2.0], [3.0, 4.0]])
+    b = t([[-1.0, 1.0], [1.0, 1.0]])
+    leaves = scales.magnitude_leaves([a, b, 3, -0.5])
+    assert torch.equal(leaves[0], a.abs()) and torch.equal(leaves[1], b.abs())
+    assert leaves[2:] == [3, 0.5]                       # an int may be a dim: kept
+    assert torch.equal(torch.matmul(*leaves[:2]), t([[3.0, 3.0], [7.0, 7.0]]))
+    s = scales.magnitude_run(torch.addmm, (t([1.0, -1.0]).abs(), a.abs(), b.abs()),
+                             {"beta": -1.0, "alpha": -2.0})
+    assert torch.equal(s, t([[7.0, 7.0], [15.0, 15.0]]))
 
 
 def test_judge_and_ratio():
-    s = metric.Stats(0.01, 0.1, 0, 0, True)
+    s = metric.Stats(0.01, 0.1, 0, 1.0)
     assert handlers.judge(s, 0.004) == "rel_error" and handlers.judge(s, 0.02) is None
-    assert handlers.judge(metric.Stats(0.01, 0.1, 0, 0, False), 0.004) == "abs_error"
-    assert handlers.judge(metric.Stats(0.0, 0.0, 1, 0, True), 0.004) == "nan_inf"
+    assert handlers.judge(metric.Stats(0.0, 0.0, 1, 1.0), 0.004) == "nan_inf"
     assert handlers.ratio(0.01, 0.004) == 2.5
     assert handlers.ratio(0.01, 0.0) == math.inf and handlers.ratio(0.0, 0.0) == 0.0
-    assert handlers.risk(metric.Stats(0.0, 0.0, 1, 0, True), 0.004) == math.inf
+    assert handlers.risk(metric.Stats(0.0, 0.0, 1, 1.0), 0.004) == math.inf
 
 
-def _reference(o: torch.Tensor, p: torch.Tensor, floor: float) -> tuple:
-    """The metric's definitions element by element in float64 Python (slow, obviously right)."""
-    r_hi = r_lo = a_max = 0.0
-    mis = flips = 0
-    for x, y in zip(o.double().tolist(), p.double().tolist()):
-        def cls(v):
-            return "nan" if math.isnan(v) else ("+inf" if v == math.inf else
-                                                ("-inf" if v == -math.inf else "finite"))
+def _reference(o: torch.Tensor, p: torch.Tensor, sc=None) -> tuple:
+    """The metric's definitions element by element in float64 Python (slow, obviously right):
+    (max_rel, max_abs, mismatches)."""
+    d_max = o_max = r_max = 0.0
+    mis = 0
+    scl = [None] * o.numel() if sc is None else sc.double().tolist()
+
+    def cls(v):
+        return "nan" if math.isnan(v) else ("+inf" if v == math.inf else
+                                            ("-inf" if v == -math.inf else "finite"))
+    for x, y, s in zip(o.double().tolist(), p.double().tolist(), scl):
         if cls(x) != cls(y):
             mis += 1
+        if math.isfinite(x):
+            o_max = max(o_max, abs(x))
         if not (math.isfinite(x) and math.isfinite(y)):
             continue
         d = abs(y - x)
-        a_max = max(a_max, d)
-        if abs(x) >= floor:
-            r_hi = max(r_hi, d / abs(x))
-            if abs(y) >= floor and (x > 0) != (y > 0):
-                flips += 1
-        else:
-            r_lo = max(r_lo, d / floor)
-    return r_hi, r_lo, a_max, mis, flips
+        d_max = max(d_max, d)
+        if s is not None and s > 0:
+            r_max = max(r_max, d / s)
+    rel = (d_max / o_max if o_max else (0.0 if not d_max else math.inf)) if sc is None else r_max
+    return rel, d_max, mis
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_exact_values_match_the_definitions_elementwise(dtype):
+@pytest.mark.parametrize("per_element", [False, True])
+def test_exact_values_match_the_definitions_elementwise(dtype, per_element):
     g = torch.Generator().manual_seed(3)
     o = torch.randn(4000, generator=g) * torch.logspace(-6, 2, 4000)
     p = o * (1 + 0.01 * torch.randn(4000, generator=g))
-    p[::97] = -p[::97]                                   # sign flips, above and below the floor
+    p[::97] = -p[::97]
     special = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 1.0, math.nan, math.inf])
     o[:7], p[:7] = special, torch.tensor([math.nan, math.inf, math.inf, math.nan, -math.inf,
                                           2.0, -math.inf])
     o, p = o.to(dtype), p.to(dtype)
-    f = metric.floor_for(dtype)
-    got = [v.item() for v in metric.device_stats(o, p, f, exact=True)]
-    want = _reference(o, p, f)
-    assert got[3:] == [float(want[3]), float(want[4])] and want[3] == 5 and want[4] > 10
-    assert got[:3] == pytest.approx(want[:3], rel=1e-6, abs=0)
+    sc = (o.double().abs().nan_to_num(posinf=1.0) + 1.0) if per_element else None
+    st = metric.compare(o, p, sc)
+    want = _reference(o, p, sc)
+    assert st.nan_inf == want[2] == 5
+    assert (st.max_rel, st.max_abs) == pytest.approx(want[:2], rel=1e-6, abs=0)

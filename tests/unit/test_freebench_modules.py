@@ -3,6 +3,8 @@
 intersection with scope/list, clear errors, hooks removed on stop, training unchanged."""
 import csv
 
+import pandas as pd
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ from probekit.freebench.results import MSPROBE_COLUMNS
 
 def cancel(h):
     """fp32 catastrophic cancellation: add_noise/bit_noise flag the subtraction every time."""
-    return (h + 3000.0) - 3000.0
+    return (h + 30000.0) - 30000.0   # one ulp of 30000 is 8x sqrt(u) of an O(1) result
 
 
 class Inner(nn.Module):
@@ -112,7 +114,7 @@ def test_backward_stage_checks_the_modules_calls(tmp_path):
                    thresholds={"float32": 1e-9})   # so that every checked gradient is a finding
     with fb:
         model(X).sum().backward()
-    df = fb.results
+    df = pd.concat([fb.results, fb.hotspots])   # the analysis finds no kernel to blame
     assert set(df["stage"]) == {"backward"}
     assert set(df["module"]) == {"blocks.2", "blocks.2.inner", "blocks.2.inner.fc"}
     # the residual add's gradient is exact: checked, not flagged

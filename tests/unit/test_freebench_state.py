@@ -31,10 +31,13 @@ def probe(tmp_path, fn, mode="improve_precision", **extra):
     return fb, out
 
 
-def expected_max_rel(o, p):
-    """The metric recomputed in float64 (o above the fp16 floor here)."""
+def expected_max_rel(o, p, magnitude=None):
+    """The metric recomputed in float64: against the call's sum of magnitudes (``magnitude``,
+    the call on absolute values), else against the output tensor's largest magnitude."""
     o, p = o.double(), p.double()
-    return ((p - o).abs() / o.abs().clamp_min(1e-3)).max().item()
+    if magnitude is not None:
+        return ((p - o).abs() / magnitude.double()).max().item()
+    return ((p - o).abs().max() / o.abs().max()).item()
 
 
 def test_index_put_accumulate_fp16_is_checked_and_flagged(tmp_path):
@@ -50,9 +53,10 @@ def test_index_put_accumulate_fp16_is_checked_and_flagged(tmp_path):
     # the re-run computes in fp32; the value is that of an fp32 (and, closely, fp64) recomputation
     p32 = torch.zeros(BINS).index_put((idx,), vals.float(), accumulate=True)
     p64 = torch.zeros(BINS, dtype=torch.float64).index_put((idx,), vals.double(), accumulate=True)
-    assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p32), rel=1e-12)
-    assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p64), rel=1e-5)
-    assert df["max_rel"].iloc[0] > 0.2
+    # judged against sum |values| per bin (the values are positive: the fp32 sums themselves)
+    assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p32, p32), rel=1e-6)
+    assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p64, p64), rel=1e-5)
+    assert df["max_rel"].iloc[0] > 0.19 and df["cause"].tolist() == ["inaccurate"]
 
 
 def test_index_put_without_accumulate_is_an_exact_copy(tmp_path):
@@ -71,7 +75,7 @@ def _family():
     bags = torch.zeros(1, dtype=torch.long)
     # (name, call, flagged?): on torch 2.13 CPU index_add/index_put/put accumulate fp16 in fp16
     # (the sums stall at 2048), while scatter_add/scatter_reduce/embedding_bag accumulate in fp32
-    # and bincount returns fp64: checked, and rightly quiet
+    # and bincount returns fp64 (its upcast re-run would sum fp32 weights in fp32: cancelled)
     return [
         ("index_add", lambda: torch.index_add(z(), 0, idx, vals), True),
         ("index_add_", lambda: z().index_add_(0, idx, vals), True),
@@ -94,11 +98,12 @@ def test_accumulating_family_checked_and_flagged_where_inaccurate(tmp_path, name
     plain = fn()
     fb, out = probe(tmp_path, fn)
     assert torch.equal(out, plain)   # the call's own result is untouched
-    assert fb.summary["checked"] == 1, fb.summary
+    s = fb.summary
+    assert s["checked"] + s["skipped"].get("cancelled", 0) == 1, s
     df = fb.results
     assert len(df) == int(flagged), df
-    if flagged:   # 2048 where fp32 gives ~2500: ~0.2 relative, ~100x the fp16 threshold
-        assert df["ratio"].iloc[0] > 50, df
+    if flagged:   # 2048 where fp32 gives 2300-2500: 0.1-0.2 of sum |values|, >10x 16 u of fp16
+        assert df["ratio"].iloc[0] > 10 and df["cause"].iloc[0] == "inaccurate", df
 
 
 EXACT = [
@@ -136,11 +141,14 @@ def test_training_batch_norm_checked_on_cloned_statistics(tmp_path):
     rm0, rv0 = rm.clone(), rv.clone()
     fb, out = probe(tmp_path, lambda: F.batch_norm(x, rm, rv, training=True))
     df = fb.results
-    assert df["api_name"].tolist() == ["Functional.batch_norm.0.forward"]
+    # the vectorised (AVX2, AVX-512) kernels get it wrong; the plain one (default) gives 0
+    assert df["api_name"].tolist() == (["Functional.batch_norm.0.forward"]
+                                       if out.abs().max() > 0 else [])
     # float64 recomputation: every output is 0 up to 1e-9; the fp32 one is not
     p64 = F.batch_norm(x.double(), rm0.double(), rv0.double(), training=True)
     assert p64.abs().max().item() < 1e-8
-    assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p64), rel=1e-6)
+    if len(df):
+        assert df["max_rel"].iloc[0] == pytest.approx(expected_max_rel(out, p64), rel=1e-6)
     # the running statistics were updated once, exactly as without the probe
     rm1, rv1 = rm0.clone(), rv0.clone()
     F.batch_norm(x, rm1, rv1, training=True)

@@ -1,0 +1,127 @@
+"""Free benchmark: dispatched ATen operators per checked call (the cost that holds on an
+accelerator, where each is a kernel launch, whatever the CPU).
+
+    python benchmarks/bench_freebench_ops.py [--calls 20] [--out FILE.json]
+
+For each pert_mode and op (64x64 fp32 unless named otherwise), a step of ``--calls`` calls (as
+many call sites) is checked twice first (a site's first, exact check and its cause analysis are
+not the healthy path), then a third step runs under ``torch.profiler`` inside the probe, and the
+same calls without it. The count per checked call is (top-level ``aten::`` events with the
+probe - without) / calls: the perturbation or upcasts, the re-run, the magnitude re-run where
+the call needs one, the comparison. The step's gather (one ``stack`` and one read-back for all
+of a step's checks) is counted apart (``gather``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.append(os.path.dirname(HERE))   # PYTHONPATH first: measures the probekit it names
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+MODES = ("improve_precision", "bit_noise", "add_noise", "change_value", "no_change")
+
+
+def ops():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+    w, bias = torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
+    h = a.to(torch.bfloat16)
+    return {
+        "add": lambda: torch.add(a, b),
+        "matmul": lambda: torch.matmul(a, b),
+        "linear (bias)": lambda: F.linear(a, w, bias),
+        "gelu": lambda: F.gelu(a),
+        "softmax": lambda: torch.softmax(a, -1),
+        "log_softmax": lambda: F.log_softmax(a, -1),
+        "layer_norm bf16": lambda: F.layer_norm(h, (64,)),
+        "sum": lambda: torch.sum(a, -1),
+    }
+
+
+def top_level(prof) -> list:
+    """Names of the ``aten::`` events with no ``aten::`` ancestor (dispatched by Python)."""
+    out = []
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith("aten::"):
+            p = p.cpu_parent
+        if p is None:
+            out.append(e.name)
+    return out
+
+
+def count(mode: str, fn, calls: int) -> dict:
+    import probekit
+
+    fb = probekit.FreeBench(dump_path=tempfile.mkdtemp(prefix="bench_ops_"), pert_mode=mode)
+    for _ in range(2):                      # every site's first (exact) check, then a fast one
+        with fb:
+            for _ in range(calls):
+                fn()
+        fb.step()
+    fb.start()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    probed = top_level(prof)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fb.stop()                           # the gather of the step's verdicts
+    gather = top_level(prof)
+    fb.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    plain = top_level(prof)
+    names = {}
+    for n in probed:
+        names[n] = names.get(n, 0) + 1
+    for n in plain:
+        names[n] = names.get(n, 0) - 1
+    return {"per_call": (len(probed) - len(plain)) / calls, "gather": len(gather),
+            "checked": fb.summary["checked"],
+            "ops": {k: v / calls for k, v in sorted(names.items()) if v}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.getLogger("probekit").setLevel(logging.ERROR)
+    table = ops()
+    res = []
+    for mode in MODES:
+        for name, fn in table.items():
+            r = count(mode, fn, a.calls)
+            r.update(mode=mode, op=name)
+            res.append(r)
+    ordered = list(table)
+    lines = ["| pert_mode | " + " | ".join(ordered) + " | gather per step |",
+             "|---|" + "---:|" * (len(ordered) + 1)]
+    for mode in MODES:
+        rows = {r["op"]: r for r in res if r["mode"] == mode}
+        cells = [("—" if rows[o]["per_call"] == 0 else f"{rows[o]['per_call']:g}")
+                 for o in ordered]
+        gather = max(r["gather"] for r in rows.values())
+        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {gather} |")
+    print("\n".join(lines))
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The healthy zoo: five architectures nobody here wrote, trained a few steps under the free
+benchmark; a healthy model should give no findings (issue 19).
+
+    python benchmarks/bench_zoo.py --out zoo.json [--steps 2] [--models gpt2,llama,...]
+
+GPT-2, LLaMA and BERT (transformers, 3 layers, width 96, dropout off), a ResNet with BatchNorm
+and a ViT (transformers' own classes, no torchvision), random weights, SGD on random batches; in
+fp32, bf16 and bf16 autocast; forward and backward stage; improve_precision, bit_noise and
+add_noise. For each configuration: calls checked, finding rows, the APIs flagged (worst ratio)
+and, where the probe keeps them, the conditioning hot spots (``fb.hotspots``). Runs against
+whatever ``probekit`` is first on ``sys.path`` (so the same script measures an older version).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from _hf_models import ZOO, ZOO_DTYPES, zoo_model, zoo_train  # noqa: E402
+
+import probekit  # noqa: E402
+
+MODES = [("improve_precision", "forward"), ("bit_noise", "forward"), ("add_noise", "forward"),
+         ("improve_precision", "backward"), ("bit_noise", "backward"),
+         ("add_noise", "backward")]
+
+
+def run_one(kind, setting, mode, stage, steps, dump) -> dict:
+    model = zoo_model(kind, setting)
+    fb = probekit.FreeBench(dump_path=dump, pert_mode=mode, fuzz_stage=stage)
+    zoo_train(model, kind, setting, steps=steps, probe=fb)
+    res = fb.results
+    out = {"model": kind, "dtype": setting, "mode": mode, "stage": stage,
+           "checked": int(fb.summary["checked"]), "rows": int(len(res)), "apis": {}}
+    if not res.empty:
+        api = res["api_name"].str.rsplit(".", n=2).str[0]
+        for name, g in res.groupby(api):
+            out["apis"][name] = {"rows": int(len(g)), "max_ratio": float(g["ratio"].max()),
+                                 "causes": sorted(set(g["cause"].fillna("")))}
+    hot = getattr(fb, "hotspots", None)
+    if hot is not None:
+        out["hotspots"] = int(len(hot))
+    return out
+
+
+def render(rows) -> str:
+    lines = ["| model | dtype | mode | stage | checked | findings | APIs flagged (rows, worst × "
+             "threshold) | hot spots |", "|---|---|---|---|---:|---:|---|---:|"]
+    for r in rows:
+        apis = "; ".join(f"`{a}` {v['rows']}, {v['max_ratio']:.3g}×"
+                         for a, v in sorted(r["apis"].items(), key=lambda kv: -kv[1]["rows"])[:3])
+        more = len(r["apis"]) - 3
+        if more > 0:
+            apis += f"; +{more} more"
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['mode']} | {r['stage']} | "
+                     f"{r['checked']} | {r['rows']} | {apis or '—'} | "
+                     f"{r.get('hotspots', '—')} |")
+    total = sum(r["rows"] for r in rows)
+    checked = sum(r["checked"] for r in rows)
+    clean = sum(1 for r in rows if not r["rows"])
+    lines.append("")
+    lines.append(f"{total} finding rows over {checked} checked calls; {clean} of {len(rows)} "
+                 "configurations clean.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--models", default=",".join(ZOO))
+    ap.add_argument("--dtypes", default=",".join(ZOO_DTYPES))
+    args = ap.parse_args(argv)
+    logging.getLogger("probekit").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    rows = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.models.split(","):
+            for setting in args.dtypes.split(","):
+                for mode, stage in MODES:
+                    dump = os.path.join(tmp, f"{kind}_{setting}_{mode}_{stage}")
+                    r = run_one(kind, setting, mode, stage, args.steps, dump)
+                    rows.append(r)
+                    print(f"{kind} {setting} {mode} {stage}: {r['rows']} rows / {r['checked']} "
+                          f"checked {list(r['apis'])[:4]}", file=sys.stderr, flush=True)
+    md = render(rows)
+    with open(args.out, "w") as fh:
+        json.dump({"rows": rows, "markdown": md, "seconds": time.perf_counter() - t0}, fh,
+                  indent=1)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
