@@ -215,8 +215,9 @@ class GradProbeConfig:
     hash: str = "md5"
     flush_every: int = 50
     flush_seconds: float = 60.0
-    #: a second bit per element: is it above its tensor's rounding level (noise-aware compare)
-    significance: bool = False
+    #: a second bit per element: is it above its gradient's rounding level (the noise-aware
+    #: comparison's default; False keeps msprobe's sign bits only, half the bytes)
+    significance: bool = True
 
     def __post_init__(self) -> None:
         s = "grad_probe."

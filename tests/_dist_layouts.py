@@ -36,7 +36,7 @@ def train_single(path, steps=4):
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with GradProbe(model, grad_level="L2", dump_path=str(path), significance=True,
+    with GradProbe(model, grad_level="L2", dump_path=str(path),
                    flush_every=1):
         for x, y in batches(steps):
             opt.zero_grad()
@@ -79,7 +79,7 @@ def run(layout, path, probe):
     model = wrap(layout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ranks = list(range(dist.get_world_size())) if layout == "ddp_all" else None
-    gp = (GradProbe(model, grad_level="L2", dump_path=path, rank=ranks, significance=True,
+    gp = (GradProbe(model, grad_level="L2", dump_path=path, rank=ranks,
                     flush_every=1).start() if probe else None)
     data = batches()
     collectives = 0
@@ -103,15 +103,16 @@ def run(layout, path, probe):
 
 
 def check_amax(model, layout):
-    """placement.shard_amax (one all-reduce per mesh group) against the gathered gradients."""
-    from probekit.grads.placement import dtensor_placement, shard_amax
+    """placement.amax_reducer (one all-reduce per mesh group) against the gathered gradients."""
+    from probekit.grads.placement import amax_reducer, dtensor_placement
 
     params = [p for p in model.parameters() if p.grad is not None]
     places = [dtensor_placement(p) for p in params]
-    amax = shard_amax([p.grad.to_local() for p in params], params, places)
+    local = torch.tensor([float(p.grad.to_local().abs().max()) if p.grad.to_local().numel()
+                          else 0.0 for p in params], dtype=torch.float64)
+    amax = amax_reducer(params, places)(local).tolist()
     full = [float(p.grad.full_tensor().abs().max()) for p in params]
-    ok = all(a == f if any(x != "R" for x in pl["placements"]) else a is None
-             for a, f, pl in zip(amax, full, places))
+    ok = all(a == f for a, f in zip(amax, full))
     os.write(1, f"rank {dist.get_rank()} {layout} amax ok={ok}\n".encode())
 
 

@@ -78,41 +78,47 @@ def ddp_first_rank(model) -> bool | None:
     return dist.get_rank(model.process_group) == 0
 
 
-def shard_amax(grads, params, places) -> list:
-    """The largest finite ``|x|`` of each parameter's whole gradient, from its shards: each
-    rank's local maxima, one MAX all-reduce per mesh group the recorded shards are spread over
-    (the ranks of the mesh dimensions they are sharded on: FSDP2's shard group, a TP group; one
-    group for a 1-D mesh). None for a parameter not sharded (its own gradient is whole).
+def amax_reducer(params, places):
+    """A function from this rank's largest finite ``|x|`` of each recorded gradient (a float64
+    tensor, one per parameter of ``params``) to the whole gradients' (for the significance
+    threshold ``eps(dtype) * max|x|`` of a shard, ``stats.compute(reduce_amax=)``, so
+    shard-local bits equal a single process's); None when no parameter is sharded.
 
-    What the significance threshold of a shard is judged against (``eps(dtype) * max|x|`` over
-    the whole gradient, issue 21), so shard-local bits equal a single process's. Only ranks
-    that record take part: the replicas that record nothing are outside these groups' work
-    (their own replica's groups are separate)."""
+    One MAX all-reduce per mesh group the shards are spread over (the ranks of the mesh
+    dimensions they are sharded on: FSDP2's shard group, a TP group; one group for a 1-D
+    mesh), on the mesh's device type (NCCL takes device tensors). Only ranks that record take
+    part: the replicas that record nothing are outside these groups (their own replica's
+    groups are separate)."""
     import torch
     import torch.distributed as dist
 
-    out = [None] * len(params)
     groups: dict = {}
-    for i, (g, p, pl) in enumerate(zip(grads, params, places)):
+    for i, (p, pl) in enumerate(zip(params, places)):
         if pl is None or not any(x != "R" for x in pl["placements"]):
             continue
         dims = tuple(d for d, x in enumerate(pl["placements"]) if x != "R")
-        key = (id(p.device_mesh), dims)
-        groups.setdefault(key, (p.device_mesh, dims, []))[2].append((i, g))
+        mesh = p.device_mesh  # each fully_shard call may build its own mesh of the same ranks
+        key = (mesh.device_type, str(mesh.mesh.tolist()), dims)
+        groups.setdefault(key, (mesh, dims, []))[2].append(i)
+    if not groups:
+        return None
+    plan = []
     for mesh, dims, members in groups.values():
-        local = torch.zeros(len(members), dtype=torch.float64)
-        for k, (_, g) in enumerate(members):
-            if g is not None and g.numel():
-                a = g.detach().abs()
-                a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype))
-                local[k] = a.max().double().cpu()
         if len(dims) == 1:
             group = mesh.get_group(dims[0])
         elif mesh.size() == dist.get_world_size():  # sharded over the whole world
             group = None
         else:  # several sharded dimensions of a sub-mesh: their flattened group
             group = mesh._flatten("_".join(mesh.mesh_dim_names[d] for d in dims)).get_group()
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        for k, (i, _) in enumerate(members):
-            out[i] = float(local[k])
-    return out
+        plan.append((mesh.device_type, group, torch.tensor(members, dtype=torch.long)))
+
+    def reduce(local):
+        out = local.clone()
+        for device, group, idx in plan:
+            part = local.index_select(0, idx.to(local.device)).to(device)
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+            out.index_copy_(0, idx.to(local.device), part.to(local.device))
+        return out
+
+    reduce.collectives = len(plan)
+    return reduce

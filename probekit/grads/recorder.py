@@ -21,8 +21,8 @@ from ..dist import get_rank, rank_selected
 from ..log import Once, ensure_handler, get_logger
 from . import stats as _stats
 from .names import canonical_names
-from .placement import (ddp_first_rank, dtensor_placement, first_replica, is_dtensor,
-                        local_grad)
+from .placement import (amax_reducer, ddp_first_rank, dtensor_placement, first_replica,
+                        is_dtensor, local_grad)
 from .store import GradWriter
 
 log = get_logger(__name__)
@@ -78,6 +78,7 @@ class GradProbe:
         self._grad_sig = None
         self._iter = None  # the current iteration: step, captures, optimizers stepped
         self._scratch = None
+        self._compute_dtype = None  # the autocast dtype of the latest forward, if any
         self._updates = 0  # GradScaler.update() calls (the iteration count when a scaler is given)
         self._once = Once()
         self._select_params()
@@ -115,6 +116,11 @@ class GradProbe:
         # a DTensor with no block placement is gathered whole: every rank joins those gathers
         self._gathers = self._sharded and any(
             pl is None and is_dtensor(p) for pl, p in zip(self._placement, self._params))
+        # a shard's significance threshold is the whole gradient's: one MAX all-reduce per
+        # step and mesh group, among the ranks recording the shards (all of them, unless a
+        # rank filter leaves some out: then each shard's threshold is its own)
+        self._reduce_amax = (amax_reducer(self._params, self._placement)
+                             if self._sharded and self._all_ranks_record() else None)
         local = (self._placement or [None] * len(named))
         self.layout = _stats.Layout(
             self.param_names,
@@ -122,6 +128,14 @@ class GradProbe:
                   for pl, p in zip(local, self._params)),
             tuple(tuple(pl["local_shape"]) if pl else tuple(p.shape)
                   for pl, p in zip(local, self._params)))
+
+    def _all_ranks_record(self) -> bool:
+        import torch.distributed as dist
+
+        if not self.config.rank:
+            return True
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return set(range(world)) <= set(self.config.rank)
 
     def _shard_plan(self, named):
         """(the parameters this rank records, their placements or None when no parameter is a
@@ -194,6 +208,7 @@ class GradProbe:
             self._handles.append(register_optimizer_step_post_hook(self._post_step))
         if self.scaler is not None:
             self._handles.append(_count_calls(self.scaler, "update", self._on_update))
+        self._handles.append(self.model.register_forward_pre_hook(_autocast_hook(self)))
         log.info("grad_probe: monitoring %d parameters at level %s into %s",
                  len(self.param_names), self.config.grad_probe.grad_level, self.dump_path)
         return self
@@ -340,7 +355,10 @@ class GradProbe:
         section = self.config.grad_probe
         with torch.no_grad():
             stats = _stats.compute(part, self.layout, section.grad_level, section.bounds,
-                                   section.hash, self._scratch, section.significance)
+                                   section.hash, self._scratch, section.significance,
+                                   self._reduce_amax if section.significance
+                                   and section.grad_level != "L0" else None,
+                                   self._compute_dtype)
         key = id(optimizer)
         cur = self._iter
         if cur is None or key in cur["stepped"] or (
@@ -401,6 +419,29 @@ class GradProbe:
         return (f"GradProbe({len(self.param_names)} params, level="
                 f"{self.config.grad_probe.grad_level}, steps seen={self.steps_seen}, "
                 f"dump_path={self.dump_path!r}, {state})")
+
+
+def _autocast_hook(probe):
+    """A forward pre-hook noting whether the model runs under autocast, and in which dtype:
+    the gradients of an autocast forward were computed in it, so their significance threshold
+    is that dtype's (``stats.significance_unit``). Kept out of compiled graphs."""
+    ref = weakref.ref(probe)
+
+    def note(module, args):
+        p = ref()
+        if p is None:
+            return
+        device = _device_type(module)
+        p._compute_dtype = (torch.get_autocast_dtype(device)
+                            if torch.is_autocast_enabled(device) else None)
+
+    return torch.compiler.disable(note)
+
+
+def _device_type(module) -> str:
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
 
 
 class _CallCounter:

@@ -23,9 +23,8 @@ padded sign bits, intervals); split, each would restate that layout.
 from __future__ import annotations
 
 import copy
-
+import functools
 import hashlib
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -33,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import kernel
+
 CHUNK = 1 << 18  # elements per cache-resident chunk (1 MiB of float32); a multiple of 64
-_F32_SAFE_HI = 2.0 ** 60  # |x| above this: x*x may overflow float32 across a chunk sum
-_F32_SAFE_LO = 2.0 ** -50  # |x| below this: x*x underflows float32's normal range
 
 
 def interval_labels(bounds) -> list[str]:
@@ -70,6 +69,15 @@ class Layout:
     def nbytes(self) -> int:
         return int(sum(padded_nbytes(n) for n in self.numels))
 
+    @functools.cached_property
+    def modules(self) -> np.ndarray:
+        """Per parameter, the index of its module (the name without its last component:
+        ``enc.key.weight`` and ``enc.key.bias`` share one; a parameter of the root module,
+        ``cls_token``, is alone), the significance rule's scale."""
+        index: dict = {}
+        keys = [n.rpartition(".")[0] if "." in n else ("root", n) for n in self.names]
+        return np.array([index.setdefault(k, len(index)) for k in keys], np.int64)
+
 
 def hasher(name: str):
     """A new digest object: ``md5`` (hashlib) or ``xxh3`` (xxh3_128 of the xxhash package)."""
@@ -100,8 +108,8 @@ class StepStats:
     zeros: np.ndarray | None = None  # (P,) float64 share of exact zeros (L2)
     dist: np.ndarray | None = None  # (P, I) float64 share per interval (L2)
     direction: np.ndarray | None = None  # (nbytes,) uint8 packed sign bits (L1/L2)
-    #: (nbytes,) uint8 packed bits, same layout: |grad| > SIGNIFICANCE * eps(dtype) * max|grad|
-    #: (max over the element's chunk of 2**18): its sign is above the tensor's rounding level
+    #: (nbytes,) uint8 packed bits, same layout: |grad| > significance_unit * its module's
+    #: largest |grad| (``compute``): its sign is above the rounding level of the gradients
     significant: np.ndarray | None = None
 
 
@@ -156,8 +164,17 @@ class Workspace:
 
 
 def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
-            scratch: Workspace | None = None, significance: bool = True) -> StepStats:
-    """Statistics of ``grads`` (one tensor or None per parameter of ``layout``) at ``level``."""
+            scratch: Workspace | None = None, significance: bool = True,
+            reduce_amax=None, compute_dtype=None, _device_path: bool = False) -> StepStats:
+    """Statistics of ``grads`` (one tensor or None per parameter of ``layout``) at ``level``.
+
+    Significance (``significance``, L1/L2): an element is significant when ``|g| >
+    significance_unit(dtype) * M``, ``M`` the largest finite ``|g|`` over the gradients of its
+    module (``Layout.modules``) at this step; ``compute_dtype``: the dtype the gradients were
+    computed in when it is less precise than theirs (autocast). ``reduce_amax``, for shards of
+    gradients (DTensor): a function from a float64 tensor of this rank's maxima, one per
+    parameter of ``layout`` (0 where it has none), to the whole gradients' maxima; called
+    exactly once (a collective: every rank holding shards calls it at the same step)."""
     p = len(layout.names)
     want_dir = level in ("L1", "L2")
     want_dist = level == "L2"
@@ -181,23 +198,45 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         if g.numel() != layout.numels[i]:
             raise ValueError(f"gradient of {layout.names[i]!r} has {g.numel()} elements; the "
                              f"recording started with {layout.numels[i]}")
+        if not g.dtype.is_floating_point:
+            raise TypeError(f"gradient of {layout.names[i]!r} has dtype {g.dtype}, not a "
+                            "floating-point type")
         out.present[i] = True
         if g.numel() == 0:
             continue
         span = slice(offsets[i], offsets[i] + padded_nbytes(layout.numels[i]))
         dir_view = ((out.direction[span], out.significant[span] if significance else None)
                     if want_dir else None)
-        if g.device.type == "cpu":
-            if not g.dtype.is_floating_point:
-                raise TypeError(f"gradient of {layout.names[i]!r} has dtype {g.dtype}, not a "
-                                "floating-point type")
+        if g.device.type == "cpu" and not _device_path:  # (_device_path: the tests' switch)
             cpu_jobs.append((i, g.detach().reshape(-1), dir_view))
         else:
             device_jobs.append((i, g, dir_view))
-    if cpu_jobs:
-        _cpu_params(cpu_jobs, out, bounds_arr, level, hash_name, scratch)
-    if device_jobs:
-        _device_params(device_jobs, out, bounds_arr, level, hash_name, scratch)
+    job = _Job(out, bounds_arr, level, hash_name, layout.modules, significance and want_dir)
+    if job.significance:
+        job.unit = np.array([significance_unit(g.dtype, compute_dtype) if g is not None else 0.0
+                             for g in grads])
+    cpu = _CpuParams(cpu_jobs, job, scratch) if cpu_jobs else None
+    dev = _DeviceParams(device_jobs, job, scratch) if device_jobs else None
+    if reduce_amax is None and dev is None:
+        if cpu is not None:
+            cpu.run()
+    else:  # every gradient's largest |x| first (reduced over the shards), then the rest
+        local = np.zeros(p)
+        if cpu is not None:
+            cpu.first_pass(range(len(cpu_jobs)))
+            local[[i for i, _, _ in cpu_jobs]] = cpu.amax
+        if dev is not None:
+            local[[i for i, _, _ in device_jobs]] = dev.first_pass()
+        whole = local
+        if reduce_amax is not None:
+            anchor = device_jobs[0][1].device if device_jobs else "cpu"
+            whole = reduce_amax(torch.from_numpy(local).to(anchor)).cpu().numpy()
+        thr = job.thresholds(whole, np.ones(p, bool))
+        if cpu is not None:
+            cpu.second_pass(range(len(cpu_jobs)), thr)
+            cpu.finish()
+        if dev is not None:
+            dev.second_pass(thr)
     if want_dir and significance:
         pad_significance(out, layout)
     return out
@@ -214,102 +253,63 @@ def pad_significance(out: StepStats, layout: Layout) -> None:
             out.significant[offsets[i] + n // 8] |= 0xFF >> (n % 8)
 
 
-_ROW = 4096
-#: an element is significant when |grad| > SIGNIFICANCE * eps(dtype) * max|grad| (max over its
-#: chunk): below that its sign is rounding noise of the sums that made it
-SIGNIFICANCE = 1.0
+#: The significance rule's factor by the bits of the dtype a gradient was computed in: an
+#: element is significant when |g| > SIGNIFICANCE[bits] * eps(dtype) * M, M the largest finite
+#: |g| over its module's gradients. A mathematically zero gradient (the key bias of an
+#: attention layer: softmax ignores it) is left with rounding noise of the sums that made it:
+#: measured on BERT and ViT (docs/DESIGN.md) up to 3.2 eps * M in fp32/fp64, summed in their
+#: own precision, and up to 0.7 eps * M in bf16 (autocast: 0.54 bf16 eps), where the kernels
+#: accumulate in fp32 and the noise is the 16-bit rounding of the terms; real gradients'
+#: maxima were >= 0.11 M. So 8 eps for 32/64-bit sums, and a 16-bit dtype's own eps (its
+#: rounding level: a larger factor would hide the sign changes bf16 really causes).
+SIGNIFICANCE = {16: 1.0, 32: 8.0, 64: 8.0}
 
 
-def _chunk_sumsq(a: np.ndarray, mx: float, mn: float) -> float:
-    """Sum of squares of a chunk: float32 products summed per 4096-element row (a batched
-    matmul, about the cost of one dot product) and the rows summed in float64; float64 throughout
-    when float32 squares could overflow or underflow."""
-    amax = max(abs(mx), abs(mn))
-    if a.dtype == np.float32 and (amax > _F32_SAFE_HI or 0 < amax < _F32_SAFE_LO):
-        a = a.astype(np.float64)
-    k = a.size - a.size % _ROW
-    total = 0.0
-    if k:
-        rows = a[:k].reshape(-1, _ROW)
-        total = float((rows[:, None, :] @ rows[:, :, None]).sum(dtype=np.float64))
-    if k < a.size:
-        rest = a[k:]
-        total += float(np.dot(rest, rest))
-    return total
+def significance_unit(dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> float:
+    """``SIGNIFICANCE[bits] * eps`` of the less precise of ``dtype`` and ``compute_dtype``."""
+    if compute_dtype is not None and (torch.finfo(compute_dtype).eps
+                                      > torch.finfo(dtype).eps):
+        dtype = compute_dtype
+    return SIGNIFICANCE[torch.finfo(dtype).bits] * float(torch.finfo(dtype).eps)
 
 
-def _chunk(part, start, native, level, bounds, dir_view, s: Workspace, digest=None) -> tuple:
-    """Statistics of one chunk of a flat gradient: (max, min, sum of squares, ``<= bound``
-    counts, zeros, NaNs); its sign and significance bits are packed into ``dir_view`` (a pair
-    of views) and ``digest`` updated."""
-    m = part.numel()
-    eps = torch.finfo(part.dtype).eps
-    if native:
-        a = part.numpy()
-    else:  # float16/bfloat16: widen into the scratch buffer (exact)
-        part = s.f32[:m].copy_(part)
-        a = s.f32_np[:m]
-    lo, hi = torch.aminmax(part)
-    mx, mn = float(hi), float(lo)
-    sumsq = _chunk_sumsq(a, mx, mn)
-    if digest is not None:
-        digest.update((a if a.dtype == np.float32 else a.astype(np.float32)).tobytes())
-    if dir_view is not None:
-        signs, sig = dir_view
-        packed = np.packbits(np.greater(a, 0, out=s.mask[:m]))
-        signs[start // 8:start // 8 + packed.size] = packed
-        if sig is not None:
-            thr = SIGNIFICANCE * eps * max(abs(mx), abs(mn))
-            big = np.greater(a, thr, out=s.mask2[:m])
-            big |= np.less(a, -thr, out=s.mask3[:m])
-            sig[start // 8:start // 8 + packed.size] = np.packbits(big)
-    counts, zeros, nans = None, 0, 0
-    if level == "L2":
-        # A bound outside [min, max) of a NaN-free chunk needs no pass over the data, and
-        # ``x <= 0`` is the complement of the sign mask just built. Only bounds inside the
-        # chunk's range (and the zero count, when 0 is in range) cost a pass.
-        counts = np.zeros(len(bounds), np.int64)
-        clean = not (math.isnan(mx) or math.isnan(mn))
-        if not clean:
-            nans = int(np.count_nonzero(np.isnan(a)))
-        npos = None
-        for k, b in enumerate(bounds):
-            if clean and b >= mx:
-                counts[k] = m
-            elif clean and b < mn:
-                continue
-            elif clean and b == 0:
-                npos = np.count_nonzero(s.mask[:m]) if npos is None else npos
-                counts[k] = m - npos
-            else:
-                counts[k] = np.count_nonzero(np.less_equal(a, b, out=s.mask2[:m]))
-        if not (clean and (mn > 0 or mx < 0)):
-            zeros = int(np.count_nonzero(np.equal(a, 0, out=s.mask2[:m])))
-    return mx, mn, sumsq, counts, zeros, nans
+def finite_amax(g: torch.Tensor) -> float:
+    """The largest finite |x| of a CPU gradient (the first pass of ``compute``, on its own)."""
+    flat = g.detach().reshape(-1)
+    top = 0.0
+    for st in range(0, flat.numel(), CHUNK):
+        part = flat[st:st + CHUNK]
+        if part.dtype not in (torch.float32, torch.float64):
+            part = part.float()
+        top = max(top, kernel.minmax(part.numpy())[2])
+    return top
 
 
-def _run_units(units, jobs, level, bounds, hash_name, s: Workspace | None) -> list:
-    """Partial statistics of work units: ``(job, start)`` is one chunk; ``(job, None)`` a whole
-    parameter (L0: its digest needs the chunks in order)."""
-    s = s or _thread_scratch()
-    results = []
-    for j, start in units:
-        _, flat, dir_view = jobs[j]
-        native = flat.dtype in (torch.float32, torch.float64)
-        if start is not None:
-            results.append((j, _chunk(flat[start:start + CHUNK], start, native, level, bounds,
-                                      dir_view, s), None))
-            continue
-        digest = hasher(hash_name) if level == "L0" else None
-        for st in range(0, flat.numel(), CHUNK):
-            results.append((j, _chunk(flat[st:st + CHUNK], st, native, level, bounds, dir_view,
-                                      s, digest), None))
-        results.append((j, None, digest.digest() if digest is not None else None))
-    return results
+@dataclass
+class _Job:
+    """What one ``compute`` call asks for, shared by its CPU and device parts."""
+
+    out: StepStats
+    bounds: np.ndarray
+    level: str
+    hash_name: str
+    modules: np.ndarray  # per parameter of the layout: its module's index
+    significance: bool
+    unit: np.ndarray | None = None  # per parameter: significance_unit of its gradient
+
+    def thresholds(self, amax: np.ndarray, known: np.ndarray) -> np.ndarray:
+        """Per parameter the significance threshold from the largest finite |g| of the
+        parameters ``known`` (a module's gradients not among them do not count)."""
+        if not self.significance:
+            return np.zeros(amax.size)
+        top = np.zeros(int(self.modules.max()) + 1 if self.modules.size else 0)
+        np.maximum.at(top, self.modules[known], amax[known])
+        return self.unit * top[self.modules]
 
 
 _TLS = threading.local()
 _PARALLEL_MIN = 4 * CHUNK  # below this many elements a step is not worth splitting
+_GROUP = 8 * CHUNK  # elements whose two passes run back to back (the second reads from cache)
 
 
 def _thread_scratch() -> Workspace:
@@ -340,49 +340,154 @@ def _split(units, sizes, k):
     return [g for g in groups if g]
 
 
-def _cpu_params(jobs, out: StepStats, bounds, level, hash_name, scratch) -> None:
-    """Statistics of CPU gradients ``jobs`` = [(param index, flat tensor, sign-bit view)].
+class _CpuParams:
+    """Statistics of CPU gradients ``jobs`` = [(param index, flat tensor, bit views)], in two
+    passes over chunks of ``CHUNK`` elements (``kernel.py``): the first finds each gradient's
+    max, min, largest finite |x| and NaNs; the second, with the significance threshold and the
+    bounds inside [min, max] known, computes everything else of a chunk in one read. Parameters
+    go through both passes in groups of about ``_GROUP`` elements, so the second pass reads
+    from cache. Chunks are independent (each writes its own bytes of the bits), so a pass is
+    split between up to ``torch.get_num_threads()`` threads (the kernel and torch's copies
+    release the GIL); at L0 a parameter's chunks stay in one thread (its digest reads them in
+    order)."""
 
-    Chunks are independent (each writes its own bytes of the sign bits), so a step is split
-    between up to ``torch.get_num_threads()`` threads; numpy and torch release the GIL in the
-    loops that matter. L0 keeps each parameter in one thread (its digest reads chunks in order).
-    """
-    units, sizes = [], []
-    for j, (_, flat, _) in enumerate(jobs):
-        n = flat.numel()
-        if level == "L0":
-            units.append((j, None))
-            sizes.append(n)
-        else:
-            for st in range(0, n, CHUNK):
-                units.append((j, st))
-                sizes.append(min(CHUNK, n - st))
-    k = _workers(sum(sizes))
-    if k > 1 and len(units) > 1 and scratch is not None:  # the probe's own pool
-        futures = [scratch.executor().submit(_run_units, g, jobs, level, bounds, hash_name, None)
-                   for g in _split(units, sizes, k)]
-        partials = [r for f in futures for r in f.result()]
-    else:
-        partials = _run_units(units, jobs, level, bounds, hash_name, scratch)
-    by_job: dict = {}
-    digests = {}
-    for j, part, digest in partials:
-        if part is None:
-            digests[j] = digest
-        else:
-            by_job.setdefault(j, []).append(part)
-    for j, parts in by_job.items():
-        i, flat, _ = jobs[j]
-        n = flat.numel()
-        out.max[i] = np.max([p[0] for p in parts])
-        out.min[i] = np.min([p[1] for p in parts])
-        out.norm[i] = np.sqrt(sum(p[2] for p in parts))
-        if level == "L2":
-            counts = np.sum([p[3] for p in parts], axis=0)
-            out.zeros[i] = sum(p[4] for p in parts) / n
-            out.dist[i] = _interval_shares(counts, sum(p[5] for p in parts), n)
-        if j in digests and digests[j] is not None:
-            out.hash[i] = np.frombuffer(digests[j], np.uint8)
+    def __init__(self, jobs, job: _Job, scratch) -> None:
+        self.jobs, self.job, self.scratch = jobs, job, scratch
+        n = len(jobs)
+        self.mx = np.full(n, -np.inf)
+        self.mn = np.full(n, np.inf)
+        self.amax = np.zeros(n)
+        self.nans = np.zeros(n, np.int64)
+        self.sumsq = np.zeros(n)
+        nb = len(job.bounds)
+        self.counts = np.zeros((n, nb + 2), np.int64)
+        self.digests: dict = {}
+        self.workers = _workers(sum(int(f.numel()) for _, f, _ in jobs))
+
+    def run(self) -> None:
+        """Both passes, a group of whole modules at a time (a threshold needs its module's
+        largest |g|)."""
+        job = self.job
+        mods = job.modules[[i for i, _, _ in self.jobs]]
+        group, size = [], 0
+        for j, (_, flat, _) in enumerate(self.jobs):
+            if size >= _GROUP and mods[j] != mods[j - 1]:
+                self._both(group)
+                group, size = [], 0
+            group.append(j)
+            size += flat.numel()
+        self._both(group)
+        self.finish()
+
+    def _both(self, js) -> None:
+        self.first_pass(js)
+        idx = [self.jobs[j][0] for j in js]
+        amax = np.zeros(self.job.modules.size)
+        amax[idx] = self.amax[js]
+        known = np.zeros(amax.size, bool)
+        known[idx] = True
+        self.second_pass(js, self.job.thresholds(amax, known))
+
+    def _units(self, js, whole: bool):
+        units, sizes = [], []
+        for j in js:
+            n = self.jobs[j][1].numel()
+            if whole:
+                units.append((j, None))
+                sizes.append(n)
+            else:
+                for st in range(0, n, CHUNK):
+                    units.append((j, st))
+                    sizes.append(min(CHUNK, n - st))
+        return units, sizes
+
+    def _map(self, fn, units, sizes) -> list:
+        k = self.workers
+        if k > 1 and len(units) > 1 and self.scratch is not None:  # the probe's own pool
+            futures = [self.scratch.executor().submit(fn, g, None)
+                       for g in _split(units, sizes, k)]
+            return [r for f in futures for r in f.result()]
+        return fn(units, self.scratch)
+
+    def _array(self, flat, start, s: Workspace) -> np.ndarray:
+        part = flat[start:start + CHUNK]
+        if flat.dtype in (torch.float32, torch.float64):
+            return part.numpy()
+        m = part.numel()  # float16/bfloat16: widened into the scratch buffer (exact)
+        s.f32[:m].copy_(part)
+        return s.f32_np[:m]
+
+    def first_pass(self, js) -> None:
+        def work(units, s):
+            s = s or _thread_scratch()
+            return [(j, kernel.minmax(self._array(self.jobs[j][1], st, s))) for j, st in units]
+
+        for j, (mx, mn, am, nans) in self._map(work, *self._units(js, False)):
+            self.mx[j] = max(self.mx[j], mx)
+            self.mn[j] = min(self.mn[j], mn)
+            self.amax[j] = max(self.amax[j], am)
+            self.nans[j] += nans
+
+    def second_pass(self, js, thresholds: np.ndarray) -> None:
+        """``thresholds``: the significance threshold of every parameter of the layout."""
+        job = self.job
+        level = job.level
+        thr, active = {}, {}
+        for j in js:
+            thr[j] = thresholds[self.jobs[j][0]]
+            if level == "L2":  # bounds outside [min, max] need no pass over the data
+                b = job.bounds
+                active[j] = np.flatnonzero((b >= self.mn[j]) & (b < self.mx[j]))
+
+        def chunk(j, st, s, digest=None):
+            _, flat, views = self.jobs[j]
+            a = self._array(flat, st, s)
+            if digest is not None:
+                digest.update((a if a.dtype == np.float32 else a.astype(np.float32)).tobytes())
+            signs = sig = None
+            if views is not None:
+                lo, hi = st // 8, st // 8 + -(-a.size // 8)
+                signs = views[0][lo:hi]
+                sig = views[1][lo:hi] if views[1] is not None else None
+            bounds = job.bounds[active[j]] if level == "L2" else job.bounds[:0]
+            return kernel.chunk_stats(a, thr[j], signs, sig, bounds, level == "L2")
+
+        def work(units, s):
+            s = s or _thread_scratch()
+            res = []
+            for j, st in units:
+                if st is not None:
+                    res.append((j, chunk(j, st, s)))
+                    continue
+                digest = hasher(job.hash_name)
+                n = self.jobs[j][1].numel()
+                for c0 in range(0, n, CHUNK):
+                    res.append((j, chunk(j, c0, s, digest)))
+                self.digests[j] = digest.digest()
+            return res
+
+        for j, (sumsq, counts) in self._map(work, *self._units(js, level == "L0")):
+            self.sumsq[j] += sumsq
+            if counts is not None:
+                act = active[j]
+                self.counts[j, act] += counts[:act.size]
+                self.counts[j, -2:] += counts[act.size:]
+
+    def finish(self) -> None:
+        out, job = self.job.out, self.job
+        for j, (i, flat, _) in enumerate(self.jobs):
+            n = flat.numel()
+            nan = self.nans[j] > 0
+            out.max[i] = np.nan if nan else self.mx[j]
+            out.min[i] = np.nan if nan else self.mn[j]
+            out.norm[i] = np.sqrt(self.sumsq[j])
+            if job.level == "L2":
+                le = self.counts[j, :-2].copy()
+                le[job.bounds >= self.mx[j]] = n - self.nans[j]  # every non-NaN element
+                out.zeros[i] = self.counts[j, -2] / n
+                out.dist[i] = _interval_shares(le, int(self.nans[j]), n)
+            if j in self.digests:
+                out.hash[i] = np.frombuffer(self.digests[j], np.uint8)
 
 
 def _interval_shares(le_counts: np.ndarray, nans: int, n: int) -> np.ndarray:
@@ -393,50 +498,69 @@ def _interval_shares(le_counts: np.ndarray, nans: int, n: int) -> np.ndarray:
     return np.concatenate([inner, [n - nans - le_counts[-1]]]).astype(np.float64) / n
 
 
-def _device_params(jobs, out: StepStats, bounds, level, hash_name, scratch=None) -> None:
-    """Whole-tensor reductions on the gradients' device; one transfer for all statistics."""
-    rows, packed = [], []
-    weights = scratch.bit_weights if scratch is not None else {}
-    for i, g, dir_view in jobs:
+class _DeviceParams:
+    """Gradients on an accelerator: whole-tensor reductions on their device, one transfer for
+    every statistic of the step, no per-statistic sync."""
+
+    def __init__(self, jobs, job: _Job, scratch) -> None:
+        self.jobs, self.job = jobs, job
+        self.weights = scratch.bit_weights if scratch is not None else {}
+        self.wide = [self._wide(g) for _, g, _ in jobs]
+        self.minmax = None
+
+    @staticmethod
+    def _wide(g):
         flat = g.detach().reshape(-1)
-        n = flat.numel()
-        wide = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-        mn, mx = torch.aminmax(wide)
-        vals = [mx.double(), mn.double(), torch.linalg.vector_norm(wide, dtype=torch.float64)]
-        if level == "L2":
-            vals += [(wide <= float(b)).sum().double() for b in bounds]
-            vals.append((wide == 0).sum().double())
-            vals.append(torch.isnan(wide).sum().double())
-        rows.append(torch.stack(vals))
-        if dir_view is not None:
-            key = flat.device
-            if key not in weights:
-                weights[key] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
-                                            device=flat.device)
-            masks = [flat > 0]
-            if dir_view[1] is not None:
-                thr = SIGNIFICANCE * torch.finfo(flat.dtype).eps * torch.maximum(mx.abs(),
-                                                                                  mn.abs())
-                masks.append(wide.abs() > thr)
-            for mask in masks:
-                bits = torch.zeros(dir_view[0].size * 8, dtype=torch.uint8, device=flat.device)
-                bits[:n] = mask
-                packed.append((bits.view(-1, 8) * weights[key]).sum(1, dtype=torch.uint8))
-        if level == "L0":  # the digest needs the bytes on the host, as msprobe's does
-            digest = hasher(hash_name)
-            digest.update(wide.float().cpu().numpy().tobytes())
-            out.hash[i] = np.frombuffer(digest.digest(), np.uint8)
-    host = torch.stack(rows).cpu().numpy()
-    host_bits = torch.cat(packed).cpu().numpy() if packed else None
-    pos = 0
-    for r, (i, g, dir_view) in enumerate(jobs):
-        n = g.numel()
-        out.max[i], out.min[i], out.norm[i] = host[r, 0], host[r, 1], host[r, 2]
-        if level == "L2":
-            counts = host[r, 3:3 + len(bounds)].astype(np.int64)
-            out.dist[i] = _interval_shares(counts, int(host[r, -1]), n)
-            out.zeros[i] = host[r, -2] / n if n else np.nan
-        if dir_view is not None:
-            for view in (v for v in dir_view if v is not None):
-                view[:] = host_bits[pos:pos + view.size]
-                pos += view.size
+        return flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+
+    def first_pass(self) -> np.ndarray:
+        """Each gradient's min and max (kept on the device) and largest finite |x| (returned to
+        the host: the thresholds need every module's)."""
+        self.minmax = [torch.aminmax(w) for w in self.wide]
+        amax = [torch.where(torch.isfinite(w), w.abs(), 0).amax() for w in self.wide]
+        return torch.stack(amax).double().cpu().numpy()
+
+    def second_pass(self, thresholds: np.ndarray) -> None:
+        """``thresholds``: the significance threshold of every parameter of the layout."""
+        job, out = self.job, self.job.out
+        bounds, level = job.bounds, job.level
+        rows, packed = [], []
+        for k, ((i, g, dir_view), wide) in enumerate(zip(self.jobs, self.wide)):
+            mn, mx = self.minmax[k]
+            vals = [mx.double(), mn.double(),
+                    torch.linalg.vector_norm(wide, dtype=torch.float64)]
+            if level == "L2":
+                vals += [(wide <= float(b)).sum().double() for b in bounds]
+                vals.append((wide == 0).sum().double())
+                vals.append(torch.isnan(wide).sum().double())
+            rows.append(torch.stack(vals))
+            if dir_view is not None:
+                dev = wide.device
+                if dev not in self.weights:
+                    self.weights[dev] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1],
+                                                     dtype=torch.uint8, device=dev)
+                masks = [wide > 0]
+                if dir_view[1] is not None:
+                    masks.append(wide.abs() > wide.new_tensor(thresholds[i]))
+                for mask in masks:
+                    bits = torch.zeros(dir_view[0].size * 8, dtype=torch.uint8, device=dev)
+                    bits[:wide.numel()] = mask
+                    packed.append((bits.view(-1, 8) * self.weights[dev]).sum(1, dtype=torch.uint8))
+            if level == "L0":  # the digest needs the bytes on the host, as msprobe's does
+                digest = hasher(job.hash_name)
+                digest.update(wide.float().cpu().numpy().tobytes())
+                out.hash[i] = np.frombuffer(digest.digest(), np.uint8)
+        host = torch.stack(rows).cpu().numpy()
+        host_bits = torch.cat(packed).cpu().numpy() if packed else None
+        pos = 0
+        for r, (i, g, dir_view) in enumerate(self.jobs):
+            n = g.numel()
+            out.max[i], out.min[i], out.norm[i] = host[r, 0], host[r, 1], host[r, 2]
+            if level == "L2":
+                counts = host[r, 3:3 + len(bounds)].astype(np.int64)
+                out.dist[i] = _interval_shares(counts, int(host[r, -1]), n)
+                out.zeros[i] = host[r, -2] / n if n else np.nan
+            if dir_view is not None:
+                for view in (v for v in dir_view if v is not None):
+                    view[:] = host_bits[pos:pos + view.size]
+                    pos += view.size

@@ -54,9 +54,11 @@ def _one() -> np.ndarray:
     return _ONE
 
 
-def _pyfunc(fn):
-    """A ``Custom`` op running ``fn`` (host arrays in, a 1-element float32 array out)."""
-    op = ops.Custom(fn, out_shape=lambda *shapes: (1,), out_dtype=lambda *types: ms.float32,
+def _pyfunc(fn, dtype=None):
+    """A ``Custom`` op running ``fn`` (host arrays in, a 1-element array out, float32 unless
+    ``dtype``)."""
+    dtype = ms.float32 if dtype is None else dtype
+    op = ops.Custom(fn, out_shape=lambda *shapes: (1,), out_dtype=lambda *types: dtype,
                     func_type="pyfunc")
     op.add_prim_attr("primitive_target", "CPU")  # a host callback, also in a device graph
     return op
@@ -90,7 +92,10 @@ def original_compiles(original) -> bool:
 
 
 class HostTap(Tap):
-    """One callback per parameter, handed the gradient's host memory (CPU) as it is."""
+    """Two callbacks per parameter, each handed the gradient's host memory (CPU) as it is: the
+    first returns its largest finite |x|; the second, given every gradient's (the significance
+    scale is its module's), computes the statistics. The gradients stay alive in between: they
+    are the second callbacks' inputs."""
 
     kind = "host"
 
@@ -100,25 +105,40 @@ class HostTap(Tap):
         self.idx = tuple(range(len(params)))
         # numpy has no bfloat16: such a gradient is widened (exactly) on its way out
         self.widen = tuple(p.dtype == ms.bfloat16 for p in params)
+        self.peaks = tuple(_pyfunc(self._peak(j), ms.float64) for j in self.idx)
         self.taps = tuple(_pyfunc(self._callback(j)) for j in self.idx)
 
+    def _peak(self, j: int):
+        def on_peak(array):
+            probe = self.probe
+            return np.array([probe._on_host_amax(j, array) if probe is not None else 0.0])
+
+        on_peak.__name__ = f"probekit_peak_{j}"
+        return on_peak
+
     def _callback(self, j: int):
-        def on_grad(array):
+        def on_grad(array, peaks):
             probe = self.probe
             if probe is not None:
-                probe._on_host_grad(j, array)
+                probe._on_host_grad(j, array, peaks)
             return _one()
 
         on_grad.__name__ = f"probekit_grad_{j}"
         return on_grad
 
     def construct(self, gradients):
-        outs = []
+        wide = []
+        peaks = []
         for j in self.idx:
             g = gradients[j]
             if self.widen[j]:
                 g = g.astype(ms.float32)
-            outs.append(self.taps[j](g))
+            wide.append(g)
+            peaks.append(self.peaks[j](g))
+        every = ops.cat(peaks)
+        outs = []
+        for j in self.idx:
+            outs.append(self.taps[j](wide[j], every))
         return ops.depend(gradients, outs)
 
 
@@ -127,14 +147,15 @@ class DeviceTap(Tap):
 
     kind = "device"
 
-    def __init__(self, optimizer, original, index, level: str, bounds, significance: bool):
+    def __init__(self, optimizer, original, index, level: str, bounds, significance: bool,
+                 modules=None):
         super().__init__(optimizer, original)
         params = optimizer.parameters
         self.index = tuple(index)
         self.signature = (self.index, level, tuple(bounds), bool(significance))
         self.stats = DeviceStats([params[i].size for i in self.index],
                                  [params[i].dtype for i in self.index], level, bounds,
-                                 significance)
+                                 significance, modules=modules)
         # statistics, then the sign bits (L1/L2; and the significance bits) or the L0 bytes
         self.nout = 3 if significance and level != "L0" else 2
         self.sink = _pyfunc(self._callback())

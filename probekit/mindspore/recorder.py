@@ -21,6 +21,7 @@ import time
 import weakref
 
 import numpy as np
+import torch
 
 from .compat import check_numpy
 
@@ -228,7 +229,8 @@ class GradProbe:
         if isinstance(tap, _graph.DeviceTap) and tap.signature == signature:
             return tap
         return _graph.DeviceTap(self.optimizer, original, self._index, section.grad_level,
-                                section.bounds, section.significance)
+                                section.bounds, section.significance,
+                                modules=self.layout.modules)
 
     def stop(self) -> None:
         """Detach from the optimizer and write every buffered step.
@@ -308,8 +310,16 @@ class GradProbe:
             self._writer.append(step, result)
             self.hook_seconds.append(time.perf_counter() - t0)
 
-    def _on_host_grad(self, j: int, array) -> None:
-        """Host tap: the host memory of gradient ``j`` of the optimizer, in place."""
+    def _on_host_amax(self, j: int, array) -> float:
+        """Host tap, first callback: the largest finite |x| of gradient ``j`` (0 where it is
+        not recorded), read in place."""
+        if self._slot.get(j) is None or array.size == 0:
+            return 0.0
+        return host_stats.finite_amax(_stats.host_view(array, self._dtypes[self._slot[j]]))
+
+    def _on_host_grad(self, j: int, array, peaks) -> None:
+        """Host tap: the host memory of gradient ``j`` of the optimizer, in place, and every
+        gradient's largest finite |x| (``peaks``, by optimizer index)."""
         with self._lock:
             if j in self._arrived:  # the previous step did not complete: start afresh
                 if self._once("incomplete"):
@@ -324,7 +334,7 @@ class GradProbe:
             k = self._slot.get(j)
             if k is not None and self._current is not None:
                 t0 = time.perf_counter()
-                self._fill(k, array)
+                self._fill(k, array, peaks)
                 self._elapsed += time.perf_counter() - t0
             if len(self._arrived) == len(self.optimizer.parameters):
                 self._finish_step()
@@ -334,16 +344,19 @@ class GradProbe:
         self._current = (_empty_stats(self.layout, self.config.grad_probe)
                          if self._selected(self.steps_seen) else None)
 
-    def _fill(self, k: int, array) -> None:
+    def _fill(self, k: int, array, peaks) -> None:
         if array.size != self.layout.numels[k]:
             raise GraphModeError(
                 f"grad_probe: the compiled step handed {self.layout.names[k]!r} a gradient of "
                 f"{array.size} elements; the parameter has {self.layout.numels[k]} (a sliced or "
                 "resized parameter is not supported). Record without sharding the parameters")
         section = self.config.grad_probe
+        mods = self.layout.modules
+        scale = max(float(peaks[self._index[m]]) for m in np.flatnonzero(mods == mods[k]))
         part = host_stats.compute([_stats.host_view(array, self._dtypes[k])], self._single[k],
                                   section.grad_level, section.bounds, section.hash,
-                                  self._scratch(), section.significance)
+                                  self._scratch(), section.significance,
+                                  reduce_amax=lambda local: torch.full_like(local, scale))
         _place(self._current, k, part, self.layout)
 
     def _finish_step(self) -> None:

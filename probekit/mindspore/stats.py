@@ -19,10 +19,9 @@ reductions skip NaN; a NaN is found from the NaN sum of squares, or counted at L
 squares as float32 squares summed per row of 4096 elements and the rows summed in float64 (the
 host path's accumulation; float64 gradients in float64), the signs ``x > 0`` packed 8 per byte
 (most significant bit first, zero-padded to a 64-bit boundary per parameter), with
-``significance`` the significance bits by the host path's rule (``|x| > SIGNIFICANCE *
-eps(dtype) * max|x|``, the maximum over each block of ``probekit.grads.stats.CHUNK`` elements
-from the parameter's start; a block holding a NaN has no significant element; padding bits are
-ones), and at L2 one ``x <= b`` count per bound plus the zero count (exact int32 counts).
+``significance`` the significance bits by the host path's rule (``|x| > SIGNIFICANCE[bits] *
+eps(dtype) * M``, M the largest finite |x| over the gradients of the parameter's module, the
+name without its last component; a NaN is never significant; padding bits are ones), and at L2 one ``x <= b`` count per bound plus the zero count (exact int32 counts).
 """
 from __future__ import annotations
 
@@ -46,6 +45,9 @@ def _is_float(dtype) -> bool:
     if _FLOAT_TYPES is None:
         _FLOAT_TYPES = {ms.float16, ms.float32, ms.float64, ms.bfloat16}
     return dtype in _FLOAT_TYPES
+
+
+_BITS = {ms.float16: 16, ms.bfloat16: 16, ms.float32: 32, ms.float64: 64}
 
 
 def eps(dtype) -> float:
@@ -156,7 +158,7 @@ def compute_device(grads, plan: Plan, level: str, bounds, hash_name: str = "md5"
     cell = plan.cells.get(key)
     if cell is None:
         cell = plan.cells[key] = DeviceStats(layout.numels, dtypes, level, bounds, significance,
-                                             compiled=True)
+                                             modules=layout.modules, compiled=True)
     filled = tuple(g if g is not None else ops.zeros(int(n), ms.float32)
                    for g, n in zip(grads, layout.numels))
     outs = cell(filled)
@@ -175,21 +177,23 @@ class DeviceStats(nn.Cell):
     """
 
     def __init__(self, numels, dtypes, level: str, bounds, significance: bool = False, *,
-                 compiled: bool = False, chunk: int | None = None) -> None:
+                 modules=None, compiled: bool = False) -> None:
         super().__init__()
-        from ..grads.stats import CHUNK, SIGNIFICANCE
+        from ..grads.stats import SIGNIFICANCE
 
-        chunk = CHUNK if chunk is None else chunk
+        # the significance scale: the largest finite |g| over each module's gradients
+        modules = tuple(range(len(numels))) if modules is None else tuple(int(m) for m in modules)
+        self.mod = modules
+        self.members = tuple(tuple(j for j, m in enumerate(modules) if m == mod)
+                             for mod in modules)
         numels = tuple(int(n) for n in numels)
         self.idx = tuple(range(len(numels)))
         self.n = numels
         self.empty = tuple(n == 0 for n in numels)
         self.f64 = tuple(dt == ms.float64 for dt in dtypes)
         self.widen = tuple(dt in (ms.float16, ms.bfloat16) for dt in dtypes)  # to float32
-        self.eps = tuple(SIGNIFICANCE * eps(dt) for dt in dtypes)  # the threshold's factor
+        self.unit = tuple(SIGNIFICANCE[_BITS[dt]] * eps(dt) for dt in dtypes)  # threshold unit
         self.nrow = tuple(n // ROW * ROW for n in numels)  # elements summed in float32 rows
-        self.nblk = tuple(n // chunk for n in numels)  # whole significance blocks
-        self.blk = chunk
         self.pad = tuple(padded_nbytes(n) * 8 - n for n in numels)
         self.level = level
         self.bounds = tuple(float(b) for b in bounds)
@@ -207,13 +211,20 @@ class DeviceStats(nn.Cell):
         signs = []
         sigs = []
         raws = []
+        wide = []
+        amax = []
+        for j in self.idx:
+            w = grads[j].reshape(-1)
+            if self.widen[j]:
+                w = w.astype(ms.float32)  # exact
+            wide.append(w)
+            if self.want_sig:
+                amax.append(self._amax(w, j))
         for j in self.idx:
             if self.empty[j]:
                 rows.append(self._empty_row())
                 continue
-            w = grads[j].reshape(-1)
-            if self.widen[j]:
-                w = w.astype(ms.float32)  # exact
+            w = wide[j]
             sumsq = self._sumsq(w, j)
             if self.want_l2:
                 nans = ops.isnan(w).astype(ms.int32).sum().astype(ms.float64)
@@ -228,7 +239,10 @@ class DeviceStats(nn.Cell):
             if self.want_bits:
                 signs.append(self._pack(w > 0, self.pad[j], False))
                 if self.want_sig:
-                    sigs.append(self._pack(self._significant(w, j), self.pad[j], True))
+                    top = amax[j]
+                    for k in self.members[j]:
+                        top = ops.maximum(top, amax[k])
+                    sigs.append(self._pack(ops.abs(w) > top * self.unit[j], self.pad[j], True))
             if self.want_raw:
                 raws.append(w.astype(ms.float32))
         out = [ops.stack(rows)]
@@ -259,27 +273,12 @@ class DeviceStats(nn.Cell):
             total = total + (tail * tail).sum().astype(ms.float64)
         return total
 
-    def _significant(self, w, j):
-        """|x| > eps * max|x| over each block (a block with a NaN: nothing significant; the
-        block's sum of |x| is NaN exactly then)."""
+    def _amax(self, w, j):
+        """The largest finite |x| of gradient ``j`` (0 for an empty one)."""
+        if self.empty[j]:
+            return ops.zeros((), w.dtype)
         a = ops.abs(w)
-        whole = self.nblk[j] * self.blk
-        parts = []
-        if self.nblk[j] > 0:
-            head = a[:whole] if whole < self.n[j] else a
-            blocks = head.reshape(-1, self.blk)
-            bad = ops.isnan(blocks.sum(1, keepdims=True))
-            thr = blocks.max(1, keepdims=True) * self.eps[j]
-            thr = ops.select(bad, ops.full_like(thr, float("inf")), thr)
-            parts.append((blocks > thr).reshape(-1))
-        if whole < self.n[j]:
-            tail = a[whole:]
-            thr = tail.max() * self.eps[j]
-            thr = ops.select(ops.isnan(tail.sum()), ops.full_like(thr, float("inf")), thr)
-            parts.append(tail > thr)
-        if len(parts) == 1:
-            return parts[0]
-        return ops.cat(parts)
+        return ops.select(a < float("inf"), a, ops.zeros_like(a)).max()
 
     def _pack(self, mask, pad, fill):
         """Bits packed 8 per byte, most significant first, padded with ``fill`` bits."""

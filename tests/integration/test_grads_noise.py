@@ -57,7 +57,7 @@ def record(path, dtype, steps=3):
     model = GPT().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
-    with GradProbe(model, dump_path=str(path), significance=True):
+    with GradProbe(model, dump_path=str(path)):  # significance bits: on by default
         for _ in range(steps):
             idx = torch.randint(0, 64, (4, 16), generator=gen)
             logits = model(idx[:, :-1])

@@ -112,47 +112,58 @@ def test_bfloat16_and_auto_path():
         compute([g], Plan(layout), "L1", BOUNDS, where="gpu")
 
 
-def significant_ref(x: np.ndarray, eps: float, block: int) -> np.ndarray:
-    """The significance rule of probekit.grads.stats: |x| > eps * max|x| over each block of
-    ``block`` elements from the start; a block holding a NaN has no significant element."""
-    x = x.reshape(-1).astype(np.float64)
-    out = np.zeros(x.size, bool)
-    for lo in range(0, x.size, block):
-        part = np.abs(x[lo:lo + block])
-        if not np.isnan(part).any():
-            out[lo:lo + block] = part > np.float32(eps * part.max())
-    return out
+def significant_ref(x: np.ndarray, unit: float, scale: float) -> np.ndarray:
+    """The significance rule of probekit.grads.stats: |x| > unit * scale, scale the largest
+    finite |x| over the module's gradients, compared in float32; a NaN is never significant."""
+    a = np.abs(x.reshape(-1).astype(np.float32))
+    return a > np.float32(unit * scale)
+
+
+def finite_max(x: np.ndarray) -> float:
+    a = np.abs(x.reshape(-1).astype(np.float64))
+    return float(a[np.isfinite(a)].max())
 
 
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_significance_bits_by_the_pytorch_rule(where):
-    """The significance bits of both paths: per block of CHUNK elements, the gradient's own
-    epsilon (bf16/fp16 too), NaN blocks without significant elements, padding bits set."""
-    from probekit.grads.stats import CHUNK
+    """The significance bits of both paths: the largest finite |x| of the whole gradient (not a
+    block's) and of its module ("m.weight" and "m.bias" share one), SIGNIFICANCE[bits] * the
+    gradient's own epsilon (bf16/fp16 too), NaN never significant, padding bits set."""
+    from probekit.grads.stats import CHUNK, SIGNIFICANCE
 
     rng = np.random.default_rng(12)
     big = rng.standard_normal(2 * CHUNK + 1000).astype(np.float32)
     big[:CHUNK] *= 1e-3
-    big[7] = 2e-9  # above its block's threshold (~1e-3 * 2^-23), below the whole tensor's
-    big[CHUNK + 5] = np.nan  # the second block: nothing significant
+    big[7] = 2e-8  # above its first block's rounding level (~8 * 1e-3 * 2^-23), not the tensor's
+    big[9] = 1e-5  # above the tensor's (max ~5: 8 * 5 * 2^-23 = 4.8e-6)
+    big[CHUNK + 5] = np.nan
+    big[CHUNK + 6] = np.inf  # an Inf sets no threshold either
     half = (rng.standard_normal(300) * 4).astype(np.float16)
     half[3] = np.float16(2.0 ** -13)
     bf = np.float32(rng.standard_normal(100))
     bf[0], bf[1] = 1.0, 2.0 ** -9  # above float32's rounding level, below bfloat16's
-    grads = [ms.Tensor(big), ms.Tensor(half), ms.Tensor(bf).astype(ms.bfloat16)]
-    widened = [big, half.astype(np.float32), grads[2].astype(ms.float32).asnumpy()]
-    layout = Layout(("big", "half", "bf"), tuple(a.size for a in widened),
+    weight = rng.standard_normal(40).astype(np.float32)
+    bias = (rng.standard_normal(8) * 1e-7).astype(np.float32)  # noise at the weight's scale
+    grads = [ms.Tensor(big), ms.Tensor(half), ms.Tensor(bf).astype(ms.bfloat16),
+             ms.Tensor(weight), ms.Tensor(bias)]
+    widened = [big, half.astype(np.float32), grads[2].astype(ms.float32).asnumpy(), weight, bias]
+    layout = Layout(("big", "half", "bf", "m.weight", "m.bias"), tuple(a.size for a in widened),
                     tuple(a.shape for a in widened))
     out = compute(grads, Plan(layout), "L1", BOUNDS, where=where, significance=True)
     offsets = layout.offsets
-    for i, (x, e) in enumerate(zip(widened, (2.0 ** -23, 2.0 ** -10, 2.0 ** -7))):
+    units = (8 * 2.0 ** -23, 2.0 ** -10, 2.0 ** -7, 8 * 2.0 ** -23, 8 * 2.0 ** -23)
+    assert SIGNIFICANCE == {16: 1.0, 32: 8.0, 64: 8.0}
+    scales = [finite_max(x) for x in widened[:3]] + [finite_max(weight)] * 2
+    for i, (x, unit, scale) in enumerate(zip(widened, units, scales)):
         nb = -(-x.size // 64) * 8
         bits = out.significant[offsets[i]:offsets[i] + nb]
-        want = significant_ref(x, e, CHUNK)
+        want = significant_ref(x, unit, scale)
         assert np.array_equal(np.unpackbits(bits, count=x.size).astype(bool), want), i
         assert np.unpackbits(bits)[x.size:].all()  # padding: ones
     got = np.unpackbits(out.significant[:padded_nbytes(big.size)], count=big.size)
-    assert got[7] == 1 and not got[CHUNK:2 * CHUNK].any()
+    assert got[7] == 0 and got[9] == 1 and got[CHUNK + 5] == 0 and got[CHUNK + 6] == 1
+    assert 0 < got[CHUNK:2 * CHUNK].sum() < CHUNK
+    assert not np.unpackbits(out.significant[offsets[4]:offsets[4] + 1]).any()  # the bias
     assert np.unpackbits(out.significant[offsets[2]:offsets[2] + 1])[:2].tolist() == [1, 0]
     plain = compute(grads, Plan(layout), "L1", BOUNDS, where=where)
     assert plain.significant is None and np.array_equal(plain.direction, out.direction)

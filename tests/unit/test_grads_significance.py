@@ -41,12 +41,44 @@ def test_dense_gradients_write_no_significance_chunk(tmp_path):
     assert (open_grads(tmp_path)["significant"].values == 255).all()
 
 
-def test_significance_is_opt_in(tmp_path):
+def test_significance_is_on_by_default_and_can_be_turned_off(tmp_path):
     from probekit.grads import GradProbe
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with GradProbe(model, optimizer=opt, dump_path=str(tmp_path)):
-        model(torch.ones(1, 3)).sum().backward()
-        opt.step()
-    assert "significant" not in open_grads(tmp_path)
+    for name, options in (("on", {}), ("off", {"significance": False})):
+        with GradProbe(model, optimizer=opt, dump_path=str(tmp_path / name), **options):
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+    on, off = open_grads(tmp_path / "on"), open_grads(tmp_path / "off")
+    assert "significant" in on and "significant" not in off
+    # weight gradient: ones (row 1) and ones (row 2) -> every element significant; bias: 1, 1
+    assert on["significant"].values[0].tolist() == [255] * 16
+    assert np.array_equal(on["direction"].values, off["direction"].values)
+
+
+def test_threshold_is_the_whole_gradients_not_a_chunks():
+    """A chunk of tiny values inside a gradient with large ones: its elements are below the
+    gradient's rounding level (eps * the largest finite |g| of the whole gradient), so none is
+    significant, though each is large next to its own chunk's maximum; NaN and Inf set no
+    threshold."""
+    from probekit.grads.stats import CHUNK
+
+    g = torch.full((2 * CHUNK + 10,), 1e-9)
+    g[CHUNK:] = 1.0
+    g[5] = 2 ** -19  # above 8 * eps32 * 1.0 = 2**-20
+    g[CHUNK + 1] = float("nan")
+    g[CHUNK + 2] = float("inf")
+    lay = Layout(("w",), (g.numel(),), ((g.numel(),),))
+    for path in ("numpy", "auto"):
+        from probekit.grads import kernel
+
+        kernel.set_path(path)
+        try:
+            out = compute([g], lay, "L1", (-1, 0, 1))
+        finally:
+            kernel.set_path("auto")
+        bits = np.unpackbits(out.significant, count=g.numel())
+        assert bits[:CHUNK].sum() == 1 and bits[5] == 1, path
+        assert bits[CHUNK:].sum() == CHUNK + 10 - 1, path  # all but the NaN
+        assert bits[CHUNK + 1] == 0 and bits[CHUNK + 2] == 1, path

@@ -145,28 +145,24 @@ def test_tiny_values_do_not_underflow():
 
 
 def test_device_path_matches_cpu_path():
-    """The accelerator code path (whole-tensor torch ops, packing on device) run on CPU tensors."""
+    """The accelerator code path (whole-tensor torch ops, packing on device) run on CPU tensors:
+    the same values as the CPU path, significance bits included (a module's gradients share
+    their largest |g|: "m.weight" and "m.bias")."""
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(1000, generator=gen), torch.randn(7, 3, generator=gen).to(torch.bfloat16),
-             torch.tensor([0.0, -0.0, 2.0])]
-    lay = layout_of(*grads)
+             torch.tensor([0.0, -0.0, 2.0]), torch.randn(40, generator=gen) * 1e-7]
+    lay = Layout(("a", "b", "m.weight", "m.bias"), tuple(g.numel() for g in grads),
+                 tuple(tuple(g.shape) for g in grads))
     cpu = compute(grads, lay, "L2", BOUNDS)
-    dev = stats.StepStats(present=np.ones(3, bool), max=np.full(3, np.nan),
-                          min=np.full(3, np.nan), norm=np.full(3, np.nan),
-                          zeros=np.full(3, np.nan), dist=np.full((3, 4), np.nan),
-                          direction=np.zeros(lay.nbytes, np.uint8),
-                          significant=np.zeros(lay.nbytes, np.uint8))
-    offs = lay.offsets
-    spans = [slice(offs[i], offs[i] + padded_nbytes(g.numel())) for i, g in enumerate(grads)]
-    jobs = [(i, g, (dev.direction[spans[i]], dev.significant[spans[i]]))
-            for i, g in enumerate(grads)]
-    stats._device_params(jobs, dev, np.asarray(BOUNDS, float), "L2", "md5")
-    stats.pad_significance(dev, lay)
+    dev = compute(grads, lay, "L2", BOUNDS, _device_path=True)
     assert dev.max.tolist() == cpu.max.tolist() and dev.min.tolist() == cpu.min.tolist()
     assert np.allclose(dev.norm, cpu.norm, rtol=1e-6, atol=0)
     assert dev.dist.tolist() == cpu.dist.tolist() and dev.zeros.tolist() == cpu.zeros.tolist()
     assert dev.direction.tolist() == cpu.direction.tolist()
     assert dev.significant.tolist() == cpu.significant.tolist()
+    bias = np.unpackbits(cpu.significant[lay.offsets[3]:lay.offsets[3] + 5], count=40)
+    assert bias.sum() == 0  # next to the weight's 2.0: below 8 * eps32 * 2.0 = 1.9e-6
+    assert np.abs(grads[3].numpy()).max() < 8 * 2 ** -23 * 2.0
 
 
 def test_size_mismatch_is_an_error():
@@ -207,16 +203,44 @@ def test_threaded_split_equals_single_thread(monkeypatch, level):
         assert (a is None and b is None) or np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), name
 
 
+
+
 def test_significance_bits():
-    """|g| > eps(dtype) * max|g|: exact bits for float32 and bfloat16."""
+    """|g| > SIGNIFICANCE[bits] * eps(dtype) * max|g|: exact bits for float32 and bfloat16."""
     eps32 = float(torch.finfo(torch.float32).eps)
-    g = torch.tensor([1.0, -1e-3, 1.5 * eps32, -5 * eps32, 0.0, -2.0, 1e-30, 9 * eps32])
+    assert stats.SIGNIFICANCE == {16: 1.0, 32: 8.0, 64: 8.0}
+    g = torch.tensor([1.0, -1e-3, 10 * eps32, -20 * eps32, 0.0, -2.0, 1e-30, 17 * eps32])
     lay = layout_of(g)
     out = compute([g], lay, "L1", BOUNDS)
-    # max|g| = 2: threshold 2 * eps32
+    # max|g| = 2: threshold 8 * eps32 * 2 = 16 eps32
     assert np.unpackbits(out.significant[:1]).tolist() == [1, 1, 0, 1, 0, 1, 0, 1]
     assert out.significant[1:].tolist() == [255] * 7  # padding to 64 bits: ones
     assert np.unpackbits(out.direction[:1]).tolist() == [1, 0, 1, 0, 0, 0, 1, 1]
     b = torch.tensor([1.0, 0.03, -0.03, 0.005], dtype=torch.bfloat16)  # threshold 1/128
     out = compute([b], layout_of(b), "L1", BOUNDS)
     assert np.unpackbits(out.significant[:1]).tolist()[:4] == [1, 1, 1, 0]
+    # fp32 gradients computed under bf16 autocast: bfloat16's threshold
+    f = b.float()
+    out = compute([f], layout_of(f), "L1", BOUNDS, compute_dtype=torch.bfloat16)
+    assert np.unpackbits(out.significant[:1]).tolist()[:4] == [1, 1, 1, 0]
+    out = compute([f], layout_of(f), "L1", BOUNDS)
+    assert np.unpackbits(out.significant[:1]).tolist()[:4] == [1, 1, 1, 1]
+
+
+def test_significance_scale_is_the_modules():
+    """A module's gradients share one scale: a key bias whose gradient is rounding noise of
+    its weight's scale has no significant element, though each is large next to its own max;
+    a parameter alone in its module keeps its own scale."""
+    w = torch.tensor([0.5, -1.0, 0.25, 0.75])
+    noise = torch.tensor([3e-7, -2e-7, 1e-7])  # < 8 * eps32 * 1.0 = 9.5e-7
+    alone = noise.clone()
+    lay = Layout(("attn.key.weight", "attn.key.bias", "other.bias"), (4, 3, 3),
+                 ((4,), (3,), (3,)))
+    out = compute([w, noise, alone], lay, "L1", BOUNDS)
+    assert lay.modules.tolist() == [0, 0, 1]
+    # parameters of the root module (no dot) are each alone
+    assert Layout(("cls", "pos", "a.w", "a.b", "b"), (1,) * 5, ((1,),) * 5).modules.tolist() == [
+        0, 1, 2, 2, 3]
+    bits = [np.unpackbits(out.significant[o:o + 1], count=n).tolist()
+            for o, n in zip(lay.offsets, lay.numels)]
+    assert bits == [[1, 1, 1, 1], [0, 0, 0], [1, 1, 1]]
