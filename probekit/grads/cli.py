@@ -111,7 +111,7 @@ def _declare_export(p):
 
 @command("grads", "export", "write a run in another tool's layout (msprobe's grad dump)")
 def export(args) -> int:
-    from .msprobe import write_grad_dump
+    from .export import write_grad_dump
 
     files = write_grad_dump(args.run, args.output, storage_options=args.storage_options)
     print(f"wrote {len(files)} files under {args.output}")

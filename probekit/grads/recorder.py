@@ -387,7 +387,7 @@ class GradProbe:
     # -- results ---------------------------------------------------------------------------
     def dataset(self, chunks=None):
         """The recorded (committed) steps of this rank as an xarray Dataset; flushes first."""
-        from . import open_grads
+        from .sources import open_grads
 
         self.flush()
         if self._sharded:  # the whole model from every rank's committed shards
