@@ -69,7 +69,8 @@ def test_text():
     assert [human_bytes(n) for n in (0, 1023, 1024, 20051, 3 << 30)] == [
         "0 bytes", "1023 bytes", "1.0 KiB", "19.6 KiB", "3.0 GiB"]
     one = ProbeSummary(steps=1, params=1, bytes=512, store="s3://b/run/grads.zarr/rank0")
-    assert str(one) == "grad_probe: 1 step x 1 param recorded, 512 bytes in s3://b/run/grads.zarr/rank0"
+    assert str(one) == ("grad_probe: 1 step x 1 param recorded, 512 bytes in "
+                        "s3://b/run/grads.zarr/rank0")
 
 
 def test_bytes_of_a_store_behind_a_url():
