@@ -13,7 +13,7 @@ silently return the first with the first's config).
 
 Features register a factory in ``FEATURES`` (task name -> "module:function"); the factory takes the
 validated ``Config`` and returns a session with ``start()``, ``stop()``, ``step()``,
-``monitor(model, optimizer=None)`` and ``close()``.
+``monitor(model, optimizer=None)``, ``close()`` and the properties ``results`` and ``summary``.
 """
 from __future__ import annotations
 
@@ -189,6 +189,14 @@ class PrecisionDebugger:
     def results(self):
         """The feature's results (free_benchmark: DataFrame of findings; grad_probe: Dataset)."""
         return self._get_session().results if self.active else None
+
+    @property
+    def summary(self):
+        """What the run found or wrote, a dict whose ``str()`` is one line (free_benchmark:
+        calls seen, checked, skipped, flagged, steps; grad_probe: steps, parameters, bytes,
+        where the store is); None on a rank the filter excludes (grad_probe: before
+        ``monitor``)."""
+        return self._get_session().summary if self.active else None
 
     def close(self) -> None:
         """Stop, flush and remove every hook; the debugger cannot be used afterwards."""

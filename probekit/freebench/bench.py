@@ -25,7 +25,7 @@ from .compiled import MESSAGE as COMPILED_MESSAGE
 from .compiled import CompileGuard, CompiledModelError, is_compiled_module
 from .intercept import Engine, make_mode
 from .modules import ModuleScope
-from .view import Findings, summary_line
+from .view import Findings, Summary, summary_line
 
 log = get_logger("probekit.freebench")
 
@@ -234,12 +234,14 @@ class FreeBench:
         return _results.frame(self._rows)
 
     @property
-    def summary(self) -> dict:
+    def summary(self) -> Summary:
+        """Calls seen, checked, skipped ``{reason: n}``, flagged, steps (and hot spots, coverage
+        when they apply): a dict whose ``str()`` is the findings view's one-line summary."""
         self._gather()
         s = self._engine.summary()
         if self._compile_guard.refused:
             s["compiled_refused"] = self._compile_guard.refused
-        return s
+        return Summary(s)
 
     @property
     def hotspots(self):

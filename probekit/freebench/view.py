@@ -126,6 +126,13 @@ def summary_line(summary: dict | None, n_rows: int = 0) -> str:
     return " · ".join(parts)
 
 
+class Summary(dict):
+    """``FreeBench.summary``: the counts, a dict whose ``str()`` is ``summary_line``."""
+
+    def __str__(self) -> str:
+        return summary_line(self)
+
+
 class Findings:
     """Free-benchmark results as a table by severity plus a summary line."""
 

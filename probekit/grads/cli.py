@@ -1,11 +1,14 @@
 """``probekit grads compare|summary|export``."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ..commands import command
 from .compare import DROP_THRESHOLD, STEP0_THRESHOLD
 from .report import PLOTS
+from .unmatched import mostly_unmatched, unmatched, unmatched_text
 
 
 def _declare_compare(p):
@@ -20,7 +23,33 @@ def _declare_compare(p):
     p.add_argument("--scheduler", metavar="ADDR", default=None,
                    help="run the comparison on this dask.distributed scheduler "
                         "(tcp://host:8786); default: the local cores")
+    unmatched_argument(p)
     _storage_argument(p)
+
+
+def unmatched_argument(p):
+    p.add_argument("--allow-unmatched", action="store_true",
+                   help="exit 0 even when more than half of a run's parameters have no "
+                        "counterpart in the other (they are named either way)")
+
+
+def report_unmatched(result, allow: bool, hint: str = "") -> int:
+    """Print the parameters of one run only, per rank; the exit code: 1 when more than half of
+    a run's parameters are unmatched (said on stderr) unless ``allow``, else 0."""
+    refused = []
+    for rank in result["rank"].values:
+        r = result.sel(rank=rank)
+        u = unmatched(r)
+        text = unmatched_text(u["first"], u["second"], u["n_first"], u["n_second"])
+        if text:
+            print(f"rank {int(rank)}: {text}")
+        refused += [f"rank {int(rank)}: {m}" for m in mostly_unmatched(r)]
+    if refused and not allow:
+        print(f"probekit: error: {'; '.join(refused)} have no counterpart in the other run "
+              f"(more than half), so the comparison covers too little of it{hint}; "
+              "--allow-unmatched accepts this", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _storage_argument(p):
@@ -64,7 +93,7 @@ def compare(args) -> int:
         else:
             print(f"rank {int(rank)}: no step flagged (steps {steps.min()}..{steps.max()})")
     print(f"written to {args.output}")
-    return 0
+    return report_unmatched(result, args.allow_unmatched)
 
 
 compare.declare = _declare_compare
@@ -111,7 +140,7 @@ def _declare_export(p):
 
 @command("grads", "export", "write a run in another tool's layout (msprobe's grad dump)")
 def export(args) -> int:
-    from .msprobe import write_grad_dump
+    from .export import write_grad_dump
 
     files = write_grad_dump(args.run, args.output, storage_options=args.storage_options)
     print(f"wrote {len(files)} files under {args.output}")

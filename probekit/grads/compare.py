@@ -4,7 +4,8 @@ similarity(rank, step, param) = share of elements whose sign bit (``grad > 0``) 
 runs; total(rank, step) = the same over all compared elements (the element-weighted mean).
 A parameter is flagged at the first compared step if its similarity is below ``step0_threshold``
 (0.97), and at a later step if it dropped by more than ``drop_threshold`` (0.03) since the
-previous compared step; ``flag_total`` applies the same rule to ``total``.
+previous compared step; ``flag_total`` applies the same rule to ``total``. Parameters are paired
+by name (without wrapper prefixes); those of one run only are named in the result and logged.
 
 The sign bits are read in blocks of steps as 64-bit words, XOR-ed, counted with
 ``np.bitwise_count`` and summed per parameter with ``np.add.reduceat``: no loop over files,
@@ -22,6 +23,7 @@ from ..errors import GradCompareError
 from ..log import get_logger
 from .names import canonical_names
 from .chunks import bit_reader
+from .unmatched import unmatched_text, unmatched_vars
 
 log = get_logger(__name__)
 
@@ -79,24 +81,34 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     return finish_pair(plan, parts, step0_threshold, drop_threshold, noise_aware)
 
 
-def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES) -> dict:
+def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES, *,
+              label: str = "") -> dict:
     """What the comparison of two Datasets needs besides the sign bits (small arrays): shared
-    parameters and steps, word layout, presence, blocks of steps. Raises on runs that cannot
-    be compared."""
+    parameters and steps, word layout, presence, blocks of steps, and the parameters found in
+    one run only (logged as a warning, prefixed with ``label``). Raises on runs that cannot be
+    compared."""
     for name, ds in (("first", a), ("second", b)):
         if "direction" not in ds:
             raise GradCompareError(
                 f"the {name} run was recorded at grad_level {ds.attrs.get('level', '?')!r}, "
                 "which keeps no direction data; accepted: runs recorded at L1 or L2")
     # names matched without wrapper prefixes (an msprobe dump of a DDP run has "module.*")
-    names_a = list(canonical_names(str(x) for x in a["param"].values))
-    names_b = list(canonical_names(str(x) for x in b["param"].values))
+    raw_a = [str(x) for x in a["param"].values]
+    raw_b = [str(x) for x in b["param"].values]
+    names_a, names_b = list(canonical_names(raw_a)), list(canonical_names(raw_b))
+    index_a = {n: i for i, n in enumerate(names_a)}
     index_b = {n: i for i, n in enumerate(names_b)}
     common = [n for n in names_a if n in index_b]
+    # parameters of one run only, by the names the run holds, and those a step before the
+    # comparison left out (``left_out``: mindspore.align, a name mapping to no reference one)
+    only_a = [r for r, n in zip(raw_a, names_a) if n not in index_b] + _left_out(a)
+    only_b = [r for r, n in zip(raw_b, names_b) if n not in index_a] + _left_out(b)
+    n_a, n_b = len(names_a) + len(_left_out(a)), len(names_b) + len(_left_out(b))
     if not common:
         raise GradCompareError(f"the runs share no parameter (first: {names_a[:3]}..., second: "
                                f"{names_b[:3]}...)")
-    index_a = {n: i for i, n in enumerate(names_a)}
+    if only_a or only_b:
+        log.warning("%s%s", label, unmatched_text(only_a, only_b, n_a, n_b))
     pos_a = np.array([index_a[n] for n in common])
     pos_b = np.array([index_b[n] for n in common])
     numel_a = np.asarray(a["numel"].values, np.int64)[pos_a]
@@ -131,7 +143,8 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
     block = min(block, per_task)
     per_task = per_task // block * block
     return {
-        "common": common, "steps": steps, "rows_a": rows_a, "rows_b": rows_b,
+        "common": common, "only_a": only_a, "only_b": only_b, "n_a": n_a, "n_b": n_b,
+        "steps": steps, "rows_a": rows_a, "rows_b": rows_b,
         "numel": numel_a, "nwords": nwords, "word0": word0, "same_layout": same_layout,
         "words_a": None if same_layout else _word_index(a, pos_a),
         "words_b": None if same_layout else _word_index(b, pos_b),
@@ -259,11 +272,16 @@ def finish_pair(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
     data["flag"] = (("step", "param"), flags(judged, step0_threshold, drop_threshold))
     data["flag_total"] = (("step",), flags(judged_total[:, None], step0_threshold,
                                            drop_threshold)[:, 0])
+    data.update(unmatched_vars(plan["only_a"], plan["only_b"], plan["n_a"], plan["n_b"]))
     out = xr.Dataset(data, coords={"step": plan["steps"],
                                    "param": np.array(plan["common"], dtype=str),
                                    "numel": ("param", numel_a)})
     out.attrs["noise_aware"] = int(bool(use_sig and noise_aware))
     return out
+
+
+def _left_out(ds) -> list:
+    return [str(n) for n in ds.attrs.get("left_out", ())]
 
 
 def _present(ds, rows, pos) -> np.ndarray:
@@ -331,7 +349,11 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     Result: ``similarity(rank, step, param)``, ``total(rank, step)``, ``flag(rank, step, param)``,
     ``flag_total(rank, step)``, ``differ(rank, step, param)`` (elements whose sign differs,
     -1 where a run had no gradient), ``first_step(rank)`` (-1 if nothing was flagged) and
-    ``first_param(rank)``; only steps and parameters present in both runs. With significance
+    ``first_param(rank)``, over the steps and parameters present in both runs. The parameters
+    of one run only are named, never dropped silently (``unmatched.py``): ``only_in_first(rank,
+    first_only)`` and ``only_in_second(rank, second_only)`` (names; "" pads a rank with fewer),
+    ``n_only_in_first(rank)``, ``n_only_in_second(rank)``, and each run's parameter count
+    ``n_params_first(rank)``, ``n_params_second(rank)``; a warning is logged. With significance
     bits in both runs also ``similarity_significant``, ``significant`` (elements significant in
     both) and ``total_significant``; ``noise_aware`` (default) judges flags and the first
     divergence on them, ``noise_aware=False`` on msprobe's plain ``similarity``.
@@ -360,7 +382,7 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
 
     plans, tasks = [], []
     for r, ds_a, ds_b in pairs:
-        plan = plan_pair(ds_a, ds_b, block_bytes, task_bytes)
+        plan = plan_pair(ds_a, ds_b, block_bytes, task_bytes, label=f"rank {r}: ")
         src = dask.delayed(bit_sources(ds_a, ds_b, plan), pure=False, traverse=False)
         lazy_plan = dask.delayed(plan, pure=False, traverse=False)
         plans.append(plan)
@@ -383,6 +405,7 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
         out = xr.concat(parts, dim="rank", join="outer", fill_value={
             "similarity": np.nan, "total": np.nan, "flag": False, "flag_total": False,
             "differ": -1, "numel": 0, "similarity_significant": np.nan, "significant": -1,
-            "total_significant": np.nan}, coords="different", compat="equals")
+            "total_significant": np.nan, "only_in_first": "", "only_in_second": ""},
+            coords="different", compat="equals")
     out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
     return out

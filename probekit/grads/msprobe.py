@@ -7,7 +7,8 @@ Grad probe (msprobe 1.0.4, PyTorch)::
     {dump_path}/rank{r}/step{s}/{param}.npy          bool array of grad > 0, the param's shape
 
 ``read_grad_dump`` returns the same Dataset as ``probekit.open_grads`` (sign bits packed the same
-way), and ``write_grad_dump`` writes a Dataset back out in msprobe's layout.
+way), and ``write_rank`` writes one rank's Dataset back out in msprobe's layout. A format module:
+it reads no other store (``export.write_grad_dump`` turns any run into this layout).
 """
 from __future__ import annotations
 
@@ -162,25 +163,12 @@ def _load_direction(step_dir: str, param: str, numel: int) -> np.ndarray:
     return arr.reshape(-1)
 
 
-def write_grad_dump(source, out_path: str, ranks=None, storage_options=None) -> list[str]:
-    """Write a grad run (path, URL or Dataset) in msprobe's layout under ``out_path``; returns
-    the files written."""
-    from .sources import load_runs
-
-    runs = load_runs(source, chunks=None, storage_options=storage_options)
-    written = []
-    for rank, ds in sorted(runs.items()):
-        if ranks is not None and rank not in ranks:
-            continue
-        written += _write_rank(ds, os.path.join(out_path, f"rank{rank}"))
-    return written
-
-
 def _fmt_float(x: float) -> str:
     return repr(float(x))
 
 
-def _write_rank(ds, rank_dir: str) -> list[str]:
+def write_rank(ds, rank_dir: str) -> list[str]:
+    """One rank's Dataset in msprobe's layout under ``rank_dir``; returns the files written."""
     os.makedirs(rank_dir, exist_ok=True)
     level = ds.attrs.get("level", "L1")
     bounds = ds.attrs.get("bounds", [-1, 0, 1])

@@ -24,6 +24,7 @@ from .names import canonical_names
 from .placement import (amax_reducer, ddp_first_rank, dtensor_placement, first_replica,
                         is_dtensor, local_grad)
 from .store import GradWriter
+from .summary import ProbeSummary, probe_summary
 
 log = get_logger(__name__)
 
@@ -214,7 +215,8 @@ class GradProbe:
         return self
 
     def stop(self) -> None:
-        """Remove the hooks and write every buffered step."""
+        """Remove the hooks and write every buffered step; log the one-line ``summary`` (when
+        this rank records)."""
         handles, self._handles = self._handles, []
         try:
             for h in handles:
@@ -226,6 +228,14 @@ class GradProbe:
             finally:
                 if self._scratch is not None:
                     self._scratch.close()  # the pool's threads end with the probe
+        if handles and self._writer is not None:
+            log.info("%s", self.summary)
+
+    @property
+    def summary(self) -> ProbeSummary:
+        """Steps written (all of them after ``stop()``), parameters, bytes of this rank's store
+        and where it is; ``str()`` of it is the line ``stop()`` logs."""
+        return probe_summary(self._writer, len(self.param_names))
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -405,7 +415,7 @@ class GradProbe:
     # -- results ---------------------------------------------------------------------------
     def dataset(self, chunks=None):
         """The recorded (committed) steps of this rank as an xarray Dataset; flushes first."""
-        from . import open_grads
+        from .sources import open_grads
 
         self.flush()
         if self._sharded:  # the whole model from every rank's committed shards

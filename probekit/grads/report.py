@@ -1,4 +1,5 @@
-"""msprobe's ``GradComparator.compare_distributed``: similarities.csv and plots per rank."""
+"""msprobe's ``GradComparator.compare_distributed``: similarities.csv and plots per rank, and
+``unmatched_params.csv`` naming the parameters of one run only."""
 from __future__ import annotations
 
 import csv
@@ -9,9 +10,11 @@ import numpy as np
 from ..log import get_logger
 from ..paths import safe_join
 from .compare import DROP_THRESHOLD, STEP0_THRESHOLD, compare_grads
+from .unmatched import unmatched
 
 log = get_logger(__name__)
 PLOTS = ("all", "summary", "none")
+UNMATCHED_CSV = "unmatched_params.csv"
 
 
 def write_similarities_csv(result, rank: int, path: str) -> None:
@@ -29,6 +32,20 @@ def write_similarities_csv(result, rank: int, path: str) -> None:
         csv.writer(fh).writerows(rows)
 
 
+def write_unmatched_csv(result, rank: int, path: str) -> bool:
+    """``run,param`` rows (``first``/``second``), one per parameter of one run only; no file
+    (an earlier one removed) when every parameter has its counterpart. True if written."""
+    u = unmatched(result.sel(rank=rank))
+    rows = [("first", n) for n in u["first"]] + [("second", n) for n in u["second"]]
+    if not rows:
+        if os.path.exists(path):
+            os.remove(path)
+        return False
+    with open(path, "w", encoding="utf-8", newline="") as fh:
+        csv.writer(fh).writerows([("run", "param"), *rows])
+    return True
+
+
 class GradComparator:
     """msprobe's entry point for comparing two grad dumps."""
 
@@ -36,7 +53,8 @@ class GradComparator:
     def compare_distributed(dump_path1, dump_path2, output_path, *, plots: str = "all",
                             step0_threshold: float = STEP0_THRESHOLD,
                             drop_threshold: float = DROP_THRESHOLD, **compare_options):
-        """Compare every rank two runs share; write ``rank{r}/similarities.csv`` and plots.
+        """Compare every rank two runs share; write ``rank{r}/similarities.csv`` and plots, and
+        ``rank{r}/unmatched_params.csv`` when some parameters are in one run only.
 
         ``plots``: ``"all"`` (msprobe's per-parameter PNGs + summary), ``"summary"`` (only
         ``summary_similarities.png``) or ``"none"``. ``compare_options`` go to
@@ -52,6 +70,7 @@ class GradComparator:
             rank_dir = os.path.join(output_path, f"rank{int(rank)}")
             os.makedirs(rank_dir, exist_ok=True)
             write_similarities_csv(result, int(rank), os.path.join(rank_dir, "similarities.csv"))
+            write_unmatched_csv(result, int(rank), os.path.join(rank_dir, UNMATCHED_CSV))
             if plots != "none":
                 _write_pictures(result.sel(rank=rank), os.path.join(rank_dir,
                                 "similarities_picture"), per_param=plots == "all")

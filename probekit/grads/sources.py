@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from . import msprobe
 from .assemble import assemble_runs, is_sharded
 from .storage import location
 from .store import GradStoreError, find_store, open_rank, store_ranks
@@ -40,8 +41,6 @@ def load_runs(source, *, chunks=None, storage_options=None, shards: bool = False
 
 def _rank_reader(fs, path: str, chunks):
     """(ranks recorded at ``path``, a function reading one of them): msprobe dump or our store."""
-    from . import msprobe
-
     if not fs.remote and os.path.isdir(path) and msprobe.is_grad_dump(path):
         return msprobe.grad_dump_ranks(path), lambda r: msprobe.read_grad_dump(path, r)
     store = find_store(path, fs)

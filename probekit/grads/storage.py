@@ -100,6 +100,12 @@ class Local:
         shutil.rmtree(path)
 
     @staticmethod
+    def du(path) -> int:
+        """Bytes of the files under ``path``."""
+        return sum(os.path.getsize(os.path.join(folder, f))
+                   for folder, _, files in os.walk(path) for f in files)
+
+    @staticmethod
     def url(path) -> str:
         return os.path.abspath(path)
 
@@ -194,6 +200,10 @@ class Remote:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+
+    def du(self, path) -> int:
+        """Bytes of the objects under ``path``."""
+        return int(self.fs.du(path, total=True))
 
     def url(self, path) -> str:
         return f"{self.protocol}://{path}"

@@ -314,6 +314,10 @@ class GradWriter:
                 self._lock.release()
         return True
 
+    def nbytes(self) -> int:
+        """Bytes the rank group holds on its storage now (every array, attribute and marker)."""
+        return self.fs.du(self.path)
+
     def close(self) -> None:
         try:
             self.flush()

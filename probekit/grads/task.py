@@ -37,6 +37,11 @@ class GradSession:
     def results(self):
         return self.probe.dataset() if self.probe is not None and self.probe.has_store else None
 
+    @property
+    def summary(self):
+        """The probe's ``ProbeSummary`` (None before ``monitor``)."""
+        return self.probe.summary if self.probe is not None else None
+
 
 def open_session(config) -> GradSession:
     return GradSession(config)

@@ -10,7 +10,10 @@ reference name`` (return None to drop a parameter), or None for the automatic ru
 in the reference is kept; otherwise MindSpore's suffixes become PyTorch's (``ms_to_torch_name``):
 ``.gamma`` -> ``.weight``, ``.beta`` -> ``.bias``, ``.moving_mean`` -> ``.running_mean``,
 ``.moving_variance`` -> ``.running_var``, ``.embedding_table`` -> ``.weight``. Parameters found in
-one run only are left out of the comparison (as ``compare_grads`` does).
+one run only are left out of the comparison and named: the aligned run's attribute ``left_out``
+lists, by their MindSpore names, those of the other run that map to no reference parameter (a
+mapping returning None drops one on purpose: not listed), and ``compare_grads`` reports them
+with the reference's own unmatched parameters (``only_in_second``, ``only_in_first``).
 
 Layouts (``transpose``): ``"auto"`` transposes a 2-D weight whose shape is the reverse of the
 reference's (e.g. ``(in, out)`` against ``(out, in)``); a square weight cannot be told apart and
@@ -81,8 +84,12 @@ def align_rank(reference, other, mapping=None, transpose="auto"):
     explicit = set() if transpose in ("auto", None) else set(transpose)
     flip = []
     keep = []
+    left_out = []
     for j, (n, t) in enumerate(zip(names, targets)):
-        if t is None or t not in ref_shape:
+        if t is None:
+            continue
+        if t not in ref_shape:
+            left_out.append(n)
             continue
         keep.append(j)
         want, have = ref_shape[t], shapes[j]
@@ -119,7 +126,8 @@ def align_rank(reference, other, mapping=None, transpose="auto"):
             bits[:, lo:lo + padded_nbytes(n)] = _pad_pack(seg, n)
         ds = ds.assign(direction=(("step", "byte"), bits))
     ds.attrs = {**other.attrs, "aligned_to_reference": 1,
-                "transposed": [targets[j] for j in flip]}
+                "transposed": [targets[j] for j in flip],
+                "left_out": list(other.attrs.get("left_out", ())) + left_out}
     return ds
 
 

@@ -6,6 +6,7 @@ import json
 import numpy as np
 
 from ..commands import command
+from ..grads.cli import report_unmatched, unmatched_argument
 from ..grads.report import PLOTS
 
 
@@ -19,6 +20,7 @@ def _declare_compare(p):
     p.add_argument("--transpose", nargs="*", default=None, metavar="PARAM",
                    help="weights to transpose (default: 2-D weights with reversed shapes)")
     p.add_argument("--plots", choices=PLOTS, default="summary")
+    unmatched_argument(p)
 
 
 @command("mindspore", "compare", "compare a PyTorch run with a MindSpore run of the same model")
@@ -43,7 +45,8 @@ def compare(args) -> int:
               f"steps; total similarity {np.nanmin(total):.4f}..{np.nanmax(total):.4f}"
               + (f"; transposed: {', '.join(flipped)}" if flipped else ""))
     print(f"written to {args.output}")
-    return 0
+    return report_unmatched(result, args.allow_unmatched,
+                            " (--map JSON pairs MindSpore names with PyTorch ones)")
 
 
 compare.declare = _declare_compare

@@ -98,6 +98,12 @@ class PrecisionDebugger:
         """The recorded steps of this rank as an xarray Dataset (None before ``monitor``)."""
         return self.probe.dataset() if self.probe is not None and self.probe.has_store else None
 
+    @property
+    def summary(self):
+        """The probe's ``ProbeSummary``: steps, parameters, bytes, where the store is; ``str()``
+        is one line (None before ``monitor``)."""
+        return self.probe.summary if self.probe is not None else None
+
     def close(self) -> None:
         if self._closed:
             return

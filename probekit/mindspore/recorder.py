@@ -33,6 +33,7 @@ from ..config import ConfigError, config_for, grad_probe_options
 from ..grads import stats as host_stats
 from ..grads.stats import Layout, StepStats, padded_nbytes
 from ..grads.store import GradWriter
+from ..grads.summary import ProbeSummary, probe_summary
 from ..log import Once, ensure_handler, get_logger
 from . import graph as _graph
 from . import stats as _stats
@@ -236,7 +237,8 @@ class GradProbe:
         """Detach from the optimizer and write every buffered step.
 
         Raises ``GraphModeError`` (after writing) when the optimizer ran steps the probe did
-        not see: a train step compiled before ``monitor()`` holds no tap."""
+        not see: a train step compiled before ``monitor()`` holds no tap. Logs the one-line
+        ``summary`` once the steps are written."""
         tap, self._tap = self._tap, None
         _RECORDING.discard(self)
         missed = 0
@@ -263,6 +265,8 @@ class GradProbe:
             finally:
                 if self._plan is not None:
                     self._plan.close()
+        if tap is not None and self._writer is not None:
+            log.info("%s", self.summary)
         if missed > 0:
             raise GraphModeError(
                 f"grad_probe: the optimizer ran {missed} step(s) that probekit did not see "
@@ -271,6 +275,13 @@ class GradProbe:
                 "call already made), which holds no probe. Call monitor() before the first "
                 "call of the compiled train step, or compile a new one after it (a new ms.jit "
                 "function or TrainOneStepCell).")
+
+    @property
+    def summary(self) -> ProbeSummary:
+        """Steps written (all of them after ``stop()``), parameters, bytes of this rank's store
+        and where it is; ``str()`` of it is the line ``stop()`` logs (``grads/summary.py``, as
+        for PyTorch)."""
+        return probe_summary(self._writer, len(self.param_names))
 
     def flush(self) -> None:
         if self._writer is not None:

@@ -188,7 +188,7 @@ class FreeBenchMagics(Magics):
         if not args.name.isidentifier():
             raise UsageError(f"-o: {args.name!r} is not valid; accepted: a Python identifier")
         config = self.build_config(args)
-        from .. import FreeBench
+        from ..freebench.bench import FreeBench
 
         model = self._model(args, config)
         try:

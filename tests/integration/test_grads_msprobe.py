@@ -123,7 +123,7 @@ def test_identical_similarities_to_msprobes_comparator(runs):
 
 
 def test_msprobe_compares_our_export(runs):
-    from probekit.grads.msprobe import write_grad_dump
+    from probekit.grads.export import write_grad_dump
 
     tmp, _ = runs
     write_grad_dump(str(tmp / "pk_a"), str(tmp / "pk_a_ms"))

@@ -14,7 +14,8 @@ import xarray as xr
 
 import probekit
 from probekit import PrecisionDebugger
-from probekit.grads.msprobe import read_grad_dump, write_grad_dump
+from probekit.grads.export import write_grad_dump
+from probekit.grads.msprobe import read_grad_dump
 from probekit.grads import GradComparator, GradProbe, compare_grads, open_grads
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))

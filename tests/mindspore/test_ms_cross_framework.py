@@ -148,3 +148,84 @@ def test_ms_to_torch_name():
     assert ms_to_torch_name("bn.moving_variance") == "bn.running_var"
     assert ms_to_torch_name("emb.embedding_table") == "emb.weight"
     assert ms_to_torch_name("fc.weight") == "fc.weight"
+
+
+class RenamedMLP(ms.nn.Cell):
+    """The MLP under other module paths (``inp``, ``hidden``; ``head`` as in PyTorch's)."""
+
+    def __init__(self, sizes=(6, 16, 8, 3)):
+        super().__init__()
+        self.inp = ms.nn.Dense(sizes[0], sizes[1])
+        self.hidden = ms.nn.Dense(sizes[1], sizes[2])
+        self.head = ms.nn.Dense(sizes[2], sizes[3])
+
+    def construct(self, x):
+        return self.head(ms.ops.tanh(self.hidden(ms.ops.tanh(self.inp(x)))))
+
+
+def record_renamed(tmp_path):
+    """A PyTorch run of the MLP and a MindSpore run of ``RenamedMLP`` (no mapping pairs them)."""
+    ms.set_seed(11)
+    net = RenamedMLP()
+    batches = data(STEPS, seed=4)
+    opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.05)
+    with GradProbe(opt, grad_level="L1", dump_path=tmp_path / "ms"):
+        train(net, opt, batches)
+    tnet = TorchMLP()
+    topt = torch.optim.SGD(tnet.parameters(), lr=0.05)
+    with TorchGradProbe(tnet, topt, grad_level="L1", dump_path=str(tmp_path / "pt")):
+        for x, y in batches:
+            topt.zero_grad()
+            torch.nn.functional.mse_loss(tnet(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+            topt.step()
+    return tmp_path / "pt", tmp_path / "ms"
+
+
+LEFT_OUT_LINE = ("rank 0: 8 parameters in one run only, not compared: first run only (4 of 6): "
+                 "fc1.weight, fc1.bias, fc2.weight, fc2.bias; second run only (4 of 6): "
+                 "inp.weight, inp.bias, hidden.weight, hidden.bias")
+
+
+def test_parameters_of_one_framework_only_are_named(tmp_path, caplog):
+    """Issue 21: other module paths and no mapping compared 2 parameters without a word."""
+    import logging
+
+    pt, msr = record_renamed(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="probekit"):
+        res = compare_frameworks(pt, msr).sel(rank=0)
+    assert res["param"].values.tolist() == ["head.weight", "head.bias"]
+    assert res["only_in_first"].values.tolist() == ["fc1.weight", "fc1.bias", "fc2.weight",
+                                                    "fc2.bias"]
+    assert res["only_in_second"].values.tolist() == ["inp.weight", "inp.bias", "hidden.weight",
+                                                     "hidden.bias"]
+    assert [int(res[k]) for k in ("n_only_in_first", "n_only_in_second", "n_params_first",
+                                  "n_params_second")] == [4, 4, 6, 6]
+    assert [r.getMessage() for r in caplog.records] == ["[probekit] " + LEFT_OUT_LINE]
+    # a mapping pairing them leaves nothing out
+    full = compare_frameworks(pt, msr, mapping={"inp.weight": "fc1.weight", "inp.bias": "fc1.bias",
+                                                "hidden.weight": "fc2.weight",
+                                                "hidden.bias": "fc2.bias"}).sel(rank=0)
+    assert full.sizes["param"] == 6 and int(full["n_only_in_first"]) == 0
+    assert int(full["n_only_in_second"]) == 0
+
+
+def test_cli_refuses_a_comparison_of_mostly_unmatched_parameters(tmp_path):
+    import subprocess
+    import sys
+
+    pt, msr = record_renamed(tmp_path)
+    args = [sys.executable, "-m", "probekit.cli", "mindspore", "compare", str(pt), str(msr), "-o",
+            str(tmp_path / "cmp")]
+    out = subprocess.run(args, capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"rank 0: 2 params compared over {STEPS} steps; total similarity ")
+    assert lines[1:] == [f"written to {tmp_path / 'cmp'}", LEFT_OUT_LINE]
+    assert out.stderr.splitlines()[-1] == (
+        "probekit: error: rank 0: 4 of the first run's 6 parameters; rank 0: 4 of the second "
+        "run's 6 parameters have no counterpart in the other run (more than half), so the "
+        "comparison covers too little of it (--map JSON pairs MindSpore names with PyTorch "
+        "ones); --allow-unmatched accepts this")
+    allowed = subprocess.run([*args, "--allow-unmatched"], capture_output=True, text=True)
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stdout.splitlines()[1:] == lines[1:]

@@ -176,3 +176,25 @@ def test_debugger_leaves_the_random_streams_alone(tmp_path):
     assert ms.get_seed() == 7                              # not the config's 1234
     assert np.array_equal(np.random.get_state()[1], before[0])
     assert random.getstate() == before[1]
+
+
+def test_stop_logs_the_one_line_summary_and_the_debugger_has_it(tmp_path, caplog):
+    """Issue 21: the same summary as PyTorch's GradProbe (grads/summary.py)."""
+    import logging
+    import os
+
+    net, opt = new_run()
+    debugger = PrecisionDebugger(task="grad_probe", dump_path=str(tmp_path), grad_level="L1")
+    assert debugger.summary is None  # before monitor()
+    debugger.monitor(opt)
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        train(net, opt, data(3))
+        debugger.stop()
+    store = os.path.join(str(tmp_path), "grads.zarr", "rank0")
+    n = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(store) for f in fs)
+    assert debugger.summary == {"steps": 3, "params": 6, "bytes": n, "store": store}
+    line = f"grad_probe: 3 steps x 6 params recorded, {n / 1024:.1f} KiB ({n:,} bytes) in {store}"
+    assert str(debugger.probe.summary) == line
+    assert [r.getMessage() for r in caplog.records if "recorded," in r.getMessage()] == [
+        "[probekit] " + line]
+    debugger.close()

@@ -173,3 +173,45 @@ def test_class_call_without_instance(monkeypatch):
     monkeypatch.setattr(PrecisionDebugger, "_newest", None)
     with pytest.raises(RuntimeError, match="no PrecisionDebugger has been created"):
         PrecisionDebugger.start()
+
+
+def test_summary_of_the_free_benchmark(tmp_path):
+    """Issue 21: ``.summary`` beside ``.results``: the counts, one line as a string."""
+    d = PrecisionDebugger(task="free_benchmark", dump_path=str(tmp_path), pert_mode="bit_noise")
+    a, b = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
+    d.start()
+    a + b  # cancellation: bit_noise flags it
+    d.stop()
+    d.step()
+    assert d.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1}
+    assert str(d.summary) == "1 call seen · 1 checked · 0 skipped · 1 flagged · 1 step"
+    assert str(d.summary) in repr(d._session)  # the findings view's own line, not a second one
+    d.close()
+
+
+def test_summary_of_the_grad_probe(tmp_path):
+    import os
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    d = PrecisionDebugger(task="grad_probe", dump_path=str(tmp_path), grad_level="L1")
+    assert d.summary is None  # before monitor()
+    d.monitor(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.ones(5, 3)).sum().backward()
+        opt.step()
+    d.stop()
+    store = os.path.join(str(tmp_path), "grads.zarr", "rank0")
+    n = sum(os.path.getsize(os.path.join(f, x)) for f, _, xs in os.walk(store) for x in xs)
+    assert d.summary == {"steps": 4, "params": 4, "bytes": n, "store": store}
+    assert str(d.summary) == (f"grad_probe: 4 steps x 4 params recorded, {n / 1024:.1f} KiB "
+                              f"({n:,} bytes) in {store}")
+    d.close()
+
+
+def test_summary_on_a_rank_the_filter_excludes(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    d = PrecisionDebugger(task="free_benchmark", dump_path=str(tmp_path), rank=[0])
+    assert d.summary is None
+    d.close()

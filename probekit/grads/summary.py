@@ -1,0 +1,44 @@
+"""What a grad probe wrote, in one line: steps, parameters, bytes, where the store is.
+
+``GradProbe.summary`` (PyTorch and MindSpore alike) is a ``ProbeSummary``: a dict of the numbers
+whose ``str()`` is the line ``stop()`` logs::
+
+    grad_probe: 3 steps x 4 params recorded, 19.6 KiB (20,051 bytes) in /run/grads.zarr/rank0
+"""
+from __future__ import annotations
+
+_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: int) -> str:
+    """``20051`` -> ``"19.6 KiB"`` (binary units, one decimal; bytes as an integer)."""
+    value, unit = float(n), 0
+    while value >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    return f"{int(n)} bytes" if unit == 0 else f"{value:.1f} {_UNITS[unit]}"
+
+
+class ProbeSummary(dict):
+    """``{"steps": committed steps, "params": parameters recorded, "bytes": bytes the rank
+    group holds on its storage, "store": its location (None: this rank records nothing)}``;
+    ``str()`` is the one-line summary."""
+
+    def __str__(self) -> str:
+        steps, params = self["steps"], self["params"]
+        if self["store"] is None:
+            return f"grad_probe: nothing recorded on this rank ({params} params monitored)"
+        size = human_bytes(self["bytes"])
+        return (f"grad_probe: {steps} step{'' if steps == 1 else 's'} x {params} "
+                f"param{'' if params == 1 else 's'} recorded, "
+                + (size if self["bytes"] < 1024 else f"{size} ({self['bytes']:,} bytes)")
+                + f" in {self['store']}")
+
+
+def probe_summary(writer, params: int) -> ProbeSummary:
+    """The summary of a probe writing through ``writer`` (a ``store.GradWriter``, or None for a
+    rank that records nothing): its committed steps, the bytes its rank group holds now."""
+    if writer is None:
+        return ProbeSummary(steps=0, params=int(params), bytes=0, store=None)
+    return ProbeSummary(steps=int(writer.committed), params=int(params),
+                        bytes=int(writer.nbytes()), store=writer.url)
