@@ -37,6 +37,10 @@ FUZZ_STAGES = ("forward", "backward")
 FUZZ_DEVICES = ("npu", "cpu")
 FUZZ_LEVELS = ("L1",)
 GRAD_LEVELS = ("L0", "L1", "L2")
+#: which gradients the grad probe records: "step" (default) the ones the optimizer's step() is
+#: handed (after gradient clipping and GradScaler unscaling, if the loop does them), "backward"
+#: the raw ones at the end of the last backward pass before the step (before clipping)
+GRAD_POINTS = ("step", "backward")
 HASH_ALGORITHMS = ("md5", "xxh3")
 THRESHOLD_KEYS = ("float16", "bfloat16", "float32", "other")
 #: no override: every threshold comes from the unit roundoff of the dtype a call computes in
@@ -218,6 +222,9 @@ class GradProbeConfig:
     #: a second bit per element: is it above its gradient's rounding level (the noise-aware
     #: comparison's default; False keeps msprobe's sign bits only, half the bytes)
     significance: bool = True
+    #: where the gradients are taken (``GRAD_POINTS``): at the optimizer's step, after the loop
+    #: clipped them, or at the end of the last backward pass before it, before clipping
+    grad_point: str = "step"
 
     def __post_init__(self) -> None:
         s = "grad_probe."
@@ -230,6 +237,7 @@ class GradProbeConfig:
                 or not math.isfinite(self.flush_seconds) or self.flush_seconds <= 0):
             _fail(s + "flush_seconds", self.flush_seconds, "a finite number of seconds > 0")
         _bool(s + "significance", self.significance)
+        _choice(s + "grad_point", self.grad_point, GRAD_POINTS)
 
 
 def _bounds(key: str, value: Any) -> tuple:

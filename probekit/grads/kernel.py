@@ -21,6 +21,7 @@ the same in a process.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 
 import numpy as np
@@ -37,8 +38,8 @@ path = "numpy"  # the path in use
 
 def _load():
     global _lib
-    try:
-        from . import _kernel  # the module init selects the CPU's path
+    try:  # the optional compiled module; its init selects the CPU's path
+        _kernel = importlib.import_module(__name__.rpartition(".")[0] + "._kernel")
     except ImportError:
         return None
     lib = ctypes.CDLL(_kernel.__file__)

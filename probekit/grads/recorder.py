@@ -2,9 +2,12 @@
 
 Step = the number of ``step()`` calls of the optimizer that owns the model's parameters, counted
 from 0 (msprobe's numbering). The statistics are taken in the optimizer's pre-step hook, so they
-describe the gradients the update is about to use. When no optimizer is given, a global pre-step
+describe the gradients the update is about to use: after gradient clipping, when the loop clips
+(HF Trainer, Lightning and accelerate clip before ``step()``). With ``grad_point="backward"``
+they are the raw gradients instead, as the last backward pass before the step left them
+(``rawgrads.py``), still recorded once per step. When no optimizer is given, a global pre-step
 hook is registered and every optimizer that does not own one of the model's parameters is ignored;
-the hook is removed by ``stop()``.
+the hooks are removed by ``stop()``.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import sys
 import time
 import weakref
 
+import numpy as np
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
@@ -23,6 +27,7 @@ from . import stats as _stats
 from .names import canonical_names
 from .placement import (amax_reducer, ddp_first_rank, dtensor_placement, first_replica,
                         is_dtensor, local_grad)
+from .rawgrads import BackwardTap
 from .store import GradWriter
 from .summary import ProbeSummary, probe_summary
 
@@ -41,9 +46,13 @@ class GradProbe:
     ``dump_path``, ``grad_level`` ("L0"/"L1"/"L2", default "L1"), ``bounds``, ``param_list``
     (names from ``model.named_parameters()``, with or without wrapper prefixes), ``step`` /
     ``rank`` (recorded steps and ranks; empty = all), ``hash``, ``flush_every``,
-    ``flush_seconds``, ``significance``. The spellings ``level=``, ``steps=``, ``ranks=`` of
-    earlier versions still work, with a ``DeprecationWarning``. ``scaler``: the run's
-    ``GradScaler``, so that its skipped steps keep their place (a row with no gradient present).
+    ``flush_seconds``, ``significance``, ``grad_point`` (``"step"``, the default: the gradients
+    ``optimizer.step()`` is handed, after clipping; ``"backward"``: the raw gradients at the end
+    of the last backward pass before the step, before clipping). The spellings ``level=``,
+    ``steps=``, ``ranks=`` of earlier versions still work, with a ``DeprecationWarning``.
+    ``scaler``: the run's ``GradScaler``, so that its skipped steps keep their place (a row with
+    no gradient present);
+    with ``grad_point="backward"`` also to unscale the raw (scaled) gradients' statistics.
     ``storage_options``: for a ``dump_path`` that is an fsspec URL (``s3://bucket/run``): passed
     to the filesystem (endpoint, credentials; the ``AWS_*`` variables work without it).
 
@@ -82,7 +91,16 @@ class GradProbe:
         self._compute_dtype = None  # the autocast dtype of the latest forward, if any
         self._updates = 0  # GradScaler.update() calls (the iteration count when a scaler is given)
         self._once = Once()
+        self._tap = None  # grad_point "backward": the statistics at the end of each backward
+        self._tap_seconds = 0.0
         self._select_params()
+        if (self.config.grad_probe.grad_point == "backward" and scaler is not None
+                and self.config.grad_probe.grad_level == "L0"):
+            raise ConfigError(
+                "grad_probe.grad_level: 'L0' is not valid with grad_point 'backward' and a "
+                "GradScaler (the digest would be of the scaled gradient's bytes); accepted: "
+                "L1, L2, or grad_point 'step'", key="grad_probe.grad_level", value="L0",
+                accepted="L1, L2 (or grad_point 'step')")
 
     # -- parameters ------------------------------------------------------------------------
     def _select_params(self) -> None:
@@ -189,7 +207,8 @@ class GradProbe:
             return self
         if self._writer is None and selected:  # the store exists (0 committed steps) once recording starts
             section = self.config.grad_probe
-            attrs = {"recorded_params": list(self.recorded_names)}
+            attrs = {"recorded_params": list(self.recorded_names),
+                     "grad_point": section.grad_point}
             if self._sharded:
                 attrs["placement"] = list(self._placement)
             self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
@@ -210,8 +229,27 @@ class GradProbe:
         if self.scaler is not None:
             self._handles.append(_count_calls(self.scaler, "update", self._on_update))
         self._handles.append(self.model.register_forward_pre_hook(_autocast_hook(self)))
-        log.info("grad_probe: monitoring %d parameters at level %s into %s",
-                 len(self.param_names), self.config.grad_probe.grad_level, self.dump_path)
+        if self.config.grad_probe.grad_point == "backward":
+            synced = None
+            if ddp_first_rank(self.model) is not None:
+                # DDP decides at each forward whether the next backward all-reduces (not inside
+                # no_sync): a backward that does not is followed by one that does before the
+                # step, so its statistics are not computed
+                sync = {"next": True}
+                synced = lambda: sync["next"]  # noqa: E731
+
+                def before_forward(module, args):
+                    sync["next"] = bool(module.require_backward_grad_sync)
+
+                self._handles.append(self.model.register_forward_pre_hook(before_forward))
+            self._tap = BackwardTap(self._params, self._backward_stats, synced)
+            self._tap_seconds = 0.0
+            self._tap.attach()
+            self._handles.append(self._tap)
+        log.info("grad_probe: monitoring %d parameters at level %s (gradients %s) into %s",
+                 len(self.param_names), self.config.grad_probe.grad_level,
+                 "at the end of backward, before clipping" if self._tap is not None
+                 else "at the optimizer step", self.dump_path)
         return self
 
     def stop(self) -> None:
@@ -350,25 +388,32 @@ class GradProbe:
         self._grad_sig = self._signature(grads)
         mine = set(self._owners.get(optimizer, ()))
         mine.update(i for i in range(len(grads)) if i not in self._owned)  # owned by none
-        part = [g if i in mine else None for i, g in enumerate(grads)]
+        raw = []
+        if self._tap is not None:  # grad_point "backward": the newest backward's statistics
+            pending = self._tap.pending()
+            raw = [i for i in sorted(mine) if grads[i] is not None and pending[i]]
+            self._tap.attach()  # parameters unfrozen since the last step
+        live = mine.difference(raw)  # the others are taken here, as at grad_point "step"
+        part = [g if i in live else None for i, g in enumerate(grads)]
         if self._sharded:  # DTensor: this rank's shards (gathered whole where no placement)
             part = [local_grad(g, p, pl)
                     for g, p, pl in zip(part, self._params, self._placement)]
             if self._writer is None:  # a rank outside the rank filter: gathered, not recorded
                 return
         for i in sorted(mine):
-            if part[i] is None and self._params[i].requires_grad and self._once(
+            if grads[i] is None and self._params[i].requires_grad and self._once(
                     ("no-grad", i)):
                 log.info("grad_probe: %s has no gradient at step %d (skipped; logged once)",
                          self.param_names[i], self.steps_seen if self._iter is None
                          or id(optimizer) in self._iter["stepped"] else self._iter["step"])
-        section = self.config.grad_probe
-        with torch.no_grad():
-            stats = _stats.compute(part, self.layout, section.grad_level, section.bounds,
-                                   section.hash, self._scratch, section.significance,
-                                   self._reduce_amax if section.significance
-                                   and section.grad_level != "L0" else None,
-                                   self._compute_dtype)
+        stats = self._statistics(part)
+        extra = 0.0
+        if self._tap is not None:
+            # kept for a parameter no optimizer seen so far owns: its own may step next
+            views = self._tap.take(raw, self._owners.get(optimizer, ()))
+            if views:
+                stats = _stats.merge([stats, *views], self.layout)
+            extra, self._tap_seconds = self._tap.seconds - self._tap_seconds, self._tap.seconds
         key = id(optimizer)
         cur = self._iter
         if cur is None or key in cur["stepped"] or (
@@ -393,7 +438,42 @@ class GradProbe:
             cur["captures"].append((key, self._epoch, stats))
             cur["stepped"].add(key)
             self._emit(cur, amend=True)
-        self.hook_seconds.append(time.perf_counter() - t0)
+        # the step's hook time includes the statistics taken at the backward passes before it
+        self.hook_seconds.append(time.perf_counter() - t0 + extra)
+
+    def _statistics(self, part, bounds=None):
+        """``stats.compute`` of this rank's gradients ``part``: the shards' significance scale
+        reduced over their mesh groups, the autocast dtype of the latest forward."""
+        section = self.config.grad_probe
+        reduce = (self._reduce_amax if section.significance and section.grad_level != "L0"
+                  else None)
+        with torch.no_grad():
+            return _stats.compute(part, self.layout, section.grad_level,
+                                  section.bounds if bounds is None else bounds, section.hash,
+                                  self._scratch, section.significance, reduce,
+                                  self._compute_dtype)
+
+    def _backward_stats(self, idx):
+        """``grad_point="backward"``: the statistics of parameters ``idx`` as the backward pass
+        that just ended left them (``BackwardTap``), unscaled by the ``GradScaler``'s scale when
+        ``scaler=`` was given; None on a rank that records nothing."""
+        grads = self._grads()
+        want = set(idx)
+        part = [g if i in want else None for i, g in enumerate(grads)]
+        if self._sharded:
+            part = [local_grad(g, p, pl)
+                    for g, p, pl in zip(part, self._params, self._placement)]
+        if self._writer is None:
+            return None
+        section = self.config.grad_probe
+        scale = 1.0
+        if self.scaler is not None and self.scaler.is_enabled():
+            scale = float(self.scaler.get_scale())
+        bounds = section.bounds if scale == 1.0 else tuple(b * scale for b in section.bounds)
+        stats = self._statistics(part, bounds)
+        if scale != 1.0:
+            _unscale(stats, scale, [g is not None and g.dtype == torch.float32 for g in part])
+        return stats
 
     def _emit(self, it, amend: bool = False) -> None:
         step = it["step"]
@@ -452,6 +532,23 @@ def _device_type(module) -> str:
     for p in module.parameters():
         return p.device.type
     return "cpu"
+
+
+def _unscale(stats, scale: float, fp32) -> None:
+    """Statistics of gradients scaled by ``scale`` -> those of the gradients ``GradScaler``'s
+    ``unscale_`` gives: each element times ``inv = float32(1 / scale)``, so the max and min are
+    ``max * inv`` (rounded to float32 for a float32 gradient, ``fp32[i]``: rounding is
+    monotonic) and the norm is ``norm * inv``; the signs, zeros and significance bits do not
+    change, and the intervals were counted against ``bounds * scale``. Exact for a power-of-two
+    scale (GradScaler's default 2**16, growth 2, backoff 0.5), the last bits of the norm aside."""
+    inv = np.float64(np.float32(1.0 / np.float64(scale)))
+    fp32 = np.asarray(fp32, bool)
+    for name in ("max", "min"):
+        v = getattr(stats, name) * inv  # a float32 times a float32: exact in float64
+        with np.errstate(over="ignore"):
+            v[fp32] = v[fp32].astype(np.float32)
+        setattr(stats, name, v)
+    stats.norm = stats.norm * inv
 
 
 class _CallCounter:

@@ -111,6 +111,13 @@ class GradProbe:
                             "mindspore.nn.Optimizer (a Cell called with the gradients)")
         _stats.resolve_where(where)  # validated now, resolved at start()
         self.config = config_for("grad_probe", config, **grad_probe_options(options))
+        if self.config.grad_probe.grad_point != "step":
+            raise ConfigError(
+                f"grad_probe.grad_point: {self.config.grad_probe.grad_point!r} is not valid for "
+                "MindSpore; accepted: 'step' (the tap sits in the optimizer's call: the "
+                "gradients it is handed, after any clipping in the train step)",
+                key="grad_probe.grad_point", value=self.config.grad_probe.grad_point,
+                accepted="step")
         self.optimizer = optimizer
         self.where = where
         self.steps_seen = 0

@@ -17,15 +17,15 @@ from typing import Callable
 
 import ipywidgets as w
 
-from ..config import (FUZZ_DEVICES, FUZZ_LEVELS, FUZZ_STAGES, GRAD_LEVELS, HANDLER_TYPES,
-                      HASH_ALGORITHMS, PERT_MODES, THRESHOLD_KEYS, Config, ConfigError,
-                      config_for)
+from ..config import (FUZZ_DEVICES, FUZZ_LEVELS, FUZZ_STAGES, GRAD_LEVELS, GRAD_POINTS,
+                      HANDLER_TYPES, HASH_ALGORITHMS, PERT_MODES, THRESHOLD_KEYS, Config,
+                      ConfigError, config_for)
 from .forms import describe, parse_ints, parse_numbers
 
 #: enumerated keys -> accepted values (the config module's own tuples)
 CHOICES = {"pert_mode": PERT_MODES, "handler_type": HANDLER_TYPES, "fuzz_stage": FUZZ_STAGES,
            "fuzz_device": FUZZ_DEVICES, "fuzz_level": FUZZ_LEVELS, "grad_level": GRAD_LEVELS,
-           "hash": HASH_ALGORITHMS}
+           "hash": HASH_ALGORITHMS, "grad_point": GRAD_POINTS}
 
 HELP = {
     "pert_mode": "How inputs are perturbed before the API is re-run",
@@ -54,12 +54,15 @@ HELP = {
     "flush_seconds": "Longest a recorded step waits in memory before it is written (s)",
     "significance": "Also record which elements are above their tensor's rounding level "
                     "(noise-aware comparison; costs ~1.3x per step)",
+    "grad_point": "step: the gradients optimizer.step() is handed (after clipping); backward: "
+                  "the raw ones at the end of the last backward pass before it",
 }
 
 LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "device",
           "fuzz_level": "level", "if_preheat": "preheat", "preheat_step": "preheat steps",
           "max_sample": "max samples", "dump_path": "dump path", "param_list": "params",
           "grad_level": "level", "flush_every": "flush every", "flush_seconds": "flush after s",
+          "grad_point": "gradients",
           "pert_mode": "perturbation", "list": "API names", "module": "modules"}
 
 _DESC = {"description_width": "100px"}
@@ -329,8 +332,8 @@ class GradProbePanel(ConfigPanel):
     TASK = "grad_probe"
     TITLE = "Grad probe settings"
     GROUPS = (
-        ("What to record", ["grad_level", "bounds", "hash", "significance", "flush_every",
-                            "flush_seconds"]),
+        ("What to record", ["grad_level", "grad_point", "bounds", "hash", "significance",
+                            "flush_every", "flush_seconds"]),
         ("Which parameters", ["param_list"]),
         ("Where", ["dump_path", "rank", "step"]),
     )

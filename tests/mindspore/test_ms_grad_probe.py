@@ -115,6 +115,10 @@ def test_bad_param_list_names_key_value_and_accepted(tmp_path):
         GradProbe(opt, param_list=["fc9.weight"], dump_path=tmp_path)
     with pytest.raises(TypeError, match="optimizer: MLP is not valid"):
         GradProbe(net, dump_path=tmp_path)
+    with pytest.raises(ConfigError, match="grad_probe.grad_point: 'backward' is not valid for "
+                                          "MindSpore; accepted: 'step'") as err:
+        GradProbe(opt, grad_point="backward", dump_path=tmp_path)
+    assert (err.value.key, err.value.accepted) == ("grad_probe.grad_point", "step")
     with pytest.raises(ConfigError, match="task: 'free_benchmark' is not valid for probekit's "
                                           "MindSpore PrecisionDebugger; accepted: grad_probe"):
         PrecisionDebugger(task="free_benchmark", dump_path=str(tmp_path))

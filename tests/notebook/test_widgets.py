@@ -7,8 +7,8 @@ import ipywidgets as w
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from probekit.config import (FUZZ_STAGES, PERT_MODES, Config, ConfigError, FreeBenchmarkConfig,
-                             GradProbeConfig, make_config)
+from probekit.config import (FUZZ_STAGES, GRAD_POINTS, PERT_MODES, Config, ConfigError,
+                             FreeBenchmarkConfig, GradProbeConfig, make_config)
 from probekit.notebook import FreeBenchPanel, GradProbePanel
 from probekit.notebook import magics
 
@@ -144,6 +144,19 @@ def test_grad_probe_panel_bounds_and_levels():
     panel.set(bounds="a, b")
     assert panel.error.startswith("grad_probe.bounds: 'a, b' is not valid; accepted: numbers")
     assert panel.error_key == "bounds" and panel.applied is cfg
+
+
+def test_grad_probe_panel_grad_point_dropdown():
+    panel = GradProbePanel()
+    control = panel.controls["grad_point"]
+    assert isinstance(control, w.Dropdown)
+    assert control.options == GRAD_POINTS == ("step", "backward")
+    assert control.value == "step"
+    panel.set(grad_point="backward")
+    cfg = panel.apply()
+    assert cfg.grad_probe.grad_point == "backward"
+    assert "Applied: grad_point=&#x27;backward&#x27;" in panel.status.value
+    assert GradProbePanel(cfg).controls["grad_point"].value == "backward"
 
 
 def test_panel_starts_from_a_config_keeping_uncontrolled_keys(tmp_path):

@@ -21,6 +21,7 @@ def test_spec_defaults():
     assert dict(fb.thresholds) == {}    # every threshold from the compute dtype's roundoff
     gp = GradProbeConfig()
     assert (gp.grad_level, gp.param_list, gp.bounds, gp.hash) == ("L1", (), (-1, 0, 1), "md5")
+    assert gp.grad_point == "step"  # the gradients optimizer.step() is handed (after clipping)
     cfg = Config(task="grad_probe")
     assert (cfg.dump_path, cfg.rank, cfg.step, cfg.level, cfg.seed, cfg.is_deterministic) == (
         "./dump_path", (), (), "L1", 1234, False)
@@ -160,6 +161,8 @@ BAD = [
     ({"task": "grad_probe", "param_list": "fc.weight"}, "grad_probe.param_list: 'fc.weight'"),
     ({"task": "grad_probe", "hash": "sha1"},
      "grad_probe.hash: 'sha1' is not valid; accepted: md5, xxh3"),
+    ({"task": "grad_probe", "grad_point": "before_clip"},
+     "grad_probe.grad_point: 'before_clip' is not valid; accepted: step, backward"),
     ({"task": "grad_probe", "rank": [0, -1]},
      "rank: -1 is not valid; accepted: integers >= 0 in the list"),
     ({"task": "grad_probe", "step": [-3]},
@@ -298,3 +301,23 @@ def test_old_msprobe_import_path_warns_and_works():
 
     assert old.read_grad_dump is msprobe.read_grad_dump
     assert old.write_grad_dump is export.write_grad_dump
+
+
+def test_grad_point_key(tmp_path, msprobe_config_dict):
+    """grad_probe.grad_point: a probekit key in msprobe's section; msprobe's own keys work with
+    or without it, it round-trips, and a bad value is named with the accepted ones."""
+    msprobe_config_dict["task"] = "grad_probe"
+    assert load_config(write(tmp_path, msprobe_config_dict)).grad_probe.grad_point == "step"
+    msprobe_config_dict["grad_probe"].update(grad_level="L2", grad_point="backward")
+    cfg = load_config(write(tmp_path, msprobe_config_dict))
+    assert cfg.grad_probe == GradProbeConfig(grad_level="L2", grad_point="backward")
+    assert cfg.to_dict()["grad_probe"]["grad_point"] == "backward"
+    assert Config.from_dict(json.loads(cfg.to_json())) == cfg
+    assert make_config("grad_probe", grad_point="backward").grad_probe.grad_point == "backward"
+    msprobe_config_dict["grad_probe"]["grad_point"] = "pre_step"
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, msprobe_config_dict))
+    assert (err.value.key, err.value.value, err.value.accepted) == (
+        "grad_probe.grad_point", "pre_step", "step, backward")
+    with pytest.raises(ConfigError, match="grad_probe.grad_point: 1 is not valid"):
+        dataclasses.replace(cfg.grad_probe, grad_point=1)
