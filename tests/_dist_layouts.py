@@ -3,7 +3,8 @@
 argv: output folder, then the layouts to run, in order: ``fsdp2``, ``ddp``, ``ddp_all`` (DDP with
 ``rank=[every rank]``: msprobe's filter, every rank writes), ``tp`` (tensor parallel: colwise /
 rowwise Linear layers), ``hsdp`` (4 ranks: 2 replicas x 2 shards), ``crash`` (FSDP2; the last
-rank kills itself in the middle of step 2, after its backward, before its optimizer step).
+rank kills itself in the middle of step 2, after its backward, before its optimizer step),
+``fsdp2_dp`` (FSDP2 with each rank on its own slice of the batch, an attention model).
 
 Every rank trains on the same batch, so the gradients are those of a single process on it
 (``make_model``, ``batches``, ``train_single``). Each layout's store is ``{out}/{layout}``; a
@@ -41,6 +42,64 @@ def train_single(path, steps=4):
         for x, y in batches(steps):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+
+class Attention(torch.nn.Module):
+    """Causal self-attention with a fused QKV projection (GPT-2) or separate ones (BERT): the
+    key bias's gradient is mathematically zero (softmax ignores it), so its signs are rounding
+    noise, which differs with the order of the ranks' sums."""
+
+    def __init__(self, d=16, heads=2, fused=True):
+        super().__init__()
+        self.heads, self.fused = heads, fused
+        if fused:
+            self.qkv = torch.nn.Linear(d, 3 * d)
+        else:
+            self.q, self.k, self.v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.proj = torch.nn.Linear(d, d)
+        for p in self.parameters():
+            if p.dim() == 1:
+                torch.nn.init.normal_(p, std=0.02)  # non-zero biases: the key bias acts
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (self.qkv(x).split(d, dim=2) if self.fused
+                   else (self.q(x), self.k(x), self.v(x)))
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+def make_attention_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Attention(fused=True), Attention(fused=False),
+                               torch.nn.Linear(16, 5))
+
+
+def attention_data(steps=3, batch=8):
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randn(batch, 6, 16, generator=gen), torch.randn(batch, 6, 5, generator=gen))
+            for _ in range(steps)]
+
+
+def run_data_parallel(path):
+    """FSDP2 with real data parallelism: each rank trains on its slice of the batch, so the
+    gradient is the whole batch's, summed in an order that depends on the number of ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    from probekit.grads import GradProbe
+
+    model = make_attention_model()
+    for block in list(model)[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with GradProbe(model, dump_path=path, flush_every=1):
+        for x, y in attention_data():
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[rank::world]), y[rank::world]).backward()
             opt.step()
 
 
@@ -123,6 +182,9 @@ def main():
     out, layouts = sys.argv[1], sys.argv[2:]
     rank = dist.get_rank()
     for layout in layouts:
+        if layout == "fsdp2_dp":
+            run_data_parallel(os.path.join(out, layout))
+            continue
         if layout == "crash":  # the last one: a rank dies, torchrun ends the others
             run(layout, os.path.join(out, layout), True)
             continue

@@ -117,7 +117,8 @@ def _minmax_numpy(a: np.ndarray) -> tuple:
 
 def _stats_numpy(a, thr, signs, sig, bounds, want_counts) -> tuple:
     wide = a.astype(np.float64)
-    total = float(np.dot(wide, wide))
+    with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN propagate, as in C
+        total = float(np.dot(wide, wide))
     k = -(-a.size // 8)
     if signs is not None:
         signs[:k] = np.packbits(a > 0)

@@ -86,3 +86,33 @@ def test_noise_aware_first_divergence(tmp_path):
     assert bool(low["flag"].sel(step=step, param=first))
     plain_low = compare_grads(tmp_path / "f32", tmp_path / "bf16", noise_aware=False)
     assert "c_attn.bias" in str(plain_low["first_param"].isel(rank=0).item())
+
+
+def test_real_models_fp64_vs_fp32_and_autocast_report_no_divergence(tmp_path):
+    """Hugging Face BERT and ViT (a separate key bias: its whole gradient is rounding noise,
+    tiny next to the key weight's) and GPT-2 (a fused QKV bias), built from configs: by default
+    the comparison of an fp64 run with an fp32 run, and with a bf16-autocast run, reports no
+    divergence; msprobe's plain sign similarity flags the key bias at step 0."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _hf_models import zoo_model, zoo_train
+
+    keys = {"bert": ".attention.self.key.bias", "vit": ".attention.k_proj.bias",
+            "gpt2": ".attn.c_attn.bias"}
+    for kind, key in keys.items():
+        for name, setting, dtype in (("f64", "fp32", torch.float64),
+                                     ("f32", "fp32", torch.float32),
+                                     ("amp", "autocast", torch.float32)):
+            model = zoo_model(kind, setting).to(dtype)
+            with GradProbe(model, dump_path=str(tmp_path / kind / name)):
+                zoo_train(model, kind, setting, steps=2)
+        for other in ("f32", "amp"):
+            a, b = tmp_path / kind / "f64", tmp_path / kind / other
+            aware = compare_grads(a, b, progress=False).isel(rank=0)
+            assert int(aware["first_step"]) == -1, (kind, other, aware["first_param"].item())
+            assert aware.attrs["noise_aware"] == 1
+            plain = compare_grads(a, b, noise_aware=False, progress=False).isel(rank=0)
+            assert int(plain["first_step"]) == 0, (kind, other)
+            assert str(plain["first_param"].item()).endswith(key), (kind, other)
