@@ -1,4 +1,5 @@
-"""Cost of the grad probe's optional significance bit (``grad_probe.significance``).
+"""Cost of the grad probe's significance bit (``grad_probe.significance``, on by default)
+against msprobe's sign bits alone (``significance=False``).
 
 Records the same steps with the bit off and on, alternating in one process (same model, same
 gradients), and reports medians of the per-step cost (hook + writes, as ``bench_grads.py``) and
