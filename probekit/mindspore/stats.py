@@ -212,6 +212,7 @@ class DeviceStats(nn.Cell):
         sigs = []
         raws = []
         wide = []
+        mags = []
         amax = []
         for j in self.idx:
             w = grads[j].reshape(-1)
@@ -219,7 +220,9 @@ class DeviceStats(nn.Cell):
                 w = w.astype(ms.float32)  # exact
             wide.append(w)
             if self.want_sig:
-                amax.append(self._amax(w, j))
+                a = ops.abs(w)
+                mags.append(a)
+                amax.append(self._amax(a, j))
         for j in self.idx:
             if self.empty[j]:
                 rows.append(self._empty_row())
@@ -242,7 +245,7 @@ class DeviceStats(nn.Cell):
                     top = amax[j]
                     for k in self.members[j]:
                         top = ops.maximum(top, amax[k])
-                    sigs.append(self._pack(ops.abs(w) > top * self.unit[j], self.pad[j], True))
+                    sigs.append(self._pack(mags[j] > top * self.unit[j], self.pad[j], True))
             if self.want_raw:
                 raws.append(w.astype(ms.float32))
         out = [ops.stack(rows)]
@@ -273,11 +276,10 @@ class DeviceStats(nn.Cell):
             total = total + (tail * tail).sum().astype(ms.float64)
         return total
 
-    def _amax(self, w, j):
-        """The largest finite |x| of gradient ``j`` (0 for an empty one)."""
+    def _amax(self, a, j):
+        """The largest finite ``a`` (|x| of gradient ``j``; 0 for an empty one)."""
         if self.empty[j]:
-            return ops.zeros((), w.dtype)
-        a = ops.abs(w)
+            return ops.zeros((), a.dtype)
         return ops.select(a < float("inf"), a, ops.zeros_like(a)).max()
 
     def _pack(self, mask, pad, fill):
