@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 import weakref
@@ -35,6 +36,7 @@ from ..grads.stats import Layout, StepStats, padded_nbytes
 from ..grads.store import GradWriter
 from ..grads.summary import ProbeSummary, probe_summary
 from ..log import Once, ensure_handler, get_logger
+from . import capture as _capture
 from . import graph as _graph
 from . import stats as _stats
 
@@ -131,6 +133,7 @@ class GradProbe:
         self._seen0 = 0
         self._arrived: set = set()  # host tap: parameters of the current step seen so far
         self._current = None  # host tap: the statistics of the step being assembled
+        self.bytecode_refused = 0  # callbacks refused under PIJit's rewrite (capture.py)
         self._select_params()
 
     def _select_params(self) -> None:
@@ -263,7 +266,7 @@ class GradProbe:
                     self._current = None
                 _graph.uninstall(self.optimizer)
                 gs = _graph.global_step(self.optimizer)
-                if gs is not None and self._gs0 is not None:
+                if gs is not None and self._gs0 is not None and not self.bytecode_refused:
                     missed = (gs - self._gs0) - (self.steps_seen - self._seen0)
         finally:
             try:
@@ -306,8 +309,16 @@ class GradProbe:
     def _selected(self, step: int) -> bool:
         return not self.config.step or step in self.config.step
 
+    def _refuse_bytecode(self) -> None:
+        """The callback runs under PIJit's rewriter (capture.py): raise ``GraphModeError``, which
+        MindSpore hands to the caller of the train step. Nothing else may run then."""
+        self.bytecode_refused += 1
+        raise GraphModeError(_capture.bytecode_message(self.steps_seen))
+
     def _on_eager(self, grads) -> None:
         """PyNative, optimizer not compiled: the whole tuple of gradient tensors."""
+        if sys._getframe().f_code is not _CODE["_on_eager"] or not _capture.plain():
+            self._refuse_bytecode()  # bytecode capture (capture.py)
         with self._lock:
             step = self.steps_seen
             self.steps_seen += 1
@@ -331,6 +342,8 @@ class GradProbe:
     def _on_host_amax(self, j: int, array) -> float:
         """Host tap, first callback: the largest finite |x| of gradient ``j`` (0 where it is
         not recorded), read in place."""
+        if sys._getframe().f_code is not _CODE["_on_host_amax"] or not _capture.plain():
+            self._refuse_bytecode()  # bytecode capture (capture.py)
         if self._slot.get(j) is None or array.size == 0:
             return 0.0
         return host_stats.finite_amax(_stats.host_view(array, self._dtypes[self._slot[j]]))
@@ -338,6 +351,8 @@ class GradProbe:
     def _on_host_grad(self, j: int, array, peaks) -> None:
         """Host tap: the host memory of gradient ``j`` of the optimizer, in place, and every
         gradient's largest finite |x| (``peaks``, by optimizer index)."""
+        if sys._getframe().f_code is not _CODE["_on_host_grad"] or not _capture.plain():
+            self._refuse_bytecode()  # bytecode capture (capture.py)
         with self._lock:
             if j in self._arrived:  # the previous step did not complete: start afresh
                 if self._once("incomplete"):
@@ -394,6 +409,8 @@ class GradProbe:
 
     def _on_device_stats(self, tap, arrays) -> None:
         """Device tap: one step's statistics, computed in the graph."""
+        if sys._getframe().f_code is not _CODE["_on_device_stats"] or not _capture.plain():
+            self._refuse_bytecode()  # bytecode capture (capture.py)
         with self._lock:
             step = self.steps_seen
             self.steps_seen += 1
@@ -419,6 +436,11 @@ class GradProbe:
         return (f"GradProbe[MindSpore]({len(self.param_names)} params, level="
                 f"{self.config.grad_probe.grad_level}, steps seen={self.steps_seen}, "
                 f"dump_path={self.dump_path!r}, {state})")
+
+
+#: the callbacks' own code: under PIJit's rewriter their frames run another code object
+_CODE = {name: getattr(GradProbe, name).__code__
+         for name in ("_on_eager", "_on_host_amax", "_on_host_grad", "_on_device_stats")}
 
 
 def _empty_stats(layout: Layout, section) -> StepStats:
