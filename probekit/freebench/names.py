@@ -9,7 +9,8 @@ Python operators reach the mode as the plain method (``x + y`` arrives as ``Tens
 Reasons a call is never re-run (the keys of ``FreeBench.summary["skipped"]``):
 view, copy, conversion, creation, metadata, inplace, random, collective, autograd, private,
 side_effect, other. Dynamic ones (``inplace=True``, ``out=``, dropout_p > 0) are decided per call
-by ``dynamic_skip``.
+by ``dynamic_skip``. Arguments are read by name (``arg``): the positions and defaults come from the
+callable's Python signature or, for torch's builtins, from its ATen schemas (``parameters``).
 
 Some APIs are classified by what they compute with their actual arguments (``ARG_RULES``):
 ``index_put(accumulate=True)``, ``scatter(reduce="add")``, ``scatter_reduce("sum")``,
@@ -119,11 +120,11 @@ REDUCTIONS = {"sum": 1, "mean": 1, "nansum": 1, "nanmean": 1, "amax": 1, "amin":
 class ApiInfo:
     """What one torch callable is. ``skip`` is a key of ``REASONS`` or None (may be checked)."""
 
-    __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos", "rule")
+    __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos", "rule", "params")
 
     def __init__(self, prefix: str, name: str, skip: str | None = None,
                  operators: dict | None = None, inplace_pos: int | None = None,
-                 rule=None) -> None:
+                 rule=None, params: dict | None = None) -> None:
         self.prefix = prefix            # Torch | Tensor | Functional | Other
         self.name = name                # API name as the user spells it (matmul, __add__)
         self.key = f"{prefix}.{name}"   # msprobe's name without counter and stage
@@ -134,6 +135,9 @@ class ApiInfo:
         self.inplace_pos = inplace_pos
         #: ``ARG_RULES`` entry: decided per call from the actual arguments (None: static only)
         self.rule = rule
+        #: argument name -> (position or None, default or ``MISSING``) (``parameters``), for
+        #: the APIs whose rules read arguments; empty otherwise
+        self.params = params or {}
 
     def __repr__(self) -> str:
         return f"ApiInfo({self.key!r}, skip={self.skip!r})"
@@ -221,6 +225,61 @@ def _inplace_position(func) -> int | None:
     return params.index("inplace") if "inplace" in params else None
 
 
+#: an argument without a default
+MISSING = object()
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def parameters(func, name: str) -> dict:
+    """``{argument name: (position or None, default or MISSING)}`` of a callable the mode sees:
+    from its Python signature, or for a torch builtin (no signature) from the ATen schemas of
+    ``aten::<name>`` (``self`` first, as a method's arguments arrive). An argument at different
+    positions in two overloads has no position (read by keyword only), one with different
+    defaults none; keyword-only arguments have no position."""
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None and not any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
+        return {p.name: (i if p.kind in _POSITIONAL else None,
+                         MISSING if p.default is p.empty else p.default)
+                for i, p in enumerate(sig.parameters.values())}
+    try:
+        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}")
+    except Exception:  # no such operator
+        return {}
+    table: dict = {}
+    for schema in schemas:
+        if schema.overload_name == "out" or schema.overload_name.endswith("_out"):
+            continue
+        for i, a in enumerate(schema.arguments):
+            if a.is_out:
+                continue
+            pos = None if a.kwarg_only else i
+            default = a.default_value if a.has_default_value() else MISSING
+            if a.name not in table:
+                table[a.name] = (pos, default)
+                continue
+            have_pos, have_default = table[a.name]
+            if have_pos != pos:
+                have_pos = None
+            if have_default is not MISSING and not _same(have_default, default):
+                have_default = MISSING
+            table[a.name] = (have_pos, have_default)
+    return table
+
+
+def _same(a, b) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+#: APIs whose dropout is decided from their arguments by ``dynamic_skip``
+_DROPOUT_ARGS = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward"})
+
+
 def classify(func) -> ApiInfo:
     """The ``ApiInfo`` of a callable the mode saw (not cached here; see ``Classifier``)."""
     name = getattr(func, "__name__", None) or type(func).__name__
@@ -232,7 +291,8 @@ def classify(func) -> ApiInfo:
         rule = ARG_RULES.get(name)
         skip = None if rule is not None else static_skip(name)
     inplace_pos = _inplace_position(func) if prefix == "Functional" else None
-    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos, rule)
+    params = parameters(func, name) if rule is not None or name in _DROPOUT_ARGS else None
+    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos, rule, params)
 
 
 def static_skip(name: str) -> str | None:
@@ -334,24 +394,30 @@ def call_site(frame) -> str:
 
 
 # -- per-call decisions ---------------------------------------------------------------------------
-def _arg(args, kwargs, pos: int, name: str, default=None):
+def arg(info: ApiInfo, args: tuple, kwargs: dict, name: str, default=None):
+    """The value of argument ``name`` in this call: by keyword, else at its position in the
+    callable's signature (``info.params``), else its default there, else ``default``."""
     if name in kwargs:
         return kwargs[name]
-    return args[pos] if len(args) > pos else default
+    pos, dflt = info.params.get(name, (None, MISSING))
+    if pos is not None and len(args) > pos:
+        return args[pos]
+    return default if dflt is MISSING else dflt
 
 
 def dynamic_skip(info: ApiInfo, args: tuple, kwargs: dict) -> str | None:
     """A reason decided by this call's arguments (``out=``, ``inplace=True``, dropout_p...)."""
     if kwargs.get("out") is not None:
         return "inplace"
-    if info.inplace_pos is not None and _arg(args, kwargs, info.inplace_pos, "inplace", False):
+    if info.inplace_pos is not None and (kwargs["inplace"] if "inplace" in kwargs else (
+            len(args) > info.inplace_pos and args[info.inplace_pos])):
         return "inplace"
     name = info.name
     if name == "scaled_dot_product_attention":
-        if _arg(args, kwargs, 4, "dropout_p", 0.0):
+        if arg(info, args, kwargs, "dropout_p", 0.0):
             return "random"
     elif name == "multi_head_attention_forward":
-        if _arg(args, kwargs, 13, "dropout_p", 0.0) and _arg(args, kwargs, 19, "training", True):
+        if arg(info, args, kwargs, "dropout_p", 0.0) and arg(info, args, kwargs, "training", True):
             return "random"
     if info.rule is not None:
         return info.rule(info, args, kwargs)[0]
@@ -377,83 +443,69 @@ def _always_sums(info, args, kwargs):
     return None, _inplace_self(info, args)
 
 
-def _accumulate_flag(pos: int):
+def _accumulate_flag(info, args, kwargs):
     """index_put / put: a sum with ``accumulate=True``, an exact copy otherwise."""
-    def rule(info, args, kwargs):
-        if not _arg(args, kwargs, pos, "accumulate", False):
-            return ("inplace" if info.name.endswith("_") else "copy"), ()
-        return None, _inplace_self(info, args)
-    return rule
+    if not arg(info, args, kwargs, "accumulate", False):
+        return ("inplace" if info.name.endswith("_") else "copy"), ()
+    return None, _inplace_self(info, args)
 
 
 #: reductions that select one of the values (exact) rather than combine them
 _EXACT_REDUCE = frozenset({"amax", "amin", "max", "min"})
 
 
-def _reduce_arg(pos: int):
+def _reduce_arg(info, args, kwargs):
     """scatter(reduce=...), scatter_reduce, index_reduce: exact for amax/amin and plain scatter."""
-    def rule(info, args, kwargs):
-        reduce = _arg(args, kwargs, pos, "reduce", None)
-        if reduce is None or reduce in _EXACT_REDUCE:
-            return ("inplace" if info.name.endswith("_") else "copy"), ()
-        return None, _inplace_self(info, args)
-    return rule
+    reduce = arg(info, args, kwargs, "reduce", None)
+    if reduce is None or reduce in _EXACT_REDUCE:
+        return ("inplace" if info.name.endswith("_") else "copy"), ()
+    return None, _inplace_self(info, args)
 
 
 def _embedding(info, args, kwargs):
     """F.embedding: a lookup (exact) unless ``max_norm`` renormalises the weight in place."""
-    if info.prefix != "Functional" or _arg(args, kwargs, 3, "max_norm", None) is None:
+    if info.prefix != "Functional" or arg(info, args, kwargs, "max_norm", None) is None:
         return "copy", ()
-    return None, (_arg(args, kwargs, 1, "weight"),)
+    return None, (arg(info, args, kwargs, "weight"),)
 
 
 def _embedding_bag(info, args, kwargs):
     """embedding_bag: sum/mean bags are sums; max bags are exact unless weighted/renormalised."""
-    if info.prefix == "Functional":
-        mode = _arg(args, kwargs, 6, "mode", "mean")
-        max_norm = _arg(args, kwargs, 3, "max_norm", None)
-        weighted = _arg(args, kwargs, 8, "per_sample_weights", None) is not None
-        state = (_arg(args, kwargs, 1, "weight"),) if max_norm is not None else ()
-    else:  # torch.embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode: 0/1/2, ...)
-        mode = {0: "sum", 1: "mean", 2: "max"}.get(_arg(args, kwargs, 4, "mode", 0))
-        max_norm, weighted, state = None, _arg(args, kwargs, 6, "per_sample_weights") is not None, ()
+    mode = arg(info, args, kwargs, "mode", "mean" if info.prefix == "Functional" else 0)
+    mode = {0: "sum", 1: "mean", 2: "max"}.get(mode, mode)   # torch.embedding_bag: 0/1/2
+    max_norm = arg(info, args, kwargs, "max_norm", None)
+    weighted = arg(info, args, kwargs, "per_sample_weights", None) is not None
+    state = (arg(info, args, kwargs, "weight"),) if max_norm is not None else ()
     if mode == "max" and max_norm is None and not weighted:
         return "copy", ()
     return None, state
 
 
 def _batch_norm(info, args, kwargs):
-    """Training batch norm normalises with batch statistics and updates the running ones."""
-    if not _arg(args, kwargs, 5, "training", False):
+    """Training batch norm normalises with batch statistics and updates the running ones
+    (``F.batch_norm(input, running_mean, running_var, ...)``, ``torch.batch_norm(input, weight,
+    bias, running_mean, running_var, training, ...)``: read by name)."""
+    if not arg(info, args, kwargs, "training", False):
         return None, ()
-    if info.prefix == "Functional":   # F.batch_norm(input, running_mean, running_var, ...)
-        return None, (_arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var"))
-    # torch.batch_norm(input, weight, bias, running_mean, running_var, training, ...)
-    return None, (_arg(args, kwargs, 3, "running_mean"), _arg(args, kwargs, 4, "running_var"))
+    return None, (arg(info, args, kwargs, "running_mean"), arg(info, args, kwargs, "running_var"))
 
 
 def _instance_norm(info, args, kwargs):
     """instance_norm with running statistics and use_input_stats updates them."""
-    if info.prefix == "Functional":   # F.instance_norm(input, running_mean, running_var, w, b, use)
-        if not _arg(args, kwargs, 5, "use_input_stats", True):
-            return None, ()
-        return None, (_arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var"))
-    # torch.instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, ...)
-    if not _arg(args, kwargs, 5, "use_input_stats", True):
+    if not arg(info, args, kwargs, "use_input_stats", True):
         return None, ()
-    return None, (_arg(args, kwargs, 3, "running_mean"), _arg(args, kwargs, 4, "running_var"))
+    return None, (arg(info, args, kwargs, "running_mean"), arg(info, args, kwargs, "running_var"))
 
 
 #: API name -> rule(info, args, kwargs) -> (skip reason or None, tensors written in place)
 ARG_RULES = {
     "index_add": _always_sums, "index_add_": _always_sums,
     "scatter_add": _always_sums, "scatter_add_": _always_sums,
-    "index_put": _accumulate_flag(3), "index_put_": _accumulate_flag(3),
-    "put": _accumulate_flag(3), "put_": _accumulate_flag(3),
-    "scatter": _reduce_arg(4), "scatter_": _reduce_arg(4),
-    "scatter_reduce": _reduce_arg(4),
-    "scatter_reduce_": _reduce_arg(4),
-    "index_reduce": _reduce_arg(4), "index_reduce_": _reduce_arg(4),
+    "index_put": _accumulate_flag, "index_put_": _accumulate_flag,
+    "put": _accumulate_flag, "put_": _accumulate_flag,
+    "scatter": _reduce_arg, "scatter_": _reduce_arg,
+    "scatter_reduce": _reduce_arg, "scatter_reduce_": _reduce_arg,
+    "index_reduce": _reduce_arg, "index_reduce_": _reduce_arg,
     "embedding": _embedding, "embedding_bag": _embedding_bag,
     "batch_norm": _batch_norm, "instance_norm": _instance_norm,
 }
