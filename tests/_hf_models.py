@@ -68,7 +68,8 @@ def zoo_model(kind: str, setting: str = "fp32", layers: int = 3, width: int = 96
     heads = 4
     if kind in ("gpt2", "llama"):
         model = build(kind, torch.float32, layers=layers, width=width, seed=seed)
-        if kind == "gpt2":  # dropout off: the measurement (random calls are not checked)
+        if kind == "gpt2":  # dropout off: the measurement (with dropout on, its calls
+            # are checked on the replayed stream: tests/integration/test_freebench_random_training.py)
             for m in model.modules():
                 if isinstance(m, torch.nn.Dropout):
                     m.p = 0.0

@@ -8,9 +8,14 @@ Python operators reach the mode as the plain method (``x + y`` arrives as ``Tens
 
 Reasons a call is never re-run (the keys of ``FreeBench.summary["skipped"]``):
 view, copy, conversion, creation, metadata, inplace, random, collective, autograd, private,
-side_effect, other. Dynamic ones (``inplace=True``, ``out=``, dropout_p > 0) are decided per call
-by ``dynamic_skip``. Arguments are read by name (``arg``): the positions and defaults come from the
+side_effect, other. Dynamic ones (``inplace=True``, ``out=``) are decided per call by
+``dynamic_skip``. Arguments are read by name (``arg``): the positions and defaults come from the
 callable's Python signature or, for torch's builtins, from its ATen schemas (``parameters``).
+
+Calls that draw from a generator (``RANDOM_RULES``: dropout and friends, ``rrelu`` in training,
+``bernoulli``, ``normal``, ``gumbel_softmax``, attention with ``dropout_p > 0``...) are checked:
+``random_draw`` says whether this call draws, and ``rng.py`` replays the generator's stream for
+the re-runs. Only draws that cannot be replayed are skipped as ``random`` (``rng.WHY``).
 
 Some APIs are classified by what they compute with their actual arguments (``ARG_RULES``):
 ``index_put(accumulate=True)``, ``scatter(reduce="add")``, ``scatter_reduce("sum")``,
@@ -21,8 +26,9 @@ training updates running statistics, ``embedding(max_norm=...)`` renormalises th
 checked too: ``state_positions`` names the tensors such a call writes, and the engine re-runs it
 on clones of them taken before the real call, so live state is never written twice.
 
-Over 400 lines because it is mostly tables (the torch API's views, copies, creators, random ops,
-element-wise ops, reductions, accumulating calls): one place answers "may this call be re-run".
+Over 600 lines because it is mostly tables and small per-API rules (the torch API's views, copies,
+creators, element-wise ops, reductions, accumulating calls, random calls) and the argument
+binding they share: one place answers "may this call be re-run".
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ REASONS = {
     "creation": "a tensor-creation call has no input to perturb",
     "metadata": "not a numerical call",
     "inplace": "an in-place call (re-running it would change the training)",
-    "random": "a random call (re-running it would consume the RNG and differ anyway)",
+    "random": "a random call whose draws cannot be replayed for a re-run",
     "collective": "a distributed collective is never re-run",
     "autograd": "autograd machinery is never re-run",
     "private": "a private torch API (called by torch itself, e.g. inside optimizers)",
@@ -91,11 +97,10 @@ register_hook register_post_accumulate_grad_hook backward dim_order __torch_func
 is_inference has_names __eq__ equal allclose isclose result_type can_cast promote_types
 is_tensor is_storage is_grad_enabled
 """.split())
-RANDOM = frozenset("""
-bernoulli multinomial normal poisson rand rand_like randint randint_like randn randn_like
-randperm dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout
-feature_dropout native_dropout rrelu gumbel_softmax uniform_ normal_ exponential_ geometric_
-cauchy_ log_normal_ random_ bernoulli_ fractional_max_pool2d fractional_max_pool3d
+#: random APIs whose output does not depend on their input's values (only on its shape): nothing
+#: to check (``rand_like``; ``bernoulli(x, p=0.3)`` by its rule); ``uniform_``... are in-place
+RANDOM_CREATION = frozenset("""
+rand rand_like randint randint_like randn randn_like randperm
 """.split())
 #: the in-place forms of the Python operators (``x += y`` arrives as ``add_``)
 INPLACE_DUNDERS = frozenset("""
@@ -120,11 +125,12 @@ REDUCTIONS = {"sum": 1, "mean": 1, "nansum": 1, "nanmean": 1, "amax": 1, "amin":
 class ApiInfo:
     """What one torch callable is. ``skip`` is a key of ``REASONS`` or None (may be checked)."""
 
-    __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos", "rule", "params")
+    __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos", "rule", "random",
+                 "params")
 
     def __init__(self, prefix: str, name: str, skip: str | None = None,
                  operators: dict | None = None, inplace_pos: int | None = None,
-                 rule=None, params: dict | None = None) -> None:
+                 rule=None, random=None, params: dict | None = None) -> None:
         self.prefix = prefix            # Torch | Tensor | Functional | Other
         self.name = name                # API name as the user spells it (matmul, __add__)
         self.key = f"{prefix}.{name}"   # msprobe's name without counter and stage
@@ -135,6 +141,8 @@ class ApiInfo:
         self.inplace_pos = inplace_pos
         #: ``ARG_RULES`` entry: decided per call from the actual arguments (None: static only)
         self.rule = rule
+        #: ``RANDOM_RULES`` entry: does this call draw from a generator (None: never)
+        self.random = random
         #: argument name -> (position or None, default or ``MISSING``) (``parameters``), for
         #: the APIs whose rules read arguments; empty otherwise
         self.params = params or {}
@@ -276,23 +284,20 @@ def _same(a, b) -> bool:
         return False
 
 
-#: APIs whose dropout is decided from their arguments by ``dynamic_skip``
-_DROPOUT_ARGS = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward"})
-
-
 def classify(func) -> ApiInfo:
     """The ``ApiInfo`` of a callable the mode saw (not cached here; see ``Classifier``)."""
     name = getattr(func, "__name__", None) or type(func).__name__
     if name in ("__get__", "__set__", "__delete__"):
         return PROPERTY
     prefix, skip = _prefix(func)
-    rule = None
+    rule = random = None
     if skip is None:
         rule = ARG_RULES.get(name)
-        skip = None if rule is not None else static_skip(name)
+        random = RANDOM_RULES.get(name)
+        skip = None if rule is not None or random is not None else static_skip(name)
     inplace_pos = _inplace_position(func) if prefix == "Functional" else None
-    params = parameters(func, name) if rule is not None or name in _DROPOUT_ARGS else None
-    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos, rule, params)
+    params = parameters(func, name) if rule is not None or random is not None else None
+    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos, rule, random, params)
 
 
 def static_skip(name: str) -> str | None:
@@ -303,11 +308,9 @@ def static_skip(name: str) -> str | None:
         return "metadata"
     if name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")):
         return "inplace"
-    if name in RANDOM:
-        return "random"
     if name in CONVERSION:
         return "conversion"
-    if name in CREATION:
+    if name in CREATION or name in RANDOM_CREATION:
         return "creation"
     if name in COPY:
         return "copy"
@@ -406,22 +409,25 @@ def arg(info: ApiInfo, args: tuple, kwargs: dict, name: str, default=None):
 
 
 def dynamic_skip(info: ApiInfo, args: tuple, kwargs: dict) -> str | None:
-    """A reason decided by this call's arguments (``out=``, ``inplace=True``, dropout_p...)."""
+    """A reason decided by this call's arguments (``out=``, ``inplace=True``, ``accumulate``...)."""
     if kwargs.get("out") is not None:
         return "inplace"
     if info.inplace_pos is not None and (kwargs["inplace"] if "inplace" in kwargs else (
             len(args) > info.inplace_pos and args[info.inplace_pos])):
         return "inplace"
-    name = info.name
-    if name == "scaled_dot_product_attention":
-        if arg(info, args, kwargs, "dropout_p", 0.0):
-            return "random"
-    elif name == "multi_head_attention_forward":
-        if arg(info, args, kwargs, "dropout_p", 0.0) and arg(info, args, kwargs, "training", True):
-            return "random"
     if info.rule is not None:
         return info.rule(info, args, kwargs)[0]
     return None
+
+
+def random_draw(info: ApiInfo, args: tuple, kwargs: dict):
+    """For a random API (``RANDOM_RULES``): a ``Draw`` when this call draws from a generator, a
+    skip reason when there is nothing to check (an eval dropout is the identity: ``copy``;
+    ``bernoulli(x, p)`` does not depend on ``x``: ``creation``), None when it draws nothing with
+    these arguments (``rrelu`` in eval: a plain call). None for every other API."""
+    if info.random is None:
+        return None
+    return info.random(info, args, kwargs)
 
 
 def state_positions(info: ApiInfo, args: tuple, kwargs: dict) -> tuple:
@@ -509,3 +515,99 @@ ARG_RULES = {
     "embedding": _embedding, "embedding_bag": _embedding_bag,
     "batch_norm": _batch_norm, "instance_norm": _instance_norm,
 }
+
+
+# -- random calls ----------------------------------------------------------------------------------
+class Draw:
+    """A call that draws from a generator: its API name (what ``rng.py`` knows of its draws)
+    and the explicit ``generator=`` it draws from (None: the device's default generator)."""
+
+    __slots__ = ("name", "generator")
+
+    def __init__(self, name: str, generator=None) -> None:
+        self.name = name
+        self.generator = generator
+
+
+def _draw(info, args, kwargs) -> Draw:
+    return Draw(info.name, arg(info, args, kwargs, "generator", None))
+
+
+def _dropout(info, args, kwargs):
+    """The dropout family draws a mask in training with ``p > 0``; otherwise it returns its input
+    (an identity: nothing to check). ``training`` (Python functionals) or ``train`` (torch's)."""
+    train = arg(info, args, kwargs, "training", MISSING) if "training" in info.params else \
+        arg(info, args, kwargs, "train", True)
+    if train is MISSING or train is None:   # native_dropout(train=None): training
+        train = True
+    if not train or not arg(info, args, kwargs, "p", 0.5):
+        return "copy"
+    return _draw(info, args, kwargs)
+
+
+def _training(info, args, kwargs):
+    """rrelu: a random slope per negative element in training, a fixed one otherwise."""
+    if not arg(info, args, kwargs, "training", False):
+        return None
+    return _draw(info, args, kwargs)
+
+
+def _bernoulli(info, args, kwargs):
+    """bernoulli(p_tensor) draws with the input's probabilities; with a float ``p`` the output
+    does not depend on the input's values (nothing to check)."""
+    if arg(info, args, kwargs, "p", None) is not None:
+        return "creation"
+    return _draw(info, args, kwargs)
+
+
+def _sdpa(info, args, kwargs):
+    """scaled_dot_product_attention draws a dropout mask when ``dropout_p > 0``."""
+    if not arg(info, args, kwargs, "dropout_p", 0.0):
+        return None
+    return _draw(info, args, kwargs)
+
+
+def _mha(info, args, kwargs):
+    """multi_head_attention_forward draws a dropout mask with ``dropout_p > 0`` in training."""
+    if not arg(info, args, kwargs, "dropout_p", 0.0) or not arg(info, args, kwargs, "training",
+                                                                True):
+        return None
+    return _draw(info, args, kwargs)
+
+
+def _fractional(info, args, kwargs):
+    """fractional max pooling draws its pooling regions unless ``_random_samples`` is given."""
+    if arg(info, args, kwargs, "_random_samples", None) is not None:
+        return None
+    return _draw(info, args, kwargs)
+
+
+#: APIs that may draw from a generator -> rule(info, args, kwargs) -> ``Draw`` (it draws), a skip
+#: reason (nothing to check), or None (it draws nothing with these arguments: a plain call)
+RANDOM_RULES = {
+    **{name: _dropout for name in ("dropout", "dropout1d", "dropout2d", "dropout3d",
+                                   "alpha_dropout", "feature_alpha_dropout", "feature_dropout",
+                                   "native_dropout")},
+    "rrelu": _training, "bernoulli": _bernoulli,
+    "normal": _draw, "gumbel_softmax": _draw, "multinomial": _draw,
+    "poisson": _draw, "binomial": _draw,
+    "scaled_dot_product_attention": _sdpa, "multi_head_attention_forward": _mha,
+    **{name: _fractional for name in ("fractional_max_pool2d", "fractional_max_pool3d",
+                                      "fractional_max_pool2d_with_indices",
+                                      "fractional_max_pool3d_with_indices",
+                                      "_fractional_max_pool2d", "_fractional_max_pool3d")},
+}
+#: random APIs whose CPU kernels draw the same numbers whatever the floating dtype (fp16/bf16,
+#: fp32, fp64; pinned per dtype pair by tests/unit/test_freebench_random.py): an upcast re-run
+#: (improve_precision, to_cpu) replays their draws. ``bernoulli``, ``normal`` and fractional
+#: pooling draw differently per dtype
+DTYPE_FREE = frozenset("""
+dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout feature_dropout
+native_dropout rrelu gumbel_softmax scaled_dot_product_attention multi_head_attention_forward
+""".split())
+#: random APIs whose number of draws depends on the input's values (rejection sampling): a
+#: re-run on changed values falls out of step with the real call's stream
+VALUE_DRAWS = frozenset({"poisson", "binomial"})
+#: attention: on CUDA its backends (flash, memory-efficient, cuDNN, math) each draw their own
+#: dropout stream and are chosen by dtype, layout and grad mode
+ATTENTION = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward"})

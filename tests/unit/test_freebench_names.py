@@ -111,10 +111,12 @@ def test_call_and_check_counts(fb):
     (lambda x: torch.add(x, 1, out=torch.empty_like(x)), "inplace"),
     (lambda x: F.relu(x, inplace=True), "inplace"),
     (lambda x: F.relu(x, True), "inplace"),
-    (lambda x: F.dropout(x, 0.5), "random"),
-    (lambda x: torch.rand_like(x), "random"),
-    (lambda x: torch.bernoulli(torch.full((3,), 0.5)), "random"),
-    (lambda x: F.scaled_dot_product_attention(Q, Q, Q, dropout_p=0.1), "random"),
+    (lambda x: F.dropout(x, 0.5, training=False), "copy"),   # eval: the identity
+    (lambda x: F.dropout(x, 0.0), "copy"),
+    (lambda x: torch.dropout(x, 0.5, False), "copy"),
+    (lambda x: F.alpha_dropout(x, 0.5), "copy"),              # training=False by default
+    (lambda x: torch.rand_like(x), "creation"),               # no dependence on x's values
+    (lambda x: torch.bernoulli(x, 0.3), "creation"),
     (lambda x: x.t(), "view"),
     (lambda x: x.view(-1), "view"),
     (lambda x: x.reshape(2, 16), "view"),
@@ -229,11 +231,14 @@ def test_multi_head_attention_forward_dropout_read_from_its_real_positions():
     assert info.params["training"] == (13, True)
     args = (s, s, s, 8, 2, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.2,
             mha.out_proj.weight, mha.out_proj.bias)
-    assert names.dynamic_skip(info, args, {"training": True}) == "random"
-    assert names.dynamic_skip(info, args, {}) == "random"                 # training=True default
-    assert names.dynamic_skip(info, args, {"training": False}) is None
-    assert names.dynamic_skip(info, args + (False,), {}) is None          # training positional
-    assert names.dynamic_skip(info, args[:10] + (0.0,) + args[11:], {"training": True}) is None
+    # it draws (and is replayed, rng.py) with dropout in training; otherwise a plain call
+    assert isinstance(names.random_draw(info, args, {"training": True}), names.Draw)
+    assert isinstance(names.random_draw(info, args, {}), names.Draw)     # training=True default
+    assert names.random_draw(info, args, {"training": False}) is None
+    assert names.random_draw(info, args + (False,), {}) is None          # training positional
+    assert isinstance(names.random_draw(info, args + (True,), {}), names.Draw)
+    assert names.random_draw(info, args[:10] + (0.0,) + args[11:], {"training": True}) is None
+    assert names.dynamic_skip(info, args, {"training": True}) is None
 
 
 def test_transformer_encoder_layer_with_default_dropout_changes_nothing(tmp_path):
@@ -257,6 +262,12 @@ def test_transformer_encoder_layer_with_default_dropout_changes_nothing(tmp_path
     got, ref = run(fb), run(None)
     assert fb.results.empty, fb.results[["api_name", "ratio"]]
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    # the attention and the three dropouts are checked on the replayed stream (rng.py)
+    cov = fb.coverage.set_index("api_name")
+    for site in ("Functional.multi_head_attention_forward.0", "Functional.dropout.0",
+                 "Functional.dropout.1", "Functional.dropout.2"):
+        assert cov.loc[site, "checked"] == 1 and cov.loc[site, "reason"] == ""
+    assert "random" not in fb.summary["skipped"]
 
 
 def test_parameters_from_aten_schemas_for_builtins():
