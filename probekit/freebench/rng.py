@@ -85,6 +85,18 @@ class Replay:
         gens, before = self.gens, self.before
         if before is None:
             raise RuntimeError("Replay.bind before save()")
+        if len(gens) == 1:   # the CPU generator alone: the common case, without the lists
+            (gen,), (saved,) = gens, before
+
+            def replayed_one(*args, **kwargs):
+                now = gen.get_state()
+                gen.set_state(saved)
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    gen.set_state(now)
+
+            return replayed_one
 
         def replayed(*args, **kwargs):
             now = [g.get_state() for g in gens]
