@@ -72,6 +72,7 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
     mark = realgrad.marker()
     if call.replay is not None:  # a random call: the re-runs in the backward pass replay this
         call.replay.save()       # stream, so they draw the mask the forward call drew
+        engine.replayed += 1
     out = func(*call.args, **call.kwargs)
     try:
         with modes_off():

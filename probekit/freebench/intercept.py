@@ -133,6 +133,7 @@ class Engine(Judging):
         self.calls = 0
         self.checked = 0
         self.flagged = 0
+        self.replayed = 0         # random calls re-run on their saved random stream (rng.py)
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
@@ -205,6 +206,8 @@ class Engine(Judging):
             skipped["out_of_module"] = self.out_of_module
         out = {"calls": self.calls, "checked": self.checked, "skipped": skipped,
                "flagged": self.flagged, "steps": self.step}
+        if self.replayed:
+            out["replayed"] = self.replayed
         if self._hot:
             out["hotspots"] = len(self._hot)
         pending = sum(len(rows) for rows in self._held.values())
@@ -354,6 +357,7 @@ class Engine(Judging):
     def _check_forward(self, call, key, n, name, func, leaves, spec, frame):
         if call.replay is not None:  # the generators' states the re-runs replay
             call.replay.save()
+            self.replayed += 1
         out = func(*call.args, **call.kwargs)
         if call.replay is not None:
             func = call.replay.bind(func)
@@ -463,6 +467,7 @@ class Engine(Judging):
                 if call.replay is not None:   # the upcast call draws what the original would;
                     call.replay.save()        # the dtype probe below must not draw at all
                     probe = call.replay.bind(func)
+                    self.replayed += 1
                 pert = perturb.apply(self.mode_name, call, leaves, spec)
                 self.applied(key, name)
                 with no_autocast(True):

@@ -75,7 +75,7 @@ def test_no_change_rerun_draws_the_real_calls_mask_and_leaves_the_stream(tmp_pat
     fb, out, state, nxt = run(tmp_path, "no_change", fn)
     ref_out, ref_state, ref_next = plain(fn)
     s = fb.summary
-    assert s["checked"] >= 1 and "random" not in s["skipped"], s
+    assert s["checked"] >= 1 and "random" not in s["skipped"] and s["replayed"] == 1, s
     assert fb.results.empty
     assert same(out, ref_out)
     assert torch.equal(state, ref_state) and torch.equal(nxt, ref_next)
@@ -193,7 +193,7 @@ def test_unreplayable_random_calls_are_skipped_and_shown_in_coverage(tmp_path, c
         fb, _, state, nxt = run(tmp_path, "improve_precision", fn)
     _, ref_state, ref_next = plain(fn)
     assert torch.equal(state, ref_state) and torch.equal(nxt, ref_next)
-    assert fb.summary["skipped"]["random"] == 3
+    assert fb.summary["skipped"]["random"] == 3 and fb.summary["replayed"] == 1
     cov = fb.coverage
     assert list(cov.columns) == ["api_name", "calls", "checked", "reason"]
     rows = {r.api_name: (r.calls, r.checked, r.reason) for r in cov.itertuples()}
