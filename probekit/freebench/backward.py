@@ -58,7 +58,9 @@ def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None) -> t
 SELECTION = frozenset("""
 max min amax amin maximum minimum fmax fmin max_pool1d max_pool2d max_pool3d
 max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool1d
-adaptive_max_pool2d adaptive_max_pool3d fractional_max_pool2d fractional_max_pool3d median
+adaptive_max_pool2d adaptive_max_pool3d fractional_max_pool2d fractional_max_pool3d
+fractional_max_pool2d_with_indices fractional_max_pool3d_with_indices _fractional_max_pool2d
+_fractional_max_pool3d median
 nanmedian mode cummax cummin kthvalue topk sort msort
 """.split())
 

@@ -370,3 +370,32 @@ def test_fp16_gumbel_softmax_of_large_logits_is_caught(tmp_path, mode):
         logits = (z + offset).to(fp16)
         fb, _, _, _ = run(tmp_path / str(offset), mode, lambda: F.gumbel_softmax(logits))
         assert fb.results["cause"].tolist() == expect
+
+
+@pytest.mark.parametrize("mode, stage, checked, skipped", [
+    ("bit_noise", "forward", True, {}),
+    ("no_change", "backward", True, {}),
+    ("bit_noise", "backward", False, {"selection": 1}),   # its gradient goes where it picks
+    ("improve_precision", "forward", False, {"random": 1}),   # its draws depend on the dtype
+])
+def test_fractional_max_pool_with_indices(tmp_path, mode, stage, checked, skipped):
+    """Fractional max pooling draws its pooling regions (in the input's dtype)."""
+    x0 = torch.randn(2, 3, 16, 16, generator=gen())
+
+    def run(probe):
+        x = x0.clone().requires_grad_(True)
+        torch.manual_seed(1)
+        with probe if probe is not None else torch.enable_grad():
+            y, idx = F.fractional_max_pool2d(x, 2, output_ratio=(0.5, 0.5),
+                                             return_indices=True)
+            y.square().sum().backward()
+        return y, idx, x.grad, torch.get_rng_state()
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode=mode, fuzz_stage=stage,
+                   list=["fractional_max_pool2d"])
+    got, ref = run(fb), run(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    s = fb.summary
+    assert fb.results.empty
+    assert {k: v for k, v in s["skipped"].items() if k != "out_of_scope"} == skipped, s
+    assert s["checked"] == (1 if checked else 0) and s.get("replayed", 0) == (1 if checked else 0)
