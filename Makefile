@@ -52,7 +52,7 @@ chromium:
 # honour ATEN_CPU_CAPABILITY, e.g. on ARM)
 KERNEL_PATHS ?= avx2 default
 KERNEL_PATH_TESTS ?= tests/unit/test_freebench_detection.py tests/unit/test_freebench_cause.py \
-  tests/integration/test_triage.py \
+  tests/unit/test_freebench_random.py tests/integration/test_triage.py \
   "tests/notebook/test_notebooks.py::test_notebook_runs_clean[01_quickstart.ipynb]" \
   "tests/notebook/test_notebooks.py::test_notebook_runs_clean[02_free_benchmark.ipynb]"
 

@@ -58,17 +58,30 @@ ZOO = ("gpt2", "llama", "bert", "resnet", "vit")
 ZOO_DTYPES = ("fp32", "bf16", "autocast")
 
 
-def zoo_model(kind: str, setting: str = "fp32", layers: int = 3, width: int = 96, seed: int = 0):
+#: the zoo models that have dropout (``zoo_model(..., dropout=True)``)
+ZOO_DROPOUT = ("gpt2", "llama", "bert", "vit")
+
+
+def zoo_model(kind: str, setting: str = "fp32", layers: int = 3, width: int = 96, seed: int = 0,
+              dropout: bool = False):
     """A randomly initialised zoo model in training mode, dropout off (issue 19's set-up:
-    3 layers, width 96). ``setting``: one of ``ZOO_DTYPES`` (autocast keeps fp32 parameters)."""
+    3 layers, width 96). ``setting``: one of ``ZOO_DTYPES`` (autocast keeps fp32 parameters).
+    ``dropout=True``: GPT-2's default dropouts (0.1), 0.1 for BERT's and ViT's hidden and
+    attention dropout and LLaMA's attention dropout (random calls, checked on the replayed
+    stream)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     heads = 4
+    p = 0.1 if dropout else 0.0
     if kind in ("gpt2", "llama"):
         model = build(kind, torch.float32, layers=layers, width=width, seed=seed)
-        if kind == "gpt2":  # dropout off: the issue's measurement (random calls are not checked)
+        if kind == "llama" and dropout:
+            model.config.attention_dropout = p
+            for blk in model.model.layers:
+                blk.self_attn.attention_dropout = p
+        if kind == "gpt2" and not dropout:  # dropout off: the issue's measurement
             for m in model.modules():
                 if isinstance(m, torch.nn.Dropout):
                     m.p = 0.0
@@ -78,8 +91,8 @@ def zoo_model(kind: str, setting: str = "fp32", layers: int = 3, width: int = 96
     elif kind == "bert":
         cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers,
                                       num_attention_heads=heads, intermediate_size=2 * width,
-                                      max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0)
+                                      max_position_embeddings=64, hidden_dropout_prob=p,
+                                      attention_probs_dropout_prob=p)
         model = transformers.BertForMaskedLM(cfg)
     elif kind == "resnet":
         cfg = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64],
@@ -89,8 +102,8 @@ def zoo_model(kind: str, setting: str = "fp32", layers: int = 3, width: int = 96
         cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3,
                                      hidden_size=width, num_hidden_layers=layers,
                                      num_attention_heads=heads, intermediate_size=2 * width,
-                                     num_labels=4, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0)
+                                     num_labels=4, hidden_dropout_prob=p,
+                                     attention_probs_dropout_prob=p)
         model = transformers.ViTForImageClassification(cfg)
     else:
         raise ValueError(f"kind: {kind!r} is not valid; accepted: {', '.join(ZOO)}")

@@ -20,6 +20,11 @@ from this call. In the real backward pass:
    the verdict is read back at the step's gather point (``deferred.py``). Every hook returns
    ``None``, so the gradient flowing on is the real one.
 
+A call that draws from a generator (a dropout, attention with dropout) is re-run on the random
+stream of its forward call (``rng.py``): the states saved just before it are set for each re-run
+in the backward pass and the training's current ones set back afterwards, so the perturbed
+re-run draws the forward call's mask and the training's stream does not move.
+
 An input modified in place between the call and its backward cancels the check. For APIs with
 several differentiable outputs, the check covers the gradient flowing through the first one.
 Hooks still pending are removed when the probe stops.
@@ -53,7 +58,9 @@ def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None) -> t
 SELECTION = frozenset("""
 max min amax amin maximum minimum fmax fmin max_pool1d max_pool2d max_pool3d
 max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool1d
-adaptive_max_pool2d adaptive_max_pool3d fractional_max_pool2d fractional_max_pool3d median
+adaptive_max_pool2d adaptive_max_pool3d fractional_max_pool2d fractional_max_pool3d
+fractional_max_pool2d_with_indices fractional_max_pool3d_with_indices _fractional_max_pool2d
+_fractional_max_pool3d median
 nanmedian mode cummax cummin kthvalue topk sort msort
 """.split())
 
@@ -65,6 +72,9 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
         engine.note_skip("selection", key, name)
         return func(*call.args, **call.kwargs)
     mark = realgrad.marker()
+    if call.replay is not None:  # a random call: the re-runs in the backward pass replay this
+        call.replay.save()       # stream, so they draw the mask the forward call drew
+        engine.replayed += 1
     out = func(*call.args, **call.kwargs)
     try:
         with modes_off():
@@ -78,7 +88,8 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
                 engine.note_skip("no_grad", key, name)
                 return out
             sel = with_grad[0]
-            check = _BackwardCheck(engine, call, key, n, name, func, leaves, spec, diff, sel[0],
+            rerun = func if call.replay is None else call.replay.bind(func)
+            check = _BackwardCheck(engine, call, key, n, name, rerun, leaves, spec, diff, sel[0],
                                    call_site(frame), engine.step)
             x = autocast.first_tensor(leaves)
             check.autocast = (x.device.type, autocast.enabled_dtype(x.device))
@@ -179,8 +190,8 @@ class _BackwardCheck:
         input is sliced with the output) or, in upcast modes only, is the sum of the blocks'
         (weights, biases: accumulated in float64, well within the threshold of the original
         dtype)."""
-        if self.n_outs != 1 or g.numel() <= blocks.BLOCK:
-            return None
+        if self.n_outs != 1 or g.numel() <= blocks.BLOCK or self.call.replay is not None:
+            return None   # (a random call's mask is drawn whole)
         a, kw = perturb.unflatten(plain, self.spec)
         plan = blocks.plan(self.engine.mode_name, self.call.info, a, kw, plain,
                            [(self.out_index, g)])

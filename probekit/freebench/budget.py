@@ -13,7 +13,8 @@ every call site is checked within ``ceil(N / limit)`` steps.
 Host time is what probekit can measure without a sync; on accelerators the device time of a check
 runs in parallel with the host and is of the same order for small kernels.
 
-``Coverage``: per call site (``Torch.matmul.3``) how many times it was eligible and checked.
+``Coverage``: per call site (``Torch.matmul.3``) how many times it was eligible and checked, and
+the call sites never re-run because their random draws cannot be replayed, with the reason.
 """
 from __future__ import annotations
 
@@ -89,14 +90,22 @@ def _avg(old: float | None, new: float) -> float:
 
 class Coverage:
     """Per call site ``(api key, counter)``: times eligible and times checked (named
-    ``Torch.matmul.3`` only when the table is built)."""
+    ``Torch.matmul.3`` only when the table is built); and the sites skipped because their
+    random draws cannot be replayed (``rng.py``): times seen and why."""
 
     def __init__(self) -> None:
         self.calls: dict[tuple, int] = {}
         self.checked: dict[tuple, int] = {}
+        self.skipped: dict[tuple, int] = {}
+        self.reasons: dict[tuple, str] = {}
 
     def seen(self, site: tuple) -> None:
         self.calls[site] = self.calls.get(site, 0) + 1
+
+    def skip(self, site: tuple, reason: str) -> None:
+        """A call of ``site`` that could not be checked, and why (the latest reason is kept)."""
+        self.skipped[site] = self.skipped.get(site, 0) + 1
+        self.reasons[site] = reason
 
     def check(self, site: tuple) -> None:
         self.checked[site] = self.checked.get(site, 0) + 1
@@ -108,11 +117,16 @@ class Coverage:
         return sum(1 for k in self.calls if self.checked.get(k)) / len(self.calls)
 
     def frame(self):
+        """``api_name, calls, checked, reason``: the eligible sites (reason empty), then the
+        sites never checked because their draws cannot be replayed."""
         import pandas as pd
 
-        sites = list(self.calls)
+        sites = list(self.calls) + [s for s in self.skipped if s not in self.calls]
+        calls = [self.calls.get(s, 0) + self.skipped.get(s, 0) for s in sites]
         return pd.DataFrame({"api_name": pd.Series([f"{k}.{n}" for k, n in sites],
                                                    dtype="object"),
-                             "calls": pd.Series([self.calls[s] for s in sites], dtype="int64"),
+                             "calls": pd.Series(calls, dtype="int64"),
                              "checked": pd.Series([self.checked.get(s, 0) for s in sites],
-                                                  dtype="int64")})
+                                                  dtype="int64"),
+                             "reason": pd.Series([self.reasons.get(s, "") for s in sites],
+                                                 dtype="object")})

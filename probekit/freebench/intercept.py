@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..log import Once, get_logger
-from . import autocast, blocks, cause, handlers, perturb, scales, state
+from . import autocast, blocks, cause, handlers, perturb, rng, scales, state
 from .backward import watch
 from .budget import Budget, Coverage
 from .deferred import Verdicts
@@ -28,7 +28,8 @@ from .guards import modes_off, no_autocast, quiet
 from .judging import Judging
 from .metric import device_stats
 from .modes import MODES
-from .names import PROPERTY, REASONS, Classifier, dynamic_skip, operator_key
+from .names import (PROPERTY, REASONS, Classifier, dynamic_skip, operator_key,
+                    random_draw)
 from .preheat import Preheat
 
 log = get_logger("probekit.freebench")
@@ -132,6 +133,7 @@ class Engine(Judging):
         self.calls = 0
         self.checked = 0
         self.flagged = 0
+        self.replayed = 0         # random calls re-run on their saved random stream (rng.py)
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
@@ -204,6 +206,8 @@ class Engine(Judging):
             skipped["out_of_module"] = self.out_of_module
         out = {"calls": self.calls, "checked": self.checked, "skipped": skipped,
                "flagged": self.flagged, "steps": self.step}
+        if self.replayed:
+            out["replayed"] = self.replayed
         if self._hot:
             out["hotspots"] = len(self._hot)
         pending = sum(len(rows) for rows in self._held.values())
@@ -229,15 +233,17 @@ class Engine(Judging):
         self.busy = False
 
     # -- logging -------------------------------------------------------------------------------
-    def note_skip(self, reason: str, key: str, name: str) -> None:
-        """Count a call that is not checked and log why (once per API per run)."""
+    def note_skip(self, reason: str, key: str, name: str, why: str | None = None) -> None:
+        """Count a call that is not checked and log why (once per API per run; ``why``: the
+        text, when it is more precise than the reason's)."""
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         if reason == "no_float_input":
             if self.once(("input", key)):
                 log.warning("Free benchmark: unsupported input type for %s (no floating-point "
                             "tensor input).", name)
-        elif reason != "preheat" and self.once((reason, key)):
-            log.info("Free benchmark: For %s, %s. Cancel perturbation.", name, _reason_text(reason))
+        elif reason != "preheat" and self.once((reason, key, why)):
+            log.info("Free benchmark: For %s, %s. Cancel perturbation.", name,
+                     why or _reason_text(reason))
 
     def _skip(self, reason: str, key: str, name: str, func, args, kwargs):
         self.note_skip(reason, key, name)
@@ -269,8 +275,14 @@ class Engine(Judging):
             return func(*args, **kwargs)
         if isinstance(decision, str):
             return self._skip(decision, key, name, func, args, kwargs)
-        leaves, spec = decision
+        leaves, spec, replay = decision
+        if isinstance(replay, str):  # a random call whose draws cannot be replayed
+            why = rng.why_text(replay)
+            self.coverage.skip((key, n), f"random: {rng.WHY[replay]}")
+            self.note_skip("random", key, name, why)
+            return func(*args, **kwargs)
         call = perturb.Call(info, args, kwargs, self.fb.fuzz_device)
+        call.replay = replay
         if info.rule is not None:
             stateful = self._stateful(call, key, name, func, leaves)
             if stateful is not None:
@@ -307,8 +319,15 @@ class Engine(Judging):
         return None
 
     def _decide(self, info, key, n, name, args, kwargs):
-        """A skip reason, or the call's flattened arguments when it is to be checked."""
+        """A skip reason, or ``(leaves, spec, replay)`` when the call is to be checked: its
+        flattened arguments and, for a call that draws from a generator, its ``rng.Replay`` (or
+        the ``rng.WHY`` key saying why its draws cannot be replayed; None: no draw)."""
         reason = info.skip or dynamic_skip(info, args, kwargs)
+        draw = None
+        if reason is None and info.random is not None:
+            draw = random_draw(info, args, kwargs)
+            if isinstance(draw, str):
+                reason, draw = draw, None
         if reason is None and self.in_optimizer and not torch.is_grad_enabled():
             reason = "optimizer"
         if reason is not None:
@@ -333,10 +352,15 @@ class Engine(Judging):
                              self.preheat.total(key))
             elif not self.preheat.wanted(key):
                 return "preheat"
-        return leaves, spec
+        return leaves, spec, (None if draw is None else rng.plan(draw, leaves, self.mode_name))
 
     def _check_forward(self, call, key, n, name, func, leaves, spec, frame):
+        if call.replay is not None:  # the generators' states the re-runs replay
+            call.replay.save()
+            self.replayed += 1
         out = func(*call.args, **call.kwargs)
+        if call.replay is not None:
+            func = call.replay.bind(func)
         self.busy = True
         t0 = time.perf_counter() if self.budget is not None else 0.0
         try:
@@ -364,7 +388,8 @@ class Engine(Judging):
         leaves = autocast.compute_leaves(leaves, outs)
         base = leaves
         kind = scales.scale_kind(self.mode_name, call.info.name)
-        if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK and not call.snap:
+        if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK and not call.snap and \
+                call.replay is None:  # a random call's mask is drawn whole
             plan = blocks.plan(self.mode_name, call.info, call.args, call.kwargs, leaves, outs)
             if plan is not None:
                 return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs,
@@ -438,6 +463,11 @@ class Engine(Judging):
         self.busy = True
         try:
             with modes_off():
+                probe = func
+                if call.replay is not None:   # the upcast call draws what the original would;
+                    call.replay.save()        # the dtype probe below must not draw at all
+                    probe = call.replay.bind(func)
+                    self.replayed += 1
                 pert = perturb.apply(self.mode_name, call, leaves, spec)
                 self.applied(key, name)
                 with no_autocast(True):
@@ -445,7 +475,7 @@ class Engine(Judging):
                 floats = [x for x in leaves if perturb.is_float(x)]
                 back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
                 # under autocast the caller sees the op's autocast dtype (bf16 linear...)
-                back = autocast.fix_dtype(func, call.args, call.kwargs, leaves) or back
+                back = autocast.fix_dtype(probe, call.args, call.kwargs, leaves) or back
                 out = handlers.cast_back(p_out, pert.in_dtype, back, floats[0].device)
             self.checked += 1
             return out
@@ -455,6 +485,8 @@ class Engine(Judging):
             self.failed(key, name, exc)
         finally:
             self.busy = False
+        if call.replay is not None and call.replay.before is not None:
+            call.replay.rewind()   # the original call draws what it would have drawn
         return func(*call.args, **call.kwargs)
 
     # -- optimizer steps (global hooks, removed on stop) ----------------------------------------

@@ -8,8 +8,14 @@ Python operators reach the mode as the plain method (``x + y`` arrives as ``Tens
 
 Reasons a call is never re-run (the keys of ``FreeBench.summary["skipped"]``):
 view, copy, conversion, creation, metadata, inplace, random, collective, autograd, private,
-side_effect, other. Dynamic ones (``inplace=True``, ``out=``, dropout_p > 0) are decided per call
-by ``dynamic_skip``.
+side_effect, other. Dynamic ones (``inplace=True``, ``out=``) are decided per call by
+``dynamic_skip``. Arguments are read by name (``arg``): the positions and defaults come from the
+callable's Python signature or, for torch's builtins, from its ATen schemas (``parameters``).
+
+Calls that draw from a generator (``RANDOM_RULES``: dropout and friends, ``rrelu`` in training,
+``bernoulli``, ``normal``, ``gumbel_softmax``, attention with ``dropout_p > 0``...) are checked:
+``random_draw`` says whether this call draws, and ``rng.py`` replays the generator's stream for
+the re-runs. Only draws that cannot be replayed are skipped as ``random`` (``rng.WHY``).
 
 Some APIs are classified by what they compute with their actual arguments (``ARG_RULES``):
 ``index_put(accumulate=True)``, ``scatter(reduce="add")``, ``scatter_reduce("sum")``,
@@ -20,8 +26,9 @@ training updates running statistics, ``embedding(max_norm=...)`` renormalises th
 checked too: ``state_positions`` names the tensors such a call writes, and the engine re-runs it
 on clones of them taken before the real call, so live state is never written twice.
 
-Over 400 lines because it is mostly tables (the torch API's views, copies, creators, random ops,
-element-wise ops, reductions, accumulating calls): one place answers "may this call be re-run".
+Over 600 lines because it is mostly tables and small per-API rules (the torch API's views, copies,
+creators, element-wise ops, reductions, accumulating calls, random calls) and the argument
+binding they share: one place answers "may this call be re-run".
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ REASONS = {
     "creation": "a tensor-creation call has no input to perturb",
     "metadata": "not a numerical call",
     "inplace": "an in-place call (re-running it would change the training)",
-    "random": "a random call (re-running it would consume the RNG and differ anyway)",
+    "random": "a random call whose draws cannot be replayed for a re-run",
     "collective": "a distributed collective is never re-run",
     "autograd": "autograd machinery is never re-run",
     "private": "a private torch API (called by torch itself, e.g. inside optimizers)",
@@ -90,11 +97,10 @@ register_hook register_post_accumulate_grad_hook backward dim_order __torch_func
 is_inference has_names __eq__ equal allclose isclose result_type can_cast promote_types
 is_tensor is_storage is_grad_enabled
 """.split())
-RANDOM = frozenset("""
-bernoulli multinomial normal poisson rand rand_like randint randint_like randn randn_like
-randperm dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout
-feature_dropout native_dropout rrelu gumbel_softmax uniform_ normal_ exponential_ geometric_
-cauchy_ log_normal_ random_ bernoulli_ fractional_max_pool2d fractional_max_pool3d
+#: random APIs whose output does not depend on their input's values (only on its shape): nothing
+#: to check (``rand_like``; ``bernoulli(x, p=0.3)`` by its rule); ``uniform_``... are in-place
+RANDOM_CREATION = frozenset("""
+rand rand_like randint randint_like randn randn_like randperm
 """.split())
 #: the in-place forms of the Python operators (``x += y`` arrives as ``add_``)
 INPLACE_DUNDERS = frozenset("""
@@ -119,11 +125,12 @@ REDUCTIONS = {"sum": 1, "mean": 1, "nansum": 1, "nanmean": 1, "amax": 1, "amin":
 class ApiInfo:
     """What one torch callable is. ``skip`` is a key of ``REASONS`` or None (may be checked)."""
 
-    __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos", "rule")
+    __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos", "rule", "random",
+                 "params")
 
     def __init__(self, prefix: str, name: str, skip: str | None = None,
                  operators: dict | None = None, inplace_pos: int | None = None,
-                 rule=None) -> None:
+                 rule=None, random=None, params: dict | None = None) -> None:
         self.prefix = prefix            # Torch | Tensor | Functional | Other
         self.name = name                # API name as the user spells it (matmul, __add__)
         self.key = f"{prefix}.{name}"   # msprobe's name without counter and stage
@@ -134,6 +141,11 @@ class ApiInfo:
         self.inplace_pos = inplace_pos
         #: ``ARG_RULES`` entry: decided per call from the actual arguments (None: static only)
         self.rule = rule
+        #: ``RANDOM_RULES`` entry: does this call draw from a generator (None: never)
+        self.random = random
+        #: argument name -> (position or None, default or ``MISSING``) (``parameters``), for
+        #: the APIs whose rules read arguments; empty otherwise
+        self.params = params or {}
 
     def __repr__(self) -> str:
         return f"ApiInfo({self.key!r}, skip={self.skip!r})"
@@ -221,18 +233,71 @@ def _inplace_position(func) -> int | None:
     return params.index("inplace") if "inplace" in params else None
 
 
+#: an argument without a default
+MISSING = object()
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def parameters(func, name: str) -> dict:
+    """``{argument name: (position or None, default or MISSING)}`` of a callable the mode sees:
+    from its Python signature, or for a torch builtin (no signature) from the ATen schemas of
+    ``aten::<name>`` (``self`` first, as a method's arguments arrive). An argument at different
+    positions in two overloads has no position (read by keyword only), one with different
+    defaults none; keyword-only arguments have no position."""
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None and not any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
+        return {p.name: (i if p.kind in _POSITIONAL else None,
+                         MISSING if p.default is p.empty else p.default)
+                for i, p in enumerate(sig.parameters.values())}
+    try:
+        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}")
+    except Exception:  # no such operator
+        return {}
+    table: dict = {}
+    for schema in schemas:
+        if schema.overload_name == "out" or schema.overload_name.endswith("_out"):
+            continue
+        for i, a in enumerate(schema.arguments):
+            if a.is_out:
+                continue
+            pos = None if a.kwarg_only else i
+            default = a.default_value if a.has_default_value() else MISSING
+            if a.name not in table:
+                table[a.name] = (pos, default)
+                continue
+            have_pos, have_default = table[a.name]
+            if have_pos != pos:
+                have_pos = None
+            if have_default is not MISSING and not _same(have_default, default):
+                have_default = MISSING
+            table[a.name] = (have_pos, have_default)
+    return table
+
+
+def _same(a, b) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
 def classify(func) -> ApiInfo:
     """The ``ApiInfo`` of a callable the mode saw (not cached here; see ``Classifier``)."""
     name = getattr(func, "__name__", None) or type(func).__name__
     if name in ("__get__", "__set__", "__delete__"):
         return PROPERTY
     prefix, skip = _prefix(func)
-    rule = None
+    rule = random = None
     if skip is None:
         rule = ARG_RULES.get(name)
-        skip = None if rule is not None else static_skip(name)
+        random = RANDOM_RULES.get(name)
+        skip = None if rule is not None or random is not None else static_skip(name)
     inplace_pos = _inplace_position(func) if prefix == "Functional" else None
-    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos, rule)
+    params = parameters(func, name) if rule is not None or random is not None else None
+    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos, rule, random, params)
 
 
 def static_skip(name: str) -> str | None:
@@ -243,11 +308,9 @@ def static_skip(name: str) -> str | None:
         return "metadata"
     if name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")):
         return "inplace"
-    if name in RANDOM:
-        return "random"
     if name in CONVERSION:
         return "conversion"
-    if name in CREATION:
+    if name in CREATION or name in RANDOM_CREATION:
         return "creation"
     if name in COPY:
         return "copy"
@@ -334,28 +397,37 @@ def call_site(frame) -> str:
 
 
 # -- per-call decisions ---------------------------------------------------------------------------
-def _arg(args, kwargs, pos: int, name: str, default=None):
+def arg(info: ApiInfo, args: tuple, kwargs: dict, name: str, default=None):
+    """The value of argument ``name`` in this call: by keyword, else at its position in the
+    callable's signature (``info.params``), else its default there, else ``default``."""
     if name in kwargs:
         return kwargs[name]
-    return args[pos] if len(args) > pos else default
+    pos, dflt = info.params.get(name, (None, MISSING))
+    if pos is not None and len(args) > pos:
+        return args[pos]
+    return default if dflt is MISSING else dflt
 
 
 def dynamic_skip(info: ApiInfo, args: tuple, kwargs: dict) -> str | None:
-    """A reason decided by this call's arguments (``out=``, ``inplace=True``, dropout_p...)."""
+    """A reason decided by this call's arguments (``out=``, ``inplace=True``, ``accumulate``...)."""
     if kwargs.get("out") is not None:
         return "inplace"
-    if info.inplace_pos is not None and _arg(args, kwargs, info.inplace_pos, "inplace", False):
+    if info.inplace_pos is not None and (kwargs["inplace"] if "inplace" in kwargs else (
+            len(args) > info.inplace_pos and args[info.inplace_pos])):
         return "inplace"
-    name = info.name
-    if name == "scaled_dot_product_attention":
-        if _arg(args, kwargs, 4, "dropout_p", 0.0):
-            return "random"
-    elif name == "multi_head_attention_forward":
-        if _arg(args, kwargs, 13, "dropout_p", 0.0) and _arg(args, kwargs, 19, "training", True):
-            return "random"
     if info.rule is not None:
         return info.rule(info, args, kwargs)[0]
     return None
+
+
+def random_draw(info: ApiInfo, args: tuple, kwargs: dict):
+    """For a random API (``RANDOM_RULES``): a ``Draw`` when this call draws from a generator, a
+    skip reason when there is nothing to check (an eval dropout is the identity: ``copy``;
+    ``bernoulli(x, p)`` does not depend on ``x``: ``creation``), None when it draws nothing with
+    these arguments (``rrelu`` in eval: a plain call). None for every other API."""
+    if info.random is None:
+        return None
+    return info.random(info, args, kwargs)
 
 
 def state_positions(info: ApiInfo, args: tuple, kwargs: dict) -> tuple:
@@ -377,83 +449,165 @@ def _always_sums(info, args, kwargs):
     return None, _inplace_self(info, args)
 
 
-def _accumulate_flag(pos: int):
+def _accumulate_flag(info, args, kwargs):
     """index_put / put: a sum with ``accumulate=True``, an exact copy otherwise."""
-    def rule(info, args, kwargs):
-        if not _arg(args, kwargs, pos, "accumulate", False):
-            return ("inplace" if info.name.endswith("_") else "copy"), ()
-        return None, _inplace_self(info, args)
-    return rule
+    if not arg(info, args, kwargs, "accumulate", False):
+        return ("inplace" if info.name.endswith("_") else "copy"), ()
+    return None, _inplace_self(info, args)
 
 
 #: reductions that select one of the values (exact) rather than combine them
 _EXACT_REDUCE = frozenset({"amax", "amin", "max", "min"})
 
 
-def _reduce_arg(pos: int):
+def _reduce_arg(info, args, kwargs):
     """scatter(reduce=...), scatter_reduce, index_reduce: exact for amax/amin and plain scatter."""
-    def rule(info, args, kwargs):
-        reduce = _arg(args, kwargs, pos, "reduce", None)
-        if reduce is None or reduce in _EXACT_REDUCE:
-            return ("inplace" if info.name.endswith("_") else "copy"), ()
-        return None, _inplace_self(info, args)
-    return rule
+    reduce = arg(info, args, kwargs, "reduce", None)
+    if reduce is None or reduce in _EXACT_REDUCE:
+        return ("inplace" if info.name.endswith("_") else "copy"), ()
+    return None, _inplace_self(info, args)
 
 
 def _embedding(info, args, kwargs):
     """F.embedding: a lookup (exact) unless ``max_norm`` renormalises the weight in place."""
-    if info.prefix != "Functional" or _arg(args, kwargs, 3, "max_norm", None) is None:
+    if info.prefix != "Functional" or arg(info, args, kwargs, "max_norm", None) is None:
         return "copy", ()
-    return None, (_arg(args, kwargs, 1, "weight"),)
+    return None, (arg(info, args, kwargs, "weight"),)
 
 
 def _embedding_bag(info, args, kwargs):
     """embedding_bag: sum/mean bags are sums; max bags are exact unless weighted/renormalised."""
-    if info.prefix == "Functional":
-        mode = _arg(args, kwargs, 6, "mode", "mean")
-        max_norm = _arg(args, kwargs, 3, "max_norm", None)
-        weighted = _arg(args, kwargs, 8, "per_sample_weights", None) is not None
-        state = (_arg(args, kwargs, 1, "weight"),) if max_norm is not None else ()
-    else:  # torch.embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode: 0/1/2, ...)
-        mode = {0: "sum", 1: "mean", 2: "max"}.get(_arg(args, kwargs, 4, "mode", 0))
-        max_norm, weighted, state = None, _arg(args, kwargs, 6, "per_sample_weights") is not None, ()
+    mode = arg(info, args, kwargs, "mode", "mean" if info.prefix == "Functional" else 0)
+    mode = {0: "sum", 1: "mean", 2: "max"}.get(mode, mode)   # torch.embedding_bag: 0/1/2
+    max_norm = arg(info, args, kwargs, "max_norm", None)
+    weighted = arg(info, args, kwargs, "per_sample_weights", None) is not None
+    state = (arg(info, args, kwargs, "weight"),) if max_norm is not None else ()
     if mode == "max" and max_norm is None and not weighted:
         return "copy", ()
     return None, state
 
 
 def _batch_norm(info, args, kwargs):
-    """Training batch norm normalises with batch statistics and updates the running ones."""
-    if not _arg(args, kwargs, 5, "training", False):
+    """Training batch norm normalises with batch statistics and updates the running ones
+    (``F.batch_norm(input, running_mean, running_var, ...)``, ``torch.batch_norm(input, weight,
+    bias, running_mean, running_var, training, ...)``: read by name)."""
+    if not arg(info, args, kwargs, "training", False):
         return None, ()
-    if info.prefix == "Functional":   # F.batch_norm(input, running_mean, running_var, ...)
-        return None, (_arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var"))
-    # torch.batch_norm(input, weight, bias, running_mean, running_var, training, ...)
-    return None, (_arg(args, kwargs, 3, "running_mean"), _arg(args, kwargs, 4, "running_var"))
+    return None, (arg(info, args, kwargs, "running_mean"), arg(info, args, kwargs, "running_var"))
 
 
 def _instance_norm(info, args, kwargs):
     """instance_norm with running statistics and use_input_stats updates them."""
-    if info.prefix == "Functional":   # F.instance_norm(input, running_mean, running_var, w, b, use)
-        if not _arg(args, kwargs, 5, "use_input_stats", True):
-            return None, ()
-        return None, (_arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var"))
-    # torch.instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, ...)
-    if not _arg(args, kwargs, 5, "use_input_stats", True):
+    if not arg(info, args, kwargs, "use_input_stats", True):
         return None, ()
-    return None, (_arg(args, kwargs, 3, "running_mean"), _arg(args, kwargs, 4, "running_var"))
+    return None, (arg(info, args, kwargs, "running_mean"), arg(info, args, kwargs, "running_var"))
 
 
 #: API name -> rule(info, args, kwargs) -> (skip reason or None, tensors written in place)
 ARG_RULES = {
     "index_add": _always_sums, "index_add_": _always_sums,
     "scatter_add": _always_sums, "scatter_add_": _always_sums,
-    "index_put": _accumulate_flag(3), "index_put_": _accumulate_flag(3),
-    "put": _accumulate_flag(3), "put_": _accumulate_flag(3),
-    "scatter": _reduce_arg(4), "scatter_": _reduce_arg(4),
-    "scatter_reduce": _reduce_arg(4),
-    "scatter_reduce_": _reduce_arg(4),
-    "index_reduce": _reduce_arg(4), "index_reduce_": _reduce_arg(4),
+    "index_put": _accumulate_flag, "index_put_": _accumulate_flag,
+    "put": _accumulate_flag, "put_": _accumulate_flag,
+    "scatter": _reduce_arg, "scatter_": _reduce_arg,
+    "scatter_reduce": _reduce_arg, "scatter_reduce_": _reduce_arg,
+    "index_reduce": _reduce_arg, "index_reduce_": _reduce_arg,
     "embedding": _embedding, "embedding_bag": _embedding_bag,
     "batch_norm": _batch_norm, "instance_norm": _instance_norm,
 }
+
+
+# -- random calls ----------------------------------------------------------------------------------
+class Draw:
+    """A call that draws from a generator: its API name (what ``rng.py`` knows of its draws)
+    and the explicit ``generator=`` it draws from (None: the device's default generator)."""
+
+    __slots__ = ("name", "generator")
+
+    def __init__(self, name: str, generator=None) -> None:
+        self.name = name
+        self.generator = generator
+
+
+def _draw(info, args, kwargs) -> Draw:
+    return Draw(info.name, arg(info, args, kwargs, "generator", None))
+
+
+def _dropout(info, args, kwargs):
+    """The dropout family draws a mask in training with ``p > 0``; otherwise it returns its input
+    (an identity: nothing to check). ``training`` (Python functionals) or ``train`` (torch's)."""
+    train = arg(info, args, kwargs, "training", MISSING) if "training" in info.params else \
+        arg(info, args, kwargs, "train", True)
+    if train is MISSING or train is None:   # native_dropout(train=None): training
+        train = True
+    if not train or not arg(info, args, kwargs, "p", 0.5):
+        return "copy"
+    return _draw(info, args, kwargs)
+
+
+def _training(info, args, kwargs):
+    """rrelu: a random slope per negative element in training, a fixed one otherwise."""
+    if not arg(info, args, kwargs, "training", False):
+        return None
+    return _draw(info, args, kwargs)
+
+
+def _bernoulli(info, args, kwargs):
+    """bernoulli(p_tensor) draws with the input's probabilities; with a float ``p`` the output
+    does not depend on the input's values (nothing to check)."""
+    if arg(info, args, kwargs, "p", None) is not None:
+        return "creation"
+    return _draw(info, args, kwargs)
+
+
+def _sdpa(info, args, kwargs):
+    """scaled_dot_product_attention draws a dropout mask when ``dropout_p > 0``."""
+    if not arg(info, args, kwargs, "dropout_p", 0.0):
+        return None
+    return _draw(info, args, kwargs)
+
+
+def _mha(info, args, kwargs):
+    """multi_head_attention_forward draws a dropout mask with ``dropout_p > 0`` in training."""
+    if not arg(info, args, kwargs, "dropout_p", 0.0) or not arg(info, args, kwargs, "training",
+                                                                True):
+        return None
+    return _draw(info, args, kwargs)
+
+
+def _fractional(info, args, kwargs):
+    """fractional max pooling draws its pooling regions unless ``_random_samples`` is given."""
+    if arg(info, args, kwargs, "_random_samples", None) is not None:
+        return None
+    return _draw(info, args, kwargs)
+
+
+#: APIs that may draw from a generator -> rule(info, args, kwargs) -> ``Draw`` (it draws), a skip
+#: reason (nothing to check), or None (it draws nothing with these arguments: a plain call)
+RANDOM_RULES = {
+    **{name: _dropout for name in ("dropout", "dropout1d", "dropout2d", "dropout3d",
+                                   "alpha_dropout", "feature_alpha_dropout", "feature_dropout",
+                                   "native_dropout")},
+    "rrelu": _training, "bernoulli": _bernoulli,
+    "normal": _draw, "gumbel_softmax": _draw, "multinomial": _draw,
+    "poisson": _draw, "binomial": _draw,
+    "scaled_dot_product_attention": _sdpa, "multi_head_attention_forward": _mha,
+    **{name: _fractional for name in ("fractional_max_pool2d", "fractional_max_pool3d",
+                                      "fractional_max_pool2d_with_indices",
+                                      "fractional_max_pool3d_with_indices",
+                                      "_fractional_max_pool2d", "_fractional_max_pool3d")},
+}
+#: random APIs whose CPU kernels draw the same numbers whatever the floating dtype (fp16/bf16,
+#: fp32, fp64; pinned per dtype pair by tests/unit/test_freebench_random.py): an upcast re-run
+#: (improve_precision, to_cpu) replays their draws. ``bernoulli``, ``normal`` and fractional
+#: pooling draw differently per dtype
+DTYPE_FREE = frozenset("""
+dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout feature_dropout
+native_dropout rrelu gumbel_softmax scaled_dot_product_attention multi_head_attention_forward
+""".split())
+#: random APIs whose number of draws depends on the input's values (rejection sampling): a
+#: re-run on changed values falls out of step with the real call's stream
+VALUE_DRAWS = frozenset({"poisson", "binomial"})
+#: attention: on CUDA its backends (flash, memory-efficient, cuDNN, math) each draw their own
+#: dropout stream and are chosen by dtype, layout and grad mode
+ATTENTION = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward"})

@@ -255,6 +255,9 @@ class Call:
     #: taken before the real call (re-runs use fresh copies of these instead)
     state: tuple = ()
     snap: dict | None = None
+    #: a call that draws from a generator: its ``rng.Replay`` (re-runs replay the real call's
+    #: random stream), else None
+    replay: object = None
 
 
 @dataclass

@@ -169,7 +169,9 @@ def test_budget_checks_a_share_of_the_calls_and_rotates_through_every_call_site(
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=0.05)
     train(30, torch.float32, fb)
     s, cov = fb.summary, fb.coverage
-    assert list(cov.columns) == ["api_name", "calls", "checked"]
+    assert list(cov.columns) == ["api_name", "calls", "checked", "reason"]
+    assert (cov["reason"] == "").all()                 # the dropout is replayed, not skipped
+    assert "Functional.dropout.0" in set(cov["api_name"])
     assert (cov["calls"] == 30).all() and cov["api_name"].is_unique
     sites, limit = len(cov), s["budget_limit"]
     assert 1 <= limit < sites                          # the budget really limits the checks

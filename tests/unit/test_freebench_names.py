@@ -111,10 +111,12 @@ def test_call_and_check_counts(fb):
     (lambda x: torch.add(x, 1, out=torch.empty_like(x)), "inplace"),
     (lambda x: F.relu(x, inplace=True), "inplace"),
     (lambda x: F.relu(x, True), "inplace"),
-    (lambda x: F.dropout(x, 0.5), "random"),
-    (lambda x: torch.rand_like(x), "random"),
-    (lambda x: torch.bernoulli(torch.full((3,), 0.5)), "random"),
-    (lambda x: F.scaled_dot_product_attention(Q, Q, Q, dropout_p=0.1), "random"),
+    (lambda x: F.dropout(x, 0.5, training=False), "copy"),   # eval: the identity
+    (lambda x: F.dropout(x, 0.0), "copy"),
+    (lambda x: torch.dropout(x, 0.5, False), "copy"),
+    (lambda x: F.alpha_dropout(x, 0.5), "copy"),              # training=False by default
+    (lambda x: torch.rand_like(x), "creation"),               # no dependence on x's values
+    (lambda x: torch.bernoulli(x, 0.3), "creation"),
     (lambda x: x.t(), "view"),
     (lambda x: x.view(-1), "view"),
     (lambda x: x.reshape(2, 16), "view"),
@@ -215,3 +217,102 @@ def test_unhashable_callable_is_classified_not_crashed():
     c = names.Classifier()
     assert c(Unhashable()).skip == "other"
     assert c(torch.matmul) is c(torch.matmul)
+
+
+# -- arguments are read by name (the signature), not by hard-coded positions ----------------------
+def test_multi_head_attention_forward_dropout_read_from_its_real_positions():
+    """``nn.MultiheadAttention`` passes ``dropout_p`` at position 10 and ``training`` by keyword
+    (torch 2.13: positions 10 and 13 of ``F.multi_head_attention_forward``); names.py once read
+    positions 13 and 19, so it never saw the dropout and re-ran the call on a fresh mask."""
+    mha = torch.nn.MultiheadAttention(8, 2, dropout=0.2)
+    s = torch.randn(4, 1, 8)
+    info = names.classify(F.multi_head_attention_forward)
+    assert info.params["dropout_p"] == (10, names.MISSING)
+    assert info.params["training"] == (13, True)
+    args = (s, s, s, 8, 2, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.2,
+            mha.out_proj.weight, mha.out_proj.bias)
+    # it draws (and is replayed, rng.py) with dropout in training; otherwise a plain call
+    assert isinstance(names.random_draw(info, args, {"training": True}), names.Draw)
+    assert isinstance(names.random_draw(info, args, {}), names.Draw)     # training=True default
+    assert names.random_draw(info, args, {"training": False}) is None
+    assert names.random_draw(info, args + (False,), {}) is None          # training positional
+    assert isinstance(names.random_draw(info, args + (True,), {}), names.Draw)
+    assert names.random_draw(info, args[:10] + (0.0,) + args[11:], {"training": True}) is None
+    assert names.dynamic_skip(info, args, {"training": True}) is None
+
+
+def test_transformer_encoder_layer_with_default_dropout_changes_nothing(tmp_path):
+    """The audit's reproducer: a TransformerEncoderLayer (dropout 0.1) under improve_precision
+    re-ran its multi-head attention on a fresh dropout mask: a finding at ~5e5x the threshold,
+    and the output and the RNG state changed."""
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    x = torch.randn(2, 8, 32)
+
+    def run(fb):
+        torch.manual_seed(7)
+        if fb is None:
+            y = enc(x)
+        else:
+            with fb:
+                y = enc(x)
+        return y, torch.get_rng_state(), torch.rand(4)
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+    got, ref = run(fb), run(None)
+    assert fb.results.empty, fb.results[["api_name", "ratio"]]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    # the attention and the three dropouts are checked on the replayed stream (rng.py)
+    cov = fb.coverage.set_index("api_name")
+    for site in ("Functional.multi_head_attention_forward.0", "Functional.dropout.0",
+                 "Functional.dropout.1", "Functional.dropout.2"):
+        assert cov.loc[site, "checked"] == 1 and cov.loc[site, "reason"] == ""
+    assert "random" not in fb.summary["skipped"]
+
+
+def test_parameters_from_aten_schemas_for_builtins():
+    """Builtins have no Python signature: their positions and defaults come from the ATen
+    schemas (``self`` first, as a method's arguments arrive); keyword-only ones have none."""
+    M = names.MISSING
+    assert names.parameters(torch.Tensor.index_put, "index_put") == {
+        "self": (0, M), "indices": (1, M), "values": (2, M), "accumulate": (3, False)}
+    assert names.parameters(torch.dropout, "dropout") == {
+        "input": (0, M), "p": (1, M), "train": (2, M)}
+    sdpa = names.parameters(F.scaled_dot_product_attention, "scaled_dot_product_attention")
+    assert sdpa["dropout_p"] == (4, 0.0) and sdpa["scale"] == (None, None)
+    scatter = names.parameters(torch.Tensor.scatter, "scatter")
+    assert scatter["reduce"] == (None, M) and scatter["src"] == (3, M)
+    assert names.parameters(F.dropout, "dropout") == {
+        "input": (0, M), "p": (1, 0.5), "training": (2, True), "inplace": (3, False)}
+
+
+XB = torch.randn(4, 8, 16, 16)
+IDX = torch.zeros(1, 8, 16, 16, dtype=torch.long)
+
+
+@pytest.mark.parametrize("call, key, expect", [
+    (lambda: torch.batch_norm(XB, None, None, torch.zeros(8), torch.ones(8), True, 0.1, 1e-5,
+                              False), "Torch.batch_norm", "checked"),
+    (lambda: F.batch_norm(XB, torch.zeros(8), torch.ones(8), training=True),
+     "Functional.batch_norm", "checked"),
+    (lambda: torch.embedding_bag(torch.randn(5, 3), torch.tensor([0, 1, 2]), torch.tensor([0]),
+                                 False, 2), "Torch.embedding_bag", "copy"),    # mode=2: max
+    (lambda: F.embedding_bag(torch.tensor([0, 1, 2]), torch.randn(5, 3), torch.tensor([0]),
+                             mode="max"), "Functional.embedding_bag", "copy"),
+    (lambda: torch.index_put(XB, (torch.tensor([0, 0]),), XB[:2], accumulate=True),
+     "Torch.index_put", "checked"),
+    (lambda: XB.scatter_reduce(0, IDX, XB[:1], "sum"), "Tensor.scatter_reduce", "checked"),
+    (lambda: XB.scatter_reduce(0, IDX, XB[:1], "amax"), "Tensor.scatter_reduce", "copy"),
+    (lambda: XB.scatter(0, IDX, XB[:1]), "Tensor.scatter", "copy"),
+])
+def test_argument_rules_read_positional_and_keyword_arguments_by_name(tmp_path, call, key,
+                                                                      expect):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change", list=[key.split(".")[1]])
+    with fb:
+        call()
+    s = fb.summary
+    skipped = {k: v for k, v in s["skipped"].items() if k != "out_of_scope"}  # building inputs
+    if expect == "checked":
+        assert s["checked"] == 1 and skipped == {}, s
+    else:
+        assert s["checked"] == 0 and skipped == {expect: 1}, s

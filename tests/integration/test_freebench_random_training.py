@@ -1,0 +1,144 @@
+"""Training with dropout on: the random calls are checked on the replayed stream (rng.py), and
+check mode still changes nothing, bit for bit -- losses, parameters and the global RNG state --
+in the forward and the backward stage. The models: two ``nn.TransformerEncoderLayer`` (dropout
+0.1: ``multi_head_attention_forward`` with its attention dropout, and three ``F.dropout`` per
+layer) and a tiny Hugging Face GPT-2 with its default dropouts (embedding, attention, residual),
+data drawn from the global RNG every step, so a moved stream shows in the next batch too.
+A healthy model gives no findings with dropout on, as with dropout off."""
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from probekit.freebench import FreeBench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from _hf_models import VOCAB, build  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Encoder(nn.Module):
+    def __init__(self, d=32, vocab=40):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.1,
+                                                               batch_first=True)
+                                    for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def make(kind, dtype):
+    torch.manual_seed(0)
+    if kind == "encoder":
+        model, vocab = Encoder(), 40
+    else:
+        model, vocab = build("gpt2", torch.float32, layers=2, width=64), VOCAB
+        assert model.config.attn_pdrop == model.config.resid_pdrop == 0.1   # the defaults
+    model.to(torch.bfloat16 if dtype == "bf16" else torch.float32).train()
+    return model, vocab
+
+
+def train(kind, dtype, steps, fb=None):
+    model, vocab = make(kind, dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, vocab, (2, 12))        # the data come from the global stream
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "autocast" \
+            else contextlib.nullcontext()
+        probe = fb if fb is not None else contextlib.nullcontext()
+        with probe:
+            with amp:
+                out = model(idx)
+                logits = out.logits if hasattr(out, "logits") else out
+            loss = F.cross_entropy(logits.float().reshape(-1, vocab), idx.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        opt.step()
+        if fb is not None:
+            fb.step()
+        losses.append(loss.detach())
+    params = [p.detach().clone() for p in model.parameters()]
+    return torch.stack(losses), params, torch.get_rng_state()
+
+
+_BASE = {}
+
+
+def baseline(kind, dtype, steps):
+    key = (kind, dtype, steps)
+    if key not in _BASE:
+        _BASE[key] = train(kind, dtype, steps)
+    return _BASE[key]
+
+
+#: the random sites of one step and the API each is: checked, never skipped
+RANDOM_SITES = {"encoder": ["Functional.multi_head_attention_forward.0", "Functional.dropout.0",
+                            "Functional.dropout.5"],
+                "gpt2": ["Functional.dropout.0", "Functional.scaled_dot_product_attention.0",
+                         "Functional.dropout.4"]}
+
+SETTINGS = [
+    ("encoder", "fp32", dict(pert_mode="improve_precision")),
+    ("encoder", "fp32", dict(pert_mode="bit_noise")),
+    ("encoder", "fp32", dict(pert_mode="no_change")),
+    ("encoder", "fp32", dict(pert_mode="improve_precision", fuzz_stage="backward")),
+    ("encoder", "fp32", dict(pert_mode="add_noise", fuzz_stage="backward")),
+    ("encoder", "fp32", dict(pert_mode="no_change", fuzz_stage="backward")),
+    ("encoder", "bf16", dict(pert_mode="improve_precision")),
+    ("encoder", "bf16", dict(pert_mode="bit_noise", fuzz_stage="backward")),
+    ("encoder", "autocast", dict(pert_mode="improve_precision", fuzz_stage="backward")),
+    ("gpt2", "fp32", dict(pert_mode="improve_precision")),
+    ("gpt2", "fp32", dict(pert_mode="bit_noise")),
+    ("gpt2", "fp32", dict(pert_mode="no_change")),
+    ("gpt2", "fp32", dict(pert_mode="improve_precision", fuzz_stage="backward")),
+    ("gpt2", "fp32", dict(pert_mode="bit_noise", fuzz_stage="backward")),
+    ("gpt2", "fp32", dict(pert_mode="no_change", fuzz_stage="backward")),
+    ("gpt2", "bf16", dict(pert_mode="add_noise")),
+    ("gpt2", "bf16", dict(pert_mode="improve_precision", fuzz_stage="backward")),
+    ("gpt2", "autocast", dict(pert_mode="bit_noise")),
+    ("gpt2", "fp32", dict(pert_mode="bit_noise", budget=0.1)),
+]
+
+
+@pytest.mark.parametrize("kind, dtype, options", SETTINGS,
+                         ids=lambda o: "-".join(map(str, o.values())) if isinstance(o, dict)
+                         else str(o))
+def test_dropout_training_is_bitwise_unchanged_and_its_random_calls_checked(tmp_path, kind,
+                                                                           dtype, options):
+    steps = 3
+    ref_losses, ref_params, ref_rng = baseline(kind, dtype, steps)
+    fb = FreeBench(dump_path=str(tmp_path), **options)
+    losses, params, rng = train(kind, dtype, steps, fb)
+    assert torch.equal(losses, ref_losses)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert torch.equal(rng, ref_rng)
+    s = fb.summary
+    assert "random" not in s["skipped"] and "error" not in s["skipped"], s
+    cov = fb.coverage.set_index("api_name")
+    assert (cov["reason"] == "").all()
+    for site in RANDOM_SITES[kind]:
+        assert cov.loc[site, "calls"] == steps
+        if "budget" not in options:
+            assert cov.loc[site, "checked"] == steps
+    # healthy: nothing found, dropout on (no_change: the replayed masks are equal bit for bit)
+    assert fb.results.empty, fb.results[["api_name", "output_index", "ratio", "cause"]]
+    assert fb._engine.handles == []
