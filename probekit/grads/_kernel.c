@@ -4,14 +4,16 @@
  * function here, used where this extension was not built, and tested against it value for
  * value). Two functions per floating-point width:
  *
- *   pk_minmax_*  max and min over the non-NaN elements, the largest finite |x|, the NaN count
- *                (the first pass: the significance threshold is a property of the whole
- *                gradient, so it is known before the bits are packed);
+ *   pk_minmax_*  max and min over the non-NaN elements, the largest finite |x|, the NaN count;
  *   pk_stats_*   in one pass: the sum of squares (float64 accumulators; float32 products are
  *                exact in float64), the sign bits (x > 0) and significance bits (|x| > thr),
  *                packed 8 per byte most significant bit first (numpy.packbits order), and,
  *                with want_counts, the count of x <= b for each bound, of exact zeros and of
- *                NaNs.
+ *                NaNs;
+ *   pk_chunk_*   both on one chunk, read once from memory (the second loop reads it from
+ *                cache), with a provisional significance threshold and the list of elements
+ *                whose bit a nearby threshold would change, which pk_fix_* mends once the real
+ *                threshold (the module's largest |x|) is known.
  *
  * Comparisons are made in the element's own width: for float32 elements the threshold and the
  * bounds are rounded to float32 first (to nearest), as numpy and torch compare a float32 array
@@ -322,6 +324,270 @@ double pk_stats_f32(const float *x, int64_t n, double thr, uint8_t *signs, uint8
 #endif
     return pk_stats_f32_c(x, n, thr, signs, sig, bounds, nb, counts, want_counts);
 }
+
+/* ------------------------------------------------------------------ one pass per chunk */
+
+/* elements with lo < |x| <= hi, their indices (+ off) into cand while fewer than cap; returns
+ * how many there are (more than cap: the list is incomplete) */
+#define PK_BAND(NAME, T)                                                                     \
+    static int64_t NAME(const T *x, int64_t n, double lo_d, double hi_d, int32_t *cand,     \
+                        int32_t cap) {                                                     \
+        T lo = (T)lo_d, hi = (T)hi_d;                                                      \
+        int64_t k = 0;                                                                     \
+        for (int64_t i = 0; i < n; i++) {                                                  \
+            T a = x[i] < 0 ? -x[i] : x[i];                                                 \
+            if ((a > lo) & (a <= hi)) {                                                    \
+                if (k < cap) cand[k] = (int32_t)i;                                         \
+                k++;                                                                       \
+            }                                                                              \
+        }                                                                                  \
+        return k;                                                                          \
+    }
+
+PK_BAND(band_f32_c, float)
+PK_BAND(band_f64, double)
+
+#ifdef PK_HAVE_AVX2_CODE
+__attribute__((target("avx2,fma")))
+static int64_t band_f32_avx2(const float *x, int64_t n, double lo_d, double hi_d,
+                             int32_t *cand, int32_t cap) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 lo = _mm256_set1_ps((float)lo_d), hi = _mm256_set1_ps((float)hi_d);
+    int64_t k = 0, i = 0, nv = n & ~(int64_t)7;
+    for (; i < nv; i += 8) {
+        __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), absmask);
+        unsigned m = (unsigned)_mm256_movemask_ps(_mm256_and_ps(
+            _mm256_cmp_ps(a, lo, _CMP_GT_OQ), _mm256_cmp_ps(a, hi, _CMP_LE_OQ)));
+        while (m) {
+            if (k < cap) cand[k] = (int32_t)(i + __builtin_ctz(m));
+            k++;
+            m &= m - 1;
+        }
+    }
+    for (; i < n; i++) {
+        float a = x[i] < 0 ? -x[i] : x[i];
+        if ((a > (float)lo_d) & (a <= (float)hi_d)) {
+            if (k < cap) cand[k] = (int32_t)i;
+            k++;
+        }
+    }
+    return k;
+}
+
+__attribute__((target("avx512f")))
+static int64_t band_f32_avx512(const float *x, int64_t n, double lo_d, double hi_d,
+                               int32_t *cand, int32_t cap) {
+    const __m512 lo = _mm512_set1_ps((float)lo_d), hi = _mm512_set1_ps((float)hi_d);
+    int64_t k = 0, i = 0, nv = n & ~(int64_t)15;
+    for (; i < nv; i += 16) {
+        __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+        unsigned m = (unsigned)(_mm512_cmp_ps_mask(a, lo, _CMP_GT_OQ) &
+                                _mm512_cmp_ps_mask(a, hi, _CMP_LE_OQ));
+        while (m) {
+            if (k < cap) cand[k] = (int32_t)(i + __builtin_ctz(m));
+            k++;
+            m &= m - 1;
+        }
+    }
+    int64_t room = k < cap ? cap - k : 0; /* the tail's indices are relative to x + i */
+    int64_t more = band_f32_c(x + i, n - i, lo_d, hi_d, cand + (cap - room), (int32_t)room);
+    for (int64_t j = 0; j < more && j < room; j++) cand[cap - room + j] += (int32_t)i;
+    return k + more;
+}
+#endif
+
+static int64_t band_f32(const float *x, int64_t n, double lo, double hi, int32_t *cand,
+                        int32_t cap) {
+#ifdef PK_HAVE_AVX2_CODE
+    if (level == 2) return band_f32_avx512(x, n, lo, hi, cand, cap);
+    if (level == 1) return band_f32_avx2(x, n, lo, hi, cand, cap);
+#endif
+    return band_f32_c(x, n, lo, hi, cand, cap);
+}
+
+
+#ifdef PK_HAVE_AVX2_CODE
+/* AVX-512, with the threshold t known before the chunk (the module's scale at the previous
+ * step): every statistic in a single loop, so the chunk is read once and the arithmetic runs
+ * while it streams in. Same results as the two loops (the tail: the portable functions). */
+__attribute__((target("avx512f")))
+static void onepass_f32_avx512(const float *x, int64_t n, double t_d, uint8_t *signs,
+                               uint8_t *sig, const double *bounds, int32_t nb, int64_t *counts,
+                               int32_t want_counts, double band, int32_t *cand, int32_t cap,
+                               double *out, int64_t *ints) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 thr = _mm512_set1_ps((float)t_d);
+    const __m512 lo = _mm512_set1_ps((float)(t_d / band)), hi = _mm512_set1_ps((float)(t_d * band));
+    const __m512i rev = _mm512_set_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    int list = sig && cand;
+    __m512 mx = _mm512_set1_ps(-INFINITY), mn = _mm512_set1_ps(INFINITY);
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    __m512 vb[PK_MAXB];
+    int32_t nc = want_counts ? nb + 1 : 0; /* bounds, zeros (NaNs: from the NaN count) */
+    for (int k = 0; k < nb; k++) vb[k] = _mm512_set1_ps((float)bounds[k]);
+    int64_t total[PK_MAXB + 1];
+    for (int k = 0; k < nc; k++) total[k] = 0;
+    int64_t nans = 0, found = 0, i = 0, nv = n & ~(int64_t)15;
+    {
+        for (; i < nv; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            __mmask16 ok = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+            if (ok != 0xFFFF) nans += 16 - __builtin_popcount((unsigned)ok);
+            mx = _mm512_max_ps(v, mx); /* a NaN in v gives the second operand: skipped */
+            mn = _mm512_min_ps(v, mn);
+            __m512 a = _mm512_abs_ps(v);
+            __m512d dl = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+            __m512d dh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                _mm512_castps_pd(v), 1)));
+            a0 = _mm512_fmadd_pd(dl, dl, a0);
+            a1 = _mm512_fmadd_pd(dh, dh, a1);
+            __m512 r = _mm512_permutexvar_ps(rev, v);
+            if (signs) {
+                uint16_t m = (uint16_t)_mm512_cmp_ps_mask(r, zero, _CMP_GT_OQ);
+                memcpy(signs + (i >> 3), &m, 2);
+            }
+            if (sig) {
+                uint16_t m = (uint16_t)_mm512_cmp_ps_mask(_mm512_abs_ps(r), thr, _CMP_GT_OQ);
+                memcpy(sig + (i >> 3), &m, 2);
+            }
+            if (list) {
+                unsigned m = (unsigned)(_mm512_cmp_ps_mask(a, lo, _CMP_GT_OQ) &
+                                        _mm512_cmp_ps_mask(a, hi, _CMP_LE_OQ));
+                while (m) {
+                    if (found < cap) cand[found] = (int32_t)(i + __builtin_ctz(m));
+                    found++;
+                    m &= m - 1;
+                }
+            }
+            if (want_counts) { /* mask popcounts: the scalar units, beside the vector work */
+                for (int k = 0; k < nb; k++)
+                    total[k] += __builtin_popcount(
+                        (unsigned)_mm512_cmp_ps_mask(v, vb[k], _CMP_LE_OQ));
+                total[nb] += __builtin_popcount((unsigned)_mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ));
+            }
+        }
+    }
+    double rx = _mm512_reduce_max_ps(mx), rn = _mm512_reduce_min_ps(mn);
+    double ra = rx > -rn ? rx : -rn; /* the largest finite |x|, unless an Inf is there */
+    if (isinf(ra) || ra < 0) { /* rare: an Inf (or no number at all): its own pass */
+        double mm[3];
+        pk_minmax_f32_c(x, i, mm);
+        ra = mm[2];
+    }
+    double sumsq = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    if (i < n) { /* the last, partial 16 elements */
+        double mm[3];
+        int64_t tail[PK_MAXB + 2];
+        nans += pk_minmax_f32_c(x + i, n - i, mm);
+        if (mm[0] > rx) rx = mm[0];
+        if (mm[1] < rn) rn = mm[1];
+        if (mm[2] > ra) ra = mm[2];
+        sumsq += pk_stats_f32_c(x + i, n - i, t_d, signs ? signs + (i >> 3) : NULL,
+                                sig ? sig + (i >> 3) : NULL, bounds, nb, tail, want_counts);
+        for (int k = 0; k < nc; k++) total[k] += tail[k];
+        if (list) {
+            int64_t room = found < cap ? cap - found : 0;
+            int64_t more = band_f32_c(x + i, n - i, t_d / band, t_d * band,
+                                      cand + (cap - room), (int32_t)room);
+            for (int64_t j = 0; j < more && j < room; j++) cand[cap - room + j] += (int32_t)i;
+            found += more;
+        }
+    }
+    if (want_counts) {
+        for (int k = 0; k <= nb; k++) counts[k] = total[k];
+        counts[nb + 1] = nans;
+    }
+    out[0] = rx; out[1] = rn; out[2] = ra; out[3] = sumsq; out[4] = t_d;
+    ints[0] = nans;
+    ints[1] = list ? found : 0;
+}
+#endif
+
+/* One chunk in one read from memory: its max, min and largest finite |x| (the first loop
+ * brings the chunk into cache), then from cache the sum of squares, the bits and counts, with
+ * the significance threshold t = unit * max(largest finite |x|, hint), and the elements with
+ * t / band < |x| <= t * band (the ones whose bit a threshold in that range would decide
+ * differently; ``pk_fix_*`` mends them once the real threshold is known).
+ * bounds: all of them (those outside [min, max] cost no pass); counts as pk_stats_* (zeros and
+ * NaNs after the bounds). out: max, min, largest finite |x|, sum of squares, t. ints: NaN count,
+ * number of band elements (more than cap: the list is incomplete). */
+#define PK_CHUNK(NAME, T, MINMAX, STATS, BAND)                                               \
+    static void NAME(const T *x, int64_t n, double unit, double hint, uint8_t *signs, uint8_t *sig, \
+              const double *bounds, int32_t nb, int64_t *counts, int32_t want_counts,       \
+              double band, int32_t *cand, int32_t cap, double *out, int64_t *ints) {        \
+        double mm[3];                                                                      \
+        int64_t nans = MINMAX(x, n, mm);                                                   \
+        double scale = mm[2] > hint ? mm[2] : hint;                                        \
+        double t = unit * scale;                                                           \
+        double active[PK_MAXB];                                                            \
+        int32_t idx[PK_MAXB], na = 0;                                                      \
+        int64_t part[PK_MAXB + 2];                                                         \
+        int big = want_counts && nb > PK_MAXB; /* every bound counted, in place */         \
+        if (want_counts && !big) {                                                         \
+            for (int k = 0; k < nb; k++) {                                                 \
+                if (bounds[k] >= mm[1] && bounds[k] < mm[0]) {                             \
+                    idx[na] = k;                                                           \
+                    active[na++] = bounds[k];                                              \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        out[3] = STATS(x, n, t, signs, sig, big ? bounds : active, big ? nb : na,          \
+                       big ? counts : part, want_counts);                                  \
+        if (want_counts && !big) {                                                         \
+            for (int k = 0; k < nb; k++)                                                   \
+                counts[k] = bounds[k] >= mm[0] ? n - nans : 0;                             \
+            for (int k = 0; k < na; k++) counts[idx[k]] = part[k];                         \
+            counts[nb] = part[na];                                                         \
+            counts[nb + 1] = part[na + 1];                                                 \
+        }                                                                                  \
+        ints[1] = (sig && cand && unit > 0) ? BAND(x, n, t / band, t * band, cand, cap) : 0; \
+        out[0] = mm[0]; out[1] = mm[1]; out[2] = mm[2]; out[4] = t;                        \
+        ints[0] = nans;                                                                    \
+    }
+
+PK_CHUNK(chunk_f32_two, float, pk_minmax_f32, pk_stats_f32, band_f32)
+
+/* a chunk of float32: in one loop where the threshold is known beforehand (a hint) and the CPU
+ * has AVX-512, else the two loops */
+void pk_chunk_f32(const float *x, int64_t n, double unit, double hint, uint8_t *signs,
+                  uint8_t *sig, const double *bounds, int32_t nb, int64_t *counts,
+                  int32_t want_counts, double band, int32_t *cand, int32_t cap, double *out,
+                  int64_t *ints) {
+#ifdef PK_HAVE_AVX2_CODE
+    if (level == 2 && hint > 0 && nb <= PK_MAXB) {
+        onepass_f32_avx512(x, n, unit * hint, signs, sig, bounds, nb, counts, want_counts,
+                           band, cand, cap, out, ints);
+        return;
+    }
+#endif
+    chunk_f32_two(x, n, unit, hint, signs, sig, bounds, nb, counts, want_counts, band, cand,
+                  cap, out, ints);
+}
+PK_CHUNK(chunk_f64, double, pk_minmax_f64, pk_stats_f64, band_f64)
+
+void pk_chunk_f64(const double *x, int64_t n, double unit, double hint, uint8_t *signs,
+                  uint8_t *sig, const double *bounds, int32_t nb, int64_t *counts,
+                  int32_t want_counts, double band, int32_t *cand, int32_t cap, double *out,
+                  int64_t *ints) {
+    chunk_f64(x, n, unit, hint, signs, sig, bounds, nb, counts, want_counts, band, cand, cap,
+              out, ints);
+}
+
+/* the significance bits of the band elements cand[0..k) against the real threshold thr */
+#define PK_FIX(NAME, T)                                                                      \
+    void NAME(const T *x, const int32_t *cand, int64_t k, double thr_d, uint8_t *sig) {     \
+        T thr = (T)thr_d;                                                                  \
+        for (int64_t j = 0; j < k; j++) {                                                  \
+            int32_t e = cand[j];                                                           \
+            T v = x[e];                                                                    \
+            uint8_t bit = (uint8_t)(0x80 >> (e & 7));                                      \
+            if ((v > thr) | (v < -thr)) sig[e >> 3] |= bit;                                \
+            else sig[e >> 3] &= (uint8_t)~bit;                                             \
+        }                                                                                  \
+    }
+
+PK_FIX(pk_fix_f32, float)
+PK_FIX(pk_fix_f64, double)
 
 int32_t pk_version(void) { return 1; }
 

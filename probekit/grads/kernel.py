@@ -53,6 +53,16 @@ def _load():
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, u8_p, u8_p, dbl_p,
                        ctypes.c_int32, i64_p, ctypes.c_int32]
         fn.restype = ctypes.c_double
+    for name in ("pk_chunk_f32", "pk_chunk_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_double,
+                       u8_p, u8_p, dbl_p, ctypes.c_int32, i64_p, ctypes.c_int32,
+                       ctypes.c_double, ctypes.c_void_p, ctypes.c_int32, dbl_p, i64_p]
+        fn.restype = None
+    for name in ("pk_fix_f32", "pk_fix_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, u8_p]
+        fn.restype = None
     lib.pk_set_path.argtypes = [ctypes.c_int32]
     lib.pk_set_path.restype = ctypes.c_int32
     _lib = lib
@@ -100,6 +110,52 @@ def chunk_stats(a: np.ndarray, thr: float, signs, sig, bounds: np.ndarray,
                    len(bounds), _ptr(counts), int(want_counts))
         return float(total), counts
     return _stats_numpy(a, thr, signs, sig, bounds, want_counts)
+
+
+BAND = 4.0  # chunk(): elements within this factor of the provisional threshold are listed
+
+
+def chunk(a: np.ndarray, unit: float, hint: float, signs, sig, bounds: np.ndarray,
+          want_counts: bool, cand) -> tuple:
+    """``minmax`` and ``chunk_stats`` of one chunk in one read: the significance bits against
+    the provisional threshold ``t = unit * max(largest finite |a|, hint)``, and in ``cand`` (an
+    int32 array, or None) the indices of the elements with ``t / BAND < |a| <= t * BAND``.
+    Returns (max, min, largest finite |a|, sum of squares, t, NaNs, counts, band elements
+    found: more than ``len(cand)`` means the list is incomplete)."""
+    if path != "numpy":
+        out = np.empty(5, np.float64)
+        ints = np.empty(2, np.int64)
+        counts = np.empty(len(bounds) + 2, np.int64) if want_counts else None
+        fn = _lib.pk_chunk_f32 if a.dtype == np.float32 else _lib.pk_chunk_f64
+        fn(_ptr(a), a.size, float(unit), float(hint), _ptr(signs), _ptr(sig), _ptr(bounds),
+           len(bounds), _ptr(counts), int(want_counts), BAND, _ptr(cand),
+           0 if cand is None else cand.size, _ptr(out), _ptr(ints))
+        return (float(out[0]), float(out[1]), float(out[2]), float(out[3]), float(out[4]),
+                int(ints[0]), counts, int(ints[1]))
+    mx, mn, amax, nans = _minmax_numpy(a)
+    t = unit * max(amax, hint)
+    total, counts = _stats_numpy(a, t, signs, sig, bounds, want_counts)
+    found = 0
+    if sig is not None and cand is not None and unit > 0:
+        mag = np.abs(a)
+        idx = np.flatnonzero((mag > a.dtype.type(t / BAND)) & (mag <= a.dtype.type(t * BAND)))
+        found = idx.size
+        cand[:min(found, cand.size)] = idx[:cand.size]
+    return mx, mn, amax, total, t, nans, counts, found
+
+
+def fix(a: np.ndarray, cand: np.ndarray, thr: float, sig) -> None:
+    """Set the significance bits of the elements ``cand`` of ``a`` against ``thr``."""
+    if path != "numpy":
+        fn = _lib.pk_fix_f32 if a.dtype == np.float32 else _lib.pk_fix_f64
+        fn(_ptr(a), _ptr(cand), cand.size, float(thr), _ptr(sig))
+        return
+    t = a.dtype.type(thr)
+    v = a[cand]
+    on = (v > t) | (v < -t)
+    byte, bit = cand >> 3, (0x80 >> (cand & 7)).astype(np.uint8)
+    np.bitwise_or.at(sig, byte[on], bit[on])
+    np.bitwise_and.at(sig, byte[~on], ~bit[~on])
 
 
 def _minmax_numpy(a: np.ndarray) -> tuple:

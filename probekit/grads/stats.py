@@ -141,11 +141,10 @@ class Workspace:
     def __init__(self) -> None:
         self.f32 = torch.empty(CHUNK, dtype=torch.float32)
         self.f32_np = self.f32.numpy()
-        self.mask = np.empty(CHUNK, dtype=bool)  # sign bits of the chunk
-        self.mask2 = np.empty(CHUNK, dtype=bool)  # comparisons for the interval counts
-        self.mask3 = np.empty(CHUNK, dtype=bool)  # the significance bits
+        self.cand = np.empty(_CpuParams.CAND, np.int32)  # a chunk's listed elements
         self.pool = None
         self.bit_weights: dict = {}  # device -> the packbits weights on it
+        self.hints: dict = {}  # layout -> the last step's significance scales (provisional)
 
     def executor(self):
         if self.pool is None:
@@ -160,6 +159,7 @@ class Workspace:
         if pool is not None:
             pool.shutdown(wait=True)
         self.bit_weights.clear()
+        self.hints.clear()
 
 
 
@@ -215,28 +215,31 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
     if job.significance:
         job.unit = np.array([significance_unit(g.dtype, compute_dtype) if g is not None else 0.0
                              for g in grads])
-    cpu = _CpuParams(cpu_jobs, job, scratch) if cpu_jobs else None
+    hints = scratch.hints.get(layout) if scratch is not None else None
+    cpu = _CpuParams(cpu_jobs, job, scratch, hints) if cpu_jobs else None
     dev = _DeviceParams(device_jobs, job, scratch) if device_jobs else None
-    if reduce_amax is None and dev is None:
-        if cpu is not None:
-            cpu.run()
-    else:  # every gradient's largest |x| first (reduced over the shards), then the rest
-        local = np.zeros(p)
-        if cpu is not None:
-            cpu.first_pass(range(len(cpu_jobs)))
-            local[[i for i, _, _ in cpu_jobs]] = cpu.amax
-        if dev is not None:
-            local[[i for i, _, _ in device_jobs]] = dev.first_pass()
-        whole = local
+    local = np.zeros(p)  # every gradient's largest finite |x|
+    if cpu is not None:
+        cpu.run()
+        local[[i for i, _, _ in cpu_jobs]] = cpu.amax
+    if dev is not None:
+        local[[i for i, _, _ in device_jobs]] = dev.first_pass()
+    if job.significance:  # the thresholds need every module's scale (the shards': reduced)
         if reduce_amax is not None:
             anchor = device_jobs[0][1].device if device_jobs else "cpu"
-            whole = reduce_amax(torch.from_numpy(local).to(anchor)).cpu().numpy()
-        thr = job.thresholds(whole, np.ones(p, bool))
+            local = reduce_amax(torch.from_numpy(local).to(anchor)).cpu().numpy()
+        scale = job.scales(local, out.present)
+        thresholds = job.unit * scale
         if cpu is not None:
-            cpu.second_pass(range(len(cpu_jobs)), thr)
-            cpu.finish()
-        if dev is not None:
-            dev.second_pass(thr)
+            cpu.mend(thresholds)
+        if scratch is not None:
+            scratch.hints[layout] = scale  # the next step's provisional scale
+    else:
+        thresholds = np.zeros(p)
+    if cpu is not None:
+        cpu.finish()
+    if dev is not None:
+        dev.second_pass(thresholds)
     if want_dir and significance:
         pad_significance(out, layout)
     return out
@@ -297,19 +300,16 @@ class _Job:
     significance: bool
     unit: np.ndarray | None = None  # per parameter: significance_unit of its gradient
 
-    def thresholds(self, amax: np.ndarray, known: np.ndarray) -> np.ndarray:
-        """Per parameter the significance threshold from the largest finite |g| of the
-        parameters ``known`` (a module's gradients not among them do not count)."""
-        if not self.significance:
-            return np.zeros(amax.size)
+    def scales(self, amax: np.ndarray, known: np.ndarray) -> np.ndarray:
+        """Per parameter its module's largest finite |g| over the parameters ``known`` (a
+        module's gradients not among them do not count): the significance scale."""
         top = np.zeros(int(self.modules.max()) + 1 if self.modules.size else 0)
         np.maximum.at(top, self.modules[known], amax[known])
-        return self.unit * top[self.modules]
+        return top[self.modules]
 
 
 _TLS = threading.local()
 _PARALLEL_MIN = 4 * CHUNK  # below this many elements a step is not worth splitting
-_GROUP = 8 * CHUNK  # elements whose two passes run back to back (the second reads from cache)
 
 
 def _thread_scratch() -> Workspace:
@@ -341,17 +341,22 @@ def _split(units, sizes, k):
 
 
 class _CpuParams:
-    """Statistics of CPU gradients ``jobs`` = [(param index, flat tensor, bit views)], in two
-    passes over chunks of ``CHUNK`` elements (``kernel.py``): the first finds each gradient's
-    max, min, largest finite |x| and NaNs; the second, with the significance threshold and the
-    bounds inside [min, max] known, computes everything else of a chunk in one read. Parameters
-    go through both passes in groups of about ``_GROUP`` elements, so the second pass reads
-    from cache. Chunks are independent (each writes its own bytes of the bits), so a pass is
-    split between up to ``torch.get_num_threads()`` threads (the kernel and torch's copies
-    release the GIL); at L0 a parameter's chunks stay in one thread (its digest reads them in
-    order)."""
+    """Statistics of CPU gradients ``jobs`` = [(param index, flat tensor, bit views)] in chunks
+    of ``CHUNK`` elements (``kernel.py``), each read once from memory: the kernel finds the
+    chunk's max, min and largest finite |x|, then, with the chunk in cache, the sum of squares,
+    the sign bits, the L2 counts and the significance bits against a provisional threshold
+    (``unit * max(the chunk's largest |x|, the module's scale at the previous step)``), and
+    lists the elements within a factor ``kernel.BAND`` of it. Once every module's scale is
+    known (``mend``), a chunk whose real threshold differs has those listed bits set again;
+    only a chunk whose threshold moved by more than the band, or with more listed elements than
+    ``CAND`` (a 16-bit gradient, whose threshold sits among its values), is read again for its
+    significance bits. Chunks are independent (each writes its own bytes of the bits), so a
+    step is split between up to ``torch.get_num_threads()`` threads (the kernel releases the
+    GIL); at L0 a parameter's chunks stay in one thread (its digest reads them in order)."""
 
-    def __init__(self, jobs, job: _Job, scratch) -> None:
+    CAND = 256  # listed elements kept per chunk
+
+    def __init__(self, jobs, job: _Job, scratch, hints=None) -> None:
         self.jobs, self.job, self.scratch = jobs, job, scratch
         n = len(jobs)
         self.mx = np.full(n, -np.inf)
@@ -359,39 +364,19 @@ class _CpuParams:
         self.amax = np.zeros(n)
         self.nans = np.zeros(n, np.int64)
         self.sumsq = np.zeros(n)
-        nb = len(job.bounds)
-        self.counts = np.zeros((n, nb + 2), np.int64)
+        self.counts = np.zeros((n, len(job.bounds) + 2), np.int64)
         self.digests: dict = {}
+        self.marks: list = []  # per significance chunk: (job, start, provisional t, listed)
+        idx = [i for i, _, _ in jobs]
+        self.unit = job.unit[idx] if job.significance else np.zeros(n)
+        self.hint = (hints[idx] if hints is not None and len(hints) == job.modules.size
+                     else np.zeros(n))
         self.workers = _workers(sum(int(f.numel()) for _, f, _ in jobs))
 
-    def run(self) -> None:
-        """Both passes, a group of whole modules at a time (a threshold needs its module's
-        largest |g|)."""
-        job = self.job
-        mods = job.modules[[i for i, _, _ in self.jobs]]
-        group, size = [], 0
-        for j, (_, flat, _) in enumerate(self.jobs):
-            if size >= _GROUP and mods[j] != mods[j - 1]:
-                self._both(group)
-                group, size = [], 0
-            group.append(j)
-            size += flat.numel()
-        self._both(group)
-        self.finish()
-
-    def _both(self, js) -> None:
-        self.first_pass(js)
-        idx = [self.jobs[j][0] for j in js]
-        amax = np.zeros(self.job.modules.size)
-        amax[idx] = self.amax[js]
-        known = np.zeros(amax.size, bool)
-        known[idx] = True
-        self.second_pass(js, self.job.thresholds(amax, known))
-
-    def _units(self, js, whole: bool):
+    def _units(self, whole: bool):
         units, sizes = [], []
-        for j in js:
-            n = self.jobs[j][1].numel()
+        for j, (_, flat, _) in enumerate(self.jobs):
+            n = flat.numel()
             if whole:
                 units.append((j, None))
                 sizes.append(n)
@@ -417,61 +402,81 @@ class _CpuParams:
         s.f32[:m].copy_(part)
         return s.f32_np[:m]
 
-    def first_pass(self, js) -> None:
+    def _views(self, j, st, size):
+        views = self.jobs[j][2]
+        if views is None:
+            return None, None
+        lo, hi = st // 8, st // 8 + -(-size // 8)
+        return views[0][lo:hi], (views[1][lo:hi] if views[1] is not None else None)
+
+    def run(self) -> None:
+        job = self.job
+        level = job.level
+
+        def chunk(j, st, s, digest=None):
+            a = self._array(self.jobs[j][1], st, s)
+            if digest is not None:
+                digest.update((a if a.dtype == np.float32 else a.astype(np.float32)).tobytes())
+            signs, sig = self._views(j, st, a.size)
+            res = kernel.chunk(a, self.unit[j], self.hint[j], signs, sig, job.bounds,
+                               level == "L2", s.cand if sig is not None else None)
+            listed = s.cand[:res[7]].copy() if sig is not None and res[7] <= s.cand.size \
+                else None
+            return j, st, res, listed
+
         def work(units, s):
             s = s or _thread_scratch()
-            return [(j, kernel.minmax(self._array(self.jobs[j][1], st, s))) for j, st in units]
+            out = []
+            for j, st in units:
+                if st is not None:
+                    out.append(chunk(j, st, s))
+                    continue
+                digest = hasher(job.hash_name)
+                for c0 in range(0, self.jobs[j][1].numel(), CHUNK):
+                    out.append(chunk(j, c0, s, digest))
+                self.digests[j] = digest.digest()
+            return out
 
-        for j, (mx, mn, am, nans) in self._map(work, *self._units(js, False)):
+        for j, st, (mx, mn, am, sumsq, t, nans, counts, _), listed in self._map(
+                work, *self._units(level == "L0")):
             self.mx[j] = max(self.mx[j], mx)
             self.mn[j] = min(self.mn[j], mn)
             self.amax[j] = max(self.amax[j], am)
             self.nans[j] += nans
-
-    def second_pass(self, js, thresholds: np.ndarray) -> None:
-        """``thresholds``: the significance threshold of every parameter of the layout."""
-        job = self.job
-        level = job.level
-        thr, active = {}, {}
-        for j in js:
-            thr[j] = thresholds[self.jobs[j][0]]
-            if level == "L2":  # bounds outside [min, max] need no pass over the data
-                b = job.bounds
-                active[j] = np.flatnonzero((b >= self.mn[j]) & (b < self.mx[j]))
-
-        def chunk(j, st, s, digest=None):
-            _, flat, views = self.jobs[j]
-            a = self._array(flat, st, s)
-            if digest is not None:
-                digest.update((a if a.dtype == np.float32 else a.astype(np.float32)).tobytes())
-            signs = sig = None
-            if views is not None:
-                lo, hi = st // 8, st // 8 + -(-a.size // 8)
-                signs = views[0][lo:hi]
-                sig = views[1][lo:hi] if views[1] is not None else None
-            bounds = job.bounds[active[j]] if level == "L2" else job.bounds[:0]
-            return kernel.chunk_stats(a, thr[j], signs, sig, bounds, level == "L2")
-
-        def work(units, s):
-            s = s or _thread_scratch()
-            res = []
-            for j, st in units:
-                if st is not None:
-                    res.append((j, chunk(j, st, s)))
-                    continue
-                digest = hasher(job.hash_name)
-                n = self.jobs[j][1].numel()
-                for c0 in range(0, n, CHUNK):
-                    res.append((j, chunk(j, c0, s, digest)))
-                self.digests[j] = digest.digest()
-            return res
-
-        for j, (sumsq, counts) in self._map(work, *self._units(js, level == "L0")):
             self.sumsq[j] += sumsq
             if counts is not None:
-                act = active[j]
-                self.counts[j, act] += counts[:act.size]
-                self.counts[j, -2:] += counts[act.size:]
+                self.counts[j] += counts
+            if self.jobs[j][2] is not None and self.jobs[j][2][1] is not None:
+                self.marks.append((j, st, t, listed))
+
+    def mend(self, thresholds: np.ndarray) -> None:
+        """The significance bits against the real thresholds (one per parameter of the
+        layout): listed elements set again, a chunk read again where the list cannot tell."""
+        todo = []
+        for j, st, t, listed in self.marks:
+            real = thresholds[self.jobs[j][0]]
+            f = np.float64 if self.jobs[j][1].dtype == torch.float64 else np.float32
+            if f(real) == f(t):
+                continue
+            if listed is not None and f(t / kernel.BAND) <= f(real) <= f(t * kernel.BAND):
+                todo.append((j, st, real, listed))
+            else:
+                todo.append((j, st, real, None))
+        if not todo:
+            return
+
+        def work(items, s):
+            s = s or _thread_scratch()
+            for j, st, real, listed in items:
+                a = self._array(self.jobs[j][1], st, s)
+                _, sig = self._views(j, st, a.size)
+                if listed is not None:
+                    kernel.fix(a, listed, real, sig)
+                else:
+                    kernel.chunk_stats(a, real, None, sig, self.job.bounds[:0], False)
+            return []
+
+        self._map(work, todo, [CHUNK] * len(todo))
 
     def finish(self) -> None:
         out, job = self.job.out, self.job
@@ -482,10 +487,8 @@ class _CpuParams:
             out.min[i] = np.nan if nan else self.mn[j]
             out.norm[i] = np.sqrt(self.sumsq[j])
             if job.level == "L2":
-                le = self.counts[j, :-2].copy()
-                le[job.bounds >= self.mx[j]] = n - self.nans[j]  # every non-NaN element
                 out.zeros[i] = self.counts[j, -2] / n
-                out.dist[i] = _interval_shares(le, int(self.nans[j]), n)
+                out.dist[i] = _interval_shares(self.counts[j, :-2], int(self.nans[j]), n)
             if j in self.digests:
                 out.hash[i] = np.frombuffer(self.digests[j], np.uint8)
 

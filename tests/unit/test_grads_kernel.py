@@ -86,3 +86,56 @@ def test_unknown_path_is_named():
     with pytest.raises(ValueError, match="grad kernel path: 'sse' is not valid; accepted: "
                                          "auto, avx512, avx2, c, numpy"):
         kernel.set_path("sse")
+
+
+@pytest.mark.skipif(not PATHS, reason="the compiled kernel is not built here")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [5, 16, 33, 4099, 1 << 18])
+def test_one_chunk_in_one_read_equals_numpy(n, dtype):
+    """kernel.chunk (the one-read entry: with a previous scale as hint, AVX-512 does it all in
+    one loop) against the numpy twin: statistics, counts of every bound, the bits against the
+    provisional threshold and the listed elements near it, exactly."""
+    a = edge_array(n, dtype, n + 1)
+    a[np.isinf(a) | (np.abs(a) > 1e30)] = 3.0  # (an Inf: the largest finite |x| takes its own
+    # pass, tested above; float max: the threshold would list nothing)
+    bounds = np.array([-1.0, -0.1, 0.0, 0.1, 0.5, 1.0])
+    amax = float(np.nanmax(np.abs(a)))
+    for hint in (0.0, 2 * amax):  # no hint: the two loops; a hint above the chunk's own max
+        hint = float(np.float32(hint)) if dtype == np.float32 else hint
+        want = None
+        for path in ["numpy", *PATHS]:
+            kernel.set_path(path)
+            try:
+                k = -(-n // 8)
+                signs, sig = np.zeros(k, np.uint8), np.zeros(k, np.uint8)
+                cand = np.zeros(64, np.int32)
+                res = kernel.chunk(a, 1e-3, hint, signs, sig, bounds, True, cand)
+            finally:
+                kernel.set_path("auto")
+            got = (res[0], res[1], res[2], res[4], res[5], res[6].tolist(), res[7],
+                   sorted(cand[:min(res[7], 64)].tolist()), signs.tobytes(), sig.tobytes())
+            if want is None:
+                want = got
+                total = res[3]
+                assert res[4] == pytest.approx(1e-3 * max(amax, hint), rel=1e-15), (hint, res)
+                assert res[7] > 0 or n < 1000, (hint, res)  # the list is exercised
+            else:
+                assert got == want, (path, hint)
+                assert (np.isnan(res[3]) and np.isnan(total)) or res[3] == pytest.approx(
+                    total, rel=1e-14, abs=0), (path, hint)
+
+
+@pytest.mark.skipif(not PATHS, reason="the compiled kernel is not built here")
+def test_one_read_largest_finite_magnitude_with_an_inf_or_only_nans():
+    a = np.arange(1, 101, dtype=np.float32)
+    a[7], a[50] = np.inf, -5000.0
+    nan = np.full(40, np.nan, np.float32)
+    for x, want in ((a, 5000.0), (nan, 0.0)):
+        for path in ["numpy", *PATHS]:
+            kernel.set_path(path)
+            try:
+                res = kernel.chunk(x, 1e-3, 1.0, None, None, np.zeros(0), False, None)
+            finally:
+                kernel.set_path("auto")
+            assert res[2] == want, (path, res)
+            assert res[5] == (40 if x is nan else 0), (path, res)

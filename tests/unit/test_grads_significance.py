@@ -82,3 +82,56 @@ def test_threshold_is_the_whole_gradients_not_a_chunks():
         assert bits[:CHUNK].sum() == 1 and bits[5] == 1, path
         assert bits[CHUNK:].sum() == CHUNK + 10 - 1, path  # all but the NaN
         assert bits[CHUNK + 1] == 0 and bits[CHUNK + 2] == 1, path
+
+
+def _reference_bits(grads, lay):
+    """|g| > SIGNIFICANCE[bits] * eps * (the module's largest finite |g|), element by element."""
+    from probekit.grads.stats import significance_unit
+
+    amax = [float(g.abs()[torch.isfinite(g)].max()) for g in grads]
+    scale = [max(a for a, m in zip(amax, lay.modules) if m == mod) for mod in lay.modules]
+    out = []
+    for g, sc in zip(grads, scale):
+        thr = np.float32(significance_unit(g.dtype) * sc)
+        out.append((np.abs(g.float().numpy()) > thr).astype(np.uint8))
+    return out
+
+
+def test_significance_bits_exact_whatever_the_provisional_threshold():
+    """A chunk's bits are first packed against a provisional threshold (its own largest |g|,
+    or the module's scale at the previous step) and mended once the module's scale is known:
+    listed elements near the threshold set again (a chunk whose maximum is a little below the
+    weight's), the chunk read again (a bias far below its weight's scale; a bf16 gradient,
+    whose threshold sits among its values); each step's bits equal the definition, in every
+    kernel path, with the probe's workspace carrying the scales from step to step."""
+    from probekit.grads import kernel
+    from probekit.grads.stats import CHUNK, Workspace
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(2 * CHUNK + 100, generator=gen)
+    w[CHUNK:] *= 0.7  # the second chunk's max is below the first's: its threshold moves up
+    unit = 8 * 2 ** -23
+    top = float(w[:CHUNK].abs().max())
+    w[CHUNK + 10:CHUNK + 20] = torch.linspace(0.5, 2.0, 10) * unit * top  # near the threshold
+    b = torch.randn(40, generator=gen) * 1e-6  # the bias: its own max far below the module's
+    h = (torch.randn(5000, generator=gen) * 0.1).to(torch.bfloat16)
+    h2 = (torch.randn(300, generator=gen) * 3).to(torch.bfloat16)
+    grads = [w, b, h, h2]
+    lay = Layout(("m.weight", "m.bias", "n.weight", "n.bias"), tuple(g.numel() for g in grads),
+                 tuple(tuple(g.shape) for g in grads))
+    want = _reference_bits(grads, lay)
+    for path in ("numpy", "auto"):
+        kernel.set_path(path)
+        work = Workspace()
+        try:
+            for step in range(3):  # step 0: no previous scale; then the previous step's
+                scaled = [g * (1.0 + 0.5 * step) for g in grads]  # the scales move each step
+                out = compute(scaled, lay, "L1", (-1, 0, 1), scratch=work)
+                ref = _reference_bits(scaled, lay)
+                for i, (o, n) in enumerate(zip(lay.offsets, lay.numels)):
+                    got = np.unpackbits(out.significant[o:o + -(-n // 8)], count=n)
+                    assert np.array_equal(got, ref[i]), (path, step, lay.names[i])
+        finally:
+            work.close()
+            kernel.set_path("auto")
+    assert want[1].sum() == 0 and want[0][CHUNK + 10:CHUNK + 20].tolist() == [0] * 4 + [1] * 6
