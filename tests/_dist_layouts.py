@@ -18,6 +18,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _torchrun_exit import finish  # noqa: E402
+
 
 def make_model():
     torch.manual_seed(0)
@@ -191,9 +194,8 @@ def main():
         plain = run(layout, os.path.join(out, layout + "_plain"), False)
         probed = run(layout, os.path.join(out, layout), True)
         os.write(1, f"rank {rank} {layout} collectives plain={plain} probe={probed}\n".encode())
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish()  # after main() returned: its models are freed before the process group

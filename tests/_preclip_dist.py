@@ -16,6 +16,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _torchrun_exit import finish  # noqa: E402
+
 MAX_NORM = 0.05
 STEPS = 3
 
@@ -95,9 +98,8 @@ def main():
     for layout in layouts:
         for point in ("step", "backward"):
             run(layout, point, os.path.join(out, f"{layout}_{point}"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish()  # after main() returned: its models are freed before the process group

@@ -452,31 +452,30 @@ class _CpuParams:
     def mend(self, thresholds: np.ndarray) -> None:
         """The significance bits against the real thresholds (one per parameter of the
         layout): listed elements set again, a chunk read again where the list cannot tell."""
-        todo = []
+        again = []
+        here = self.scratch or _thread_scratch()
         for j, st, t, listed in self.marks:
             real = thresholds[self.jobs[j][0]]
             f = np.float64 if self.jobs[j][1].dtype == torch.float64 else np.float32
             if f(real) == f(t):
                 continue
             if listed is not None and f(t / kernel.BAND) <= f(real) <= f(t * kernel.BAND):
-                todo.append((j, st, real, listed))
+                a = self._array(self.jobs[j][1], st, here)  # a few elements: done here
+                kernel.fix(a, listed, real, self._views(j, st, a.size)[1])
             else:
-                todo.append((j, st, real, None))
-        if not todo:
+                again.append((j, st, real))
+        if not again:
             return
 
         def work(items, s):
             s = s or _thread_scratch()
-            for j, st, real, listed in items:
+            for j, st, real in items:
                 a = self._array(self.jobs[j][1], st, s)
-                _, sig = self._views(j, st, a.size)
-                if listed is not None:
-                    kernel.fix(a, listed, real, sig)
-                else:
-                    kernel.chunk_stats(a, real, None, sig, self.job.bounds[:0], False)
+                kernel.chunk_stats(a, real, None, self._views(j, st, a.size)[1],
+                                   self.job.bounds[:0], False)
             return []
 
-        self._map(work, todo, [CHUNK] * len(todo))
+        self._map(work, again, [CHUNK] * len(again))
 
     def finish(self) -> None:
         out, job = self.job.out, self.job
