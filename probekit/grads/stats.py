@@ -3,22 +3,24 @@
 What is computed, per parameter (the grad probe's levels):
 
 * ``max``, ``min`` (NaN if the gradient holds a NaN), ``norm`` = L2 norm, squares accumulated in
-  float64 across chunks (each chunk's dot product in float32 unless its magnitude could overflow
-  or underflow float32 squares; then in float64);
+  float64;
 * L0: a digest of the gradient as C-order float32 bytes (msprobe's MD5 definition, so digests
   match msprobe's for the same gradient);
 * L1/L2: the direction, ``grad > 0`` per element, packed 8 per byte most significant bit first
-  (``numpy.packbits`` order), each parameter padded with zero bits to a 64-bit boundary;
+  (``numpy.packbits`` order), each parameter padded with zero bits to a 64-bit boundary; and
+  (``significance``, on by default) the significance bits in the same layout: ``|grad| >
+  significance_unit(dtype) * M``, ``M`` the largest finite ``|grad|`` over the gradients of the
+  parameter's module (``Layout.modules``);
 * L2: the share of elements in each interval of ``bounds`` — ``(-inf, b0], (b0, b1], ..., (bn, inf)``
   — and the share of exact zeros. NaN elements fall in no interval.
 
-CPU gradients are processed in chunks that fit in cache, so every statistic of a chunk is computed
-while it is hot: the cost stays a small multiple of one read of the gradient bytes. Gradients on
-an accelerator are reduced on their device with whole-tensor ops and transferred once per step
-(statistics stacked, sign bits packed on the device), without per-statistic ``.item()`` syncs.
+CPU gradients go through the fused kernel (``kernel.py``) a chunk of ``CHUNK`` elements at a
+time, each chunk read once from memory (``_CpuParams``); gradients on an accelerator are reduced
+on their device with whole-tensor ops and transferred in two pieces per step (the maxima, then
+the rest), without per-statistic ``.item()`` syncs (``_DeviceParams``).
 
 Over 400 lines because both paths fill the same ``StepStats`` from the same layout (offsets, the
-padded sign bits, intervals); split, each would restate that layout.
+padded bits, intervals, the significance rule); split, each would restate that layout.
 """
 from __future__ import annotations
 
