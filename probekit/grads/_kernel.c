@@ -589,8 +589,6 @@ void pk_chunk_f64(const double *x, int64_t n, double unit, double hint, uint8_t 
 PK_FIX(pk_fix_f32, float)
 PK_FIX(pk_fix_f64, double)
 
-int32_t pk_version(void) { return 1; }
-
 static struct PyModuleDef pk_module = {PyModuleDef_HEAD_INIT, "_kernel",
                                        "probekit's fused gradient-statistics kernel (ctypes)",
                                        -1, NULL, NULL, NULL, NULL, NULL};

@@ -1,20 +1,23 @@
 """The fused chunk kernel of the grad probe's CPU path, and its numpy twin.
 
-Two functions on a contiguous 1-D float32 or float64 numpy array (a chunk of a gradient):
+Functions on a contiguous 1-D float32 or float64 numpy array (a chunk of a gradient):
 
 * ``minmax(a)`` -> (max, min, largest finite |x|, NaN count); max and min skip NaNs;
 * ``chunk_stats(a, thr, signs, sig, bounds, want_counts)`` -> (sum of squares, counts): in one
   pass the float64 sum of squares, the sign bits ``a > 0`` into ``signs`` and the significance
   bits ``|a| > thr`` into ``sig`` (uint8 arrays of at least ``ceil(len(a)/8)`` bytes, or None),
   packed as ``numpy.packbits`` packs them, and with ``want_counts`` an int64 array of the counts
-  of ``a <= b`` for each bound, then of zeros, then of NaNs (else None).
+  of ``a <= b`` for each bound, then of zeros, then of NaNs (else None);
+* ``chunk(...)``: both in one read, the significance bits against a provisional threshold and
+  the elements near it listed; ``fix(...)`` sets the listed bits again against the real one.
 
 Comparisons are made in the array's own dtype (a float32 array against ``float32(thr)``,
 ``float32(b)``), as numpy and torch compare an array with a Python float.
 
 The C version (``_kernel.c``, built with the package where a C compiler is found; AVX-512 or
-AVX2 on x86-64 CPUs that have them) reads each element once; the numpy twin makes a pass per statistic. Both give
-the same bits and counts; sums differ only in the order of float64 additions.
+AVX2 on x86-64 CPUs that have them) reads each element once; the numpy twin makes a pass per
+statistic. Both give the same bits and counts; sums differ only in the order of float64
+additions.
 ``PROBEKIT_GRADS_KERNEL=numpy`` (or ``c``, ``avx2``, ``avx512``) chooses one; ``set_path`` does
 the same in a process.
 """

@@ -462,7 +462,7 @@ class _CpuParams:
             if f(real) == f(t):
                 continue
             if listed is not None and f(t / kernel.BAND) <= f(real) <= f(t * kernel.BAND):
-                a = self._array(self.jobs[j][1], st, here)  # a few elements: done here
+                a = self._array(self.jobs[j][1], st, here)  # few bits: done here
                 kernel.fix(a, listed, real, self._views(j, st, a.size)[1])
             else:
                 again.append((j, st, real))
