@@ -44,6 +44,8 @@ def ops():
         "log_softmax": lambda: F.log_softmax(a, -1),
         "layer_norm bf16": lambda: F.layer_norm(h, (64,)),
         "sum": lambda: torch.sum(a, -1),
+        "matmul bf16": lambda: torch.matmul(h, h),
+        "gelu bf16": lambda: F.gelu(h),
     }
 
 

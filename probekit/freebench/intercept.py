@@ -44,6 +44,9 @@ EXTRA_REASONS = {
     "dtype_arg": "fix: the call fixes its output dtype explicitly",
     "meta": "meta tensors hold no values",
     "budget": "the overhead budget leaves this call to a later step (call sites rotate)",
+    "step": "a step function (piecewise constant in its floating inputs): a one-ulp move only "
+            "says on which side of a discontinuity an input lies (checked exactly in the "
+            "accuracy modes)",
     "selection": "its gradient goes to the elements it selects: a one-ulp tie break moves it "
                  "elsewhere, a choice rather than a precision loss (sensitivity modes, backward)",
 }
@@ -108,6 +111,8 @@ class Engine(Judging):
         self.fix = fb.handler_type == "fix"
         self.mode = MODES[fb.pert_mode]
         self.upcast_mode = self.mode.upcast
+        #: the sensitivity modes do not perturb step functions (scales.STEP)
+        self.step_skip = not (self.mode.upcast or self.mode.exact)
         classifier = Classifier()
         self.classify = classifier
         self.cache = classifier.cache
@@ -330,6 +335,8 @@ class Engine(Judging):
                 reason, draw = draw, None
         if reason is None and self.in_optimizer and not torch.is_grad_enabled():
             reason = "optimizer"
+        if reason is None and self.step_skip and scales.is_step(info.name):
+            reason = "step"
         if reason is not None:
             return reason
         leaves, spec = perturb.flatten(args, kwargs)
@@ -387,13 +394,13 @@ class Engine(Judging):
         # measures the op at the precision it computes in
         leaves = autocast.compute_leaves(leaves, outs)
         base = leaves
-        kind = scales.scale_kind(self.mode_name, call.info.name)
+        judged = self.forward_plan(call.info, func, call.args, call.kwargs, leaves, outs)
         if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK and not call.snap and \
                 call.replay is None:  # a random call's mask is drawn whole
             plan = blocks.plan(self.mode_name, call.info, call.args, call.kwargs, leaves, outs)
             if plan is not None:
                 return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs,
-                                            plan, kind)
+                                            plan, judged)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
@@ -406,33 +413,22 @@ class Engine(Judging):
                                     for (_, o), (_, p) in zip(outs, p_outs)):
             # e.g. bincount: fp16 weights sum into float64, fp32 ones into float32
             raise perturb.Cancel("the upcast re-run computes in a narrower dtype than the call")
-        scales_ = self._scales(kind, func, pert.new, spec, p_outs, outs)
+        scales_ = self.forward_scales(judged, func, pert.new, spec, p_outs, outs)
 
         def explain(items):  # only for flagged calls: float64 re-runs
-            return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items)
+            return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items,
+                                 api=call.info.name)
 
         self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
                    [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain,
-                   kinds=[kind] * len(outs), scales_=scales_)
-
-    def _scales(self, kind, func, p_leaves, spec, p_outs, outs) -> list:
-        """The per-element scale of each output (None: the tensor's own scale); ``outs``: the
-        original outputs (their dtypes are the compute dtypes)."""
-        if kind == scales.MAGNITUDE:
-            a, kw = perturb.unflatten(scales.magnitude_leaves(p_leaves), spec)
-            got = dict(handlers.float_outputs(scales.magnitude_run(func, a, kw)))
-            return [got.get(i) for i, _ in p_outs]
-        if kind == scales.ELEMENT:
-            return [p.abs().add_(scales.element_offset(o.dtype)) for (_, p), (_, o) in
-                    zip(p_outs, outs)]
-        return [None] * len(p_outs)
+                   plan=judged, scales_=scales_)
 
     def current_module(self) -> str:
         """The innermost running named module under module scope ("" without module scope)."""
         return self.modules.current if self.modules is not None else ""
 
     def _compare_blocks(self, call, key, n, name, func, leaves, spec, frame, outs, plan,
-                        kind) -> None:
+                        judged) -> None:
         """A call with a large output (``blocks.plan``): perturbed, re-run and compared block by
         block, so only one block's perturbed inputs and output exist at a time."""
         (i, o), = outs
@@ -446,16 +442,17 @@ class Engine(Judging):
             in_dtype = pert.in_dtype
             p = func(*pert.args, **pert.kwargs)
             (_, p), = handlers.float_outputs(p)
-            (sc,) = self._scales(kind, func, pert.new, spec, [(i, p)], outs)
+            (sc,) = self.forward_scales(judged, func, pert.new, spec, [(i, p)], outs)
             parts.append(device_stats(plan.output(o, start, length), p, sc, exact))
             del pert, p, sc  # free this block's re-run before the next one
         self.applied(key, name)
 
         def explain(items):  # only for flagged calls: float64 re-runs, block by block
-            return cause.analyse(func, lambda: leaves, spec, items, blocks=plan)
+            return cause.analyse(func, lambda: leaves, spec, items, blocks=plan,
+                                 api=call.info.name)
 
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
-                   values=[blocks.combine(parts)], exact=exact, explain=explain, kinds=[kind])
+                   values=[blocks.combine(parts)], exact=exact, explain=explain, plan=judged)
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):

@@ -231,11 +231,12 @@ def test_every_mode_has_traits_and_a_perturbation():
     assert config.PERT_MODES == modes.PERT_MODES == tuple(modes.MODES)
     assert modes.FIX_PERT_MODES == ("improve_precision", "to_cpu")
     assert [m for m, t in modes.MODES.items() if t.noise] == ["bit_noise", "add_noise"]
-    # the threshold rule reads the traits: exact -> 0, upcast -> 16 u, the others -> sqrt(u)
+    # the threshold rule reads the traits: exact -> 0, upcast -> c u (c = 2, plus the call's
+    # accumulation term), the others -> sqrt(u)
     fb = config.FreeBenchmarkConfig()
     assert handlers.threshold(fb, "no_change", torch.float32) == 0.0
     assert handlers.threshold(fb, "bit_noise", torch.float16) == 2.0 ** -5.5
-    assert handlers.threshold(fb, "improve_precision", torch.float16) == 16 * 2.0 ** -11
+    assert handlers.threshold(fb, "improve_precision", torch.float16) == 2 * 2.0 ** -11
     with pytest.raises(ValueError, match="no entry in modes.MODES"):
         perturb.perturbation("made_up")(lambda call, leaves: (leaves, None, None))
     with pytest.raises(ValueError, match="registered twice"):
