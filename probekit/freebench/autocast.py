@@ -38,12 +38,18 @@ def first_tensor(leaves: list):
 
 
 def compute_leaves(leaves: list, outs: list) -> list:
-    """``leaves`` with fp32 inputs cast to the op's autocast compute dtype (see module doc); the
-    same list when autocast is off or the op computed in fp32."""
+    """``leaves`` with fp32 inputs cast to the dtype the op computed in (see module doc); the
+    same list when the op computed in fp32.
+
+    Read from the output, not from autocast's state: the forward check runs with autocast off
+    (an upcast re-run must compute in the upcast dtype), and an op that returns bf16/fp16 from
+    fp32 inputs computed in that dtype -- under autocast, or by type promotion (a 0-dim fp32
+    tensor beside a bf16 one is cast to bf16); no op narrows fp32 inputs otherwise."""
     x = first_tensor(leaves)
     if x is None or not outs:
         return leaves
-    return cast_like(leaves, enabled_dtype(x.device), outs[0][1].dtype)
+    out = outs[0][1].dtype
+    return cast_like(leaves, out, out)
 
 
 def cast_like(leaves: list, dtype, out_dtype) -> list:

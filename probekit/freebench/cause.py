@@ -127,7 +127,7 @@ class _Score:
 
     def bound(self, r: torch.Tensor, S) -> torch.Tensor:
         j = self.judge
-        g = scales.gamma(j.k, j.u_acc)
+        g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc)
         c = scales.C * (j.factor if j.upcast else 1.0)
         b = r.abs() * (c * j.u_out)
         if S is not None and g:

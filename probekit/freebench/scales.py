@@ -67,6 +67,12 @@ SOFTMAX = frozenset({"softmax", "softmin", "_softmax"})
 LOG_SOFTMAX = frozenset({"log_softmax", "_log_softmax"})
 NORMS = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm"})
 ATTENTION = frozenset({"scaled_dot_product_attention"})
+#: families whose correct kernels round an intermediate to the compute dtype before a product:
+#: attention computes the probabilities P in fp32 and hands them to the second product in the
+#: inputs' dtype (P V forward; P^T dO, dS K, dS^T Q backward: the flash-attention design, on the
+#: CPU kernels too), so each term of those sums carries u_out of its own magnitude: the bound's
+#: S term is (u_out + gamma_k(u_acc)) S for them (``accumulation_term``)
+ROUNDED_OPERANDS = frozenset({"attention"})
 #: piecewise constant (or jumping) in their floating inputs: exact at the same inputs, and a
 #: one-ulp move only says on which side of a discontinuity an input lies (sensitivity modes skip)
 STEP = frozenset("""
@@ -421,10 +427,20 @@ def _judge(mode_name, fam, k, judged_dtype, stage, formula_ok) -> Judge:
         beta = beta * g / (u_out + g) if fam in ("softmax", "log_softmax") else beta
         return Judge(ELEMENT, rounding, rounding, source, k, beta=beta, u_out=u_out, u_acc=u_acc,
                      fam=fam)
+    if fam in ROUNDED_OPERANDS:   # its products take operands rounded to u_out (see there)
+        g = g + u_out
+        rounding = C * (u_out + g)
     if u_out <= u_acc:          # float32 / float64: |p| <= S, the scale is S alone
         return Judge(MAGNITUDE, rounding, rounding, source, k, u_out=u_out, u_acc=u_acc, fam=fam)
     return Judge(MAGNITUDE, C * u_out, C * u_out, source, k, lam=g / u_out, u_out=u_out,
                  u_acc=u_acc, fam=fam)
+
+
+def accumulation_term(fam: str, k: int, u_out: float, u_acc: float) -> float:
+    """The weight of ``S`` in the bound: ``gamma_k(u_acc)``, plus ``u_out`` for the families
+    whose products take operands rounded to the compute dtype (``ROUNDED_OPERANDS``)."""
+    g = gamma(k, u_acc)
+    return g + u_out if fam in ROUNDED_OPERANDS else g
 
 
 def magnitude_source(fam: str, stage: str = "forward", formula_ok: bool = True):
