@@ -27,9 +27,12 @@ compute dtype, its reduction length):
 correct kernel may and more than the inputs' own last bit explains, with a factor 2 for the
 rounding of the nudged inputs); else ``ill-conditioned`` when ``lost > sqrt(u_in)`` (the exact
 result loses more than half its significant bits under a one-ulp change; ``u_in`` the least
-precise of the row's dtype and its inputs': a finding in every mode) or, for the rows of the
-accuracy modes, when ``moved > 1`` (``MILD``: the inputs' conditioning alone explains an error
-of that size, and the result keeps half its bits: a hot spot); else ``unconfirmed``; ``nondeterministic`` for no_change rows. ``analyse_backward`` does the same for
+precise of the row's dtype and its inputs') -- for the rows of the accuracy modes only when the
+original's own error is also beyond ``sqrt(u_in)`` of the result's scale (the result visibly lost
+those bits: the sensitivity modes' rule on the accuracy modes' measurement); a finding. Rows of
+the accuracy modes whose error the conditioning explains otherwise (``moved > 1``, or ``lost``
+without that visible loss) are ``ill-conditioned`` too but ``MILD``: hot spots. Else
+``unconfirmed``; ``nondeterministic`` for no_change rows. ``analyse_backward`` does the same for
 input gradients (same upstream gradient).
 """
 from __future__ import annotations
@@ -118,12 +121,12 @@ def _in_roundoff(leaves: list, judged) -> float:
 class _Score:
     """Accuracy, move and lost bits of one row, accumulated over blocks and nudges."""
 
-    __slots__ = ("judge", "u_in", "acc", "moved", "lost", "exact")
+    __slots__ = ("judge", "u_in", "acc", "moved", "lost", "dmax", "rmax")
 
-    def __init__(self, judge, u_in: float, exact_mode: bool = False) -> None:
+    def __init__(self, judge, u_in: float) -> None:
         self.judge, self.u_in = judge, u_in
         self.acc = self.moved = self.lost = 0.0
-        self.exact = exact_mode
+        self.dmax = self.rmax = 0.0     # the original's largest error, the result's scale
 
     def bound(self, r: torch.Tensor, S) -> torch.Tensor:
         j = self.judge
@@ -142,6 +145,12 @@ class _Score:
 
     def accuracy(self, o: torch.Tensor, r: torch.Tensor, S) -> None:
         self.acc = max(self.acc, _ratio(o, r, self.bound(r, S)))
+        with torch.no_grad():
+            d = (o.to(r.device, torch.float64) - r).abs().nan_to_num(nan=math.inf)
+            if d.numel():
+                self.dmax = max(self.dmax, d.amax().item())
+                self.rmax = max(self.rmax, r.abs().nan_to_num(nan=0.0, posinf=0.0)
+                                .amax().item())
 
     def move(self, s: torch.Tensor, r: torch.Tensor, S) -> None:
         self.moved = max(self.moved, _ratio(s, r, self.bound(r, S)))
@@ -158,9 +167,9 @@ class _Score:
         if self.acc > 1 and self.acc > BLAME_FACTOR * self.moved:
             return INACCURATE
         level = math.sqrt(self.u_in) * (1.0 if upcast else self.judge.factor)
-        if self.lost > level:
+        if self.lost > level and (not upcast or self.dmax > level * self.rmax):
             return ILL_CONDITIONED
-        if upcast and self.moved > 1:
+        if upcast and (self.moved > 1 or self.lost > level):
             return MILD
         return UNCONFIRMED
 
@@ -363,10 +372,13 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
     return {index: sc.verdict(sc.judge.upcast) for index, sc in scores.items()}
 
 
-def verdict(acc: float, moved: float, lost: float, u_in: float, upcast: bool = True) -> str:
-    """The cause from the three measures (module doc), for callers that have them apart."""
+def verdict(acc: float, moved: float, lost: float, u_in: float, upcast: bool = True,
+            error: float = math.inf) -> str:
+    """The cause from the measures (module doc), for callers that have them apart; ``error``:
+    the original's largest error relative to the result's tensor scale (accuracy modes)."""
+    level = math.sqrt(u_in)
     if acc > 1 and acc > BLAME_FACTOR * moved:
         return INACCURATE
-    if lost > math.sqrt(u_in):
+    if lost > level and (not upcast or error > level):
         return ILL_CONDITIONED
-    return MILD if upcast and moved > 1 else UNCONFIRMED
+    return MILD if upcast and (moved > 1 or lost > level) else UNCONFIRMED
