@@ -139,6 +139,12 @@ def test_dropout_training_is_bitwise_unchanged_and_its_random_calls_checked(tmp_
         assert cov.loc[site, "calls"] == steps
         if "budget" not in options:
             assert cov.loc[site, "checked"] == steps
-    # healthy: nothing found, dropout on (no_change: the replayed masks are equal bit for bit)
-    assert fb.results.empty, fb.results[["api_name", "output_index", "ratio", "cause"]]
+    # healthy: nothing found, dropout on (no_change: the replayed masks are equal bit for bit);
+    # in bf16, PyTorch's CPU layer_norm backward accumulating in bf16 is real (issue 26:
+    # tests/unit/test_freebench_backward_model.py)
+    rows = fb.results
+    if dtype != "fp32":
+        rows = rows[~(rows["api_name"].str.startswith("Functional.layer_norm.")
+                      & (rows["cause"] == "inaccurate"))]
+    assert rows.empty, rows[["api_name", "output_index", "ratio", "cause"]]
     assert fb._engine.handles == []
