@@ -113,6 +113,10 @@ class Engine(Judging):
         self.upcast_mode = self.mode.upcast
         #: the sensitivity modes do not perturb step functions (scales.STEP)
         self.step_skip = not (self.mode.upcast or self.mode.exact)
+        #: a combined mode's modes, one per step (``modes.py``; ``Judging.set_mode``)
+        self.schedule = self.mode.schedule
+        if self.schedule:
+            self.set_mode(self.schedule[0])
         classifier = Classifier()
         self.classify = classifier
         self.cache = classifier.cache
@@ -184,6 +188,8 @@ class Engine(Judging):
         self.counts.clear()
         self.once_step.clear()
         self.step += 1
+        if self.schedule:
+            self.set_mode(self.schedule[self.step % len(self.schedule)])
         if self.summary_every and self.step % self.summary_every == 0:
             self.log_summary()
         self.enabled = self._step_selected(self.step)
@@ -432,7 +438,7 @@ class Engine(Judging):
         """A call with a large output (``blocks.plan``): perturbed, re-run and compared block by
         block, so only one block's perturbed inputs and output exist at a time."""
         (i, o), = outs
-        exact = self.verdicts.want_exact((self.stage, key, n))
+        exact = self.verdicts.want_exact(self.site_of(self.stage, key, n))
         parts, in_dtype = [], None
         for start, length in plan.parts:
             b_leaves = plan.leaves(leaves, start, length)

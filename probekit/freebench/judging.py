@@ -77,7 +77,7 @@ class Judging:
         ``explain``: the call's cause analysis (``cause.py``); it needs the call's inputs, so an
         exact check of a site whose cause is not known yet is judged at once (one read-back) and
         explained while the inputs exist; every other check waits for the gather."""
-        site = (stage, key, n)
+        site = self.site_of(stage, key, n)
         if exact is None:
             exact = self.verdicts.want_exact(site)
         if originals is None:
@@ -125,9 +125,23 @@ class Judging:
             self._explain(site, name, explain,
                           [(i, o, out) for i, o, _, out in items if i in held])
 
+    def set_mode(self, name: str) -> None:
+        """Run ``name``'s perturbation from now on (a combined mode's schedule, one mode per
+        step: ``Engine.next_step``, after the step's verdicts were gathered)."""
+        from .modes import MODES
+
+        self.mode_name, self.mode = name, MODES[name]
+        self.upcast_mode = self.mode.upcast
+        self.step_skip = not (self.mode.upcast or self.mode.exact)
+
+    def site_of(self, stage, key, n) -> tuple:
+        """A call site's identity for its verdicts and cause (``deferred.py``): ``(stage, API,
+        counter)``, and the mode under a combined mode (each mode explains its own findings)."""
+        return (stage, key, n, self.mode_name) if self.schedule else (stage, key, n)
+
     def judged_dtype(self, compute_dtype, tensor_dtype, in_dtype):
         """``scales.effective_dtype`` for this mode (cached)."""
-        key = (compute_dtype, tensor_dtype, in_dtype)
+        key = (self.mode_name, compute_dtype, tensor_dtype, in_dtype)
         d = self._judged.get(key)
         if d is None:
             d = self._judged[key] = scales.effective_dtype(self.mode_name, compute_dtype,
@@ -138,7 +152,7 @@ class Judging:
                  stage="forward", formula_ok=True) -> scales.Judge:
         """How an output of family ``fam`` and reduction length ``k`` is judged in this mode
         (``scales.judge``, with the configured threshold of its dtype; cached)."""
-        key = (fam, k, compute_dtype, tensor_dtype, in_dtype, stage, formula_ok)
+        key = (self.mode_name, fam, k, compute_dtype, tensor_dtype, in_dtype, stage, formula_ok)
         j = self._thresholds.get(key)
         if j is None:
             cdt = self.judged_dtype(compute_dtype, tensor_dtype, in_dtype)

@@ -339,6 +339,13 @@ def _to_cpu(call: Call, leaves: list):
     return new, (torch.float32 if low else None), None
 
 
+@perturbation("combined")
+def _combined(call: Call, leaves: list):
+    """Never applied itself: the engine runs the modes of its schedule (``modes.py``), one per
+    step; asked directly, it is its schedule's first."""
+    return PERTURBATIONS[MODES["combined"].schedule[0]](call, leaves)
+
+
 @perturbation("bit_noise")
 def _bit_noise(call: Call, leaves: list):
     new, dtype = _replace_first(leaves, bit_noise)

@@ -272,3 +272,41 @@ def test_autocast_reruns_start_from_the_inputs_the_op_computed_with(tmp_path):
         torch.addmm(b, x, w)
         F.linear(x, w.t(), b)
     assert fb.results.empty and fb.hotspots.empty and fb.summary["checked"] == 2
+
+
+def test_combined_mode_finds_an_inaccurate_kernel_and_an_ill_conditioned_computation(tmp_path):
+    """Where to start (issue 26): pert_mode="combined" runs improve_precision and bit_noise on
+    alternate steps, so two steps find a kernel that accumulates in fp16 (which no sensitivity
+    mode sees: both runs accumulate alike) and a one-pass bf16 variance (which no accuracy mode
+    sees: each call in it is exact); either mode alone finds one of the two."""
+    g = gen()
+    idx = torch.randint(0, 4, (4000,), generator=g)
+    v = torch.rand(4000, generator=g).to(fp16)
+    t = torch.zeros(4, dtype=fp16)
+    x = (torch.randn(64, 64, generator=g) + 40).to(bf16)
+
+    def step():
+        torch.index_put(t, (idx,), v, accumulate=True)
+        m = x.mean(-1, keepdim=True)
+        return (x * x).mean(-1, keepdim=True) - m * m
+
+    def found(mode, steps=2):
+        fb = FreeBench(dump_path=str(tmp_path / mode), pert_mode=mode)
+        for _ in range(steps):
+            with fb:
+                step()
+            fb.step()
+        df = fb.results
+        return sorted(zip(df["api_name"].str.rsplit(".", n=2).str[0], df["pert_mode"],
+                          df["cause"], df["step"]))
+
+    assert found("combined") == [("Tensor.__sub__", "bit_noise", "ill-conditioned", 1),
+                                 ("Torch.index_put", "improve_precision", "inaccurate", 0)]
+    assert {a for a, *_ in found("improve_precision")} == {"Torch.index_put"}
+    assert {a for a, *_ in found("bit_noise")} == {"Tensor.__sub__"}
+    # msprobe's configs keep msprobe's default; probekit's configs accept the combined mode
+    from probekit.config import FreeBenchmarkConfig
+
+    assert FreeBenchmarkConfig().pert_mode == "improve_precision"
+    with pytest.raises(Exception, match="handler_type"):
+        FreeBench(dump_path=str(tmp_path / "fix"), pert_mode="combined", handler_type="fix")

@@ -195,7 +195,8 @@ def test_change_value_rules():
 
 def test_registry_rejects_duplicates():
     assert set(perturb.PERTURBATIONS) == {"improve_precision", "bit_noise", "add_noise",
-                                          "change_value", "no_change", "to_cpu"}
+                                          "change_value", "no_change", "to_cpu",
+                                          "combined"}
     with pytest.raises(ValueError, match="registered twice"):
         perturb.perturbation("bit_noise")(lambda call, leaves: None)
 
@@ -208,7 +209,7 @@ def test_every_mode_leaves_inputs_and_rng_alone(mode, dtype):
     before_x, before_w = x.clone(), w.detach().clone()
     rng = torch.get_rng_state()
     call = perturb.Call(names.classify(torch.exp), (x,), {})
-    if mode == "improve_precision" and dtype == torch.float64:
+    if mode in ("improve_precision", "combined") and dtype == torch.float64:
         with pytest.raises(perturb.Cancel):
             perturb.apply(mode, call)
     else:
