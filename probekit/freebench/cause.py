@@ -192,8 +192,12 @@ def _ratio(o: torch.Tensor, r: torch.Tensor, b: torch.Tensor) -> float:
 def _forward_magnitude(judge, api, func, x64, spec, r, i, abs_out):
     """``S`` of output ``i`` in float64 by the row's family (module doc)."""
     fam = judge.fam
-    if fam in ("multilinear", "gelu") and abs_out is not None and abs_out.get(i) is not None:
+    if fam == "multilinear" and abs_out is not None and abs_out.get(i) is not None:
         return abs_out[i]
+    if fam == "gelu":
+        x = next((t for t in x64 if perturb.is_float(t)), None)
+        if x is not None and x.shape == r.shape:
+            return x.abs()
     if fam in ("arithmetic", "elementwise", "step"):
         return r.abs()
     if fam in ("softmax", "log_softmax"):
@@ -238,12 +242,13 @@ def analyse(func, fresh, spec, items: list, blocks=None, api: str | None = None)
             x64 = [_to64(t) for t in x]
             r = dict(_run(func, x64, spec))
             abs_out = None
-            if any(j.fam in ("multilinear", "gelu") for j in judges.values()):
+            if any(j.fam == "multilinear" for j in judges.values()):
                 abs_out = dict(_run(func, scales.magnitude_leaves(x64), spec,
                                     scales.magnitude_kwargs))
             S = {i: _forward_magnitude(judges[i], api, func, x64, spec, r[i], i, abs_out)
                  for i, _, _ in items}
-            del x64, abs_out
+            del abs_out
+            del x64
             for i, o, _ in items:
                 scores[i].accuracy(original(o), r[i], S[i])
             for noise, first in NUDGES:

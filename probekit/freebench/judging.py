@@ -190,6 +190,9 @@ class Judging:
                     out.append(torch.hypot(p, _constant(j.beta, p)))
             elif j.source == "abs" and got is not None and got.get(i) is not None:
                 out.append(got[i] if not j.lam else torch.add(p.abs(), got[i], alpha=j.lam))
+            elif j.source == "input":       # S = |x| of the first floating input (gelu)
+                x = next(t for t in p_leaves if perturb.is_float(t))
+                out.append(x.abs() if not j.lam else torch.add(p.abs(), x.abs(), alpha=j.lam))
             else:
                 out.append(None)
         return out
