@@ -37,12 +37,13 @@ def _softmax(name: str, a: Args, leaves: list, g: torch.Tensor, log: bool):
     pos = _position(leaves, x)
     if pos is None:
         return None
-    xs = -x if name == "softmin" else x
-    ga = g.abs()
-    if log:
-        return {pos: ga + torch.softmax(xs, dim) * ga.sum(dim, keepdim=True)}
-    y = torch.softmax(xs, dim)
-    return {pos: y * (ga + (ga * y).sum(dim, keepdim=True))}
+    y = torch.softmax(-x if name == "softmin" else x, dim)
+    s = g.abs()
+    if log:     # |g| + exp(log_softmax) sum |g|: two tensors of x's size alive
+        return {pos: y.mul_(s.sum(dim, keepdim=True)).add_(s)}
+    # y (|g| + sum |g| y), in place (vecdot: no third tensor of x's size)
+    t = torch.linalg.vecdot(s, y, dim=dim).unsqueeze(dim)
+    return {pos: s.add_(t).mul_(y)}
 
 
 def _stats(x: torch.Tensor, dims: tuple, eps: float, rms: bool = False):
@@ -134,22 +135,33 @@ def norm_forward(name: str, a: Args, leaves: list):
 
 
 def _norm_backward(name: str, a: Args, leaves: list, g: torch.Tensor):
+    """In place where it can: at most three tensors of the input's size besides it and ``g``."""
     n = _Norm(name, a, leaves)
     if not n.ok:
         return None
+    out = {}
+    xa = n.xhat().abs_()
     ga = g.abs()
-    gw = ga * n.w.abs() if isinstance(n.w, torch.Tensor) else ga
-    xa = n.xhat().abs()
-    sx = n.mean(gw * xa) * xa
-    if not n.rms:
-        sx = sx + n.mean(gw)
-    out = {n.pos: n.rstd * (gw + sx)}
     wt, bt = a.get("weight", None), (None if n.rms else a.get("bias", None))
-    for t, val in ((wt, ga * xa), (bt, ga)):
-        p = _position(leaves, t) if isinstance(t, torch.Tensor) else None
-        if p is not None:
-            out[p] = (val.sum(n.wdims) if n.wdims else val).reshape(t.shape)
+    pb = _position(leaves, bt) if isinstance(bt, torch.Tensor) else None
+    pw = _position(leaves, wt) if isinstance(wt, torch.Tensor) else None
+    if pb is not None:            # sum |g| over the rows
+        out[pb] = (ga.sum(n.wdims) if n.wdims else ga.clone()).reshape(bt.shape)
+    if pw is not None:            # sum |g| |x^| over the rows
+        t = ga * xa
+        out[pw] = (t.sum(n.wdims) if n.wdims else t).reshape(wt.shape)
+        del t
+    gw = ga.mul_(n.w.abs()) if isinstance(n.w, torch.Tensor) else ga      # |g w|
+    sx = xa.mul_(n.mean(gw * xa))                                         # |x^| mean|g w x^|
+    if not n.rms:
+        sx.add_(n.mean(gw))
+    out[n.pos] = sx.add_(gw).mul_(n.rstd)      # rstd (|g w| + mean|g w| + |x^| mean|g w x^|)
     return out
+
+
+#: elements of the (batch, heads, query rows, keys) probabilities one block of the attention
+#: formula holds (8 MiB of float64), so a long sequence never materialises its whole L x L
+ATTENTION_BLOCK = 1 << 20
 
 
 def _sdpa(a: Args, leaves: list, g: torch.Tensor):
@@ -168,33 +180,46 @@ def _sdpa(a: Args, leaves: list, g: torch.Tensor):
             return None
         rep = q.shape[-3] // k.shape[-3]
         kk, vv = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
-    scores = (q @ kk.transpose(-2, -1)) * s
     L, Lk = q.shape[-2], k.shape[-2]
-    if causal:
-        keep = torch.ones(L, Lk, dtype=torch.bool, device=q.device).tril(Lk - L)
-        scores = scores.masked_fill(~keep, -math.inf)
-    if isinstance(mask, torch.Tensor):
-        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool \
-            else scores + mask
-    p = torch.softmax(scores, -1)
-    p = p.nan_to_num(0.0)
-    pm = p * (1 + 2 * s * (q.abs() @ kk.abs().transpose(-2, -1)))
-    ga = g.abs()
-    sdp = ga @ vv.abs().transpose(-2, -1)
-    sds = pm * (sdp + (pm * sdp).sum(-1, keepdim=True))
+    ka, va = kk.abs(), vv.abs()
+    sq = torch.empty_like(q) if pq is not None else None
+    sk = torch.zeros(kk.shape, dtype=q.dtype, device=q.device) if pk is not None else None
+    sv = torch.zeros(vv.shape, dtype=q.dtype, device=q.device) if pv is not None else None
+    per_row = max(1, (q.numel() // max(1, q.shape[-1])) // L * Lk)
+    rows = max(1, ATTENTION_BLOCK // per_row)
+    for r0 in range(0, L, rows):        # query rows in blocks: P is per row
+        r1 = min(L, r0 + rows)
+        qb, gb = q[..., r0:r1, :], g[..., r0:r1, :]
+        scores = (qb @ kk.transpose(-2, -1)) * s
+        if causal:
+            keep = torch.ones(L, Lk, dtype=torch.bool, device=q.device).tril()[r0:r1]
+            scores.masked_fill_(~keep, -math.inf)
+        if isinstance(mask, torch.Tensor):
+            mb = mask[..., r0:r1, :] if mask.dim() >= 2 and mask.shape[-2] == L else mask
+            if mb.dtype == torch.bool:
+                scores.masked_fill_(~mb, -math.inf)
+            else:
+                scores.add_(mb)
+        pm = torch.softmax(scores, -1).nan_to_num_(0.0)
+        del scores
+        # the probabilities with the rounding the scores carry: P (1 + 2 s |q||k|^T)
+        pm.mul_((qb.abs() @ ka.transpose(-2, -1)).mul_(2 * s).add_(1))
+        ga = gb.abs()
+        sds = ga @ va.transpose(-2, -1)                              # |dO||v|^T
+        sds.add_(torch.linalg.vecdot(pm, sds, dim=-1).unsqueeze(-1)).mul_(pm)
+        if sq is not None:
+            sq[..., r0:r1, :] = (sds @ ka).mul_(s)
+        if sk is not None:
+            sk.add_(sds.transpose(-2, -1) @ qb.abs(), alpha=s)
+        if sv is not None:
+            sv.add_(pm.transpose(-2, -1) @ ga)
+        del pm, sds, ga
     out = {}
-    if pq is not None:
-        out[pq] = (sds @ kk.abs()) * s
-    if pk is not None:
-        sk = (sds.transpose(-2, -1) @ q.abs()) * s
-        if rep > 1:
-            sk = sk.unflatten(-3, (k.shape[-3], rep)).sum(-3)
-        out[pk] = sk
-    if pv is not None:
-        sv = pm.transpose(-2, -1) @ ga
-        if rep > 1:
-            sv = sv.unflatten(-3, (v.shape[-3], rep)).sum(-3)
-        out[pv] = sv
+    if sq is not None:
+        out[pq] = sq
+    for pos, t, orig in ((pk, sk, k), (pv, sv, v)):
+        if t is not None:
+            out[pos] = t.unflatten(-3, (orig.shape[-3], rep)).sum(-3) if rep > 1 else t
     return out
 
 
