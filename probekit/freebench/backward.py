@@ -251,7 +251,11 @@ class _BackwardCheck:
         j = self.judges.get(i)
         if j is None or j.kind == scales.TENSOR or mag is None:
             return None
-        return mag if not j.lam else mag.mul_(j.lam).add_(gq.abs())   # in place: one temporary
+        if not j.lam:
+            return mag
+        if mag._base is None:      # in place: one temporary of the gradient's size
+            return mag.mul_(j.lam).add_(gq.abs())
+        return torch.add(gq.abs(), mag, alpha=j.lam)
 
     def _whole(self, plain, g, g_ref, exact):
         """(values, [(input position, reference gradient)], dtype computed in) of one re-run."""

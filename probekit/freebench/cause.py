@@ -329,7 +329,8 @@ def _grads_abs(func, leaves, spec, diff, out_index, g) -> list:
     a, kw = perturb.unflatten(a_leaves, spec)
     y = dict(handlers.float_outputs(func(*a, **scales.magnitude_kwargs(kw))))[out_index]
     grads = torch.autograd.grad(y, ins, g.abs().to(y.dtype), allow_unused=True)
-    return [None if t is None else t.abs_() for t in grads]
+    # in place where the gradient owns its memory (an expanded one, a sum's, is a view)
+    return [None if t is None else (t.abs_() if t._base is None else t.abs()) for t in grads]
 
 
 def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: list,
