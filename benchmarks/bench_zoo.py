@@ -79,8 +79,10 @@ def render_before_after(before, after) -> str:
     """Rows per architecture and configuration, before -> after (``--before``)."""
     key = lambda r: (r["model"], r["dtype"], r["mode"], r["stage"])   # noqa: E731
     old = {key(r): r for r in before}
-    modes = sorted({(r["mode"], r["stage"]) for r in after}, key=lambda m: (m[1], m[0]))
-    head = " | ".join(f"{m[:15]} {s[:3]}" for m, s in modes)
+    modes = list(dict.fromkeys((r["mode"], r["stage"]) for r in after))   # in the run's order
+    short = {"improve_precision": "improve_prec.", "bit_noise": "bit_noise", "add_noise":
+             "add_noise"}
+    head = " | ".join(f"{short.get(m, m)} {s[:3]}" for m, s in modes)
     lines = [f"| model | dtype | {head} | checked |",
              "|---|---|" + "---:|" * (len(modes) + 1)]
     tot_b = tot_a = clean_b = clean_a = n = 0

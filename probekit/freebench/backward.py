@@ -46,9 +46,12 @@ from .names import call_site
 def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None) -> tuple:
     """``metric.device_stats`` of a reference gradient (or a block of it) and the perturbed one:
     the deviation relative to the gradient tensor's own scale (``max|gr|``; blocks combine to the
-    whole tensor's), or to ``scale`` element by element (an accumulating API's gradient in the
-    accuracy modes: the same gradient computed on absolute values, ``sum |g||b|``)."""
-    return device_stats(gr.detach(), gq.detach(), scale, exact)
+    whole tensor's), or to ``scale`` element by element (the error model's, ``scales.py``: the
+    gradient's magnitude ``S``, or ``(S, lam)`` for the two terms ``|gq| + lam S``)."""
+    lam = 0.0
+    if isinstance(scale, tuple):
+        scale, lam = scale
+    return device_stats(gr.detach(), gq.detach(), scale, exact, lam)
 
 
 #: APIs whose gradient goes to the elements they select (a maximum, a pooling window's largest
@@ -246,16 +249,14 @@ class _BackwardCheck:
         return [got.get(i) for i in self.diff]
 
     def _scale(self, i, gq, mag):
-        """The per-element scale of input ``i``'s gradient: ``S``, or ``|gq| + lam S`` for a
-        16-bit call (``scales.Judge``); None when it is judged against the tensor's scale."""
+        """The per-element scale of input ``i``'s gradient: ``S``, or ``(S, lam)`` for a 16-bit
+        call's ``|gq| + lam S`` (``scales.Judge``); None when it is judged against the tensor's
+        scale."""
         j = self.judges.get(i)
         if j is None or j.kind == scales.TENSOR or mag is None:
             return None
-        if not j.lam:
-            return mag
-        if mag._base is None:      # in place: one temporary of the gradient's size
-            return mag.mul_(j.lam).add_(gq.abs())
-        return torch.add(gq.abs(), mag, alpha=j.lam)
+        # the two terms |gq| + lam S are made chunk by chunk by the comparison (grad_stats)
+        return mag if not j.lam else (mag, j.lam)
 
     def _whole(self, plain, g, g_ref, exact):
         """(values, [(input position, reference gradient)], dtype computed in) of one re-run."""

@@ -42,6 +42,7 @@ import math
 import torch
 
 from . import handlers, magnitudes, perturb, scales
+from .metric import CHUNK, _chunks
 
 INACCURATE = "inaccurate"
 ILL_CONDITIONED = "ill-conditioned"
@@ -144,22 +145,25 @@ class _Score:
         return f
 
     def accuracy(self, o: torch.Tensor, r: torch.Tensor, S) -> None:
-        self.acc = max(self.acc, _ratio(o, r, self.bound(r, S)))
-        with torch.no_grad():
-            d = (o.to(r.device, torch.float64) - r).abs().nan_to_num(nan=math.inf)
-            if d.numel():
-                self.dmax = max(self.dmax, d.amax().item())
-                self.rmax = max(self.rmax, r.abs().nan_to_num(nan=0.0, posinf=0.0)
-                                .amax().item())
+        for oc, rc, sc in _pieces(o.to(r.device), r, S):   # a few chunk-sized temporaries
+            self.acc = max(self.acc, _ratio(oc, rc, self.bound(rc, sc)))
+            with torch.no_grad():
+                d = (oc.to(torch.float64) - rc).abs().nan_to_num(nan=math.inf)
+                if d.numel():
+                    self.dmax = max(self.dmax, d.amax().item())
+                    self.rmax = max(self.rmax, rc.abs().nan_to_num(nan=0.0, posinf=0.0)
+                                    .amax().item())
 
     def move(self, s: torch.Tensor, r: torch.Tensor, S) -> None:
-        self.moved = max(self.moved, _ratio(s, r, self.bound(r, S)))
-        with torch.no_grad():
-            d = (s.double() - r).abs().nan_to_num(nan=math.inf)
-            beyond = (d - self.floor64(r, S)).clamp_min(0)
-            m = r.abs().nan_to_num(nan=0.0, posinf=0.0).amax() if r.numel() else r.new_zeros(())
-            top = beyond.amax().item() if beyond.numel() else 0.0
-            scale = m.item()
+        top = scale = 0.0
+        for sc_, rc, Sc in _pieces(s, r, S):
+            self.moved = max(self.moved, _ratio(sc_, rc, self.bound(rc, Sc)))
+            with torch.no_grad():
+                d = (sc_.double() - rc).abs().nan_to_num(nan=math.inf)
+                beyond = d.sub_(self.floor64(rc, Sc)).clamp_min_(0)
+                if beyond.numel():
+                    top = max(top, beyond.amax().item())
+                    scale = max(scale, rc.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item())
         if top > 0:
             self.lost = max(self.lost, math.inf if scale == 0 else top / scale)
 
@@ -172,6 +176,15 @@ class _Score:
         if upcast and (self.moved > 1 or self.lost > level):
             return MILD
         return UNCONFIRMED
+
+
+def _pieces(a: torch.Tensor, r: torch.Tensor, S):
+    """``(a, r, S)`` in matching pieces of at most ``metric.CHUNK`` elements (views)."""
+    if r.numel() <= CHUNK:
+        yield a, r, S
+        return
+    Ss = _chunks(S, CHUNK) if S is not None else iter(lambda: None, 0)
+    yield from zip(_chunks(a, CHUNK), _chunks(r, CHUNK), Ss)
 
 
 def _ratio(o: torch.Tensor, r: torch.Tensor, b: torch.Tensor) -> float:
@@ -295,7 +308,8 @@ def backward_magnitudes(func, api, leaves, spec, diff, out_index, g, judges: dic
     src = {i: scales.magnitude_source(judges[i].fam, "backward") for i in diff if i in judges}
     need_abs = [i for i in diff if src.get(i) == "abs"]
     if need_abs:
-        mags = _grads_abs(func, leaves, spec, diff, out_index, g)
+        signed = any(judges[i].fam != "multilinear" for i in need_abs)
+        mags = _grads_abs(func, leaves, spec, diff, out_index, g, signed)
         for i, m in zip(diff, mags):
             if i in need_abs and m is not None:
                 out[i] = m
@@ -319,7 +333,10 @@ def _dtype_of(leaves):
     return torch.float32
 
 
-def _grads_abs(func, leaves, spec, diff, out_index, g) -> list:
+def _grads_abs(func, leaves, spec, diff, out_index, g, signed: bool = True) -> list:
+    """The backward of the call on absolute values with ``|g|``; ``signed``: a family whose
+    coefficients may be negative (``div``'s ``-a/b^2``): absolute values of the results too
+    (a multilinear call's are non-negative already)."""
     a_leaves = scales.magnitude_leaves([x.detach() if isinstance(x, torch.Tensor) else x
                                         for x in leaves])
     ins = []
@@ -329,6 +346,8 @@ def _grads_abs(func, leaves, spec, diff, out_index, g) -> list:
     a, kw = perturb.unflatten(a_leaves, spec)
     y = dict(handlers.float_outputs(func(*a, **scales.magnitude_kwargs(kw))))[out_index]
     grads = torch.autograd.grad(y, ins, g.abs().to(y.dtype), allow_unused=True)
+    if not signed:
+        return list(grads)
     # in place where the gradient owns its memory (an expanded one, a sum's, is a view)
     return [None if t is None else (t.abs_() if t._base is None else t.abs()) for t in grads]
 
@@ -360,6 +379,8 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
         if s_i is None:
             m = ref.abs().amax() if ref.numel() else ref.new_zeros(())
             s_i = m.expand_as(ref)
+        elif s_i.dtype == torch.float64:
+            s_i = s_i.float()      # a scale: kept through the nudges at half the memory
         S[index] = s_i
         sc.accuracy(gr, ref, s_i)
         scores[index] = sc

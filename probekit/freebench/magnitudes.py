@@ -2,7 +2,8 @@
 
 For a multilinear call ``S`` is the call on absolute values; where the formula itself subtracts
 (a softmax's ``y (g - <g, y>)``, a normalisation's ``x - mean``) that re-run keeps the
-subtraction, so these families state their formula's magnitude: what each element would be if
+subtraction, so these families state their formula's magnitude (and add/sub, whose gradients
+are ``|g|`` summed over the broadcast dims, need no re-run at all): what each element would be if
 none of the terms the formula adds up cancelled (docs/free_benchmark.md, the family table).
 
 * ``backward(name, a, leaves, g)``: ``{input position: S}`` of the input gradients, computed in
@@ -134,7 +135,73 @@ def norm_forward(name: str, a: Args, leaves: list):
     return s
 
 
+#: elements of a normalisation's input the backward formula works on at a time (2 MiB of
+#: float64 per temporary): the cause analysis runs it on a whole float64 tensor
+NORM_BLOCK = 1 << 18
+
+
+def _norm_dim(name: str, x: torch.Tensor, a: Args):
+    """A dim of ``x`` whose slices normalise independently (rows of a layer norm, channels of a
+    batch norm, samples of a group or instance norm), or None."""
+    if name in ("layer_norm", "rms_norm"):
+        shape = a.get("normalized_shape", 1)
+        n = 1 if isinstance(shape, int) else len(shape)
+        return 0 if x.dim() > n else None
+    if name == "batch_norm":
+        return 1 if x.dim() >= 2 else None
+    return 0 if x.dim() >= 2 else None
+
+
 def _norm_backward(name: str, a: Args, leaves: list, g: torch.Tensor):
+    """Block by block along a dim whose slices normalise independently, when the input is large
+    (``NORM_BLOCK``): the weight and bias magnitudes summed over the blocks."""
+    x = a.get("input", 0)
+    if not isinstance(x, torch.Tensor):
+        return None
+    d = _norm_dim(name, x, a)
+    if d is None or x.numel() <= NORM_BLOCK or x.shape[d] < 2:
+        return _norm_backward_whole(name, a, leaves, g)
+    pos = _position(leaves, x)
+    if pos is None:
+        return None
+    step = max(1, NORM_BLOCK // max(1, x.numel() // x.shape[d]))
+    per_channel = name == "batch_norm"      # its weight and bias are sliced with the channels
+    params = {p: t for p, t in enumerate(leaves) if p != pos and isinstance(t, torch.Tensor)
+              and t.dim() == 1 and per_channel and t.shape[0] == x.shape[1]}
+    out = {pos: torch.empty_like(x)}
+    for s0 in range(0, x.shape[d], step):
+        n = min(step, x.shape[d] - s0)
+        sub = list(leaves)
+        sub[pos] = x.narrow(d, s0, n)
+        for p, t in params.items():
+            sub[p] = t.narrow(0, s0, n)
+        ab = Args.__new__(Args)
+        ab.args, ab.kwargs, ab.params = _rebind(a, sub, leaves)
+        ab.params = a.params
+        got = _norm_backward_whole(name, ab, sub, g.narrow(d, s0, n))
+        if got is None:
+            return _norm_backward_whole(name, a, leaves, g)
+        for p, v in got.items():
+            if p == pos:
+                out[pos].narrow(d, s0, n).copy_(v)
+            elif p in params:
+                out.setdefault(p, torch.empty_like(leaves[p])).narrow(0, s0, n).copy_(v)
+            elif p in out:
+                out[p].add_(v)
+            else:
+                out[p] = v
+        del got
+    return out
+
+
+def _rebind(a: Args, sub: list, leaves: list) -> tuple:
+    """``(args, kwargs, None)`` of ``a`` with each leaf replaced by its slice."""
+    swap = {id(t): s for t, s in zip(leaves, sub) if t is not s}
+    return (tuple(swap.get(id(v), v) for v in a.args),
+            {k: swap.get(id(v), v) for k, v in a.kwargs.items()}, None)
+
+
+def _norm_backward_whole(name: str, a: Args, leaves: list, g: torch.Tensor):
     """In place where it can: at most three tensors of the input's size besides it and ``g``."""
     n = _Norm(name, a, leaves)
     if not n.ok:
@@ -223,9 +290,26 @@ def _sdpa(a: Args, leaves: list, g: torch.Tensor):
     return out
 
 
+def _additive(name: str, a: Args, leaves: list, g: torch.Tensor):
+    """add/sub/neg: each floating tensor input's gradient is +-alpha g summed to its shape."""
+    alpha = a.kwargs.get("alpha", 1)
+    alpha = abs(alpha) if isinstance(alpha, (int, float)) else 1
+    ga = g.abs()
+    out = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            s = ga.sum_to_size(x.shape) if x.shape != ga.shape else ga
+            out[i] = s * alpha if (alpha != 1 and i > 0) else s
+    return out
+
+
 def backward(name: str, a: Args, leaves: list, g: torch.Tensor):
     """``{input position: S}`` of the input gradients of a formula family (module doc), or None."""
+    from .scales import ADDITIVE
+
     with torch.no_grad():
+        if name in ADDITIVE:
+            return _additive(name, a, leaves, g)
         if name in ("softmax", "softmin", "_softmax"):
             return _softmax(name, a, leaves, g, log=False)
         if name in ("log_softmax", "_log_softmax"):

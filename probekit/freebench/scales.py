@@ -12,8 +12,8 @@ bits). A flagged output is a finding only when the float64 analysis (``cause.py`
 
 ``S`` and ``k`` come from the call's family (``family``): the call on absolute values for the
 multilinear calls (``magnitude_run``; in the backward stage: with ``|g|`` on ``|inputs|``, which
-also covers ``add``/``sub``/``mul``/``div``), ``|p|`` for element-wise functions, ``|x|`` for
-gelu, a formula for the
+also covers ``mul``/``div``; ``add``/``sub``'s gradients are ``|g|`` summed over the broadcast
+dims), ``|p|`` for element-wise functions, ``|x|`` for gelu, a formula for the
 few families whose own arithmetic subtracts (softmax, log_softmax, normalisations, attention:
 ``magnitudes.py``), the output tensor's scale for everything else, and 0 for step functions. The
 fast comparison (``metric.py``) divides ``d`` by a per-element scale, or by the tensor scale:
@@ -54,12 +54,17 @@ convolution sum nansum mean nanmean cumsum trace index_add index_add_ scatter_ad
 index_put index_put_ put put_ embedding_bag bincount scatter_reduce scatter_reduce_ index_reduce
 index_reduce_ scatter scatter_ kron chain_matmul multi_dot
 """.split())
-#: element-wise arithmetic: correctly rounded forward (``|p|``), and a backward that is a product of
+#: element-wise products: correctly rounded forward (``|p|``), and a backward that is a product of
 #: the upstream gradient with input values (the backward on absolute values is its magnitude)
 ARITHMETIC = frozenset("""
-add sub subtract rsub mul multiply div divide true_divide neg negative addcmul addcdiv
-__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __div__ __rdiv__
-__neg__
+mul multiply div divide true_divide addcmul addcdiv __mul__ __rmul__ __truediv__ __rtruediv__
+__div__ __rdiv__
+""".split())
+#: element-wise sums: correctly rounded forward; each input's gradient is +-g summed over the
+#: dims the input was broadcast along, so its magnitude is |g| summed alike (``magnitudes.py``,
+#: no re-run)
+ADDITIVE = frozenset("""
+add sub subtract rsub neg negative __add__ __radd__ __sub__ __rsub__ __neg__
 """.split())
 #: gelu computes x/2 (1 + erf(x/sqrt 2)) (or the tanh form): 1 + erf cancels for x < 0 (10 %
 #: relative error at x = -5 in fp32). Its two terms x/2 and x/2 erf(x/sqrt 2) are each at most
@@ -116,6 +121,8 @@ def family(name: str) -> str:
         return "multilinear"
     if name in ARITHMETIC:
         return "arithmetic"
+    if name in ADDITIVE:
+        return "additive"
     if name in GELU:
         return "gelu"
     if name in SOFTMAX:
@@ -142,11 +149,12 @@ _ABS_FORWARD = frozenset({"multilinear"})
 #: families whose forward S is the absolute value of their (first) input
 _INPUT_FORWARD = frozenset({"gelu"})
 #: families whose forward S is ``|p|`` plus a floor (no re-run)
-_ELEMENT_FORWARD = frozenset({"arithmetic", "elementwise", "softmax", "log_softmax", "step"})
+_ELEMENT_FORWARD = frozenset({"arithmetic", "additive", "elementwise", "softmax",
+                              "log_softmax", "step"})
 #: families whose gradients' S is the backward on absolute values
 _ABS_BACKWARD = frozenset({"multilinear", "arithmetic"})
 #: families whose gradients' S is a formula (``magnitudes.py``)
-_FORMULA_BACKWARD = frozenset({"softmax", "log_softmax", "norm", "attention"})
+_FORMULA_BACKWARD = frozenset({"additive", "softmax", "log_softmax", "norm", "attention"})
 
 
 # -- the call's arguments, read by name ------------------------------------------------------------
@@ -240,7 +248,7 @@ def forward_length(name: str, a: Args, leaves: list, out: torch.Tensor) -> int:
         k = _multilinear_length(name, a, x, out)
         if k:
             return k
-    elif fam in ("elementwise", "gelu", "arithmetic"):
+    elif fam in ("elementwise", "gelu", "arithmetic", "additive"):
         return ELEMENTWISE_K
     elif fam == "step":
         return 0
@@ -341,8 +349,8 @@ def backward_length(name: str, a: Args, leaves: list, position: int, out: torch.
     fam = family(name)
     n_x = max(1, x.numel())
     spread = max(1, -(-out.numel() // n_x))
-    if fam in ("multilinear", "arithmetic"):
-        if fam == "arithmetic" or _BIAS.get(name) == position:
+    if fam in ("multilinear", "arithmetic", "additive"):
+        if fam != "multilinear" or _BIAS.get(name) == position:
             return spread
         return max(1, -(-out.numel() * max(1, k_fwd) // n_x))
     if fam in ("softmax", "log_softmax"):

@@ -229,3 +229,49 @@ def test_formula_magnitudes_bound_the_gradients_and_match_their_formulas():
                 (name, i)
     assert math.isclose(scales.accumulation_term("attention", 10, 2.0 ** -8, 2.0 ** -24),
                         2.0 ** -8 + scales.gamma(10, 2.0 ** -24))
+
+
+def test_large_formulas_run_in_blocks_with_the_whole_result(monkeypatch):
+    """The normalisations' and attention's magnitudes of a large input are computed block by
+    block (rows, channels or samples; query rows) -- the cause analysis runs them on whole
+    float64 tensors -- and give what the whole computation gives."""
+    g = gen(3)
+    f64 = torch.float64
+    cases = [
+        ("layer_norm", F.layer_norm, (torch.randn(40, 30, 64, generator=g, dtype=f64), (64,),
+                                      torch.randn(64, generator=g, dtype=f64),
+                                      torch.randn(64, generator=g, dtype=f64)), {}),
+        ("batch_norm", F.batch_norm, (torch.randn(8, 40, 20, 20, generator=g, dtype=f64), None,
+                                      None, torch.randn(40, generator=g, dtype=f64),
+                                      torch.randn(40, generator=g, dtype=f64), True), {}),
+        ("group_norm", F.group_norm, (torch.randn(16, 8, 40, 40, generator=g, dtype=f64), 4,
+                                      torch.randn(8, generator=g, dtype=f64),
+                                      torch.randn(8, generator=g, dtype=f64)), {}),
+        ("scaled_dot_product_attention", F.scaled_dot_product_attention,
+         tuple(torch.randn(2, 4, 300, 16, generator=g, dtype=f64) for _ in range(3)),
+         {"is_causal": True}),
+    ]
+    for name, fn, args, kw in cases:
+        leaves = list(args)
+        gy = torch.randn(fn(*args, **kw).shape, generator=g, dtype=f64)
+        a = scales.Args(fn, name, args, kw)
+        whole = magnitudes.backward(name, a, leaves, gy)
+        monkeypatch.setattr(magnitudes, "NORM_BLOCK", 5000)
+        monkeypatch.setattr(magnitudes, "ATTENTION_BLOCK", 1000)
+        blocked = magnitudes.backward(name, a, leaves, gy)
+        monkeypatch.undo()
+        assert sorted(whole) == sorted(blocked)
+        assert all(torch.allclose(whole[k], blocked[k], rtol=1e-12) for k in whole), name
+
+
+def test_two_term_scale_is_made_chunk_by_chunk():
+    from probekit.freebench import metric
+
+    g = gen(4)
+    o = torch.randn(700_000, generator=g)
+    p = o.double() * (1 + 1e-3 * torch.randn(700_000, generator=g, dtype=torch.float64))
+    S = p.abs() * 3 + 1e-3
+    for exact in (False, True):
+        got = [float(v) for v in metric.device_stats(o, p, S, exact, lam=0.25)]
+        want = [float(v) for v in metric.device_stats(o, p, p.abs() + 0.25 * S, exact)]
+        assert got == pytest.approx(want, rel=1e-12, abs=0)
