@@ -115,8 +115,18 @@ def gamma(k: float, u: float) -> float:
 
 
 # -- families ---------------------------------------------------------------------------------------
+_FAMILIES: dict = {}
+
+
 def family(name: str) -> str:
     """The error-model family of API ``name`` (module doc; docs/free_benchmark.md's table)."""
+    fam = _FAMILIES.get(name)
+    if fam is None:
+        fam = _FAMILIES[name] = _family(name)
+    return fam
+
+
+def _family(name: str) -> str:
     if name in MAGNITUDE_APIS:
         return "multilinear"
     if name in ARITHMETIC:
@@ -162,8 +172,12 @@ _PARAMS: dict = {}
 
 
 def _params(func, name: str) -> dict:
-    key = (name, getattr(func, "__qualname__", None), getattr(func, "__module__", None))
-    p = _PARAMS.get(key)
+    try:
+        key = (name, func)
+        p = _PARAMS.get(key)
+    except TypeError:     # an unhashable callable
+        key = (name, getattr(func, "__qualname__", None), getattr(func, "__module__", None))
+        p = _PARAMS.get(key)
     if p is None:
         try:
             p = parameters(func, name)
