@@ -186,8 +186,8 @@ class Judging:
                     out.append(torch.add(p, j.beta))
                 elif j.fam == "log_softmax":    # its outputs are <= 0
                     out.append(torch.rsub(p, j.beta))
-                else:   # beta: the underflow floor (two cheap kernels: hypot costs 4 adds)
-                    out.append(torch.abs(p).add_(j.beta))
+                else:   # beta is the underflow floor: hypot is |p| but below it (within sqrt 2)
+                    out.append(torch.hypot(p, _constant(j.beta, p)))
             elif j.source == "abs" and got is not None and got.get(i) is not None:
                 out.append(got[i] if not j.lam else torch.add(p.abs(), got[i], alpha=j.lam))
             elif j.source == "input":       # S = |x| of the first floating input (gelu)
