@@ -52,7 +52,7 @@ matmul __matmul__ __rmatmul__ mm bmm mv dot vdot inner einsum tensordot linear b
 addbmm baddbmm addr conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
 convolution sum nansum mean nanmean cumsum trace index_add index_add_ scatter_add scatter_add_
 index_put index_put_ put put_ embedding_bag bincount scatter_reduce scatter_reduce_ index_reduce
-index_reduce_ scatter scatter_ kron chain_matmul multi_dot
+index_reduce_ scatter scatter_ kron chain_matmul multi_dot _grouped_mm grouped_mm
 """.split())
 #: element-wise products: correctly rounded forward (``|p|``), and a backward that is a product of
 #: the upstream gradient with input values (the backward on absolute values is its magnitude)
@@ -118,11 +118,26 @@ def gamma(k: float, u: float) -> float:
 _FAMILIES: dict = {}
 
 
+#: in-place Python operators and their out-of-place forms (an in-place call re-run on a copy
+#: computes what the out-of-place one does)
+_INPLACE_DUNDERS = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__",
+                    "__itruediv__": "__truediv__", "__idiv__": "__div__", "__ipow__": "__pow__",
+                    "__imatmul__": "__matmul__"}
+
+
 def family(name: str) -> str:
-    """The error-model family of API ``name`` (module doc; docs/free_benchmark.md's table)."""
+    """The error-model family of API ``name`` (module doc; docs/free_benchmark.md's table); an
+    in-place form (``add_``, ``__iadd__``) has its out-of-place form's."""
     fam = _FAMILIES.get(name)
     if fam is None:
-        fam = _FAMILIES[name] = _family(name)
+        fam = _family(name)
+        if fam == "other":
+            base = _INPLACE_DUNDERS.get(name)
+            if base is None and name.endswith("_") and not name.endswith("__"):
+                base = name[:-1]
+            if base is not None:
+                fam = _family(base)
+        _FAMILIES[name] = fam
     return fam
 
 
@@ -289,7 +304,8 @@ def _generic_length(leaves: list, out: torch.Tensor) -> int:
 
 
 def _multilinear_length(name: str, a: Args, x: torch.Tensor, out: torch.Tensor) -> int:
-    if name in ("matmul", "__matmul__", "mm", "bmm", "mv", "dot", "vdot", "inner", "linear"):
+    if name in ("matmul", "__matmul__", "mm", "bmm", "mv", "dot", "vdot", "inner", "linear",
+                "_grouped_mm", "grouped_mm"):
         return x.shape[-1] if x.dim() else 1
     if name == "__rmatmul__":
         other = a.args[1] if len(a.args) > 1 else None

@@ -225,6 +225,10 @@ def test_reduction_lengths():
     assert scales.forward_length("exp", scales.Args(torch.exp, "exp", (s,), {}), [s], s) == 4
     assert scales.forward_length("floor", scales.Args(torch.floor, "floor", (s,), {}), [s],
                                  s) == 0
+    # an in-place form is judged as its out-of-place form (checked on a copy); the MoE experts'
+    # grouped GEMM is a matmul
+    assert [scales.family(n) for n in ("add_", "__iadd__", "relu_", "mul_", "_grouped_mm")] == \
+        ["additive", "additive", "elementwise", "arithmetic", "multilinear"]
 
 
 def test_scale_kinds():
