@@ -1,5 +1,5 @@
 # probekit: every target sets itself up on a fresh machine.
-#   make test   - create .venv, install torch (CPU build) + probekit[test], run the whole suite
+#   make test   - create .venv, install torch (CPU build) + probekit's test extra, run the whole suite
 #                 (the free benchmark's verdict tests again on the avx2 and default CPU kernels)
 #   make demo   - same set-up, then run the main job headless; outputs under demo_out/
 #   make bench  - also create .venv-msprobe (mindstudio-probe 1.0.4) and run the benchmarks
@@ -11,7 +11,7 @@ PYTHON ?= python3
 VENV ?= .venv
 MSPROBE_VENV ?= .venv-msprobe
 MINDSPORE_VENV ?= .venv-mindspore
-# the one tested; its wheel is built against numpy 1.x (hence numpy<2 in probekit[mindspore])
+# the one tested; its wheel is built against numpy 1.x (hence numpy<2 in probekit's mindspore extra)
 MINDSPORE ?= mindspore==2.10.0
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python

@@ -56,7 +56,7 @@ def run_graph(tasks: list, *, client=None, scheduler=None, progress=None, label=
             from distributed import Client
         except ImportError:
             raise ImportError("scheduler=: a dask.distributed cluster needs the distributed "
-                              "package: pip install 'probekit[distributed]'") from None
+                              "package: pip install distributed (probekit's 'distributed' extra)") from None
         try:
             client = Client(scheduler, timeout="10s", set_as_default=False)
         except (OSError, ValueError, TypeError) as exc:
