@@ -1,9 +1,10 @@
 """What a grad probe wrote, in one line: steps, parameters, bytes, where the store is.
 
 ``GradProbe.summary`` (PyTorch and MindSpore alike) is a ``ProbeSummary``: a dict of the numbers
-whose ``str()`` is the line ``stop()`` logs::
+whose ``str()`` is the line ``stop()`` logs (the store relative to the working folder when it is
+inside it)::
 
-    grad_probe: 3 steps x 4 params recorded, 19.6 KiB (20,051 bytes) in /run/grads.zarr/rank0
+    grad_probe: 3 steps x 4 params recorded, 19.6 KiB (20,051 bytes) in run/grads.zarr/rank0
 """
 from __future__ import annotations
 
@@ -33,7 +34,22 @@ class ProbeSummary(dict):
         return (f"grad_probe: {steps} step{'' if steps == 1 else 's'} x {params} "
                 f"param{'' if params == 1 else 's'} recorded, "
                 + (size if self["bytes"] < 1024 else f"{size} ({self['bytes']:,} bytes)")
-                + f" in {self['store']}" + (no_grad_text(self.get("no_grad"), params) if steps else ""))
+                + f" in {shown_location(self['store'])}"
+                + (no_grad_text(self.get("no_grad"), params) if steps else ""))
+
+
+def shown_location(store: str) -> str:
+    """``store`` as the line shows it: relative to the working folder when it lies inside it
+    (``run_a/grads.zarr/rank0``), else as it is (an absolute path, a URL)."""
+    import os
+
+    if "://" in store or not os.path.isabs(store):
+        return store
+    try:
+        rel = os.path.relpath(store)
+    except (ValueError, OSError):  # another drive; no working folder any more
+        return store
+    return store if rel.startswith(os.pardir) else rel
 
 
 def no_grad_text(no_grad, params: int) -> str:
