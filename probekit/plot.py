@@ -89,8 +89,9 @@ def short_name(name: str, width: int = 36) -> str:
 
 def legend_names(names, width: int = 36) -> list:
     """Readable, unique labels for ``names``: the dotted prefix they all share is dropped (with
-    two or more names), then each is shortened from the left (``short_name``); a label that would
-    then equal another's is lengthened until they differ (the full name at most).
+    two or more names; each keeps at least two parts, so ``blocks.2`` stays ``blocks.2``), then
+    each is shortened from the left (``short_name``); a label that would then equal another's is
+    lengthened until they differ (the full name at most).
 
     >>> legend_names(["distilbert.transformer.layer.0.attention.q_lin.weight",
     ...               "distilbert.transformer.layer.5.output_layer_norm.weight"])
@@ -100,7 +101,7 @@ def legend_names(names, width: int = 36) -> list:
     if len(names) > 1:
         parts = [n.split(".") for n in names]
         common = 0
-        while (all(len(p) > common + 1 for p in parts)
+        while (all(len(p) > common + 2 for p in parts)  # each keeps two parts: not a bare "2"
                and len({p[common] for p in parts}) == 1):
             common += 1
         stripped = [".".join(p[common:]) for p in parts]

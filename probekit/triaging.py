@@ -280,9 +280,12 @@ class TriageReport:
 
 
 def _wrap(text) -> str:
-    """``text`` escaped, with a line-break opportunity after each ``.``, ``_``, ``,`` and ``:``
-    (a dotted name wraps between its parts, never inside a word)."""
+    """``text`` escaped; a long one (over 20 characters) with a line-break opportunity after each
+    ``.``, ``_``, ``,`` and ``:`` (a dotted name wraps between its parts, never inside a word;
+    a short one never wraps)."""
     out = html.escape(str(text))
+    if len(str(text)) <= 20:
+        return out
     for ch in (".", "_", ",", ":"):
         out = out.replace(ch, ch + "<wbr>")
     return out

@@ -13,14 +13,16 @@ import sys
 import time
 
 from ..errors import GradCompareError
+from ..log import in_kernel
 
 
 class _Progress:
-    """Finished tasks / all, printed on stderr once the run is slower than ``delay`` seconds."""
+    """Finished tasks / all, printed on stderr once the run is slower than ``delay`` seconds
+    (stdout in a notebook kernel, where stderr is drawn as an error)."""
 
     def __init__(self, total: int, label: str, delay: float, stream=None) -> None:
         self.total, self.label, self.delay = total, label, delay
-        self.stream = stream or sys.stderr
+        self.stream = stream or (sys.stdout if in_kernel() else sys.stderr)
         self.done = 0
         self.t0 = self.last = time.monotonic()
         self.shown = False

@@ -219,6 +219,7 @@ def test_legend_names_drop_the_common_prefix_and_stay_unique():
                            "…5.output_layer_norm.weight"]
     assert plot.legend_names(["a.x.weight", "a.y.weight"]) == ["x.weight", "y.weight"]
     assert plot.legend_names(["h.0.w"]) == ["h.0.w"]  # one name: nothing to drop
+    assert plot.legend_names(["blocks.2", "blocks.0"]) == ["blocks.2", "blocks.0"]  # not "2"
 
 
 def test_similarity_legend_of_long_names_is_readable():
