@@ -33,6 +33,11 @@ from .summary import ProbeSummary, probe_summary
 
 log = get_logger(__name__)
 
+#: steps of optimizers owning none of the monitored parameters, with none of this probe's own,
+#: after which a WARNING says nothing is recorded (a GAN's discriminator may step a few times
+#: before the generator's first step: 10 leaves room for that)
+IGNORED_STEPS_WARNING = 10
+
 
 class GradProbe:
     """Record per-parameter gradient statistics (and sign bits) at every optimizer step.
@@ -94,6 +99,10 @@ class GradProbe:
         self._tap = None  # grad_point "backward": the statistics at the end of each backward
         self._tap_seconds = 0.0
         self._select_params()
+        # empty recordings are warned about (_warn_*): which parameters ever had a gradient at
+        # a recorded step, and the steps of optimizers owning none of them
+        self._had_grad = np.zeros(len(self._params), bool)
+        self._ignored_steps = 0
         if (self.config.grad_probe.grad_point == "backward" and scaler is not None
                 and self.config.grad_probe.grad_level == "L0"):
             raise ConfigError(
@@ -223,6 +232,11 @@ class GradProbe:
             self._owns(opt)
             self._handles.append(opt.register_step_pre_hook(self._pre_step))
             self._handles.append(opt.register_step_post_hook(self._post_step))
+        if optimizers and self._writer is not None and not self._owned:
+            log.warning("grad_probe: the optimizer given owns none of the %d monitored "
+                        "parameters (was it built over another model or a copy of this one?); "
+                        "the gradients are taken at its steps all the same",
+                        len(self.param_names))
         if not optimizers:
             self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
             self._handles.append(register_optimizer_step_post_hook(self._post_step))
@@ -268,12 +282,28 @@ class GradProbe:
                     self._scratch.close()  # the pool's threads end with the probe
         if handles and self._writer is not None:
             log.info("%s", self.summary)
+            if self.steps_seen == 0:
+                log.warning("%s", self._no_step_message())
+
+    def _no_step_message(self) -> str:
+        msg = ("grad_probe: no optimizer step over the monitored parameters was seen, so no "
+               "step is recorded. ")
+        if self._ignored_steps:
+            return msg + (f"{self._ignored_steps} step(s) of optimizers owning none of the "
+                          f"{len(self.param_names)} monitored parameters were ignored: the "
+                          "optimizer was built over other parameters (another model, or a copy "
+                          "of this one made after it); build it over this model's parameters "
+                          "or pass it to the probe")
+        return msg + ("Likely cause: optimizer.step() ran outside the probe (before start() or "
+                      "after stop(), or outside the `with` block)")
 
     @property
     def summary(self) -> ProbeSummary:
-        """Steps written (all of them after ``stop()``), parameters, bytes of this rank's store
-        and where it is; ``str()`` of it is the line ``stop()`` logs."""
-        return probe_summary(self._writer, len(self.param_names))
+        """Steps written (all of them after ``stop()``), parameters, bytes of this rank's store,
+        where it is and how many parameters never had a gradient at a recorded step
+        (``no_grad``); ``str()`` of it is the line ``stop()`` logs."""
+        return probe_summary(self._writer, len(self.param_names),
+                             no_grad=int((~self._had_grad).sum()))
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -349,6 +379,13 @@ class GradProbe:
             if self._once(("other-optimizer", id(optimizer))):
                 log.debug("grad_probe: ignoring an optimizer that does not own the model's "
                           "parameters")
+            self._ignored_steps += 1
+            if (self.steps_seen == 0 and self._ignored_steps == IGNORED_STEPS_WARNING
+                    and self._writer is not None):
+                log.warning("grad_probe: %d optimizer steps so far, none over the %d monitored "
+                            "parameters: nothing is recorded. Was the optimizer built over "
+                            "other parameters (another model, or a copy of this one)?",
+                            self._ignored_steps, len(self.param_names))
             return None
         if self._nested():
             return None
@@ -400,6 +437,8 @@ class GradProbe:
                     for g, p, pl in zip(part, self._params, self._placement)]
             if self._writer is None:  # a rank outside the rank filter: gathered, not recorded
                 return
+        if mine and all(grads[i] is None for i in mine) and self._once("no-grad-at-all"):
+            log.warning("%s", self._no_grad_message(mine))
         for i in sorted(mine):
             if grads[i] is None and self._params[i].requires_grad and self._once(
                     ("no-grad", i)):
@@ -440,6 +479,22 @@ class GradProbe:
             self._emit(cur, amend=True)
         # the step's hook time includes the statistics taken at the backward passes before it
         self.hook_seconds.append(time.perf_counter() - t0 + extra)
+
+    def _no_grad_message(self, idx) -> str:
+        """The warning for an optimizer step at which none of the parameters ``idx`` it takes has
+        a gradient (logged once): the likely cause, from the parameters' state."""
+        n = len(idx)
+        step = self.steps_seen if self._iter is None else self._iter["step"]
+        frozen = sum(not self._params[i].requires_grad for i in idx)
+        msg = (f"grad_probe: none of the {n} monitored parameters stepped by the optimizer has a "
+               f"gradient at step {step}; their statistics are empty (NaN). ")
+        if frozen == n:
+            return msg + ("They are all frozen (requires_grad=False): unfreeze them, or monitor "
+                          "the trainable ones (param_list)")
+        return msg + ("Likely cause: the backward pass did not reach them (the loss came from "
+                      "another model or a copy, ran under torch.no_grad, or backward() ran "
+                      "outside the probe's model), or the gradients were cleared "
+                      "(zero_grad) before optimizer.step()")
 
     def _statistics(self, part, bounds=None):
         """``stats.compute`` of this rank's gradients ``part``: the shards' significance scale
@@ -486,6 +541,7 @@ class GradProbe:
                                     section.bounds, section.hash, self._scratch,
                                     section.significance)]
         stats = parts[0] if len(parts) == 1 else _stats.merge(parts, self.layout)
+        self._had_grad |= np.asarray(stats.present, bool)
         if not amend:
             self._writer.append(step, stats)
         elif not self._writer.amend(step, stats) and self._once(("late", step)):

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
+from ..log import get_logger
 from . import msprobe
 from .assemble import assemble_runs, is_sharded
 from .storage import location
 from .store import GradStoreError, find_store, open_rank, store_ranks
+
+log = get_logger(__name__)
 
 
 def _is_dataset(obj) -> bool:
@@ -36,7 +41,25 @@ def load_runs(source, *, chunks=None, storage_options=None, shards: bool = False
         raise GradStoreError(f"grad run: {path!r} is not a folder")
     ranks, reader = _rank_reader(fs, path, chunks)
     runs = {r: reader(r) for r in ranks}
-    return runs if shards else assemble_runs(runs)
+    runs = runs if shards else assemble_runs(runs)
+    for ds in runs.values():
+        _count_no_grad(ds)
+    return runs
+
+
+def without_grad(ds) -> list[str]:
+    """The parameters of ``ds`` that have no gradient at any of its steps (none when it has no
+    step): frozen ones, ones the backward pass never reached."""
+    if "present" not in ds.data_vars or not ds.sizes.get("step", 0):
+        return []
+    had = np.asarray(ds["present"].any("step").values, bool)
+    return [str(name) for name, h in zip(ds["param"].values, had) if not h]
+
+
+def _count_no_grad(ds):
+    """Note in ``ds.attrs["no_grad"]`` how many parameters never had a gradient."""
+    ds.attrs["no_grad"] = len(without_grad(ds))
+    return ds
 
 
 def _rank_reader(fs, path: str, chunks):
@@ -63,8 +86,21 @@ def open_grads(path, rank=None, chunks=None, *, storage_options=None, shards: bo
     Variables: ``max``, ``min``, ``norm`` (step, param), ``present`` (step, param), ``hash``
     (L0), ``zeros`` and ``dist`` (step, param, interval) (L2), ``direction`` (step, byte) packed
     sign bits (L1/L2); coordinates ``step``, ``param``, ``numel``, ``shape``, ``offset``,
-    ``interval``.
+    ``interval``. The attribute ``no_grad`` counts the parameters that have no gradient at any
+    step (a WARNING says so when that is all of them: an empty recording).
     """
+    ds = _open(path, rank, chunks, storage_options, shards)
+    _count_no_grad(ds)
+    n, steps = ds.sizes.get("param", 0), ds.sizes.get("step", 0)
+    if steps and n and ds.attrs["no_grad"] == n:
+        log.warning("grad run %s: none of its %d parameters has a gradient at any of its %d "
+                    "steps: the recording is empty (frozen parameters, or a backward pass that "
+                    "did not reach them)", path if isinstance(path, str) else os.fspath(path),
+                    n, steps)
+    return ds
+
+
+def _open(path, rank, chunks, storage_options, shards):
     label = path if isinstance(path, str) else os.fspath(path)
     fs, where = location(path, storage_options)
     ranks, reader = _rank_reader(fs, where, chunks)

@@ -240,8 +240,9 @@ def location(path, storage_options: dict | None = None, *, for_writing: bool = F
                              f"local folder or an fsspec URL ({known}, ...)") from None
     except ImportError as exc:
         pkg = _PACKAGES.get(protocol, "the package fsspec names")
+        extra = "gcs" if pkg == "gcsfs" else "s3"
         raise GradStoreError(f"{path!r}: the {protocol}:// protocol needs {pkg}: pip install "
-                             f"'probekit[{'gcs' if pkg == 'gcsfs' else 's3'}]' ({exc})") from None
+                             f"{pkg} (probekit's {extra!r} extra) ({exc})") from None
     try:
         fs = cls(**dict(storage_options or {}))
     except TypeError as exc:

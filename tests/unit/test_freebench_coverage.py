@@ -68,6 +68,10 @@ def test_step_filter_excluding_everything(tmp_path, caplog):
         fb3.step()
         train_steps(fb3, steps=2)
     assert warnings_of(caplog) == [
+        "[probekit] Free benchmark: step() was called before any start(): step 0 ends with "
+        "nothing checked and the next block is step 1. step() ends a training step whose calls "
+        "ran between start() and stop() (or inside `with fb:`); the step filter [0, 1] leaves "
+        "steps [1] to check",  # issue 28: said at the first step() before any start()
         "[probekit] Free benchmark: the step filter [0, 1] selects no step after step 2; "
         "0 calls checked."]
 
