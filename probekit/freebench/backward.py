@@ -72,12 +72,16 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
         engine.note_skip("selection", key, name)
         return func(*call.args, **call.kwargs)
     mark = realgrad.marker()
-    if call.replay is not None:  # a random call: the re-runs in the backward pass replay this
-        call.replay.save()       # stream, so they draw the mask the forward call drew
-        engine.replayed += 1
+    if call.replay is not None:  # a random call (or one watched: rng.py): the re-runs in the
+        call.replay.save()       # backward pass replay this stream, the forward call's mask
     out = func(*call.args, **call.kwargs)
     try:
         with modes_off():
+            rerun = func if call.replay is None else call.replay.bind(func)
+            if rerun is None:    # it drew, and its draws cannot be replayed: skipped
+                return out
+            if rerun is func:    # it draws nothing
+                call.replay = None
             outs = handlers.float_outputs(out)
             if not outs:
                 engine.note_skip("no_float_output", key, name)
@@ -88,7 +92,6 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
                 engine.note_skip("no_grad", key, name)
                 return out
             sel = with_grad[0]
-            rerun = func if call.replay is None else call.replay.bind(func)
             check = _BackwardCheck(engine, call, key, n, name, rerun, leaves, spec, diff, sel[0],
                                    call_site(frame), engine.step)
             x = autocast.first_tensor(leaves)

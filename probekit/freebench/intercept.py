@@ -28,6 +28,7 @@ from .guards import modes_off, no_autocast, quiet
 from .judging import Judging
 from .metric import device_stats
 from .modes import MODES
+from . import names
 from .names import (PROPERTY, REASONS, Classifier, dynamic_skip, operator_key,
                     random_draw)
 from .preheat import Preheat
@@ -51,6 +52,10 @@ EXTRA_REASONS = {
 
 def _reason_text(reason: str) -> str:
     return REASONS.get(reason) or EXTRA_REASONS.get(reason) or reason
+
+
+class _Unfixable(Exception):
+    """fix: an observed call drew (its skip is already counted): the original call runs."""
 
 
 class _Mode(TorchFunctionMode):
@@ -134,6 +139,9 @@ class Engine(Judging):
         self.checked = 0
         self.flagged = 0
         self.replayed = 0         # random calls re-run on their saved random stream (rng.py)
+        #: call signature -> does it draw (``rng.signature``): False, True, or the ``rng.WHY``
+        #: key of a random call that cannot be replayed; learned at its first checked call
+        self.draws: dict = {}
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
@@ -352,15 +360,57 @@ class Engine(Judging):
                              self.preheat.total(key))
             elif not self.preheat.wanted(key):
                 return "preheat"
-        return leaves, spec, (None if draw is None else rng.plan(draw, leaves, self.mode_name))
+        if info.random is not None:   # a listed random API: its rule said whether it draws
+            return leaves, spec, (None if draw is None else rng.plan(
+                draw, leaves, self.mode_name, self._reporter(None, key, n, name)))
+        return leaves, spec, self._observed(info, key, n, name, leaves)
+
+    # -- random calls found by watching the generators (rng.py) --------------------------------
+    def _observed(self, info, key, n, name, leaves):
+        """For an API no rule lists: None when its signature is known not to draw, a
+        ``rng.Replay`` (a random call, or the first call of a signature: watched), or the
+        ``rng.WHY`` key of a random call that cannot be replayed."""
+        sig = rng.signature(key, leaves)
+        known = self.draws.get(sig)
+        if known is False:
+            return None
+        if isinstance(known, str):
+            return known
+        draw = names.Draw(info.name, rng.explicit_generator(leaves), detected=True)
+        report = self._reporter(sig, key, n, name)
+        if known is None:
+            return rng.observe(draw, leaves, self.mode_name, report)
+        if self.fix:
+            return "fix"
+        return rng.plan(draw, leaves, self.mode_name, report)
+
+    def _reporter(self, sig, key, n, name):
+        """``Replay.report`` of one call: what its generators showed (rng.py)."""
+        def report(outcome) -> None:
+            if sig is not None and (sig in self.draws or len(self.draws) < rng.MAX_SIGNATURES):
+                self.draws[sig] = outcome
+            if outcome is True:
+                self.replayed += 1
+            elif isinstance(outcome, str) and outcome != "draws":  # a re-run's draws: cancelled
+                self.coverage.skip((key, n), f"random: {rng.WHY[outcome]}")
+                self.note_skip("random", key, name, rng.why_text(outcome))
+        return report
 
     def _check_forward(self, call, key, n, name, func, leaves, spec, frame):
         if call.replay is not None:  # the generators' states the re-runs replay
             call.replay.save()
-            self.replayed += 1
         out = func(*call.args, **call.kwargs)
         if call.replay is not None:
-            func = call.replay.bind(func)
+            try:
+                with modes_off():
+                    func = call.replay.bind(func)
+            except Exception as exc:  # never reaches the training code
+                self.failed(key, name, exc)
+                return out
+            if func is None:        # it drew, and its draws cannot be replayed: skipped
+                return out
+            if not call.replay.drew:  # watched, and it drew nothing: a plain call
+                call.replay = None
         self.busy = True
         t0 = time.perf_counter() if self.budget is not None else 0.0
         try:
@@ -460,18 +510,25 @@ class Engine(Judging):
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):
             return self._skip("dtype_arg", key, name, func, call.args, call.kwargs)
+        replay = call.replay
         self.busy = True
         try:
             with modes_off():
                 probe = func
-                if call.replay is not None:   # the upcast call draws what the original would;
-                    call.replay.save()        # the dtype probe below must not draw at all
-                    probe = call.replay.bind(func)
-                    self.replayed += 1
+                if replay is not None:        # the upcast call draws what the original would;
+                    replay.save()             # the dtype probe below must not draw at all
+                    if replay.detect is None:
+                        probe = replay.bind(func)
                 pert = perturb.apply(self.mode_name, call, leaves, spec)
                 self.applied(key, name)
                 with no_autocast(True):
                     p_out = func(*pert.args, **pert.kwargs)
+                if replay is not None and replay.detect is not None:
+                    if replay.moved():  # a call nobody listed drew: not known to draw the
+                        replay.report("fix")  # same in every dtype: the original runs instead
+                        raise _Unfixable
+                    replay.report(False)
+                    replay = None
                 floats = [x for x in leaves if perturb.is_float(x)]
                 back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
                 # under autocast the caller sees the op's autocast dtype (bf16 linear...)
@@ -479,14 +536,16 @@ class Engine(Judging):
                 out = handlers.cast_back(p_out, pert.in_dtype, back, floats[0].device)
             self.checked += 1
             return out
+        except _Unfixable:
+            pass
         except perturb.Cancel as exc:
             self.cancelled(key, name, str(exc))
         except Exception as exc:
             self.failed(key, name, exc)
         finally:
             self.busy = False
-        if call.replay is not None and call.replay.before is not None:
-            call.replay.rewind()   # the original call draws what it would have drawn
+        if replay is not None and replay.before is not None:
+            replay.rewind()   # the original call draws what it would have drawn
         return func(*call.args, **call.kwargs)
 
     # -- optimizer steps (global hooks, removed on stop) ----------------------------------------

@@ -519,14 +519,18 @@ ARG_RULES = {
 
 # -- random calls ----------------------------------------------------------------------------------
 class Draw:
-    """A call that draws from a generator: its API name (what ``rng.py`` knows of its draws)
-    and the explicit ``generator=`` it draws from (None: the device's default generator)."""
+    """A call that draws from a generator: its API name (what ``rng.py`` knows of its draws),
+    the explicit ``generator=`` it draws from (None: the device's default generator), and
+    whether it was found by watching the generators rather than by a rule."""
 
-    __slots__ = ("name", "generator")
+    __slots__ = ("name", "generator", "detected")
 
-    def __init__(self, name: str, generator=None) -> None:
+    def __init__(self, name: str, generator=None, detected: bool = False) -> None:
         self.name = name
         self.generator = generator
+        #: found drawing by watching the generators (``rng.observe``), not by a rule: nothing
+        #: is known of its draws (``DTYPE_FREE``, ``VALUE_DRAWS``), its re-runs are verified
+        self.detected = detected
 
 
 def _draw(info, args, kwargs) -> Draw:

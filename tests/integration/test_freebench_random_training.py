@@ -44,10 +44,28 @@ class Encoder(nn.Module):
         return self.head(x)
 
 
+class RnnLM(nn.Module):
+    """A language model on a 2-layer LSTM or GRU with dropout between the layers: the masks are
+    drawn inside the one ``torch.lstm`` / ``torch.gru`` call (found by watching the generators,
+    rng.py), plus an ``F.dropout`` on the embeddings."""
+
+    def __init__(self, cell, d=32, vocab=40):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.rnn = (nn.LSTM if cell == "lstm" else nn.GRU)(d, d, num_layers=2, dropout=0.3,
+                                                            batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.rnn(F.dropout(self.emb(idx), 0.1, self.training))[0])
+
+
 def make(kind, dtype):
     torch.manual_seed(0)
     if kind == "encoder":
         model, vocab = Encoder(), 40
+    elif kind in ("lstm", "gru"):
+        model, vocab = RnnLM(kind), 40
     else:
         model, vocab = build("gpt2", torch.float32, layers=2, width=64), VOCAB
         assert model.config.attn_pdrop == model.config.resid_pdrop == 0.1   # the defaults
@@ -94,7 +112,9 @@ def baseline(kind, dtype, steps):
 RANDOM_SITES = {"encoder": ["Functional.multi_head_attention_forward.0", "Functional.dropout.0",
                             "Functional.dropout.5"],
                 "gpt2": ["Functional.dropout.0", "Functional.scaled_dot_product_attention.0",
-                         "Functional.dropout.4"]}
+                         "Functional.dropout.4"],
+                "lstm": ["Torch.lstm.0", "Functional.dropout.0"],
+                "gru": ["Torch.gru.0", "Functional.dropout.0"]}
 
 SETTINGS = [
     ("encoder", "fp32", dict(pert_mode="improve_precision")),
@@ -116,6 +136,16 @@ SETTINGS = [
     ("gpt2", "bf16", dict(pert_mode="improve_precision", fuzz_stage="backward")),
     ("gpt2", "autocast", dict(pert_mode="bit_noise")),
     ("gpt2", "fp32", dict(pert_mode="bit_noise", budget=0.1)),
+    # issue 26: the RNN masks drawn inside one call; these six changed the training before
+    ("lstm", "fp32", dict(pert_mode="improve_precision")),
+    ("lstm", "fp32", dict(pert_mode="improve_precision", fuzz_stage="backward")),
+    ("lstm", "fp32", dict(pert_mode="bit_noise")),
+    ("gru", "fp32", dict(pert_mode="improve_precision")),
+    ("gru", "fp32", dict(pert_mode="improve_precision", fuzz_stage="backward")),
+    ("gru", "fp32", dict(pert_mode="bit_noise")),
+    ("lstm", "bf16", dict(pert_mode="bit_noise", fuzz_stage="backward")),
+    ("lstm", "autocast", dict(pert_mode="improve_precision")),
+    ("gru", "bf16", dict(pert_mode="improve_precision")),
 ]
 
 
