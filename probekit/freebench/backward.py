@@ -77,10 +77,11 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
     out = func(*call.args, **call.kwargs)
     try:
         with modes_off():
-            rerun = func if call.replay is None else call.replay.bind(func)
+            base = call.rerun or func   # an in-place call: re-run out of place (state.py)
+            rerun = base if call.replay is None else call.replay.bind(base)
             if rerun is None:    # it drew, and its draws cannot be replayed: skipped
                 return out
-            if rerun is func:    # it draws nothing
+            if rerun is base:    # it draws nothing
                 call.replay = None
             outs = handlers.float_outputs(out)
             if not outs:
@@ -99,6 +100,7 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
             check.module = engine.current_module()  # the module running at the forward call
             check.out_dtype = sel[1].dtype
             check.n_outs = len(outs)
+            engine.watching.append(check)   # counted as no_gradient if it never runs
             # the real input gradients only when no other output carries gradients into them
             edges = realgrad.plan(sel[1], leaves, diff, mark) if len(with_grad) == 1 else None
             if edges is None:
@@ -318,9 +320,10 @@ class _BackwardCheck:
     def _check(self, grad, real):
         e = self.engine
         leaves = self.leaves
-        if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)):
+        snap = self.call.snap  # what the call overwrites (in place, running statistics): clones
+        if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)
+               if not (snap and i in snap)):   # (an overwritten input comes from its clone)
             raise perturb.Cancel("an input was modified in place before the backward pass")
-        snap = self.call.snap  # state the call writes (running statistics...): fresh clones
         g = grad.detach()
         dev, ac_dtype = self.autocast or (None, None)
         same_autocast = torch.autocast(dev, dtype=ac_dtype) if ac_dtype is not None \

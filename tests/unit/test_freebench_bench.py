@@ -263,10 +263,11 @@ def test_summary_and_repr(tmp_path):
     with fb:
         cancellation()
     fb.step()
-    assert fb.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1}
+    assert fb.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1,
+                          "float_calls": 1, "checked_share": 1.0, "float_skipped": {}}
     assert repr(fb) == ("FreeBench(pert_mode='bit_noise', handler_type='check', fuzz_stage="
-                        "'forward', stopped; 1 call seen · 1 checked · 0 skipped · 1 flagged · "
-                        "1 step)")
+                        "'forward', stopped; 1 call seen · 1 checked (100 % of 1 floating-point "
+                        "call) · 0 skipped · 1 flagged · 1 step)")
     html = fb._repr_html_()          # the same findings view as the notebook's, one row
     assert "⚠ 1 finding in 1 API call" in html and html.count("<tr class=") == 1
 
