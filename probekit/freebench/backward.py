@@ -37,16 +37,20 @@ import time
 import torch
 
 from . import autocast, blocks, cause, handlers, perturb, realgrad, scales, state
+from .deferred import combine
 from .guards import modes_off, no_autocast
 from .metric import device_stats
 from .names import call_site
 
 
-def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None) -> tuple:
+def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None, verdicts=None,
+               whole: bool = True) -> tuple:
     """``metric.device_stats`` of a reference gradient (or a block of it) and the perturbed one:
     the deviation relative to the gradient tensor's own scale (``max|gr|``; blocks combine to the
     whole tensor's), or to ``scale`` element by element (an accumulating API's gradient in the
     accuracy modes: the same gradient computed on absolute values, ``sum |g||b|``)."""
+    if verdicts is not None:   # never left inconclusive (deferred.py)
+        return verdicts.stats(gr.detach(), gq.detach(), scale, exact, whole)
     return device_stats(gr.detach(), gq.detach(), scale, exact)
 
 
@@ -264,7 +268,8 @@ class _BackwardCheck:
                     continue
                 if e.mode.swap_back and i in replaced and gq.dim() >= 1:
                     gq = perturb.swap_last(gq)
-                values.append(grad_stats(gr, gq, exact, None if mags is None else mags[k]))
+                values.append(grad_stats(gr, gq, exact, None if mags is None else mags[k],
+                                         e.verdicts))
                 originals.append((i, gr))
                 del gq
         return values, originals, in_dtype
@@ -292,7 +297,7 @@ class _BackwardCheck:
                         continue
                     if i in sliced:
                         parts[i].append(grad_stats(gr.narrow(sliced[i], start, length), gq,
-                                                   exact, mag))
+                                                   exact, mag, self.engine.verdicts, False))
                     elif i in acc:
                         acc[i].add_(gq)
                         if mag is not None:
@@ -309,9 +314,10 @@ class _BackwardCheck:
                 if gr is None:
                     continue
                 if i in sliced and parts[i]:
-                    values.append(blocks.combine(parts[i]))
+                    values.append(combine(parts[i]))
                 elif i in acc:
-                    values.append(grad_stats(gr, acc.pop(i), exact, acc_mag.pop(i, None)))
+                    values.append(grad_stats(gr, acc.pop(i), exact, acc_mag.pop(i, None),
+                                             self.engine.verdicts))
                 else:
                     continue
                 originals.append((i, gr))

@@ -23,10 +23,9 @@ from ..log import Once, get_logger
 from . import autocast, blocks, cause, handlers, perturb, rng, scales, state
 from .backward import watch
 from .budget import Budget, Coverage
-from .deferred import Verdicts
+from .deferred import Verdicts, combine
 from .guards import modes_off, no_autocast, quiet
 from .judging import Judging
-from .metric import device_stats
 from .modes import MODES
 from . import names
 from .names import (PROPERTY, REASONS, Classifier, dynamic_skip, operator_key,
@@ -253,6 +252,8 @@ class Engine(Judging):
             out["pending"] = pending
         if self.verdicts.inconclusive:
             out["inconclusive"] = self.verdicts.inconclusive
+        if self.verdicts.unresolved:
+            out["unresolved"] = self.verdicts.unresolved
         if self.budget is not None:
             out["coverage"] = self.coverage.share()
             out["budget_limit"] = self.budget.limit
@@ -363,6 +364,9 @@ class Engine(Judging):
             try:
                 with modes_off():
                     call.snap = state.snapshot(leaves, writes.indices, writes.fresh)
+                    if self.verdicts.held:   # checks of the overwritten tensor: its clone
+                        for i, clone in call.snap.items():
+                            self.verdicts.rebind(leaves[i], clone)
             except Exception as exc:
                 self.failed(key, name, exc)
                 return func(*args, **kwargs)
@@ -570,7 +574,8 @@ class Engine(Judging):
             p = func(*pert.args, **pert.kwargs)
             (_, p), = handlers.float_outputs(p)
             (sc,) = self._scales(kind, func, pert.new, spec, [(i, p)], outs)
-            parts.append(device_stats(plan.output(o, start, length), p, sc, exact))
+            parts.append(self.verdicts.stats(plan.output(o, start, length), p, sc, exact,
+                                             whole=False))
             del pert, p, sc  # free this block's re-run before the next one
         self.applied(key, name)
 
@@ -578,7 +583,7 @@ class Engine(Judging):
             return cause.analyse(func, lambda: leaves, spec, items, blocks=plan)
 
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
-                   values=[blocks.combine(parts)], exact=exact, explain=explain, kinds=[kind])
+                   values=[combine(parts)], exact=exact, explain=explain, kinds=[kind])
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):
