@@ -36,7 +36,6 @@ goes through; ``summary["inconclusive"]`` counts them):
 from __future__ import annotations
 
 import ctypes
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -50,20 +49,22 @@ log = get_logger("probekit.freebench")
 #: bytes of re-run outputs and scales an accelerator's fast checks may hold until the gather
 HOLD_BYTES = 256 << 20
 
-#: dtype -> (bytes, exponent mask): a value is finite unless its exponent bits are all set
-_EXPONENT = {torch.float32: (4, 0x7F800000), torch.float64: (8, 0x7FF0000000000000),
-             torch.float16: (2, 0x7C00), torch.bfloat16: (2, 0x7F80)}
+#: dtype -> (unsigned integer of its width, exponent mask): a value is finite unless its
+#: exponent bits are all set
+_EXPONENT = {torch.float32: (ctypes.c_uint32, 0x7F800000),
+             torch.float64: (ctypes.c_uint64, 0x7FF0000000000000),
+             torch.float16: (ctypes.c_uint16, 0x7C00), torch.bfloat16: (ctypes.c_uint16, 0x7F80)}
 
 
 def _finite(values) -> bool:
-    """Are these 0-dim CPU tensors all finite? Read by their bits (``.item()`` and ``.tolist()``
-    dispatch ATen operators: the per-check count is pinned)."""
+    """Are these 0-dim CPU tensors all finite? Read by their bits in place (``.item()`` and
+    ``.tolist()`` dispatch ATen operators, and the per-check count is pinned)."""
     for v in values:
-        size, mask = _EXPONENT.get(v.dtype, (0, 0))
-        if not size:
+        kind = _EXPONENT.get(v.dtype)
+        if kind is None:
             return bool(torch.isfinite(v))
-        bits = int.from_bytes(ctypes.string_at(v.data_ptr(), size), sys.byteorder)
-        if bits & mask == mask:
+        uint, mask = kind
+        if uint.from_address(v.data_ptr()).value & mask == mask:
             return False
     return True
 

@@ -142,9 +142,9 @@ def snapshot(leaves: list, indices: tuple, fresh: bool = True) -> Snapshot:
     history)."""
     snap = Snapshot()
     snap.fresh = fresh
-    with torch.no_grad():
+    with torch.no_grad():   # (a clone made under no_grad has no history: no detach needed)
         for i in indices:
-            snap[i] = leaves[i].detach().clone()
+            snap[i] = leaves[i].clone()
     return snap
 
 
