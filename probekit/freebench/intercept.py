@@ -379,6 +379,8 @@ class Engine(Judging):
         out-of-place form, ``call.rerun``, with ``call.info`` that form's), None when it writes
         nothing, or the reason it is skipped (fix; an in-place call without an out-of-place form
         in the backward stage)."""
+        if not names.written(call.info, call.args, call.kwargs):   # F.relu(inplace=False)...
+            return None
         try:
             with modes_off():
                 w = state.plan(call.info, func, call.args, call.kwargs, leaves)
@@ -462,6 +464,8 @@ class Engine(Judging):
         """``Replay.report`` of one call: what its generators showed (rng.py)."""
         def report(outcome) -> None:
             if sig is not None and (sig in self.draws or len(self.draws) < rng.MAX_SIGNATURES):
+                if outcome is False and self.draws.get(sig) is True:
+                    self.replayed -= 1   # its re-run drew nothing: not a random call after all
                 self.draws[sig] = outcome
             if outcome is True:
                 self.replayed += 1

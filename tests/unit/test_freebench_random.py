@@ -583,3 +583,34 @@ def test_cuda_lstm_dropout_is_found_and_replayed(tmp_path):
     ref = m(x)[0]
     assert torch.equal(out, ref) and torch.equal(state, torch.cuda.get_rng_state())
     assert fb.results.empty and fb.summary["replayed"] == 1
+
+
+def test_generator_moved_by_someone_else_is_not_taken_for_a_draw(tmp_path):
+    """The generators moved across a call's first run for another reason than the call (here
+    a function mode the user entered before the probe draws whenever tanh runs, as another
+    thread could): the verified re-run draws nothing, so the call is learned as a plain one and
+    its check stands; the user's draws happen as without the probe."""
+    from torch.overrides import TorchFunctionMode
+
+    class Drawing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "tanh":
+                torch.rand(1)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 8, generator=gen())
+
+    def run(probe):
+        torch.manual_seed(2)
+        with Drawing():
+            with probe if probe is not None else torch.no_grad():
+                out = [torch.tanh(x), torch.tanh(x)]
+        return out, torch.get_rng_state()
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change", list=["tanh"])
+    got, ref = run(fb), run(None)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], ref[0]))
+    assert torch.equal(got[1], ref[1])
+    s = fb.summary
+    assert s["checked"] == 2 and fb.results.empty and "cancelled" not in s["skipped"], s
+    assert list(fb._engine.draws.values()) == [False] and "replayed" not in s
