@@ -162,7 +162,7 @@ class Engine(Judging):
         self.once = Once()        # per run: perturbation applied / skip and cancel reasons, per API
         self.once_step = Once()   # per step: preheat sampling lines
         self.summary_every = SUMMARY_EVERY
-        self._logged = (0, 0, 0)  # (step, checked, flagged) at the last summary line
+        self._logged = (0, 0, 0, 0)  # (step, checked, flagged, float calls) at the last line
         # summary counters
         self.calls = 0
         self.checked = 0
@@ -225,13 +225,19 @@ class Engine(Judging):
                      self.preheat.at_risk() or "none", 0.5, self.preheat.low_risk() or "none")
 
     def log_summary(self) -> None:
-        """One INFO line: what the last steps checked and found (every ``summary_every`` steps)."""
-        step0, checked0, flagged0 = self._logged
-        self._logged = (self.step, self.checked, self.flagged)
+        """One INFO line: what the last steps checked (and what share of their floating-point
+        calls) and found (every ``summary_every`` steps)."""
+        step0, checked0, flagged0, float0 = self._logged
+        cov = self.coverage
+        self._logged = (self.step, self.checked, self.flagged, cov.float_calls)
         if log.isEnabledFor(logging.INFO):
-            log.info("Free benchmark: steps %d-%d: %d call(s) checked, %d finding(s); %d step(s), "
-                     "%d finding(s) in all", step0, self.step - 1, self.checked - checked0,
-                     self.flagged - flagged0, self.step, self.flagged)
+            n = cov.float_calls - float0
+            share = f" ({100 * min(1.0, (self.checked - checked0) / n):.0f} % of {n} " \
+                    f"floating-point call(s))" if n else ""
+            log.info("Free benchmark: steps %d-%d: %d call(s) checked%s, %d finding(s); %d "
+                     "step(s), %d finding(s) in all", step0, self.step - 1,
+                     self.checked - checked0, share, self.flagged - flagged0, self.step,
+                     self.flagged)
 
     def summary(self) -> dict:
         skipped = dict(self.skipped)
