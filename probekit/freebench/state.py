@@ -100,9 +100,9 @@ def out_of_place(info, func, args: tuple, kwargs: dict):
     """The callable that computes what an in-place / ``inplace=True`` / ``out=`` call writes,
     without writing: the API's out-of-place form, or None when it has none."""
     if kwargs.get("out") is not None:
-        def without_out(*a, **kw):
-            kw.pop("out", None)
-            return func(*a, **kw)
+        def without_out(*a, **kw):   # the result in the dtype the out= tensor has
+            out = kw.pop("out", None)
+            return _as_dtype(func(*a, **kw), out)
         return without_out
     if info.inplace:
         return _sibling(info, func)
@@ -120,7 +120,8 @@ def out_of_place(info, func, args: tuple, kwargs: dict):
 
 def _sibling(info, func):
     """``Tensor.add`` for ``Tensor.add_``, ``torch.relu`` for ``torch.relu_``, ``Tensor.add``
-    for ``x += y``...; cached on the ``ApiInfo``."""
+    for ``x += y``..., its result in the dtype of its first argument (an in-place call keeps
+    ``self``'s dtype: ``x_bf16.add_(y_fp32)`` is bf16); cached on the ``ApiInfo``."""
     if info.outplace is None:
         name = info.name
         base = f"__{name[3:]}" if name.startswith("__i") else name[:-1]
@@ -133,8 +134,25 @@ def _sibling(info, func):
             if callable(cand):
                 found = cand
                 break
-        info.outplace = found if found is not None else False
+        if found is None:
+            info.outplace = False
+        else:
+            def out_of_place(*a, **kw):
+                return _as_dtype(found(*a, **kw), a[0] if a else None)
+            out_of_place.__name__ = base   # classified as the out-of-place API
+            out_of_place.__qualname__ = getattr(found, "__qualname__", base)
+            out_of_place.__module__ = getattr(found, "__module__", None)
+            out_of_place.__wrapped__ = found
+            info.outplace = out_of_place
     return info.outplace or None
+
+
+def _as_dtype(result, like):
+    """``result`` cast to ``like``'s dtype where they differ (a floating tensor result)."""
+    if isinstance(result, torch.Tensor) and isinstance(like, torch.Tensor) and \
+            result.dtype != like.dtype and result.is_floating_point():
+        return result.to(like.dtype)
+    return result
 
 
 def snapshot(leaves: list, indices: tuple, fresh: bool = True) -> Snapshot:

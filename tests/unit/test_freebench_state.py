@@ -287,6 +287,27 @@ def test_out_calls_are_checked(tmp_path, mode):
     assert fb.summary["checked"] == 2 and fb.results.empty, fb.summary
 
 
+@pytest.mark.parametrize("mode", ["no_change", "bit_noise", "improve_precision"])
+def test_inplace_and_out_keep_the_dtype_they_write(tmp_path, mode):
+    """``x_bf16.add_(y_fp32)`` is bf16 and ``torch.mul(a, b, out=c_fp16)`` fp16, where their
+    out-of-place forms are fp32: the re-run's result is cast to the dtype the call writes, so
+    no_change sees no difference."""
+    def fn(probe):
+        g = gen()
+        x = torch.randn(8, 8, generator=g).to(torch.bfloat16)
+        y = torch.randn(8, 8, generator=g)
+        c = torch.empty(8, 8, dtype=fp16)
+        with probe if probe is not None else torch.no_grad():
+            x.add_(y)
+            torch.mul(y, 3.0, out=c)
+        return x, c
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode=mode)
+    got, ref = fn(fb), fn(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert fb.summary["checked"] == 2 and fb.results.empty, fb.results
+
+
 def test_inplace_fp16_overflow_is_found(tmp_path):
     """A planted defect inside an in-place call: fp16 activations near 20000 multiplied by 4 in
     place overflow to inf; the float32 re-run (out of place, on the clone of the input) keeps
