@@ -6,8 +6,10 @@ Inside ``__torch_function__`` torch has already popped the mode, so the calls an
 internally (``F.layer_norm`` -> ``torch.layer_norm``) and probekit's own re-runs are not seen;
 ``busy`` guards the paths where the mode may still be active (gradient hooks). How a compared
 call becomes a verdict, a row and a cause is ``judging.py`` (the engine's ``Judging`` part).
-About 430 lines: the mode, the engine's state and filters, and the one path of a checked call
-(decide, re-run, compare, fix) stay together.
+About 650 lines: the mode, the engine's state and filters, and the one path of a checked call
+(decide, watch the generators, snapshot what it overwrites, re-run, compare, fix) stay
+together; what a random call's generators showed is ``rng.py``'s, what a call writes
+``state.py``'s, the coverage ``budget.py``'s.
 """
 from __future__ import annotations
 
