@@ -11,8 +11,11 @@
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import time
+import weakref
 
 import torch
 
@@ -66,6 +69,10 @@ class FreeBench:
         self._step_start = coverage.counters(self._engine)
         self._block_start = None
         self._started = False  # start() was called (step() before it is warned about)
+        # verdicts still pending when the process exits (a run that never called stop()) are
+        # read back and written then; a weak reference: the hook does not keep this alive
+        self._exit_hook = functools.partial(_gather_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -215,6 +222,7 @@ class FreeBench:
             self.stop()
         finally:
             self._closed = True
+            atexit.unregister(self._exit_hook)
 
     def __enter__(self) -> "FreeBench":
         self.start()
@@ -304,6 +312,18 @@ def _step_before_start(config: Config, step: int) -> str:
     elif config.step:
         msg += f"; the step filter {list(config.step)} leaves steps {left} to check"
     return msg
+
+
+def _gather_at_exit(ref) -> None:
+    """At process exit: the pending verdicts of a FreeBench that is still around are read back
+    and their findings written (never raises)."""
+    fb = ref()
+    if fb is None or fb._closed:
+        return
+    try:
+        fb._gather()
+    except Exception:
+        pass
 
 
 def open_session(config: Config) -> FreeBench:

@@ -183,8 +183,10 @@ def test_summary_of_the_free_benchmark(tmp_path):
     a + b  # cancellation: bit_noise flags it
     d.stop()
     d.step()
-    assert d.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1}
-    assert str(d.summary) == "1 call seen · 1 checked · 0 skipped · 1 flagged · 1 step"
+    assert d.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1,
+                         "float_calls": 1, "checked_share": 1.0, "float_skipped": {}}
+    assert str(d.summary) == ("1 call seen · 1 checked (100 % of 1 floating-point call) · "
+                              "0 skipped · 1 flagged · 1 step")
     assert str(d.summary) in repr(d._session)  # the findings view's own line, not a second one
     d.close()
 
