@@ -322,3 +322,48 @@ def step_rows(steps: np.ndarray, first: int, last: int) -> tuple[int, int]:
     steps = np.asarray(steps)
     return (int(np.searchsorted(steps, first, side="left")),
             int(np.searchsorted(steps, last, side="right")))
+
+
+def plan_run(dump_path, *, start=None, inferred=None, why: str = "",
+             overwrite: bool = False, scope: str = "job", rank: int | None = None,
+             storage_options=None) -> dict:
+    """The record of a new run into ``dump_path``'s store (``GradWriter.begin``): its first
+    step and from which step it supersedes what earlier runs recorded.
+
+    The first step: ``start`` (the user's ``start_step``) if given, else ``inferred`` (the
+    training's own step count, ``why`` says whence: an optimizer's state after a checkpoint was
+    loaded), else the step after the newest one the store holds (a run that cannot know its
+    step continues the store rather than replacing it), else 0. A run that would supersede every
+    step the store holds (it starts at or before the first one) needs ``overwrite=True``:
+    otherwise ``GradStoreError`` names the choices. ``scope="rank"``: a process recording
+    alone (no job to agree with): only ``rank``'s steps count and are superseded."""
+    import time
+    import uuid
+
+    fs, root = location(dump_path, storage_options)
+    try:
+        segs = segments(root, fs=fs)
+    except GradStoreError:
+        segs = []  # no store there yet
+    segs = [s for s in segs if s.last_step >= s.first_step]
+    who = rank if scope == "rank" else None
+    first, last = first_live_step(segs, who), last_live_step(segs, who)
+    if start is not None:
+        begin, how = int(start), "start_step"
+    elif inferred is not None:
+        begin, how = int(inferred), why or "the training's step count"
+    elif last is not None and not overwrite:
+        begin, how = int(last) + 1, "the step after the newest one recorded: the optimizer " \
+                                    "keeps no step count; pass start_step= when resuming"
+    else:
+        begin, how = 0, "a new recording"
+    url = fs.url(fs.join(root, STORE_NAME))
+    if not overwrite and first is not None and begin <= first:
+        raise GradStoreError(
+            f"grad_probe: {url} already holds steps {first}..{last}, and this run starts at step "
+            f"{begin} ({how}), so it would replace every one of them. Pass overwrite=True to "
+            "replace the recording, start_step=N to continue it from step N (the step your "
+            "checkpoint resumes at), or record into another dump_path")
+    return {"run": uuid.uuid4().hex, "time": time.time(), "start": begin,
+            "from": None if overwrite else begin, "scope": scope, "how": how,
+            "held": None if first is None else [int(first), int(last)]}

@@ -476,6 +476,10 @@ class GradWriter:
         finally:
             LIVE.remove(self)
 
+    def reopen(self) -> None:
+        """Record again after ``close()`` (a probe started again): the same run goes on."""
+        LIVE.add(self)
+
     # -- the writing side (under _io) ------------------------------------------------------
     def _drain(self) -> None:
         """Write what was handed over, in order (``LIVE``'s thread, or inline)."""
