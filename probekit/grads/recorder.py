@@ -28,7 +28,7 @@ from .names import canonical_names
 from .placement import (amax_reducer, ddp_first_rank, dtensor_placement, first_replica,
                         is_dtensor, local_grad)
 from .rawgrads import BackwardTap
-from .segments import plan_run
+from .restarts import plan_run
 from .store import GradWriter, layout_key
 from .summary import ProbeSummary, probe_summary
 
@@ -70,7 +70,7 @@ class GradProbe:
     recorded (steps a killed run wrote beyond the checkpoint it resumed from). A run that
     would replace every recorded step needs ``overwrite=True``. A changed world size or
     sharding records into a new layout folder of the same store; the readers join them
-    (``segments.py``). ``durable=True``: every commit flushed to the disk (survives a power
+    (``restarts.py``). ``durable=True``: every commit flushed to the disk (survives a power
     loss; without it, the death of the process).
 
     Parameters are stored under their names without the prefixes of ``torch.compile``, DDP,
@@ -164,7 +164,7 @@ class GradProbe:
 
     def _describe(self, named) -> dict:
         """What every rank of the run records, computed alike on each (the layout key of
-        ``segments.py``): the options that shape the store and every monitored parameter's
+        ``restarts.py``): the options that shape the store and every monitored parameter's
         global shape and placement, not this rank's shards."""
         section = self.config.grad_probe
         params = []

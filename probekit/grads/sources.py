@@ -4,7 +4,7 @@ A path may be a probekit dump folder (holding ``grads.zarr``), the ``grads.zarr`
 an fsspec URL of either (``storage.py``), or an msprobe grad dump folder
 (``rank{r}/grad_summary_{step}.csv`` + ``step{s}/*.npy``).
 
-A probekit store is read segment by segment (``segments.py``: the step ranges each layout's
+A probekit store is read segment by segment (``restarts.py``: the step ranges each layout's
 rank groups hold after restarts): each segment's groups over its steps, a sharded segment's
 shards assembled (``assemble.py``), and the segments of each rank joined along ``step``.
 """
@@ -16,7 +16,7 @@ import os
 from . import msprobe
 from .assemble import assemble_runs
 from .chunks import JoinedBits, bit_reader, bits_variable
-from .segments import Segment, segments
+from .restarts import Segment, segments
 from .storage import location
 from .store import GradStoreError, open_group
 
@@ -34,7 +34,7 @@ def load_runs(source, *, chunks=None, storage_options=None, shards: bool = False
     comes back assembled: one Dataset of full parameters, under the lowest rank that recorded a
     shard (``assemble.py``); ``shards=True`` gives each rank's shards as recorded instead. A
     store restarted with another layout (an elastic restart at another world size) is read
-    segment by segment and joined along ``step`` (``segments.py``)."""
+    segment by segment and joined along ``step`` (``restarts.py``)."""
     if _is_dataset(source):
         return {int(source.attrs.get("rank", 0)): source}
     if isinstance(source, dict):
@@ -51,7 +51,7 @@ def load_runs(source, *, chunks=None, storage_options=None, shards: bool = False
 
 
 def read_segments(segs: list, fs, *, chunks=None, shards: bool = False) -> dict:
-    """{rank: Dataset} of the segments ``segs`` (``segments.segments``): each segment's groups
+    """{rank: Dataset} of the segments ``segs`` (``restarts.segments``): each segment's groups
     over its steps (sharded ones assembled unless ``shards``), each rank's segments joined."""
     parts: dict = {}
     for seg in segs:
@@ -121,7 +121,7 @@ def open_grads(path, rank=None, chunks=None, *, storage_options=None, shards: bo
     A sharded run (FSDP2, tensor parallel) is assembled: full-parameter statistics and sign
     bits, as a single process would have recorded them, over the steps every rank holding a
     shard committed; ``shards=True`` opens one rank's shards as recorded. A restarted run is
-    read over all its segments (``segments.py``); ``segment=i`` reads only the i-th of
+    read over all its segments (``restarts.py``); ``segment=i`` reads only the i-th of
     ``probekit.grads.segments(path)``.
 
     Variables: ``max``, ``min``, ``norm`` (step, param), ``present`` (step, param), ``hash``

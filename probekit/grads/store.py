@@ -15,7 +15,7 @@ Layout of a rank group (every array carries Zarr v3 ``dimension_names``)::
 
 A restarted run continues the store: the rank groups of a later layout (another world size)
 live in ``grads.zarr/layout-{key}/``, and ``commit.json`` lists the runs that wrote a group
-(``segments.py``: the format over restarts and the rule for steps a resumed run records again).
+(``restarts.py``: the format over restarts and the rule for steps a resumed run records again).
 
 Writing (``GradWriter``): the training thread hands each step's statistics over and goes on; one
 background thread per process (``live.py``) writes them, a bounded queue between (a step waits
@@ -55,7 +55,7 @@ from ..log import get_logger
 from .chunks import (RawChunks, bits_meta, bits_variable, check_rows, plain_meta, read_plain,
                      set_rows, write_bits_chunk, write_plain_chunk)
 from .live import LIVE, flush_live
-from .segments import (COMMIT, LAYOUT_PREFIX, STORE_NAME, find_store, group_ranks,
+from .restarts import (COMMIT, LAYOUT_PREFIX, STORE_NAME, find_store, group_ranks,
                        layout_folder, layout_folders, read_commit, runs_of, step_bounds,
                        step_rows)
 from .stats import HASH_NBYTES, Layout, StepStats, interval_labels
@@ -170,7 +170,7 @@ class GradWriter:
 
     ``append``/``amend``/``flush``/``close`` are the training thread's side; the rows are
     written by ``live.LIVE``'s thread (``_drain``), or by the caller where that thread cannot
-    run. ``begin(run)`` (before the first step) says which run this is (``segments.py``); a
+    run. ``begin(run)`` (before the first step) says which run this is (``restarts.py``); a
     writer that is not told records a run of its own, from its first step, for its rank."""
 
     def __init__(self, dump_path: str, rank: int, layout: Layout, level: str, bounds,
@@ -211,6 +211,7 @@ class GradWriter:
         self.url = fs.url(self.path)
         # the training thread's side
         self._lock = threading.Lock()
+        self._lock_owner = None  # the thread in ``append`` (which may wait for the queue)
         self._newest = None  # (step, stats, nbytes): the newest step, which may be amended
         self._oldest = None  # when the oldest step not yet asked to be committed arrived
         self._handed = 0  # steps handed over since the last commit asked for
@@ -375,7 +376,7 @@ class GradWriter:
     def begin(self, run: dict) -> None:
         """Which run this writer records (before its first step): ``{"run": id, "time": t,
         "start": first step, "from": supersede from (None: everything), "scope": "job" or
-        "rank"}`` (``segments.py``)."""
+        "rank"}`` (``restarts.py``)."""
         with self._lock:
             if self._run is not None:
                 raise RuntimeError("GradWriter.begin: the run is already set")
@@ -387,25 +388,32 @@ class GradWriter:
         the oldest waited ``flush_seconds``). Waits while the process's write queue is full."""
         self.raise_error()
         with self._lock:
-            now = time.monotonic()
-            if self._run is None:
-                self._run = {"run": uuid.uuid4().hex, "time": time.time(), "start": int(step),
-                             "from": None if self.overwrite else int(step), "scope": "rank"}
-            prev, self._newest = self._newest, (int(step), stats, _stats_nbytes(stats))
-            if self._oldest is None:
-                self._oldest = now
-            due = now - self._oldest >= self.flush_seconds
-            if prev is not None:
-                LIVE.put(self, ("row", prev), prev[2])
-                self._handed += 1
-            if due:
-                self._hand_all()
-            elif self._handed >= self.block:
-                LIVE.put(self, ("commit", None), 0)
-                self._handed = 0
-                self._oldest = now
-            elif prev is None:
-                LIVE.wake()  # the timer: a step now waits
+            self._lock_owner = threading.get_ident()  # a signal handler on this thread knows
+            try:
+                self._append_locked(int(step), stats)
+            finally:
+                self._lock_owner = None
+
+    def _append_locked(self, step: int, stats: StepStats) -> None:
+        now = time.monotonic()
+        if self._run is None:
+            self._run = {"run": uuid.uuid4().hex, "time": time.time(), "start": step,
+                         "from": None if self.overwrite else step, "scope": "rank"}
+        prev, self._newest = self._newest, (step, stats, _stats_nbytes(stats))
+        if self._oldest is None:
+            self._oldest = now
+        due = now - self._oldest >= self.flush_seconds
+        if prev is not None:
+            LIVE.put(self, ("row", prev), prev[2])
+            self._handed += 1
+        if due:
+            self._hand_all()
+        elif self._handed >= self.block:
+            LIVE.put(self, ("commit", None), 0)
+            self._handed = 0
+            self._oldest = now
+        elif prev is None:
+            LIVE.wake()  # the timer: a step now waits
 
     def _hand_all(self, event=None) -> None:
         """Hand over the newest step too, and ask for a commit (under ``_lock``)."""
@@ -447,10 +455,14 @@ class GradWriter:
         """Write every step from a signal handler (``live.py``); False when the signal
         interrupted this writer's own writing on this thread (that finishes, then the process
         dies)."""
-        if self._io_owner == threading.get_ident():
+        me = threading.get_ident()
+        if self._io_owner == me:
             return False
         event = threading.Event()
-        if self._lock.acquire(timeout=5):  # else the interrupted thread holds it mid-step
+        # the signal may have interrupted this thread in ``append`` (waiting for room in the
+        # queue): then only what was handed over is committed (that step and the newest are
+        # lost); another thread holds the lock only for a moment
+        if self._lock_owner != me and self._lock.acquire(timeout=1):
             try:
                 self._hand_all(event)
             finally:
@@ -517,7 +529,7 @@ class GradWriter:
 
     def _open_run(self) -> None:
         """Begin this writer's run in the group: cut it to the rows before the run's ``from``
-        step (the rule of ``segments.py``), commit that with the run listed, and read back the
+        step (the rule of ``restarts.py``), commit that with the run listed, and read back the
         rows of the chunks the run goes on filling."""
         fs, run = self.fs, self._run
         n = self.committed
@@ -690,7 +702,7 @@ def open_rank(store: str, rank: int, chunks=None, fs=LOCAL):
 
 def open_group(group_path: str, chunks=None, fs=LOCAL, *, rank=None, steps=None):
     """The committed steps of one rank group as an xarray Dataset; ``steps=(first, last)``:
-    only those from ``first`` to ``last`` (a segment of a restarted store, ``segments.py``).
+    only those from ``first`` to ``last`` (a segment of a restarted store, ``restarts.py``).
 
     ``chunks=None`` loads the arrays into memory; ``chunks="auto"`` (or a dict of dim -> size)
     wraps them in dask arrays over the Zarr chunks, so stores larger than memory work.

@@ -33,7 +33,7 @@ import mindspore as ms  # noqa: E402
 from ..config import ConfigError, config_for, grad_probe_options
 from ..grads import stats as host_stats
 from ..grads.stats import Layout, StepStats, padded_nbytes
-from ..grads.segments import plan_run
+from ..grads.restarts import plan_run
 from ..grads.store import GradWriter
 from ..grads.summary import ProbeSummary, probe_summary
 from ..log import Once, ensure_handler, get_logger

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from probekit.grads import compare_grads, open_grads
-from probekit.grads.segments import segments
+from probekit.grads.restarts import segments
 from probekit.grads.stats import Layout, compute
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -1,7 +1,7 @@
 """A grad store over restarts: a resumed run continues the rank groups of its layout and
 supersedes what earlier runs recorded from its start on; a run at another layout (world size)
 records into a layout folder of the same store; the readers take each step from the segment the
-rule gives it (``segments.py``), old stores read as before."""
+rule gives it (``restarts.py``), old stores read as before."""
 import json
 import os
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from probekit.grads import GradProbe, compare_grads, open_grads
-from probekit.grads.segments import plan_run, segments
+from probekit.grads.restarts import plan_run, segments
 from probekit.grads.stats import Layout, compute
 from probekit.grads.store import GradStoreError, GradWriter
 
@@ -82,8 +82,11 @@ def test_steps_a_killed_run_wrote_past_the_checkpoint_are_gone_even_if_not_recor
 
 def test_a_run_that_died_before_its_first_commit_leaves_the_store_as_it_was(tmp_path):
     record(tmp_path, 1, range(8))
-    GradWriter(str(tmp_path), 0, LAYOUT, "L2", (-1, 0, 1), "md5", 2, significance=True)
+    w = GradWriter(str(tmp_path), 0, LAYOUT, "L2", (-1, 0, 1), "md5", 2, significance=True)
     # created (as start() does) and killed before any step: nothing changes
+    from probekit.grads.live import LIVE
+
+    LIVE.remove(w)
     assert_values(open_grads(tmp_path), [(s, 1) for s in range(8)])
 
 
