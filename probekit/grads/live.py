@@ -181,7 +181,8 @@ class LiveWriters:
     # -- exit paths ------------------------------------------------------------------------
     def flush_all(self, path=None, prefix: bool = False) -> None:
         for writer in list(self.writers.values()):
-            if path is None or writer.url == path or (prefix and writer.url.startswith(path)):
+            if path is None or writer.url == path or (prefix and writer.url.startswith(
+                    (path.rstrip("/") + "/", path.rstrip(os.sep) + os.sep))):
                 try:
                     writer.flush()
                 except Exception as exc:  # never raise at exit; say what was lost

@@ -269,3 +269,15 @@ def test_continuing_a_group_of_another_layout_is_refused(tmp_path):
     with pytest.raises(GradStoreError, match=r"another layout \(differs in: params|numels"):
         GradWriter(str(tmp_path), 0, other, "L2", (-1, 0, 1), "md5", 2, significance=True,
                    layout_key="k")
+
+
+def test_the_options_are_validated():
+    from probekit.config import ConfigError, make_config
+
+    cfg = make_config("grad_probe", start_step=7, overwrite=True, durable=True)
+    assert (cfg.grad_probe.start_step, cfg.grad_probe.overwrite, cfg.grad_probe.durable) == (
+        7, True, True)
+    with pytest.raises(ConfigError, match=r"grad_probe\.start_step.*-1.*an integer >= 0"):
+        make_config("grad_probe", start_step=-1)
+    with pytest.raises(ConfigError, match=r"grad_probe\.durable"):
+        make_config("grad_probe", durable="yes")
