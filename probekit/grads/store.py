@@ -222,10 +222,15 @@ class GradWriter:
         self._io_owner = None
         self._inbox: deque = deque()  # guarded by LIVE.cond
         self._opened = False
-        if overwrite and fs.exists(self.path):
-            _remove_group(self.path, fs)
-        if fs.isfile(fs.join(self.path, "zarr.json")):
-            self._open_existing(group_attrs)
+        # a group that never committed (its run died while creating it) holds nothing: anew
+        if fs.isfile(fs.join(self.path, "zarr.json")) and fs.isfile(fs.join(self.path, COMMIT)):
+            try:
+                self._open_existing(group_attrs)
+            except GradStoreError:
+                if not overwrite:
+                    raise
+                _remove_group(self.path, fs)  # another layout, replaced as asked
+                self._create(group_attrs)
         else:
             self._create(group_attrs)
         LIVE.add(self)
