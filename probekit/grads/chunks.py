@@ -2,10 +2,13 @@
 
 The store keeps every array uncompressed (sign bits are random; the statistics barely compress),
 so a chunk file is the chunk's little-endian C-order bytes (``bytes`` codec, default ``c/<i>/<j>``
-keys). Reading and writing those files without Zarr's codec pipeline or event loop is what makes
-the comparison fast and lets a flush run anywhere (an ``atexit`` handler, a signal handler).
-``plain_meta`` is the one check that an array has that layout; anything else goes through Zarr.
-Every file is replaced with ``probekit.atomic.atomic_write``.
+keys); the sign bits of a small model are shards of steps (``sharding_indexed``: each step's
+bytes one after the other, then the index), so a shard holds only the steps written. Reading and
+writing those files without Zarr's codec pipeline or event loop is what makes the comparison
+fast and lets a write run anywhere (the store's writing thread, an ``atexit`` handler, a signal
+handler). ``plain_meta`` and ``bits_meta`` are the checks that an array has such a layout;
+anything else goes through Zarr. Every file is replaced with ``probekit.atomic.atomic_write``
+(through the storage's ``write``: fsync'd only when the store is ``durable``).
 """
 from __future__ import annotations
 

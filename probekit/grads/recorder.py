@@ -714,6 +714,8 @@ def _agree(store_url: str, decide) -> dict:
             run = decide("job")
         except GradStoreError as exc:
             run = {"error": str(exc)}
+        except Exception as exc:  # the others must not wait for a decision that never comes
+            run = {"error": f"grad_probe: reading the store failed: {type(exc).__name__}: {exc}"}
         kv.set(key + "/run", json.dumps(run))
     else:
         import datetime
