@@ -66,9 +66,10 @@ class GradProbe:
     Restarts: a run into a store that holds steps continues it. Its first step is
     ``start_step`` when given, else the optimizer's own step count (Adam, AdamW, RMSprop...
     keep one in their state, which HF Trainer, Lightning and a checkpointing script restore),
-    else the step after the store's newest; from that step on it supersedes what earlier runs
-    recorded (steps a killed run wrote beyond the checkpoint it resumed from). A run that
-    would replace every recorded step needs ``overwrite=True``. A changed world size or
+    else the step after the store's newest (a new store: 0, msprobe's numbering); from that
+    step on it supersedes what earlier runs recorded (steps a killed run wrote beyond the
+    checkpoint it resumed from). A run that would replace every recorded step needs
+    ``overwrite=True``. A changed world size or
     sharding records into a new layout folder of the same store; the readers join them
     (``restarts.py``). ``durable=True``: every commit flushed to the disk (survives a power
     loss; without it, the death of the process).

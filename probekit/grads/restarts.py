@@ -330,13 +330,15 @@ def plan_run(dump_path, *, start=None, inferred=None, why: str = "",
     """The record of a new run into ``dump_path``'s store (``GradWriter.begin``): its first
     step and from which step it supersedes what earlier runs recorded.
 
-    The first step: ``start`` (the user's ``start_step``) if given, else ``inferred`` (the
-    training's own step count, ``why`` says whence: an optimizer's state after a checkpoint was
-    loaded), else the step after the newest one the store holds (a run that cannot know its
-    step continues the store rather than replacing it), else 0. A run that would supersede every
-    step the store holds (it starts at or before the first one) needs ``overwrite=True``:
-    otherwise ``GradStoreError`` names the choices. ``scope="rank"``: a process recording
-    alone (no job to agree with): only ``rank``'s steps count and are superseded."""
+    The first step: ``start`` (the user's ``start_step``) if given. Else, in a store that holds
+    steps (a job resuming into it), ``inferred`` (the training's own step count, ``why`` says
+    whence: an optimizer's state restored from a checkpoint), else the step after the newest one
+    the store holds (a run that cannot know its step continues the store rather than replacing
+    it). Else 0: a new store numbers steps from the start of the recording, as msprobe does. A
+    run that would supersede every step the store holds (it starts at or before the first one)
+    needs ``overwrite=True``: otherwise ``GradStoreError`` names the choices. ``scope="rank"``:
+    a process recording alone (no job to agree with): only ``rank``'s steps count and are
+    superseded."""
     import time
     import uuid
 
@@ -350,13 +352,13 @@ def plan_run(dump_path, *, start=None, inferred=None, why: str = "",
     first, last = first_live_step(segs, who), last_live_step(segs, who)
     if start is not None:
         begin, how = int(start), "start_step"
+    elif last is None or overwrite:
+        begin, how = 0, "a new recording"
     elif inferred is not None:
         begin, how = int(inferred), why or "the training's step count"
-    elif last is not None and not overwrite:
+    else:
         begin, how = int(last) + 1, "the step after the newest one recorded: the optimizer " \
                                     "keeps no step count; pass start_step= when resuming"
-    else:
-        begin, how = 0, "a new recording"
     url = fs.url(fs.join(root, STORE_NAME))
     if not overwrite and first is not None and begin <= first:
         raise GradStoreError(

@@ -56,8 +56,8 @@ HELP = {
                     "(noise-aware comparison; costs ~1.3x per step)",
     "grad_point": "step: the gradients optimizer.step() is handed (after clipping); backward: "
                   "the raw ones at the end of the last backward pass before it",
-    "start_step": "First step of this run in a store that holds steps (a resumed job); empty: "
-                  "the optimizer's step count, else after the store's newest step",
+    "start_step": "First step of this run; empty: resuming a store that holds steps, the "
+                  "optimizer's step count (else after its newest); a new store, 0",
     "overwrite": "Replace the store's recording (never done otherwise)",
     "durable": "fsync every commit: the steps survive a power loss, not only the process",
 }

@@ -229,6 +229,12 @@ def test_the_probe_takes_its_first_step_from_the_optimizer_or_start_step(tmp_pat
     assert open_grads(tmp_path)["step"].values.tolist() == [0, 1, 2, 3, 4, 5, 6, 9, 10]
 
 
+def test_a_new_store_numbers_steps_from_the_start_of_the_recording(tmp_path):
+    model, opt = train(tmp_path / "warmup", torch.optim.Adam, 3)  # the optimizer is at step 3
+    train(tmp_path / "new", None, 2, model, opt)
+    assert open_grads(tmp_path / "new")["step"].values.tolist() == [0, 1]  # msprobe's numbering
+
+
 def test_a_run_that_cannot_know_its_step_continues_the_store(tmp_path, caplog):
     train(tmp_path, torch.optim.SGD, 3)
     with caplog.at_level("INFO", logger="probekit"):
