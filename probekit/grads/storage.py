@@ -7,11 +7,11 @@ at interpreter exit and from a signal handler, as fast as before. Any other URL 
 filesystem, with credentials and endpoint the fsspec way: the standard variables (``AWS_*`` for
 S3, ``GOOGLE_APPLICATION_CREDENTIALS`` for GCS) or ``storage_options``.
 
-Atomic writes: locally a temporary file renamed over the old one (``probekit.atomic``; flushed to
-the disk first, and the folder after the rename, only where the store asks for durability); on an
-object store one PUT per object, which readers see whole or not at all. The store's commit protocol (chunks,
-then array shapes, then ``commit.json``) rests on nothing else, so a writer that dies leaves the
-last committed step readable on either.
+Atomic writes: locally a temporary file renamed over the old one (``probekit.atomic``; flushed
+to the disk first, and the folder after the rename, only where the store asks for durability);
+on an object store one PUT per object, which readers see whole or not at all. The store's commit
+protocol (chunks, then array shapes, then ``commit.json``) rests on nothing else, so a writer
+that dies leaves the last committed step readable on either.
 
 A URL is checked before anything is written: an unknown protocol, a missing filesystem package
 (``s3fs``, ``gcsfs``) or a missing bucket raise ``GradStoreError`` naming it; a URL never falls
