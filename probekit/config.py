@@ -225,6 +225,13 @@ class GradProbeConfig:
     #: where the gradients are taken (``GRAD_POINTS``): at the optimizer's step, after the loop
     #: clipped them, or at the end of the last backward pass before it, before clipping
     grad_point: str = "step"
+    #: a restarted run continues the store: the step it starts at (None: in a store that holds
+    #: steps, the optimizer's step count where it keeps one, else the step after the newest; in
+    #: a new store 0), whether it may replace the whole recording, and whether each commit is
+    #: flushed to the disk (survives a power loss, not only the death of the process)
+    start_step: int | None = None
+    overwrite: bool = False
+    durable: bool = False
 
     def __post_init__(self) -> None:
         s = "grad_probe."
@@ -238,6 +245,11 @@ class GradProbeConfig:
             _fail(s + "flush_seconds", self.flush_seconds, "a finite number of seconds > 0")
         _bool(s + "significance", self.significance)
         _choice(s + "grad_point", self.grad_point, GRAD_POINTS)
+        if self.start_step is not None and (not _is_int(self.start_step) or self.start_step < 0):
+            _fail(s + "start_step", self.start_step, "an integer >= 0, or null (resuming a "
+                  "store: the optimizer's step count, else the step after its newest)")
+        _bool(s + "overwrite", self.overwrite)
+        _bool(s + "durable", self.durable)
 
 
 def _bounds(key: str, value: Any) -> tuple:

@@ -123,6 +123,24 @@ def draw_pictures(dest, workdir) -> list:
     return copied
 
 
+def refresh_outputs(text: str, ran: list) -> str:
+    """``text`` with each python block's text block replaced by what it printed (``ran`` from
+    ``run_readme``): for maintainers, after a change of what the snippets print."""
+    printed = {block.line: out for block, out in ran if block.lang == "python"}
+    pieces, last, pending = [], 0, None
+    for m in _FENCE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        if m.group(1) == "python":
+            pending = printed.get(line)
+            continue
+        if m.group(1) == "text" and pending is not None:
+            start = m.start(3)
+            pieces += [text[last:start], pending]
+            last = m.end(3)
+        pending = None
+    return "".join(pieces) + text[last:]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m probekit.demo")
     parser.add_argument("--out", default="demo_out")
@@ -130,11 +148,18 @@ def main(argv=None) -> int:
                         help="also run the README's snippets and copy its pictures here")
     parser.add_argument("--no-notebooks", action="store_true",
                         help="only the README's pictures (make docs)")
+    parser.add_argument("--refresh-readme", action="store_true",
+                        help="rewrite the README's output blocks with what its snippets print")
     args = parser.parse_args(argv)
     if not args.no_notebooks:
         from .notebook.run import demo  # the notebook layer runs the quickstart in a real kernel
 
         print(demo(args.out))
+    if args.refresh_readme:
+        text = README.read_text(encoding="utf-8")
+        README.write_text(refresh_outputs(text, run_readme(Path(args.out) / "readme", text=text)),
+                          encoding="utf-8")
+        print(f"README outputs refreshed: {README}")
     if args.pictures:
         for path in draw_pictures(args.pictures, Path(args.out) / "readme"):
             print(f"README picture: {path}")

@@ -57,13 +57,17 @@ HELP = {
                     "(noise-aware comparison; costs ~1.3x per step)",
     "grad_point": "step: the gradients optimizer.step() is handed (after clipping); backward: "
                   "the raw ones at the end of the last backward pass before it",
+    "start_step": "First step of this run; empty: resuming a store that holds steps, the "
+                  "optimizer's step count (else after its newest); a new store, 0",
+    "overwrite": "Replace the store's recording (never done otherwise)",
+    "durable": "fsync every commit: the steps survive a power loss, not only the process",
 }
 
 LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "device",
           "fuzz_level": "level", "if_preheat": "preheat", "preheat_step": "preheat steps",
           "max_sample": "max samples", "dump_path": "dump path", "param_list": "params",
           "grad_level": "level", "flush_every": "flush every", "flush_seconds": "flush after s",
-          "grad_point": "gradients",
+          "grad_point": "gradients", "start_step": "start step",
           "pert_mode": "perturbation", "list": "API names", "module": "modules"}
 
 _DESC = {"description_width": "100px"}
@@ -182,6 +186,9 @@ class ConfigPanel(w.VBox):
         elif key == "budget":
             control = w.Text(value="" if value is None else str(value),
                              placeholder="off (every call)", **common)
+        elif key == "start_step":
+            control = w.Text(value="" if value is None else str(value),
+                             placeholder="auto (the optimizer's step)", **common)
         elif key in ("bounds", "rank", "step"):
             control = w.Text(value=", ".join(str(v) for v in value),
                              placeholder="all" if key != "bounds" else "-1, 0, 1", **common)
@@ -203,6 +210,10 @@ class ConfigPanel(w.VBox):
                 out[key] = parse_numbers(f"{self.TASK}.bounds", control.value)
             elif key == "budget":
                 out[key] = _optional_number(f"{self.TASK}.budget", control.value)
+            elif key == "start_step":
+                text = control.value.strip()
+                out[key] = None if not text else (
+                    int(text) if text.lstrip("-").isdigit() else text)  # the config names a bad one
             else:
                 value = control.value
                 out[key] = list(value) if isinstance(control, w.TagsInput) else value
@@ -368,6 +379,7 @@ class GradProbePanel(ConfigPanel):
                             "flush_every", "flush_seconds"]),
         ("Which parameters", ["param_list"]),
         ("Where", ["dump_path", "rank", "step"]),
+        ("Restarts", ["start_step", "overwrite", "durable"]),
     )
 
 
