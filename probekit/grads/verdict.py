@@ -1,0 +1,454 @@
+"""Verdicts with a null: does the test run depart from the reference further than a control does?
+
+``compare_grads(ref, test, control=ctrl)`` compares the reference with the test and with the
+control (the reference trained again with its rounding drawn at random at the precision under
+test: ``control.py``) and flags a (step, parameter) only where the test departs further than the
+control, by two tests (docs/DESIGN.md, "Verdicts with a null"):
+
+* **signs**: ``d`` of the ``n`` elements compared (significant in both runs) differ in sign.
+  The control's share has the upper confidence bound ``p_c`` (Chernoff/KL bound at level
+  ``CONTROL_LEVEL``); the null allows the test ``p0 = min(1/2, MARGIN * p_c)``; the cell is
+  flagged when the test's share ``q = d / n`` exceeds it beyond chance: ``n KL(q || p0) >
+  ln(cells / ALPHA)`` (a Chernoff bound on the binomial tail, Bonferroni over the rank's
+  cells). Three flips of a 64-element bias are within a null that allows 2 x its control's
+  bound (about 14 % when the control flipped none); a 4M-element weight is held to its share.
+* **scale** (a scaling bug leaves the signs alone): ``g = max(|ln(norm_t / norm_r)|,
+  |ln(range_t / range_r)|)``, ``range = max - min``; flagged when ``g > MARGIN * max(band,
+  SCALE_FLOOR * u)``, ``band`` the control's largest ``g`` at that parameter over the compared
+  steps and ``u`` the unit roundoff of the precision under test. A gradient that is NaN/Inf
+  where the reference's and the control's are finite is always flagged.
+
+The result also says it in words (``verdict_text``), and renders them first
+(``GradComparison``: the Dataset ``compare_grads`` returns).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import xarray as xr
+
+#: the test may depart up to MARGIN times as far as the control before it is flagged: rounding
+#: one bit more coarsely (flip shares and norm changes grow about linearly with the error size)
+MARGIN = 2.0
+#: chance of one false flag per rank when the control samples the test's rounding (Bonferroni)
+ALPHA = 0.01
+#: the control's flip share is taken at its upper confidence bound at this level (per cell)
+CONTROL_LEVEL = 0.01
+#: scale band floor, in units of the unit roundoff of the precision under test: a systematic
+#: drift of a few roundings (round-to-nearest's bias, which random rounding does not sample)
+SCALE_FLOOR = 4.0
+#: unit roundoff 2^-t per control precision (t significant bits)
+UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -24}
+KINDS = ("", "sign", "scale", "nonfinite")
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def kl(q, p):
+    """Relative entropy KL(Bernoulli(q) || Bernoulli(p)), elementwise."""
+    q = np.clip(np.asarray(q, np.float64), 0.0, 1.0)
+    p = np.clip(np.asarray(p, np.float64), 1e-300, 1.0 - 1e-16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(q > 0, q * np.log(np.where(q > 0, q, 1.0) / p), 0.0)
+        b = np.where(q < 1, (1 - q) * np.log(np.where(q < 1, 1 - q, 1.0) / (1 - p)), 0.0)
+    return a + b
+
+
+def upper_share(d, n, level: float):
+    """The upper confidence bound of a share ``d / n`` at ``level``: the largest ``p >= d/n``
+    with ``n KL(d/n || p) <= ln(1/level)`` (Chernoff; 1 where ``n`` is 0). For ``d = 0`` it is
+    ``1 - level^(1/n)``, about ``ln(1/level) / n``."""
+    d = np.asarray(d, np.float64)
+    n = np.asarray(n, np.float64)
+    ok = n > 0
+    q = np.where(ok, d / np.where(ok, n, 1.0), 0.0)
+    budget = math.log(1.0 / level)
+    lo, hi = q.copy(), np.ones_like(q)
+    for _ in range(60):   # bisection to 2^-60
+        mid = (lo + hi) / 2
+        over = n * kl(q, mid) > budget
+        hi = np.where(over, mid, hi)
+        lo = np.where(over, lo, mid)
+    return np.where(ok, hi, 1.0)
+
+
+def exceeds(d, n, p0, cells: int, alpha: float = ALPHA):
+    """(flag, excess): is the share ``d / n`` above ``p0`` beyond chance, ``n KL(d/n || p0) >
+    ln(cells / alpha)`` (a Chernoff bound on the binomial tail, Bonferroni over ``cells``
+    tests); ``excess = (d / n) / p0``. NaN ``p0`` (no control) never flags."""
+    n = np.nan_to_num(np.asarray(n, np.float64), nan=0.0)
+    d = np.nan_to_num(np.asarray(d, np.float64), nan=0.0)
+    p0 = np.asarray(p0, np.float64)
+    ok = (n > 0) & ~np.isnan(p0)
+    q = np.where(ok, d / np.where(ok, n, 1.0), 0.0)
+    budget = math.log(max(int(cells), 1) / alpha)
+    with np.errstate(invalid="ignore"):
+        flag = ok & (q > p0) & (n * kl(q, np.nan_to_num(p0, nan=0.5)) > budget)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        excess = np.where(ok, q / p0, np.nan)
+    return flag, excess
+
+
+def allowed_share(d_c, n_c, margin: float = MARGIN, level: float = CONTROL_LEVEL):
+    """``p0 = min(1/2, margin * upper_share(d_c, n_c, level))``; NaN where ``n_c`` is NaN (no
+    control)."""
+    n_c = np.asarray(n_c, np.float64)
+    up = upper_share(np.nan_to_num(d_c), np.nan_to_num(n_c), level)
+    return np.where(np.isnan(n_c), np.nan, np.minimum(0.5, margin * up))
+
+
+def log_dev(x, r):
+    """``|ln(x / r)|`` elementwise: 0 where both are 0, inf where one of them is."""
+    x = np.abs(np.asarray(x, np.float64))
+    r = np.abs(np.asarray(r, np.float64))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.abs(np.log(x / r))
+    return np.where((x == 0) & (r == 0), 0.0, out)
+
+
+def scale_dev(norm, rng, norm_ref, rng_ref):
+    """The scale statistic ``max(|ln(norm/norm_ref)|, |ln(range/range_ref)|)``."""
+    return np.fmax(log_dev(norm, norm_ref), log_dev(rng, rng_ref))
+
+
+# -- calibration of a comparison ------------------------------------------------------------------
+def counts(cmp):
+    """(differing, compared) element counts behind the comparison's judged similarity, as
+    float arrays shaped like it (NaN where a run had no gradient)."""
+    name = judged_name(cmp)
+    if name == "similarity_significant":
+        n = cmp["significant"].astype(np.float64)
+        n = n.where(n >= 0)
+        d = (n * (1.0 - cmp[name])).round()
+    else:
+        differ = cmp["differ"].astype(np.float64)
+        n = xr.ones_like(differ) * cmp["numel"].astype(np.float64)
+        n = n.where(differ >= 0)
+        d = differ.where(differ >= 0)
+    return d, n
+
+
+def judged_name(cmp) -> str:
+    """The similarity variable flags are judged on (``similarity_significant`` when the
+    comparison is noise-aware, else msprobe's ``similarity``): the one number shown."""
+    return ("similarity_significant" if cmp.attrs.get("noise_aware")
+            and "similarity_significant" in cmp else "similarity")
+
+
+def judged_total_name(cmp) -> str:
+    return "total_significant" if judged_name(cmp) == "similarity_significant" else "total"
+
+
+def judged(cmp):
+    """The similarity the flags are judged on, as a DataArray."""
+    return cmp[judged_name(cmp)]
+
+
+def _stats(runs: dict, result, names) -> dict:
+    """norm and range (max - min) of a run aligned to ``result``'s (rank, step, param)."""
+    from .compare import pair_runs
+    from .names import canonical_names
+
+    ranks = [int(r) for r in result["rank"].values]
+    steps = np.asarray(result["step"].values)
+    params = [str(p) for p in result["param"].values]
+    out = {k: np.full((len(ranks), steps.size, len(params)), np.nan) for k in ("norm", "range")}
+    firsts = {r: ds for r, ds in names.items()}
+    for i, (r, _, ds) in enumerate(pair_runs(firsts, runs, ranks)):
+        k = ranks.index(int(r))
+        canon = list(canonical_names(str(p) for p in ds["param"].values))
+        col = {n: j for j, n in enumerate(canon)}
+        have = np.asarray(ds["step"].values)
+        srow = {int(s): j for j, s in enumerate(have)}
+        rows = np.array([srow.get(int(s), -1) for s in steps])
+        cols = np.array([col.get(p, -1) for p in params])
+        if not (rows >= 0).any() or not (cols >= 0).any():
+            continue
+        ri, ci = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
+        take = lambda v: np.asarray(ds[v].values, np.float64)[np.ix_(rows[ri], cols[ci])]  # noqa
+        present = (np.asarray(ds["present"].values, bool)[np.ix_(rows[ri], cols[ci])]
+                   if "present" in ds else np.ones((ri.size, ci.size), bool))
+        norm = np.where(present, take("norm"), np.nan)
+        rng = np.where(present, take("max") - take("min"), np.nan)
+        out["norm"][k][np.ix_(ri, ci)] = norm
+        out["range"][k][np.ix_(ri, ci)] = rng
+    return out
+
+
+def calibrate(result, ref, test, controls, **options):
+    """``result`` (``compare_grads(ref, test)``, with a rank dim) judged against the control
+    runs ``controls`` (paths or Datasets; several: the band is their envelope, cell by cell).
+    ``options``: ``compare_grads``'s, for the comparisons with the controls. Returns a
+    ``GradComparison`` with the calibrated ``flag``, ``flag_total``, ``first_step``,
+    ``first_param`` and the variables named in ``compare_grads``'s docstring."""
+    from .compare import compare_grads
+    from .sources import load_runs
+
+    storage = options.get("storage_options")
+    ctrl_cmps = [compare_grads(ref, c, **options) for c in controls]
+    runs_ref = load_runs(ref, storage_options=storage)
+    runs_test = load_runs(test, storage_options=storage)
+    runs_ctrl = [load_runs(c, storage_options=storage) for c in controls]
+    names = _control_names(runs_ctrl)
+    unit = max((UNIT.get(n.partition(":")[0], UNIT["bf16"]) for n in names),
+               default=UNIT["bf16"])
+    dims = ("rank", "step", "param")
+    where = {"rank": result["rank"], "step": result["step"], "param": result["param"]}
+    d_t, n_t = (x.transpose(*dims).values for x in counts(result))
+    d_tt, n_tt = np.nansum(d_t, axis=2), np.nansum(n_t, axis=2)
+
+    # signs: the control's allowed share, cell by cell (the envelope of several controls)
+    p0 = sim_c = p0t = tot_c = None
+    for cc in ctrl_cmps:
+        cc = cc.reindex(**where)
+        d_c, n_c = (x.transpose(*dims).values for x in counts(cc))
+        p = allowed_share(d_c, n_c)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = 1.0 - d_c / n_c
+        dct, nct = np.nansum(d_c, axis=2), np.nansum(n_c, axis=2)
+        pt = allowed_share(dct, np.where(nct > 0, nct, np.nan))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            st = 1.0 - dct / nct
+        if p0 is None:
+            p0, sim_c, p0t, tot_c = p, s, pt, st
+        else:
+            more = np.nan_to_num(p, nan=-1.0) > np.nan_to_num(p0, nan=-1.0)
+            p0, sim_c = np.where(more, p, p0), np.where(more, s, sim_c)
+            more = np.nan_to_num(pt, nan=-1.0) > np.nan_to_num(p0t, nan=-1.0)
+            p0t, tot_c = np.where(more, pt, p0t), np.where(more, st, tot_c)
+    flag_s = np.zeros(d_t.shape, bool)
+    exc_s = np.full(d_t.shape, np.nan)
+    flag_t = np.zeros(d_tt.shape, bool)
+    for k in range(d_t.shape[0]):    # Bonferroni over each rank's tested cells
+        cells = int(((np.nan_to_num(n_t[k]) > 0) & ~np.isnan(p0[k])).sum())
+        flag_s[k], exc_s[k] = exceeds(d_t[k], n_t[k], p0[k], cells)
+        flag_t[k] = exceeds(d_tt[k], n_tt[k], p0t[k], d_tt.shape[1])[0]
+
+    # scale: norms and ranges (max - min) of the runs, aligned to the comparison
+    st_r = _stats(runs_ref, result, runs_ref)
+    st_t = _stats(runs_test, result, runs_ref)
+    g_t = scale_dev(st_t["norm"], st_t["range"], st_r["norm"], st_r["range"])
+    band, finite_c, ratio_c = None, None, None
+    for rc in runs_ctrl:
+        st_c = _stats(rc, result, runs_ref)
+        g_c = scale_dev(st_c["norm"], st_c["range"], st_r["norm"], st_r["range"])
+        g_c = np.where(np.isfinite(g_c), g_c, np.nan)
+        with np.errstate(all="ignore"):
+            b = np.nanmax(g_c, axis=1, keepdims=True) if np.isfinite(g_c).any() else \
+                np.full(g_c[:, :1].shape, np.nan)
+        band = b if band is None else np.fmax(band, b)
+        fin = np.isfinite(st_c["norm"])
+        finite_c = fin if finite_c is None else finite_c & fin
+        if ratio_c is None:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio_c = st_c["norm"] / st_r["norm"]
+    allowed = np.broadcast_to(MARGIN * np.fmax(np.nan_to_num(band, nan=0.0), SCALE_FLOOR * unit),
+                              g_t.shape)
+    finite_r = np.isfinite(st_r["norm"])
+    present = result["differ"].transpose(*dims).values >= 0
+    nonfinite = present & finite_r & finite_c & ~np.isfinite(st_t["norm"])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        flag_g = np.isfinite(g_t) & (g_t > allowed) & finite_r & finite_c
+        exc_g = np.where(finite_r & finite_c, g_t / allowed, np.nan)
+    flag = flag_s | flag_g | nonfinite
+    excess = np.fmax(exc_s, np.where(np.isfinite(exc_g), exc_g, np.nan))
+    excess = np.where(nonfinite, np.inf, excess)
+    kind = np.zeros(flag.shape, np.int8)
+    kind[flag_s] = 1
+    kind[flag_g & ~flag_s] = 2
+    kind[nonfinite] = 3
+
+    out = result.copy()
+    out["flag_threshold"] = result["flag"]
+    out["flag_total_threshold"] = result["flag_total"]
+    out["flag"] = (dims, flag)
+    out["flag_kind"] = (dims, kind)
+    out["excess"] = (dims, excess)
+    out["similarity_control"] = (dims, sim_c)
+    out["similarity_band"] = (dims, 1.0 - p0)
+    out["flag_total"] = (("rank", "step"), flag_t)
+    out["total_control"] = (("rank", "step"), tot_c)
+    out["total_band"] = (("rank", "step"), 1.0 - p0t)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["norm_ratio"] = (dims, st_t["norm"] / st_r["norm"])
+    out["norm_ratio_control"] = (dims, ratio_c)
+    out["scale_dev"] = (dims, g_t)
+    out["scale_allowed"] = (dims, np.array(allowed))
+    steps = np.asarray(result["step"].values)
+    params = [str(x) for x in result["param"].values]
+    sim_t = judged(result).transpose(*dims).values
+    firsts = [_first(flag[k], flag_t[k], sim_t[k], excess[k], steps, params)
+              for k in range(flag.shape[0])]
+    out["first_step"] = (("rank",), np.array([s for s, _ in firsts], np.int64))
+    out["first_param"] = (("rank",), np.array([p for _, p in firsts], dtype=str))
+    out.attrs.update(calibrated=1, control=", ".join(names), margin=MARGIN, alpha=ALPHA,
+                     control_level=CONTROL_LEVEL, scale_floor=SCALE_FLOOR * unit,
+                     similarity=judged_name(result))
+    return GradComparison.wrap(out)
+
+
+def _first(flag, flag_total, sim, excess, steps, params):
+    """(step, param) of the first flag: at that step the flagged param with the lowest judged
+    similarity (the number shown), ties broken by the larger excess; ("" if only the total was
+    flagged); (-1, "") if none."""
+    rows = flag.any(axis=1) | flag_total
+    hits = np.flatnonzero(rows)
+    if hits.size == 0:
+        return -1, ""
+    i = int(hits[0])
+    if not flag[i].any():
+        return int(steps[i]), ""
+    cols = np.flatnonzero(flag[i])
+    s = np.nan_to_num(sim[i, cols], nan=1.0)
+    e = np.nan_to_num(excess[i, cols], nan=0.0, posinf=np.inf)
+    order = np.lexsort((-e, s))     # lowest similarity first, then the largest excess
+    return int(steps[i]), params[int(cols[order[0]])]
+
+
+def _control_names(runs_ctrl) -> list:
+    names = []
+    for runs in runs_ctrl:
+        attrs = next(iter(runs.values())).attrs if runs else {}
+        names.append(str(attrs.get("control", "control")))
+    return list(dict.fromkeys(names))
+
+
+# -- words ------------------------------------------------------------------------------------
+def rank_verdict(cmp) -> dict:
+    """The verdict of a one-rank comparison as a dict: ``kind`` ("beyond", "within",
+    "uncalibrated"), ``step``, ``param``, ``why`` (sign / scale / nonfinite / total / ""),
+    the judged ``similarity`` and the control's, ``band``, ``norm_ratio`` and the control's,
+    ``flags`` ((step, param) flags), ``params`` (parameters flagged), ``steps`` (compared)."""
+    steps = np.asarray(cmp["step"].values)
+    step = int(cmp["first_step"].item()) if "first_step" in cmp else -1
+    param = str(cmp["first_param"].item()) if "first_param" in cmp else ""
+    name = judged_name(cmp)
+    out = {"kind": "uncalibrated", "step": step, "param": param, "why": "",
+           "similarity": math.nan, "control_similarity": math.nan, "band": math.nan,
+           "norm_ratio": math.nan, "control_norm_ratio": math.nan,
+           "flags": int(np.asarray(cmp["flag"].values).sum()),
+           "params": int(np.asarray(cmp["flag"].values).any(axis=0).sum()),
+           "steps": int(steps.size), "similarity_name": name,
+           "control": str(cmp.attrs.get("control", ""))}
+    calibrated = bool(cmp.attrs.get("calibrated"))
+    if calibrated:
+        out["kind"] = "beyond" if step >= 0 else "within"
+    if step < 0:
+        sim = np.asarray(cmp[name].values, np.float64)
+        out["similarity"] = float(np.nanmin(sim)) if np.isfinite(sim).any() else math.nan
+        if calibrated:
+            sc = np.asarray(cmp["similarity_control"].values, np.float64)
+            out["control_similarity"] = float(np.nanmin(sc)) if np.isfinite(sc).any() \
+                else math.nan
+        return out
+    at = cmp.sel(step=step)
+    if param:
+        cell = at.sel(param=param)
+        out["similarity"] = float(cell[name])
+        if calibrated:
+            out["why"] = KINDS[int(cell["flag_kind"])]
+            out["control_similarity"] = float(cell["similarity_control"])
+            out["band"] = float(cell["similarity_band"])
+            out["norm_ratio"] = float(cell["norm_ratio"])
+            out["control_norm_ratio"] = float(cell["norm_ratio_control"])
+    else:
+        out["why"] = "total"
+        tname = judged_total_name(cmp)
+        out["similarity"] = float(at[tname])
+        if calibrated:
+            out["control_similarity"] = float(at["total_control"])
+            out["band"] = float(at["total_band"])
+    return out
+
+
+def verdict_line(cmp, rank=None) -> str:
+    """One rank's verdict in words."""
+    v = rank_verdict(cmp)
+    who = f"rank {rank}: " if rank is not None else ""
+    ctrl = v["control"] or "control"
+    sim = "significant-sign similarity" if v["similarity_name"] == "similarity_significant" \
+        else "sign similarity"
+    if v["kind"] == "uncalibrated":
+        if v["step"] >= 0:
+            where = f"parameter {v['param']}" if v["param"] else "the total similarity"
+            head = (f"uncalibrated: the fixed threshold flags step {v['step']}, {where} "
+                    f"({sim} {v['similarity']:.4f})")
+        else:
+            head = (f"uncalibrated: the fixed threshold flags nothing (lowest {sim} "
+                    f"{v['similarity']:.4f} over {v['steps']} steps)")
+        return (f"{who}{head}. Without a control run, drift from rounding after step 0 cannot "
+                "be told from a divergence. To calibrate: train the reference's code again "
+                "with GradProbe(model, dump_path=..., control='bf16') (the precision under "
+                "test: 'bf16', 'fp16', 'fp32'; 'bf16:cast' for a model cast to bf16), then "
+                "compare_grads(ref, test, control=that_run) or --control PATH.")
+    if v["kind"] == "within":
+        return (f"{who}within what {ctrl} rounding explains over {v['steps']} steps: no "
+                f"parameter departs from the reference further than the {ctrl} control does "
+                f"(lowest {sim} {v['similarity']:.4f}; the control's lowest "
+                f"{v['control_similarity']:.4f}).")
+    where = f"at {v['param']}" if v["param"] else "in the total"
+    if v["why"] == "nonfinite":
+        what = "its gradient is NaN/Inf where the reference's and the control's are finite"
+    elif v["why"] == "scale":
+        what = (f"gradient norm {v['norm_ratio']:.4g}x the reference's while the signs agree "
+                f"({sim} {v['similarity']:.4f}); the {ctrl} control's norm is "
+                f"{v['control_norm_ratio']:.4g}x")
+    else:
+        what = (f"{sim} {v['similarity']:.4f}; the {ctrl} control keeps "
+                f"{v['control_similarity']:.4f}, noise allows down to {v['band']:.4f}")
+    more = f"; {v['flags']} flagged (step, parameter) pairs in {v['params']} parameters" \
+        if v["flags"] else ""
+    return f"{who}beyond rounding noise from step {v['step']} {where} ({what}){more}."
+
+
+def verdict_text(cmp) -> str:
+    """The verdict of every rank of a comparison, one line each."""
+    if "rank" not in cmp.dims:
+        return verdict_line(cmp)
+    ranks = [int(r) for r in cmp["rank"].values]
+    if len(ranks) == 1:
+        return verdict_line(cmp.isel(rank=0))
+    return "\n".join(verdict_line(cmp.sel(rank=r), r) for r in ranks)
+
+
+def verdict_kind(cmp) -> str:
+    """"beyond" if any rank is beyond noise, else "within", or "uncalibrated"."""
+    if not cmp.attrs.get("calibrated"):
+        return "uncalibrated"
+    first = np.asarray(cmp["first_step"].values)
+    return "beyond" if (first >= 0).any() else "within"
+
+
+class GradComparison(xr.Dataset):
+    """What ``compare_grads`` returns: an xarray Dataset whose ``str`` and HTML start with the
+    verdict in words (``verdict_text``)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def wrap(cls, ds) -> "GradComparison":
+        return cls(data_vars=ds.data_vars, coords=ds.coords, attrs=ds.attrs)
+
+    def __repr__(self) -> str:
+        try:
+            head = verdict_text(self)
+        except (KeyError, ValueError, IndexError):
+            head = ""
+        body = xr.Dataset.__repr__(self)
+        return f"{head}\n\n{body}" if head else body
+
+    def _repr_html_(self) -> str:
+        import html
+
+        try:
+            head = verdict_text(self)
+        except (KeyError, ValueError, IndexError):
+            head = ""
+        body = xr.Dataset._repr_html_(self)
+        if not head:
+            return body
+        kind = verdict_kind(self)
+        color = {"beyond": "#b71c1c", "within": "#1b5e20"}.get(kind, "#8a6d00")
+        lines = "<br>".join(html.escape(x) for x in head.splitlines())
+        return (f"<p class='probekit-verdict' style='color:{color}'><b>probekit grads</b>: "
+                f"{lines}</p>{body}")
