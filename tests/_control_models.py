@@ -189,13 +189,7 @@ def plant(model, kind: str, bug: str, clock: Clock, start: int = 0, **options):
         def overflow(mod, args, out):
             if state["limit"] is None:
                 state["limit"] = float(out.detach().float().abs().flatten().quantile(0.99))
-            if not on():
-                return out
-            scale = 65504.0 / state["limit"]
-            big = (out.float() * scale)
-            if saturate:
-                big = big.clamp(-65504.0, 65504.0)
-            return (big.half().float() / scale).to(out.dtype)
+            return _Fp16Overflow.apply(out, state["limit"], saturate) if on() else out
         module.register_forward_hook(overflow)
     elif bug == "norm_scale":
         factor = options.get("factor", math.sqrt(128 / 96))
@@ -203,6 +197,27 @@ def plant(model, kind: str, bug: str, clock: Clock, start: int = 0, **options):
     else:
         raise ValueError(f"bug: {bug!r} is not valid; accepted: {', '.join(BUGS)}")
     return target
+
+
+class _Fp16Overflow(torch.autograd.Function):
+    """An activation kept in fp16 at a scale where its largest values overflow: 65504 stands
+    for ``limit``; beyond it the value saturates at +-limit (``saturate``, as an fp16
+    conversion in saturation mode) or becomes inf. The backward is the clamp's (no gradient
+    through a saturated value), in the activation's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, limit, saturate):
+        scale = 65504.0 / limit
+        big = x.float() * scale
+        if saturate:
+            big = big.clamp(-65504.0, 65504.0)
+        ctx.save_for_backward(x.abs() <= limit)
+        return (big.half().float() / scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (inside,) = ctx.saved_tensors
+        return gy * inside, None, None
 
 
 def bf16_mm(a, b, chunk: int = 1):

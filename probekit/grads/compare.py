@@ -367,7 +367,8 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
     ``excess`` (how many times what the control allows), ``similarity_control`` and
     ``similarity_band`` (the lowest similarity the control allows), ``total_control``,
     ``total_band``, ``norm_ratio`` and ``norm_ratio_control`` (each run's norm over the
-    reference's), ``scale_dev`` and ``scale_allowed``; the fixed-threshold flags stay as
+    reference's), ``range_ratio``, ``norm_dev``/``range_dev`` (``|ln|`` of those ratios) and
+    ``norm_allowed``/``range_allowed``; the fixed-threshold flags stay as
     ``flag_threshold`` and ``flag_total_threshold``; ``first_param`` is the flagged parameter
     departing most at the first flagged step. Without it the flags are the fixed thresholds
     (uncalibrated). Either way the result's ``str`` and HTML begin with the verdict in words.

@@ -91,9 +91,12 @@ def round_random(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator,
     """``x`` (a wider floating tensor) rounded to ``dtype`` at random: to the nearest value of
     ``dtype`` or to the neighbour on the other side of ``x``, the latter with probability
     ``clamp((d - 1/2 + spread) / (2 spread), 0, 1)``, ``d`` the distance to the nearest in units
-    of the gap between the two. ``spread = 1/2`` is stochastic rounding (probability ``d``:
+    of the gap between the two, i.e. round-to-nearest of ``x`` moved by a uniform random amount
+    of up to ``spread`` units. ``spread = 1/2`` is stochastic rounding (probability ``d``:
     unbiased); a value ``dtype`` holds exactly is returned unchanged; overflow gives inf as
     round-to-nearest does; NaN stays NaN. Draws from ``gen`` only."""
+    if x.dtype == torch.float32 and dtype == torch.bfloat16:
+        return _bf16_from_fp32(x, gen, spread)
     near = x.to(dtype)
     wide = near.to(x.dtype)
     inf = torch.tensor(float("inf"), dtype=dtype, device=x.device)
@@ -103,6 +106,26 @@ def round_random(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator,
     p = ((dist - 0.5 + spread) / (2 * spread)).clamp_(0, 1)
     u = torch.rand(x.shape, generator=gen, dtype=x.dtype, device=x.device)
     return torch.where(u < p, other, near)   # NaN p (inf, NaN x): u < NaN is False
+
+
+def _bf16_from_fp32(x, gen, spread: float):
+    """``round_random`` to bf16 on the bits: bf16 is fp32's upper half, so adding a random
+    16-bit offset to the magnitude and dropping the lower half rounds at random (an offset
+    uniform in [0, 2^16) is stochastic rounding; ``2^15 (1 - 2 spread) + [0, 2^17 spread)`` is
+    round-to-nearest after a move of up to ``spread`` units). Inf keeps its bits (its lower
+    half is zero); NaN stays NaN."""
+    lo = int(round(0x10000 * (0.5 - spread)))
+    width = int(round(0x10000 * 2 * spread))
+    if width & (width - 1) == 0:   # a power of two: full-range draws, masked (twice as fast)
+        r = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=gen)
+        r = (r & (width - 1)) + lo if lo else r & (width - 1)
+    else:
+        r = torch.randint(lo, lo + width, x.shape, generator=gen, dtype=torch.int32,
+                          device=x.device)
+    bits = x.contiguous().view(torch.int32)
+    out = ((bits + r) & -0x10000).view(torch.float32)   # inf stays inf: its lower half is 0
+    special = torch.isnan(x)
+    return torch.where(special, x, out).to(torch.bfloat16)
 
 
 # -- the dispatch mode ------------------------------------------------------------------------
@@ -123,7 +146,8 @@ _EXACT = {_AT.detach.default, _AT.clone.default, _AT.alias.default, _AT.cat.defa
 
 class RoundingMode(TorchDispatchMode):
     """Every ATen call with a floating tensor of ``spec.dtype`` among its arguments or results
-    is computed in the wider dtype and its low-precision results rounded at random."""
+    is computed in the wider dtype and its low-precision results rounded at random: fresh
+    results with ``spec.spread``, results written in place with ``spec.spread_in_place``."""
 
     def __init__(self, spec: ControlSpec, device="cpu") -> None:
         super().__init__()
@@ -133,7 +157,8 @@ class RoundingMode(TorchDispatchMode):
         self.gens: dict = {}
         self.calls = 0
         self.rounded = 0
-        self.fallbacks: dict = {}
+        self._dtypes: dict = {}     # (func, argument dtypes) -> result dtypes
+        self._writes: dict = {}     # func -> its written arguments (position, name)
         self._gen(torch.device(device))
 
     def _gen(self, device) -> torch.Generator:
@@ -144,56 +169,44 @@ class RoundingMode(TorchDispatchMode):
             g.manual_seed(self.spec.seed + 7919 * len(self.gens))
         return g
 
-    def _is_low(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and t.dtype == self.low
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.calls += 1
         if getattr(_STATE, "paused", 0) or func.is_view or func in _EXACT or (
                 torch.Tag.nondeterministic_seeded in func.tags):
             return func(*args, **kwargs)
+        low = self.low
         flat, _ = tree_flatten((args, kwargs))
-        if not (any(self._is_low(t) for t in flat) or kwargs.get("dtype") == self.low):
+        if not any((isinstance(t, torch.Tensor) and t.dtype == low) or t is low for t in flat):
             return func(*args, **kwargs)
-        return self._emulate(func, args, kwargs)
+        return self._emulate(func, args, kwargs, flat)
 
-    def _emulate(self, func, args, kwargs):
+    def _emulate(self, func, args, kwargs, flat):
         low, wide = self.low, self.wide
-        copies = {}   # id(wide copy) -> original low tensor
 
         def up(t):
-            if self._is_low(t):
-                w = t.to(wide)
-                copies[id(w)] = t
-                return w
-            if isinstance(t, torch.dtype) and t == low:   # a dtype argument
-                return wide
-            return t
+            if isinstance(t, torch.Tensor) and t.dtype == low:
+                return t.to(wide)
+            return wide if t is low else t
 
         wargs = tree_map(up, args)
         wkwargs = tree_map(up, kwargs)
-        expected = self._result_dtypes(func, args, kwargs)
+        expected = self._result_dtypes(func, args, kwargs, flat)
         out = func(*wargs, **wkwargs)
-        schema = func._schema
         # in-place / out= arguments: the wide copy was written; round it into the original
-        mutated = []
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            if arg.kwarg_only or i >= len(args):
-                value, wvalue = kwargs.get(arg.name), wkwargs.get(arg.name)
+        back = {}
+        for i, name in self._written(func):
+            if i is None or i >= len(args):
+                value, wvalue = kwargs.get(name), wkwargs.get(name)
             else:
                 value, wvalue = args[i], wargs[i]
             pairs = (zip(value, wvalue) if isinstance(value, (list, tuple))
                      else [(value, wvalue)])
             for orig, w in pairs:
-                if self._is_low(orig):
+                if isinstance(orig, torch.Tensor) and orig.dtype == low:
                     with torch.no_grad():
                         orig.copy_(self._round(w, self.spec.spread_in_place))
-                    mutated.append((w, orig))
-        back = {id(w): orig for w, orig in mutated}
-
+                    back[id(w)] = orig
         it = iter(expected) if expected is not None else None
 
         def down(t):
@@ -215,21 +228,36 @@ class RoundingMode(TorchDispatchMode):
         return round_random(w, self.low, self._gen(w.device),
                             self.spec.spread if spread is None else spread)
 
-    def _result_dtypes(self, func, args, kwargs):
-        """The dtypes of ``func``'s tensor results for the original (low) arguments, from a
-        run on meta tensors; None when the call has no meta kernel (then: low where the wide
-        run gives the wide dtype)."""
+    def _written(self, func) -> list:
+        """(position or None for keyword-only, name) of the arguments ``func`` writes."""
+        found = self._writes.get(func)
+        if found is None:
+            found = self._writes[func] = [
+                (None if a.kwarg_only else i, a.name)
+                for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write]
+        return found
+
+    def _result_dtypes(self, func, args, kwargs, flat):
+        """The dtypes of ``func``'s tensor results for the original (low) arguments: from a run
+        on meta tensors, once per (call, argument dtypes); None when the call has no meta
+        kernel (then: low where the wide run gives the wide dtype)."""
+        key = (func, tuple(t.dtype if isinstance(t, torch.Tensor) else
+                           t if isinstance(t, torch.dtype) else None for t in flat))
+        if key in self._dtypes:
+            return self._dtypes[key]
+
         def meta(t):
             return (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
                     if isinstance(t, torch.Tensor) else t)
 
         try:
             res = func(*tree_map(meta, args), **tree_map(meta, kwargs))
-        except Exception as exc:  # noqa: BLE001 - no meta kernel: the fallback rule
-            self.fallbacks[str(func)] = type(exc).__name__
-            return None
-        flat, _ = tree_flatten(res)
-        return [t.dtype for t in flat if isinstance(t, torch.Tensor)]
+            found = [t.dtype for t in tree_flatten(res)[0] if isinstance(t, torch.Tensor)]
+        except Exception:  # noqa: BLE001 - no meta kernel: the fallback rule
+            found = None
+        self._dtypes[key] = found
+        return found
 
 
 @contextlib.contextmanager

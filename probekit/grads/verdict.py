@@ -12,11 +12,11 @@ control, by two tests (docs/DESIGN.md, "Verdicts with a null"):
   ln(cells / ALPHA)`` (a Chernoff bound on the binomial tail, Bonferroni over the rank's
   cells). Three flips of a 64-element bias are within a null that allows 2 x its control's
   bound (about 14 % when the control flipped none); a 4M-element weight is held to its share.
-* **scale** (a scaling bug leaves the signs alone): ``g = max(|ln(norm_t / norm_r)|,
-  |ln(range_t / range_r)|)``, ``range = max - min``; flagged when ``g > MARGIN * max(band,
-  SCALE_FLOOR * u)``, ``band`` the control's largest ``g`` at that parameter over the compared
-  steps and ``u`` the unit roundoff of the precision under test. A gradient that is NaN/Inf
-  where the reference's and the control's are finite is always flagged.
+* **scale** (a scaling bug leaves the signs alone): ``|ln(norm_t / norm_r)| > MARGIN *
+  max(band, SCALE_FLOOR * u)``, ``band`` the control's largest such deviation at that
+  parameter over the compared steps, ``u`` the unit roundoff of the precision under test; the
+  same for the range ``max - min`` with ``RANGE_MARGIN``. A gradient that is NaN/Inf (or zero)
+  where the reference's and the control's are finite (nonzero) is always flagged.
 
 The result also says it in words (``verdict_text``), and renders them first
 (``GradComparison``: the Dataset ``compare_grads`` returns).
@@ -35,6 +35,9 @@ MARGIN = 2.0
 ALPHA = 0.01
 #: the control's flip share is taken at its upper confidence bound at this level (per cell)
 CONTROL_LEVEL = 0.01
+#: the range max - min is two single elements, not an aggregate: its run-to-run spread has
+#: heavier tails than the norm's, so it is allowed one bit more than the norm (MARGIN squared)
+RANGE_MARGIN = MARGIN ** 2
 #: scale band floor, in units of the unit roundoff of the precision under test: a systematic
 #: drift of a few roundings (round-to-nearest's bias, which random rounding does not sample)
 SCALE_FLOOR = 4.0
@@ -104,11 +107,6 @@ def log_dev(x, r):
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.abs(np.log(x / r))
     return np.where((x == 0) & (r == 0), 0.0, out)
-
-
-def scale_dev(norm, rng, norm_ref, rng_ref):
-    """The scale statistic ``max(|ln(norm/norm_ref)|, |ln(range/range_ref)|)``."""
-    return np.fmax(log_dev(norm, norm_ref), log_dev(rng, rng_ref))
 
 
 # -- calibration of a comparison ------------------------------------------------------------------
@@ -224,40 +222,51 @@ def calibrate(result, ref, test, controls, **options):
         flag_s[k], exc_s[k] = exceeds(d_t[k], n_t[k], p0[k], cells)
         flag_t[k] = exceeds(d_tt[k], n_tt[k], p0t[k], d_tt.shape[1])[0]
 
-    # scale: norms and ranges (max - min) of the runs, aligned to the comparison
+    # scale: norms and ranges (max - min) of the runs, aligned to the comparison; each
+    # against the control's largest deviation of the same statistic at that parameter
     st_r = _stats(runs_ref, result, runs_ref)
     st_t = _stats(runs_test, result, runs_ref)
-    g_t = scale_dev(st_t["norm"], st_t["range"], st_r["norm"], st_r["range"])
-    band, finite_c, ratio_c = None, None, None
+    dev_t = {k: log_dev(st_t[k], st_r[k]) for k in ("norm", "range")}
+    bands = {"norm": None, "range": None}
+    finite_c, ratio_c = None, {}
     for rc in runs_ctrl:
         st_c = _stats(rc, result, runs_ref)
-        g_c = scale_dev(st_c["norm"], st_c["range"], st_r["norm"], st_r["range"])
-        g_c = np.where(np.isfinite(g_c), g_c, np.nan)
-        with np.errstate(all="ignore"):
-            b = np.nanmax(g_c, axis=1, keepdims=True) if np.isfinite(g_c).any() else \
-                np.full(g_c[:, :1].shape, np.nan)
-        band = b if band is None else np.fmax(band, b)
+        for k in bands:
+            g = log_dev(st_c[k], st_r[k])
+            g = np.where(np.isfinite(g), g, np.nan)
+            with np.errstate(all="ignore"):
+                b = (np.nanmax(g, axis=1, keepdims=True) if np.isfinite(g).any()
+                     else np.full(g[:, :1].shape, np.nan))
+            bands[k] = b if bands[k] is None else np.fmax(bands[k], b)
+            if k not in ratio_c:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio_c[k] = st_c[k] / st_r[k]
         fin = np.isfinite(st_c["norm"])
         finite_c = fin if finite_c is None else finite_c & fin
-        if ratio_c is None:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio_c = st_c["norm"] / st_r["norm"]
-    allowed = np.broadcast_to(MARGIN * np.fmax(np.nan_to_num(band, nan=0.0), SCALE_FLOOR * unit),
-                              g_t.shape)
+    floor = SCALE_FLOOR * unit
+    allowed = {k: np.broadcast_to(m * np.fmax(np.nan_to_num(bands[k], nan=0.0), floor),
+                                  dev_t[k].shape)
+               for k, m in (("norm", MARGIN), ("range", RANGE_MARGIN))}
     finite_r = np.isfinite(st_r["norm"])
     present = result["differ"].transpose(*dims).values >= 0
     nonfinite = present & finite_r & finite_c & ~np.isfinite(st_t["norm"])
+    ok = finite_r & finite_c & present
     with np.errstate(divide="ignore", invalid="ignore"):
-        flag_g = np.isfinite(g_t) & (g_t > allowed) & finite_r & finite_c
-        exc_g = np.where(finite_r & finite_c, g_t / allowed, np.nan)
+        # a gradient gone to zero where the reference's is not: a deviation of inf, flagged
+        exc_n = np.where(ok, dev_t["norm"] / allowed["norm"], np.nan)
+        exc_r = np.where(ok, dev_t["range"] / allowed["range"], np.nan)
+        exc_g = np.fmax(exc_n, exc_r)
+        flag_g = ok & (exc_g > 1)
     flag = flag_s | flag_g | nonfinite
-    excess = np.fmax(exc_s, np.where(np.isfinite(exc_g), exc_g, np.nan))
-    excess = np.where(nonfinite, np.inf, excess)
+    # a flagged cell's excess is that of its kind: scale before signs (a defect scales the
+    # gradients of the modules it feeds and passes through, while any perturbation flips
+    # near-zero signs all over the network), NaN/Inf first of all
     kind = np.zeros(flag.shape, np.int8)
     kind[flag_s] = 1
-    kind[flag_g & ~flag_s] = 2
+    kind[flag_g] = 2
     kind[nonfinite] = 3
-
+    excess = np.where(kind == 2, exc_g, np.where(kind == 1, exc_s, np.fmax(exc_s, exc_g)))
+    excess = np.where(nonfinite, np.inf, excess)
     out = result.copy()
     out["flag_threshold"] = result["flag"]
     out["flag_total_threshold"] = result["flag_total"]
@@ -271,26 +280,30 @@ def calibrate(result, ref, test, controls, **options):
     out["total_band"] = (("rank", "step"), 1.0 - p0t)
     with np.errstate(divide="ignore", invalid="ignore"):
         out["norm_ratio"] = (dims, st_t["norm"] / st_r["norm"])
-    out["norm_ratio_control"] = (dims, ratio_c)
-    out["scale_dev"] = (dims, g_t)
-    out["scale_allowed"] = (dims, np.array(allowed))
+        out["range_ratio"] = (dims, st_t["range"] / st_r["range"])
+    out["norm_ratio_control"] = (dims, ratio_c["norm"])
+    out["range_ratio_control"] = (dims, ratio_c["range"])
+    out["norm_dev"] = (dims, dev_t["norm"])
+    out["norm_allowed"] = (dims, np.array(allowed["norm"]))
+    out["range_dev"] = (dims, dev_t["range"])
+    out["range_allowed"] = (dims, np.array(allowed["range"]))
     steps = np.asarray(result["step"].values)
     params = [str(x) for x in result["param"].values]
-    sim_t = judged(result).transpose(*dims).values
-    firsts = [_first(flag[k], flag_t[k], sim_t[k], excess[k], steps, params)
+    firsts = [_first(kind[k], flag_t[k], excess[k], steps, params)
               for k in range(flag.shape[0])]
     out["first_step"] = (("rank",), np.array([s for s, _ in firsts], np.int64))
     out["first_param"] = (("rank",), np.array([p for _, p in firsts], dtype=str))
-    out.attrs.update(calibrated=1, control=", ".join(names), margin=MARGIN, alpha=ALPHA,
+    out.attrs.update(calibrated=1, control=", ".join(n for n in names if n), margin=MARGIN, alpha=ALPHA,
                      control_level=CONTROL_LEVEL, scale_floor=SCALE_FLOOR * unit,
                      similarity=judged_name(result))
     return GradComparison.wrap(out)
 
 
-def _first(flag, flag_total, sim, excess, steps, params):
-    """(step, param) of the first flag: at that step the flagged param with the lowest judged
-    similarity (the number shown), ties broken by the larger excess; ("" if only the total was
-    flagged); (-1, "") if none."""
+def _first(kind, flag_total, excess, steps, params):
+    """(step, param) of the first flag: at that step the flagged param of the strongest kind
+    (NaN/Inf, then scale, then signs) departing furthest beyond what the control allows (the
+    largest ``excess``); "" if only the total was flagged; (-1, "") if none."""
+    flag = kind > 0
     rows = flag.any(axis=1) | flag_total
     hits = np.flatnonzero(rows)
     if hits.size == 0:
@@ -299,9 +312,8 @@ def _first(flag, flag_total, sim, excess, steps, params):
     if not flag[i].any():
         return int(steps[i]), ""
     cols = np.flatnonzero(flag[i])
-    s = np.nan_to_num(sim[i, cols], nan=1.0)
     e = np.nan_to_num(excess[i, cols], nan=0.0, posinf=np.inf)
-    order = np.lexsort((-e, s))     # lowest similarity first, then the largest excess
+    order = np.lexsort((-e, -kind[i, cols]))
     return int(steps[i]), params[int(cols[order[0]])]
 
 
@@ -309,7 +321,7 @@ def _control_names(runs_ctrl) -> list:
     names = []
     for runs in runs_ctrl:
         attrs = next(iter(runs.values())).attrs if runs else {}
-        names.append(str(attrs.get("control", "control")))
+        names.append(str(attrs.get("control", "")))
     return list(dict.fromkeys(names))
 
 
@@ -326,6 +338,7 @@ def rank_verdict(cmp) -> dict:
     out = {"kind": "uncalibrated", "step": step, "param": param, "why": "",
            "similarity": math.nan, "control_similarity": math.nan, "band": math.nan,
            "norm_ratio": math.nan, "control_norm_ratio": math.nan,
+           "range_ratio": math.nan, "control_range_ratio": math.nan, "by_range": False,
            "flags": int(np.asarray(cmp["flag"].values).sum()),
            "params": int(np.asarray(cmp["flag"].values).any(axis=0).sum()),
            "steps": int(steps.size), "similarity_name": name,
@@ -351,6 +364,12 @@ def rank_verdict(cmp) -> dict:
             out["band"] = float(cell["similarity_band"])
             out["norm_ratio"] = float(cell["norm_ratio"])
             out["control_norm_ratio"] = float(cell["norm_ratio_control"])
+            out["range_ratio"] = float(cell["range_ratio"])
+            out["control_range_ratio"] = float(cell["range_ratio_control"])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                en = float(cell["norm_dev"] / cell["norm_allowed"])
+                er = float(cell["range_dev"] / cell["range_allowed"])
+            out["by_range"] = bool(er > en) if not math.isnan(er) else False
     else:
         out["why"] = "total"
         tname = judged_total_name(cmp)
@@ -365,7 +384,8 @@ def verdict_line(cmp, rank=None) -> str:
     """One rank's verdict in words."""
     v = rank_verdict(cmp)
     who = f"rank {rank}: " if rank is not None else ""
-    ctrl = v["control"] or "control"
+    name = v["control"]
+    ctrl = f"the {name} control" if name else "the control"
     sim = "significant-sign similarity" if v["similarity_name"] == "similarity_significant" \
         else "sign similarity"
     if v["kind"] == "uncalibrated":
@@ -382,23 +402,31 @@ def verdict_line(cmp, rank=None) -> str:
                 "test: 'bf16', 'fp16', 'fp32'; 'bf16:cast' for a model cast to bf16), then "
                 "compare_grads(ref, test, control=that_run) or --control PATH.")
     if v["kind"] == "within":
-        return (f"{who}within what {ctrl} rounding explains over {v['steps']} steps: no "
-                f"parameter departs from the reference further than the {ctrl} control does "
-                f"(lowest {sim} {v['similarity']:.4f}; the control's lowest "
-                f"{v['control_similarity']:.4f}).")
+        what = f"{name} rounding" if name else "rounding at the control's precision"
+        return (f"{who}within what {what} explains over {v['steps']} steps: no "
+                f"parameter departs from the reference further than {ctrl} does "
+                f"(lowest {sim} {_fmt(v['similarity'])}; the control's lowest "
+                f"{_fmt(v['control_similarity'])}).")
     where = f"at {v['param']}" if v["param"] else "in the total"
     if v["why"] == "nonfinite":
         what = "its gradient is NaN/Inf where the reference's and the control's are finite"
     elif v["why"] == "scale":
-        what = (f"gradient norm {v['norm_ratio']:.4g}x the reference's while the signs agree "
-                f"({sim} {v['similarity']:.4f}); the {ctrl} control's norm is "
-                f"{v['control_norm_ratio']:.4g}x")
+        # the statistic that went furthest beyond its band: the norm, or the range max - min
+        stat, key = ("gradient range max - min", "range_ratio") if v["by_range"] else \
+            ("gradient norm", "norm_ratio")
+        what = (f"{stat} {v[key]:.4g}x the reference's, {ctrl}'s "
+                f"{v['control_' + key]:.4g}x; {sim} {_fmt(v['similarity'])}")
     else:
-        what = (f"{sim} {v['similarity']:.4f}; the {ctrl} control keeps "
-                f"{v['control_similarity']:.4f}, noise allows down to {v['band']:.4f}")
-    more = f"; {v['flags']} flagged (step, parameter) pairs in {v['params']} parameters" \
-        if v["flags"] else ""
+        what = (f"{sim} {_fmt(v['similarity'])}; {ctrl} keeps "
+                f"{_fmt(v['control_similarity'])}, noise allows down to {_fmt(v['band'])}")
+    n, k = v["flags"], v["params"]
+    more = (f"; {n} flagged (step, parameter) pair{'s' * (n != 1)} in {k} "
+            f"parameter{'s' * (k != 1)}") if n else ""
     return f"{who}beyond rounding noise from step {v['step']} {where} ({what}){more}."
+
+
+def _fmt(x) -> str:
+    return "n/a (no element significant in both runs)" if math.isnan(x) else f"{x:.4f}"
 
 
 def verdict_text(cmp) -> str:

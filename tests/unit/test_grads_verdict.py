@@ -7,9 +7,9 @@ import pytest
 import xarray as xr
 
 from probekit.grads import compare_grads
-from probekit.grads.verdict import (ALPHA, CONTROL_LEVEL, MARGIN, SCALE_FLOOR, UNIT,
-                                    GradComparison, allowed_share, exceeds, kl, log_dev,
-                                    scale_dev, upper_share, verdict_kind, verdict_text)
+from probekit.grads.verdict import (ALPHA, CONTROL_LEVEL, MARGIN, RANGE_MARGIN, SCALE_FLOOR,
+                                    UNIT, GradComparison, allowed_share, exceeds, kl, log_dev,
+                                    upper_share, verdict_kind, verdict_text)
 
 
 # -- the statistics ----------------------------------------------------------------------------
@@ -54,9 +54,8 @@ def test_exceeds_needs_the_chernoff_budget():
 def test_scale_statistic():
     assert log_dev(0.5, 1.0) == pytest.approx(math.log(2), rel=1e-15)
     assert log_dev(0.0, 0.0) == 0.0 and log_dev(0.0, 1.0) == np.inf
-    # the norm halves and the range stays: the larger of the two
-    assert scale_dev(0.5, 2.0, 1.0, 2.0) == pytest.approx(math.log(2), rel=1e-15)
-    assert scale_dev(1.0, 3.0, 1.0, 1.0) == pytest.approx(math.log(3), rel=1e-15)
+    assert log_dev(-3.0, 1.0) == pytest.approx(math.log(3), rel=1e-15)   # magnitudes
+    assert RANGE_MARGIN == MARGIN ** 2
 
 
 # -- synthetic runs with known flips -------------------------------------------------------------
@@ -158,10 +157,15 @@ def test_calibrated_flags_where_the_test_departs_further(runs):
     assert r["similarity_band"].sel(param="enc.weight").values[0] == pytest.approx(band, rel=1e-9)
     # the fixed-threshold flags are kept under their own name
     assert "flag_threshold" in r and "flag_total_threshold" in r
-    # scale: the control's band at head.weight is its largest deviation, ln(1.002)
+    # scale: the control's band at head.weight is its largest deviation, ln(1.002), below
+    # the floor of 4 bf16 units; the range's is the same with one bit more
     allowed = MARGIN * max(math.log(1.002), SCALE_FLOOR * UNIT["bf16"])
-    assert r["scale_allowed"].sel(param="head.weight").values[0] == pytest.approx(allowed,
-                                                                                   rel=1e-6)
+    assert r["norm_allowed"].sel(param="head.weight").values[0] == pytest.approx(allowed,
+                                                                                  rel=1e-12)
+    assert r["range_allowed"].sel(param="head.weight").values[0] == pytest.approx(
+        RANGE_MARGIN * SCALE_FLOOR * UNIT["bf16"], rel=1e-12)
+    assert r["norm_dev"].sel(param="head.weight").values[3] == pytest.approx(math.log(2),
+                                                                              rel=1e-12)
 
 
 def test_verdict_words_beyond_within_uncalibrated(runs):
@@ -203,8 +207,9 @@ def test_scale_only_verdict_names_the_norm(runs):
     assert int(cmp["first_step"].item()) == 3
     assert str(cmp["first_param"].item()) == "head.weight"
     assert verdict_text(cmp).startswith(
-        "beyond rounding noise from step 3 at head.weight (gradient norm 0.5x the reference's "
-        "while the signs agree (sign similarity 1.0000); the bf16 control's norm is ")
+        "beyond rounding noise from step 3 at head.weight (gradient norm 0.5x the reference's, "
+        "the bf16 control's 0.998x; sign similarity 1.0000); 2 flagged (step, parameter) "
+        "pairs in 1 parameter.")
 
 
 def test_several_controls_envelope(runs):
