@@ -252,7 +252,8 @@ class TriageReport:
               "white-space:nowrap")
         sites = _cell_sites()
         if d["step"] < 0:
-            return f"<p><b>probekit triage</b>: {esc(self.summary())}</p>"
+            return (f"<p><b>probekit triage</b>: "
+                    f"{esc(self.summary().removeprefix('Triage: '))}</p>")
         if self.calibrated:
             out = [f"<div class='probekit-triage'><p><b>probekit triage</b>: "
                    f"{esc(self.verdict)}</p>"]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 VOCAB = 256
-KINDS = ("gpt2", "llama", "bert", "resnet")
+KINDS = ("gpt2", "llama", "bert", "resnet", "vit", "distilbert")
 SETTINGS = ("fp32", "autocast", "bf16", "sdpa_math", "reorder")
 
 
@@ -52,6 +52,19 @@ def build(kind: str, *, width: int = 64, layers: int = 3, inner: int | None = No
                                       intermediate_size=inner, max_position_embeddings=256,
                                       hidden_dropout_prob=p, attention_probs_dropout_prob=p)
         model = transformers.BertForMaskedLM(cfg)
+    elif kind == "distilbert":
+        cfg = transformers.DistilBertConfig(vocab_size=VOCAB, dim=width, n_layers=layers,
+                                            n_heads=4, hidden_dim=inner,
+                                            max_position_embeddings=256, dropout=p,
+                                            attention_dropout=p)
+        model = transformers.DistilBertForMaskedLM(cfg)
+    elif kind == "vit":
+        cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3,
+                                     hidden_size=width, num_hidden_layers=layers,
+                                     num_attention_heads=4, intermediate_size=inner,
+                                     num_labels=4, hidden_dropout_prob=p,
+                                     attention_probs_dropout_prob=p)
+        model = transformers.ViTForImageClassification(cfg)
     elif kind == "resnet":
         cfg = transformers.ResNetConfig(num_channels=3, embedding_size=16,
                                         hidden_sizes=[16, 32, inner], depths=[1, 1, 1],
@@ -63,7 +76,7 @@ def build(kind: str, *, width: int = 64, layers: int = 3, inner: int | None = No
 
 
 def batch(kind: str, gen, size: int = 4, seq: int = 32) -> dict:
-    if kind == "resnet":
+    if kind in ("resnet", "vit"):
         return {"pixel_values": torch.randn(size, 3, 32, 32, generator=gen),
                 "labels": torch.randint(0, 4, (size,), generator=gen)}
     ids = torch.randint(0, VOCAB, (size, seq), generator=gen)
@@ -152,6 +165,13 @@ TARGETS = {
              "overflow": "bert.encoder.layer.1.intermediate",
              "grad_count": "bert.encoder.layer.1.attention.output.dense.weight",
              "norm_scale": "bert.encoder.layer.1.output.LayerNorm"},
+    "vit": {"accumulate": "vit.layers.1.mlp.fc2", "overflow": "vit.layers.1.mlp.activation_fn",
+            "grad_count": "vit.layers.1.attention.o_proj.weight",
+            "norm_scale": "vit.layers.1.layernorm_after"},
+    "distilbert": {"accumulate": "distilbert.transformer.layer.1.ffn.lin2",
+                   "overflow": "distilbert.transformer.layer.1.ffn.activation",
+                   "grad_count": "distilbert.transformer.layer.1.attention.out_lin.weight",
+                   "norm_scale": "distilbert.transformer.layer.1.sa_layer_norm"},
     "resnet": {"accumulate": "resnet.encoder.stages.2.layers.0.layer.1.convolution",
                "overflow": "resnet.encoder.stages.1.layers.0.layer.0.activation",
                "grad_count": "resnet.encoder.stages.1.layers.0.layer.1.convolution.weight",

@@ -173,17 +173,31 @@ def _stats(runs: dict, result, names) -> dict:
     return out
 
 
-def calibrate(result, ref, test, controls, **options):
-    """``result`` (``compare_grads(ref, test)``, with a rank dim) judged against the control
-    runs ``controls`` (paths or Datasets; several: the band is their envelope, cell by cell).
-    ``options``: ``compare_grads``'s, for the comparisons with the controls. Returns a
-    ``GradComparison`` with the calibrated ``flag``, ``flag_total``, ``first_step``,
-    ``first_param`` and the variables named in ``compare_grads``'s docstring."""
+def compare_with_control(ref, test, control, **options):
+    """``compare_grads(ref, test, control=control, **options)``: the comparison of ``ref`` with
+    ``test`` and with each control run at once (threads: each a dask graph of its own, so the
+    cores left idle by one serve another), then ``calibrate``."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from .compare import compare_grads
+
+    controls = list(control) if isinstance(control, (list, tuple)) else [control]
+    with ThreadPoolExecutor(max_workers=1 + len(controls)) as pool:
+        jobs = [pool.submit(compare_grads, ref, x, **options) for x in [test, *controls]]
+        results = [j.result() for j in jobs]
+    return calibrate(results[0], results[1:], ref, test, controls,
+                     storage_options=options.get("storage_options"))
+
+
+def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
+    """``result`` (``compare_grads(ref, test)``, with a rank dim) judged against the control
+    runs ``controls`` (paths or Datasets; several: the band is their envelope, cell by cell)
+    and their comparisons with ``ref``, ``ctrl_cmps``. Returns a ``GradComparison`` with the
+    calibrated ``flag``, ``flag_total``, ``first_step``, ``first_param`` and the variables
+    named in ``compare_grads``'s docstring."""
     from .sources import load_runs
 
-    storage = options.get("storage_options")
-    ctrl_cmps = [compare_grads(ref, c, **options) for c in controls]
+    storage = storage_options
     runs_ref = load_runs(ref, storage_options=storage)
     runs_test = load_runs(test, storage_options=storage)
     runs_ctrl = [load_runs(c, storage_options=storage) for c in controls]

@@ -225,3 +225,34 @@ def test_several_controls_envelope(runs):
     assert not two["flag"].sel(param="enc.weight").values.any()    # 8 % < 2 x 6 %
     assert (two["similarity_band"].sel(param="enc.weight").values
             < one["similarity_band"].sel(param="enc.weight").values).all()
+
+
+def test_triage_stops_unless_beyond_noise(runs):
+    """Uncalibrated with a flag after step 0 (plain signs here): the free benchmark is not run
+    and the report says how to calibrate; calibrated within noise: not run either."""
+    import torch
+
+    import probekit
+
+    ref, test, ctrl = runs
+    model = torch.nn.Module()
+    model.enc, model.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 16)
+
+    def never():
+        raise AssertionError("step_fn must not run")
+
+    rng = np.random.default_rng(7)
+    later = [dict(step) for step in _grads()]
+    for s in range(2, STEPS):
+        later[s]["enc.weight"] = _flip(later[s]["enc.weight"], 0.08, rng)
+    late = compare_grads(ref, _run(later), progress=False)
+    assert int(late["first_step"].item()) == 2
+    report = probekit.triage(model, never, comparison=late)
+    assert report.runs == [] and report.stopped.startswith(
+        "Stopped before the free benchmark: the comparison is uncalibrated and the comparison "
+        "is judged on plain signs, which rounding noise flips. To calibrate:")
+    assert str(report).splitlines()[0].startswith("Triage: runs diverge first at step 2, "
+                                                  "parameter 'enc.weight'")
+    within = probekit.triage(model, never, ref, ctrl, control=ctrl)
+    assert within.runs == [] and within.stopped.startswith("Nothing to check")
+    assert "<b>probekit triage</b>: within what bf16 rounding explains" in within._repr_html_()
