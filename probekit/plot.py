@@ -108,8 +108,9 @@ def _judged(cmp):
 
 
 def _ylim(ax, lo, lows, thr, calibrated) -> None:
-    """Down to the threshold (uncalibrated), or to the lowest of the data and the control's
-    band with a margin of a tenth of the shown range (calibrated: bands near 1 stay visible)."""
+    """Down to the threshold (uncalibrated), or to the lowest of the data and ``lows`` (the
+    total's band) with a margin of a tenth of the shown range (calibrated: data near 1 stay
+    readable; a parameter's band reaching further down is cut)."""
     if not calibrated:
         ax.set_ylim(min(lo, thr) - 0.02, 1.005)
         return
@@ -118,8 +119,10 @@ def _ylim(ax, lo, lows, thr, calibrated) -> None:
     ax.set_ylim(floor - 0.1 * span, 1.0 + 0.05 * span)
 
 
-def _control_name(cmp) -> str:
-    return str(cmp.attrs.get("control", "")) or "control"
+def _control_label(cmp) -> str:
+    """"the bf16 control" or "the control" (a control run recorded without its name)."""
+    name = str(cmp.attrs.get("control", ""))
+    return f"{name} control" if name else "control"
 
 
 def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
@@ -128,8 +131,10 @@ def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
     similarity the flags are judged on (significant signs when the comparison is noise-aware).
 
     Calibrated by a control run (``compare_grads(..., control=)``), each line's shaded band is
-    what the control allows (down to ``similarity_band``); otherwise a dashed line marks the
-    comparison's ``step0_threshold``. Red crosses mark flagged (step, param) points. With more
+    what the control allows (down to ``similarity_band``, dotted); red markers say why a point
+    is flagged (a cross: its signs; a diamond: its scale, the norm or max - min, whatever its
+    similarity; a plus: NaN/Inf). Otherwise a dashed line marks the comparison's
+    ``step0_threshold`` and red crosses the flagged (step, param) points. With more
     than ``max_lines`` parameters (and ``params`` not given), the flagged ones and the lowest
     ones are drawn, up to ``max_lines``.
     """
@@ -150,23 +155,37 @@ def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
     for i, p in enumerate(names):
         (line,) = ax.plot(steps, sim.sel(param=p).values, marker="o", markersize=3,
                           linewidth=1.5, label=short_name(p), gid=f"similarity:{p}")
-        if calibrated:
+        if calibrated:   # what the control allows: shaded, its lower edge dashed
             band = ds["similarity_band"].sel(param=p).values
-            ax.fill_between(steps, band, 1.0, color=line.get_color(), alpha=0.10, linewidth=0,
-                            label=f"{_control_name(cmp)} control allows" if i == 0 else None,
+            ax.fill_between(steps, band, 1.0, color=line.get_color(), alpha=0.07, linewidth=0,
+                            label=f"{_control_label(cmp)} allows" if i == 0 else None,
                             gid=f"band:{p}")
-            lows.append(np.nanmin(band) if np.isfinite(band).any() else 1.0)
-    fx, fy = [], []
+            ax.plot(steps, band, color=line.get_color(), linestyle=":", linewidth=1,
+                    gid=f"band_edge:{p}")
+    fx, fy, fk = [], [], []
+    kinds = ds["flag_kind"] if calibrated and "flag_kind" in ds else None
     for p in names:
         f = flag.sel(param=p).values
         fx.extend(steps[f])
         fy.extend(sim.sel(param=p).values[f])
+        fk.extend(kinds.sel(param=p).values[f] if kinds is not None else [1] * int(f.sum()))
     thr = _step0_threshold(cmp)
     if not calibrated:
         _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
     if fx:
-        ax.scatter(fx, fy, marker="X", s=70, color=FLAG_COLOR, zorder=5,
-                   label=f"flagged ({len(fx)})", gid="flags")
+        fx, fy, fk = np.asarray(fx), np.asarray(fy, np.float64), np.asarray(fk)
+        if kinds is None:
+            ax.scatter(fx, fy, marker="X", s=70, color=FLAG_COLOR, zorder=5,
+                       label=f"flagged ({len(fx)})", gid="flags")
+        else:   # the kind of flag: its signs (X), its scale (diamond: norm or max - min)
+            for code, marker, what in ((1, "X", "signs"), (2, "D", "scale"),
+                                       (3, "P", "NaN/Inf")):
+                sel = fk == code
+                if sel.any():
+                    ax.scatter(fx[sel], np.nan_to_num(fy[sel], nan=1.0), marker=marker,
+                               s=70 if code != 2 else 40, color=FLAG_COLOR, zorder=5,
+                               label=f"flagged: {what} ({int(sel.sum())})",
+                               gid=f"flags:{what}")
     lo = float(np.nanmin(sim.sel(param=names).values)) if names else thr
     _ylim(ax, lo, lows, thr, calibrated)
     _step_ticks(ax, steps)
@@ -212,11 +231,11 @@ def total_similarity(cmp, *, rank=None, ax=None):
                           label=f"rank {r}", gid=f"total:{r}")
         if calibrated:
             band = ds["total_band"].values
-            ctrl = _control_name(cmp)
+            ctrl = _control_label(cmp)
             ax.plot(steps, ds["total_control"].values, color=line.get_color(), linestyle="--",
-                    linewidth=1, label=f"{ctrl} control", gid=f"control:{r}")
+                    linewidth=1, label=ctrl, gid=f"control:{r}")
             ax.fill_between(steps, band, 1.0, color=line.get_color(), alpha=0.12, linewidth=0,
-                            label=f"{ctrl} control allows", gid=f"band:{r}")
+                            label=f"{ctrl} allows", gid=f"band:{r}")
             lows.append(np.nanmin(band) if np.isfinite(band).any() else 1.0)
         f = ds["flag_total"].values
         if f.any():

@@ -390,14 +390,24 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
     from .engine import run_graph
     from .sources import load_runs
 
-    if control is not None:   # the test's and the controls' comparisons at once (verdict.py)
-        from .verdict import compare_with_control
+    if control is not None:   # the test's and the controls' comparisons at once, judged
+        from concurrent.futures import ThreadPoolExecutor
 
-        return compare_with_control(
-            a, b, control, step0_threshold=step0_threshold, drop_threshold=drop_threshold,
-            ranks=ranks, noise_aware=noise_aware, client=client, scheduler=scheduler,
-            progress=progress, storage_options=storage_options, block_bytes=block_bytes,
-            task_bytes=task_bytes)
+        from .verdict import calibrate
+
+        controls = list(control) if isinstance(control, (list, tuple)) else [control]
+        options = dict(step0_threshold=step0_threshold, drop_threshold=drop_threshold,
+                       ranks=ranks, noise_aware=noise_aware, client=client,
+                       scheduler=scheduler, progress=progress,
+                       storage_options=storage_options, block_bytes=block_bytes,
+                       task_bytes=task_bytes)
+        # a thread each: every comparison is a dask graph of its own, so the cores one leaves
+        # idle serve another
+        with ThreadPoolExecutor(max_workers=1 + len(controls)) as pool:
+            jobs = [pool.submit(compare_grads, a, x, **options) for x in [b, *controls]]
+            results = [j.result() for j in jobs]
+        return calibrate(results[0], results[1:], a, b, controls,
+                         storage_options=storage_options)
     runs_a = load_runs(a, storage_options=storage_options)
     runs_b = load_runs(b, storage_options=storage_options)
     pairs = pair_runs(runs_a, runs_b, ranks)

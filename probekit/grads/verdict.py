@@ -142,18 +142,20 @@ def judged(cmp):
     return cmp[judged_name(cmp)]
 
 
-def _stats(runs: dict, result, names) -> dict:
-    """norm and range (max - min) of a run aligned to ``result``'s (rank, step, param)."""
-    from .compare import pair_runs
+def _stats(runs: dict, result) -> dict:
+    """norm and range (max - min) of a run aligned to ``result``'s (rank, step, param). A run of
+    one Dataset pairs with every rank of the comparison (``compare.pair_runs``' rule), else rank
+    r with rank r."""
     from .names import canonical_names
 
     ranks = [int(r) for r in result["rank"].values]
     steps = np.asarray(result["step"].values)
     params = [str(p) for p in result["param"].values]
     out = {k: np.full((len(ranks), steps.size, len(params)), np.nan) for k in ("norm", "range")}
-    firsts = {r: ds for r, ds in names.items()}
-    for i, (r, _, ds) in enumerate(pair_runs(firsts, runs, ranks)):
-        k = ranks.index(int(r))
+    for k, r in enumerate(ranks):
+        ds = next(iter(runs.values())) if len(runs) == 1 else runs.get(r)
+        if ds is None:
+            continue
         canon = list(canonical_names(str(p) for p in ds["param"].values))
         col = {n: j for j, n in enumerate(canon)}
         have = np.asarray(ds["step"].values)
@@ -173,26 +175,11 @@ def _stats(runs: dict, result, names) -> dict:
     return out
 
 
-def compare_with_control(ref, test, control, **options):
-    """``compare_grads(ref, test, control=control, **options)``: the comparison of ``ref`` with
-    ``test`` and with each control run at once (threads: each a dask graph of its own, so the
-    cores left idle by one serve another), then ``calibrate``."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from .compare import compare_grads
-
-    controls = list(control) if isinstance(control, (list, tuple)) else [control]
-    with ThreadPoolExecutor(max_workers=1 + len(controls)) as pool:
-        jobs = [pool.submit(compare_grads, ref, x, **options) for x in [test, *controls]]
-        results = [j.result() for j in jobs]
-    return calibrate(results[0], results[1:], ref, test, controls,
-                     storage_options=options.get("storage_options"))
-
-
 def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     """``result`` (``compare_grads(ref, test)``, with a rank dim) judged against the control
     runs ``controls`` (paths or Datasets; several: the band is their envelope, cell by cell)
-    and their comparisons with ``ref``, ``ctrl_cmps``. Returns a ``GradComparison`` with the
+    and their comparisons with ``ref``, ``ctrl_cmps`` (``compare_grads(..., control=)`` runs
+    all of them at once, then this). Returns a ``GradComparison`` with the
     calibrated ``flag``, ``flag_total``, ``first_step``, ``first_param`` and the variables
     named in ``compare_grads``'s docstring."""
     from .sources import load_runs
@@ -238,13 +225,13 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
 
     # scale: norms and ranges (max - min) of the runs, aligned to the comparison; each
     # against the control's largest deviation of the same statistic at that parameter
-    st_r = _stats(runs_ref, result, runs_ref)
-    st_t = _stats(runs_test, result, runs_ref)
+    st_r = _stats(runs_ref, result)
+    st_t = _stats(runs_test, result)
     dev_t = {k: log_dev(st_t[k], st_r[k]) for k in ("norm", "range")}
     bands = {"norm": None, "range": None}
     finite_c, ratio_c = None, {}
     for rc in runs_ctrl:
-        st_c = _stats(rc, result, runs_ref)
+        st_c = _stats(rc, result)
         for k in bands:
             g = log_dev(st_c[k], st_r[k])
             g = np.where(np.isfinite(g), g, np.nan)
