@@ -53,8 +53,8 @@ CONTROL_RUNS = {"c_bf16_0": "bf16", "c_bf16_1": "bf16", "c_bf16_2": "bf16",
 
 
 def record(root, kind, name, setting="fp32", control=None, seed=0, bug=None, steps=20,
-           size=4, seq=32, **options) -> tuple:
-    path = os.path.join(root, kind, name)
+           size=4, seq=32, folder=None, **options) -> tuple:
+    path = os.path.join(root, folder or kind, name)
     shutil.rmtree(path, ignore_errors=True)
     model = cm.build(kind)
     clock = cm.Clock()
@@ -143,21 +143,39 @@ def validate(args) -> dict:
     return {"rows": rows, "seconds": seconds, "steps": args.steps, "onset": ONSET}
 
 
+def _gradient_error(root, tag, name):
+    """The planted parameter's recorded gradient against the reference's at the onset step:
+    significant-sign flips, norm and range ratios."""
+    from probekit.grads import open_grads
+
+    param = cm.TARGETS["gpt2"]["accumulate"] + ".weight"
+    ref = open_grads(os.path.join(root, tag, "ref"))
+    run = open_grads(os.path.join(root, tag, name))
+    j = [str(p) for p in ref["param"].values].index(param)
+    s = list(ref["step"].values).index(ONSET)
+    rng = lambda ds: float(ds["max"].values[s, j] - ds["min"].values[s, j])  # noqa: E731
+    return {"norm_ratio": float(run["norm"].values[s, j] / ref["norm"].values[s, j]),
+            "range_ratio": rng(run) / rng(ref)}
+
+
 def line(args) -> dict:
-    """The bf16-accumulation bug (GPT-2's block-1 MLP down projection, K = 1024) at two batch
-    sizes and three chunk lengths: where it becomes beyond noise."""
+    """The bf16-accumulation bug (GPT-2's block-1 MLP down projection: K = 1024 in its forward,
+    K = the tokens of a step in its weight gradient) at 128, 1024 and 4096 tokens per step,
+    sequential or in fp32 chunks of 16: where it becomes beyond noise."""
     root = args.dir or tempfile.mkdtemp(prefix="probekit-line-")
     out = []
-    for size, seq in ((4, 32), (8, 128)):
+    for size, seq in ((4, 32), (8, 128), (16, 256)):
         tag = f"{size}x{seq}"
         kw = {"steps": args.steps, "size": size, "seq": seq}
-        ref = record(root, tag, "ref", **kw)[0]
-        ctrls = [record(root, tag, f"c{s}", control="bf16", seed=s, **kw)[0] for s in (0, 1)]
-        for chunk in (1, 16, 64):
-            test = record(root, tag, f"acc{chunk}", "autocast", bug="accumulate", chunk=chunk,
+        kw = {**kw, "folder": tag}
+        ref = record(root, "gpt2", "ref", **kw)[0]
+        ctrls = [record(root, "gpt2", f"c{s}", control="bf16", seed=s, **kw)[0] for s in (0, 1)]
+        for chunk in (1, 16):
+            test = record(root, "gpt2", f"acc{chunk}", "autocast", bug="accumulate", chunk=chunk,
                           **kw)[0]
             res = judge(ref, test, ctrls)
-            res.update(tokens=size * seq, chunk=chunk)
+            res.update(tokens=size * seq, chunk=chunk,
+                       **_gradient_error(root, tag, f"acc{chunk}"))
             out.append(res)
             print(json.dumps({k: res[k] for k in ("tokens", "chunk", "verdict", "step",
                                                    "param")}), flush=True)
@@ -175,8 +193,9 @@ def _median_time(fn, repeats):
 
 def cost(args) -> dict:
     """Step time of a control run against a plain fp32 run and a bf16-autocast run (GPT-2 of
-    the validation); a comparison with one control against a plain comparison, on those runs
-    and on a larger recording (a 16.8M-parameter MLP, 20 steps)."""
+    the validation); a comparison with one control against a plain comparison (wall and CPU
+    time, alternating, medians), on those runs and on larger recordings (MLPs of 16.8M and 67M
+    parameters, 20 steps)."""
     root = args.dir or tempfile.mkdtemp(prefix="probekit-cost-")
     res = {}
     for name, setting, control in (("plain", "fp32", None), ("autocast", "autocast", None),
@@ -199,36 +218,51 @@ def cost(args) -> dict:
         res[f"step {name} ms"] = round(t * 1e3, 1)
     for key in list(res):
         res[key.replace(" ms", " / plain")] = round(res[key] / res["step plain ms"], 2)
-    # comparisons: the validation's GPT-2 runs, and a larger synthetic-free recording
+    # comparisons: the validation's GPT-2 runs, and larger recordings
     small = {n: record(root, "gpt2", n, s, control=c, steps=20)[0] for n, s, c in (
         ("ref", "fp32", None), ("test", "autocast", None), ("ctrl", "fp32", "bf16"))}
-    big = {n: _mlp_run(root, n, c) for n, c in (("ref", None), ("test", "bf16"),
-                                                ("ctrl", "bf16"))}
-    for label, runs in (("gpt2 0.2M x 20 steps", small), ("mlp 16.8M x 20 steps", big)):
-        compare_grads(runs["ref"], runs["test"], progress=False)     # warm the page cache
-        plain, _ = _median_time(lambda: compare_grads(runs["ref"], runs["test"],
-                                                      progress=False), args.repeats)
-        with_c, _ = _median_time(lambda: compare_grads(runs["ref"], runs["test"],
-                                                       control=runs["ctrl"], progress=False),
-                                 args.repeats)
-        res[f"compare {label} plain s"] = round(plain, 3)
-        res[f"compare {label} with control s"] = round(with_c, 3)
-        res[f"compare {label} ratio"] = round(with_c / plain, 2)
+    sets = [("gpt2 0.2M x 20 steps", small)]
+    for width, label in ((2048, "mlp 16.8M x 20 steps"), (4096, "mlp 67M x 20 steps")):
+        sets.append((label, {n: _mlp_run(root, n, c, width=width) for n, c in (
+            ("ref", None), ("test", None), ("ctrl", "bf16"))}))
+    for label, runs in sets:
+        def plain():
+            compare_grads(runs["ref"], runs["test"], progress=False)
+
+        def with_control():
+            compare_grads(runs["ref"], runs["test"], control=runs["ctrl"], progress=False)
+
+        plain(), with_control()          # the page cache warm for both
+        times = {"plain": [], "control": []}
+        for i in range(args.repeats):    # alternating, wall and CPU time of this process
+            for name, fn in (("plain", plain), ("control", with_control))[::1 if i % 2 else -1]:
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+        for what, k in (("wall", 0), ("cpu", 1)):
+            p = statistics.median(t[k] for t in times["plain"])
+            c = statistics.median(t[k] for t in times["control"])
+            res[f"compare {label} {what} plain s"] = round(p, 3)
+            res[f"compare {label} {what} with control s"] = round(c, 3)
+            res[f"compare {label} {what} ratio"] = round(c / p, 2)
     return res
 
 
-def _mlp_run(root, name, control, steps=20):
-    """A 16.8M-parameter MLP (4 layers of 2048 x 2048), fp32 weights, recorded over ``steps``;
-    with ``control`` its bf16-autocast control (no training difference matters for the cost)."""
+def _mlp_run(root, name, control, steps=20, width=2048):
+    """An MLP of 4 layers of ``width`` x ``width`` (16.8M parameters at 2048, 67M at 4096), fp32
+    weights, recorded over ``steps``; ``name`` "test" under bf16 autocast; with ``control`` its
+    bf16-autocast control."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    path = os.path.join(root, "mlp", name)
+    path = os.path.join(root, f"mlp{width}", name)
+    if os.path.exists(os.path.join(path, "grads.zarr", "rank0", "commit.json")):
+        return path                     # recorded by an earlier run of this benchmark (--dir)
     shutil.rmtree(path, ignore_errors=True)
     gen = torch.Generator().manual_seed(1)
     with GradProbe(model, dump_path=path, control=control):
         for _ in range(steps):
-            x = torch.randn(8, 2048, generator=gen)
+            x = torch.randn(8, width, generator=gen)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "test"):
                 loss = model(x).float().pow(2).mean()
             opt.zero_grad()

@@ -396,6 +396,9 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
         from .verdict import calibrate
 
         controls = list(control) if isinstance(control, (list, tuple)) else [control]
+        # each run read once ({rank: Dataset} passes through load_runs as it is)
+        a, b, *controls = [load_runs(x, storage_options=storage_options)
+                           for x in (a, b, *controls)]
         options = dict(step0_threshold=step0_threshold, drop_threshold=drop_threshold,
                        ranks=ranks, noise_aware=noise_aware, client=client,
                        scheduler=scheduler, progress=progress,

@@ -158,6 +158,7 @@ class RoundingMode(TorchDispatchMode):
         self.calls = 0
         self.rounded = 0
         self._dtypes: dict = {}     # (func, argument dtypes) -> result dtypes
+        self._skip: dict = {}       # func -> runs unchanged (views, exact, random)
         self._writes: dict = {}     # func -> its written arguments (position, name)
         self._gen(torch.device(device))
 
@@ -172,14 +173,14 @@ class RoundingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.calls += 1
-        if getattr(_STATE, "paused", 0) or func.is_view or func in _EXACT or (
-                torch.Tag.nondeterministic_seeded in func.tags):
+        skip = self._skip.get(func)
+        if skip is None:
+            skip = self._skip[func] = bool(func.is_view or func in _EXACT or (
+                torch.Tag.nondeterministic_seeded in func.tags))
+        if skip or getattr(_STATE, "paused", 0) or not (
+                _has_low(args, self.low) or _has_low(kwargs.values(), self.low)):
             return func(*args, **kwargs)
-        low = self.low
-        flat, _ = tree_flatten((args, kwargs))
-        if not any((isinstance(t, torch.Tensor) and t.dtype == low) or t is low for t in flat):
-            return func(*args, **kwargs)
-        return self._emulate(func, args, kwargs, flat)
+        return self._emulate(func, args, kwargs, tree_flatten((args, kwargs))[0])
 
     def _emulate(self, func, args, kwargs, flat):
         low, wide = self.low, self.wide
@@ -258,6 +259,22 @@ class RoundingMode(TorchDispatchMode):
             found = None
         self._dtypes[key] = found
         return found
+
+
+def _has_low(values, low) -> bool:
+    """Is a tensor of dtype ``low`` (or ``low`` itself, a dtype argument) among ``values``,
+    one list deep (ATen arguments: tensors, lists of tensors, scalars)?"""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.dtype == low:
+                return True
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, torch.Tensor) and x.dtype == low:
+                    return True
+        elif v is low:
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -348,5 +365,6 @@ def _cast_inputs(dtype):
 
 def perturb(model, control="bf16", seed: int = 0) -> Perturbation:
     """A control run's perturbation as a context manager (``GradProbe(..., control=)`` uses
-    it): ``with probekit.perturb(model, "bf16"): train(model)``."""
+    it): ``with probekit.perturb(model, "bf16"): train(model)``. ``control``: as
+    ``parse_control`` takes it (``"bf16"``, ``"bf16:cast"``, ``torch.float16``, ...)."""
     return Perturbation(model, control, seed)

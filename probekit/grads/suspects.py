@@ -89,8 +89,7 @@ def suspects(cmp, model=None, top: int | None = None):
         kinds = (np.asarray(sub["flag_kind"].transpose("step", "param").values)
                  if "flag_kind" in sub else np.zeros(sim.shape, np.int8))
         if have_counts:
-            d, n = (np.asarray(x.transpose("step", "param").values, np.float64)
-                    for x in counts(sub))
+            d, n = counts(sub, ("step", "param"))
         else:   # a bare similarity: weighted by the parameters' sizes
             n = np.where(np.isnan(sim), np.nan, numel)
             d = (1.0 - sim) * n

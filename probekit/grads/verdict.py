@@ -60,19 +60,22 @@ def kl(q, p):
 def upper_share(d, n, level: float):
     """The upper confidence bound of a share ``d / n`` at ``level``: the largest ``p >= d/n``
     with ``n KL(d/n || p) <= ln(1/level)`` (Chernoff; 1 where ``n`` is 0). For ``d = 0`` it is
-    ``1 - level^(1/n)``, about ``ln(1/level) / n``."""
+    ``1 - level^(1/n)``, about ``ln(1/level) / n``. Solved by bisection once per distinct
+    ``(d, n)``."""
     d = np.asarray(d, np.float64)
     n = np.asarray(n, np.float64)
-    ok = n > 0
-    q = np.where(ok, d / np.where(ok, n, 1.0), 0.0)
+    pairs, inverse = np.unique(np.stack([d.ravel(), n.ravel()]), axis=1, return_inverse=True)
+    du, nu = pairs
+    ok = nu > 0
+    q = np.where(ok, du / np.where(ok, nu, 1.0), 0.0)
     budget = math.log(1.0 / level)
     lo, hi = q.copy(), np.ones_like(q)
-    for _ in range(60):   # bisection to 2^-60
+    for _ in range(48):   # bisection to 2^-48
         mid = (lo + hi) / 2
-        over = n * kl(q, mid) > budget
+        over = nu * kl(q, mid) > budget
         hi = np.where(over, mid, hi)
         lo = np.where(over, lo, mid)
-    return np.where(ok, hi, 1.0)
+    return np.where(ok, hi, 1.0)[np.ravel(inverse)].reshape(d.shape)
 
 
 def exceeds(d, n, p0, cells: int, alpha: float = ALPHA):
@@ -110,19 +113,19 @@ def log_dev(x, r):
 
 
 # -- calibration of a comparison ------------------------------------------------------------------
-def counts(cmp):
-    """(differing, compared) element counts behind the comparison's judged similarity, as
-    float arrays shaped like it (NaN where a run had no gradient)."""
+def counts(cmp, dims) -> tuple:
+    """(differing, compared) element counts behind the comparison's judged similarity, as float
+    arrays over ``dims`` (NaN where a run had no gradient)."""
     name = judged_name(cmp)
     if name == "similarity_significant":
-        n = cmp["significant"].astype(np.float64)
-        n = n.where(n >= 0)
-        d = (n * (1.0 - cmp[name])).round()
+        n = np.asarray(cmp["significant"].transpose(*dims).values, np.float64)
+        n = np.where(n >= 0, n, np.nan)
+        d = np.round(n * (1.0 - np.asarray(cmp[name].transpose(*dims).values, np.float64)))
     else:
-        differ = cmp["differ"].astype(np.float64)
-        n = xr.ones_like(differ) * cmp["numel"].astype(np.float64)
-        n = n.where(differ >= 0)
-        d = differ.where(differ >= 0)
+        differ = np.asarray(cmp["differ"].transpose(*dims).values, np.float64)
+        numel = cmp["numel"].broadcast_like(cmp["differ"]).transpose(*dims).values
+        n = np.where(differ >= 0, np.asarray(numel, np.float64), np.nan)
+        d = np.where(differ >= 0, differ, np.nan)
     return d, n
 
 
@@ -184,7 +187,7 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     named in ``compare_grads``'s docstring."""
     from .sources import load_runs
 
-    storage = storage_options
+    storage = storage_options    # ref, test, controls: paths, Datasets or {rank: Dataset}
     runs_ref = load_runs(ref, storage_options=storage)
     runs_test = load_runs(test, storage_options=storage)
     runs_ctrl = [load_runs(c, storage_options=storage) for c in controls]
@@ -193,14 +196,15 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
                default=UNIT["bf16"])
     dims = ("rank", "step", "param")
     where = {"rank": result["rank"], "step": result["step"], "param": result["param"]}
-    d_t, n_t = (x.transpose(*dims).values for x in counts(result))
+    d_t, n_t = counts(result, dims)
     d_tt, n_tt = np.nansum(d_t, axis=2), np.nansum(n_t, axis=2)
 
     # signs: the control's allowed share, cell by cell (the envelope of several controls)
     p0 = sim_c = p0t = tot_c = None
     for cc in ctrl_cmps:
-        cc = cc.reindex(**where)
-        d_c, n_c = (x.transpose(*dims).values for x in counts(cc))
+        if not all(np.array_equal(cc[k].values, v.values) for k, v in where.items()):
+            cc = cc.reindex(**where)
+        d_c, n_c = counts(cc, dims)
         p = allowed_share(d_c, n_c)
         with np.errstate(divide="ignore", invalid="ignore"):
             s = 1.0 - d_c / n_c
@@ -268,34 +272,28 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     kind[nonfinite] = 3
     excess = np.where(kind == 2, exc_g, np.where(kind == 1, exc_s, np.fmax(exc_s, exc_g)))
     excess = np.where(nonfinite, np.inf, excess)
-    out = result.copy()
-    out["flag_threshold"] = result["flag"]
-    out["flag_total_threshold"] = result["flag_total"]
-    out["flag"] = (dims, flag)
-    out["flag_kind"] = (dims, kind)
-    out["excess"] = (dims, excess)
-    out["similarity_control"] = (dims, sim_c)
-    out["similarity_band"] = (dims, 1.0 - p0)
-    out["flag_total"] = (("rank", "step"), flag_t)
-    out["total_control"] = (("rank", "step"), tot_c)
-    out["total_band"] = (("rank", "step"), 1.0 - p0t)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out["norm_ratio"] = (dims, st_t["norm"] / st_r["norm"])
-        out["range_ratio"] = (dims, st_t["range"] / st_r["range"])
-    out["norm_ratio_control"] = (dims, ratio_c["norm"])
-    out["range_ratio_control"] = (dims, ratio_c["range"])
-    out["norm_dev"] = (dims, dev_t["norm"])
-    out["norm_allowed"] = (dims, np.array(allowed["norm"]))
-    out["range_dev"] = (dims, dev_t["range"])
-    out["range_allowed"] = (dims, np.array(allowed["range"]))
     steps = np.asarray(result["step"].values)
     params = [str(x) for x in result["param"].values]
     firsts = [_first(kind[k], flag_t[k], excess[k], steps, params)
               for k in range(flag.shape[0])]
-    out["first_step"] = (("rank",), np.array([s for s, _ in firsts], np.int64))
-    out["first_param"] = (("rank",), np.array([p for _, p in firsts], dtype=str))
-    out.attrs.update(calibrated=1, control=", ".join(n for n in names if n), margin=MARGIN, alpha=ALPHA,
-                     control_level=CONTROL_LEVEL, scale_floor=SCALE_FLOOR * unit,
+    rs = ("rank", "step")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = {"norm_ratio": (dims, st_t["norm"] / st_r["norm"]),
+                  "range_ratio": (dims, st_t["range"] / st_r["range"])}
+    # one assignment: each separate one would align the whole Dataset again
+    out = result.assign(
+        flag_threshold=result["flag"], flag_total_threshold=result["flag_total"],
+        flag=(dims, flag), flag_kind=(dims, kind), excess=(dims, excess),
+        similarity_control=(dims, sim_c), similarity_band=(dims, 1.0 - p0),
+        flag_total=(rs, flag_t), total_control=(rs, tot_c), total_band=(rs, 1.0 - p0t),
+        **ratios, norm_ratio_control=(dims, ratio_c["norm"]),
+        range_ratio_control=(dims, ratio_c["range"]), norm_dev=(dims, dev_t["norm"]),
+        norm_allowed=(dims, np.array(allowed["norm"])), range_dev=(dims, dev_t["range"]),
+        range_allowed=(dims, np.array(allowed["range"])),
+        first_step=(("rank",), np.array([s for s, _ in firsts], np.int64)),
+        first_param=(("rank",), np.array([p for _, p in firsts], dtype=str)))
+    out.attrs.update(calibrated=1, control=", ".join(n for n in names if n), margin=MARGIN,
+                     alpha=ALPHA, control_level=CONTROL_LEVEL, scale_floor=SCALE_FLOOR * unit,
                      similarity=judged_name(result))
     return GradComparison.wrap(out)
 
@@ -456,7 +454,12 @@ class GradComparison(xr.Dataset):
 
     @classmethod
     def wrap(cls, ds) -> "GradComparison":
-        return cls(data_vars=ds.data_vars, coords=ds.coords, attrs=ds.attrs)
+        """``ds`` as a ``GradComparison`` (a shallow copy: no data copied, no alignment)."""
+        if isinstance(ds, cls):
+            return ds
+        out = ds.copy(deep=False)
+        out.__class__ = cls      # the same layout: the subclass adds no slot
+        return out
 
     def __repr__(self) -> str:
         try:

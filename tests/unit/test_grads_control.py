@@ -143,8 +143,10 @@ def test_control_leaves_the_random_stream_and_is_seeded():
 
 
 def test_recipes_and_clean_stop():
+    import probekit
+
     model = Net()
-    with perturb(model, "bf16"):          # autocast around the forward, fp32 parameters
+    with probekit.perturb(model, BF16):   # autocast around the forward, fp32 parameters
         out = model(torch.randn(2, 16))
         assert out.dtype == BF16 and model.fc1.weight.dtype == torch.float32
     assert _get_current_dispatch_mode() is None
