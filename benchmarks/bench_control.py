@@ -111,6 +111,13 @@ def validate(args) -> dict:
     root = args.dir or tempfile.mkdtemp(prefix="probekit-control-")
     rows, seconds = [], {}
     for kind in args.models.split(","):
+        if args.judge_only:     # the runs an earlier ``--dir`` run recorded, judged again
+            names = ["ref", *CONTROL_RUNS, *HEALTHY, *("bug_" + b for b in BUGS)]
+            runs = {n: (os.path.join(root, kind, n), 0.0) for n in names}
+            seconds[kind] = {}
+            path = {k: v[0] for k, v in runs.items()}
+            rows += _judge_all(kind, path)
+            continue
         runs = {"ref": record(root, kind, "ref", steps=args.steps)}
         for name, spec in CONTROL_RUNS.items():
             runs[name] = record(root, kind, name, control=spec, seed=int(name[-1]),
@@ -123,24 +130,30 @@ def validate(args) -> dict:
                                         steps=args.steps,
                                         **({"saturate": False} if bug == "overflow_inf" else {}))
         seconds[kind] = {k: round(v[1], 2) for k, v in runs.items()}
-        path = {k: v[0] for k, v in runs.items()}
-        tests = [*HEALTHY, "c_bf16_2"] + ["bug_" + b for b in BUGS]
-        for test in tests:
-            ctrls = CONTROLS.get(test, ("c_bf16_0", "c_bf16_1"))
-            two = judge(path["ref"], path[test], [path[c] for c in ctrls])
-            one = judge(path["ref"], path[test], [path[ctrls[0]]])
-            bug = test[4:].replace("_inf", "") if test.startswith("bug_") else ""
-            row = {"model": kind, "test": test, "controls": list(ctrls), "two": two, "one": one,
-                   "expected": "beyond" if bug else "within"}
-            if bug:
-                target = cm.TARGETS[kind][bug]
-                row.update(target=target, where_two=where(two["param"], target),
-                           where_one=where(one["param"], target))
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("model", "test", "expected")}),
-                  two["verdict"], two["step"], two["param"], "| one:", one["verdict"],
-                  one["step"], one["param"], flush=True)
+        rows += _judge_all(kind, {k: v[0] for k, v in runs.items()})
     return {"rows": rows, "seconds": seconds, "steps": args.steps, "onset": ONSET}
+
+
+def _judge_all(kind, path) -> list:
+    """Every test of ``kind`` judged with two controls and with the first alone."""
+    rows = []
+    tests = [*HEALTHY, "c_bf16_2"] + ["bug_" + b for b in BUGS]
+    for test in tests:
+        ctrls = CONTROLS.get(test, ("c_bf16_0", "c_bf16_1"))
+        two = judge(path["ref"], path[test], [path[c] for c in ctrls])
+        one = judge(path["ref"], path[test], [path[ctrls[0]]])
+        bug = test[4:].replace("_inf", "") if test.startswith("bug_") else ""
+        row = {"model": kind, "test": test, "controls": list(ctrls), "two": two, "one": one,
+               "expected": "beyond" if bug else "within"}
+        if bug:
+            target = cm.TARGETS[kind][bug]
+            row.update(target=target, where_two=where(two["param"], target),
+                       where_one=where(one["param"], target))
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("model", "test", "expected")}),
+              two["verdict"], two["step"], two["param"], "| one:", one["verdict"],
+              one["step"], one["param"], flush=True)
+    return rows
 
 
 def _gradient_error(root, tag, name):
@@ -279,6 +292,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=None, help="keep the recorded runs here")
+    p.add_argument("--judge-only", action="store_true",
+                   help="validate: judge the runs already recorded in --dir again")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("probekit").setLevel(logging.WARNING)

@@ -157,7 +157,8 @@ def _permuted(module, perm):
 #: where each bug goes, per model: (module of the bug, the parameter it should be found at)
 TARGETS = {
     "gpt2": {"accumulate": "transformer.h.1.mlp.c_proj", "overflow": "transformer.h.1.mlp.act",
-             "grad_count": "transformer.h.1.attn.c_proj.weight", "norm_scale": "transformer.h.1.ln_2"},
+             "grad_count": "transformer.h.1.attn.c_proj.weight",
+             "norm_scale": "transformer.h.1.ln_2"},
     "llama": {"accumulate": "model.layers.1.mlp.down_proj", "overflow": "model.layers.1.mlp.act_fn",
               "grad_count": "model.layers.1.self_attn.o_proj.weight",
               "norm_scale": "model.layers.1.post_attention_layernorm"},

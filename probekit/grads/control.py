@@ -14,7 +14,9 @@ the wider dtype (fp32 for bf16/fp16; fp64 for an fp32 control) and rounded to th
 random (``round_random``): the same rounding points as the test, the same error size, a random
 draw instead of round-to-nearest, and no low-precision kernel involved. Calls that draw from a
 generator (dropout) run unchanged, so the training's random stream is the reference's; the
-rounding draws from the control's own ``torch.Generator`` (``seed``).
+rounding draws from the control's own ``torch.Generator`` (``seed``). Fresh results are rounded
+stochastically; results written in place (weights, optimizer moments) to nearest after a random
+move of up to a quarter unit, so updates below it are lost as round-to-nearest loses them.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 #: dtype names a control accepts, and the wider dtype its operations are computed in
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WIDE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
-#: how the test runs the model in the low dtype: under autocast (fp32 parameters), or cast to it
+#: how the test runs the model in the low dtype: under autocast (fp32 parameters), cast to it,
+#: or as the reference already does ("none": a reference in that dtype, or an fp32 control)
 RECIPES = ("autocast", "cast", "none")
 #: rounding spread of a fresh result: 1/2 = stochastic rounding (unbiased); smaller: round to
 #: nearest after moving the value by a uniform random amount of up to ``spread`` units in the
