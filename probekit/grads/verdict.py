@@ -200,8 +200,16 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     d_tt, n_tt = np.nansum(d_t, axis=2), np.nansum(n_t, axis=2)
 
     # signs: the control's allowed share, cell by cell (the envelope of several controls)
+    from ..errors import GradCompareError
+
     p0 = sim_c = p0t = tot_c = None
     for cc in ctrl_cmps:
+        if judged_name(cc) != judged_name(result):
+            raise GradCompareError(
+                f"the test is judged on {judged_name(result)} but a control on "
+                f"{judged_name(cc)}: a control run needs the significance bits the test has "
+                "(record it with probekit's GradProbe, significance on), or compare with "
+                "noise_aware=False")
         if not all(np.array_equal(cc[k].values, v.values) for k, v in where.items()):
             cc = cc.reindex(**where)
         d_c, n_c = counts(cc, dims)
@@ -291,7 +299,9 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
         norm_allowed=(dims, np.array(allowed["norm"])), range_dev=(dims, dev_t["range"]),
         range_allowed=(dims, np.array(allowed["range"])),
         first_step=(("rank",), np.array([s for s, _ in firsts], np.int64)),
-        first_param=(("rank",), np.array([p for _, p in firsts], dtype=str)))
+        first_param=(("rank",), np.array([p for _, p in firsts], dtype=str)),
+        # compared steps a control covers (the others are not judged)
+        controlled=(rs, ~np.isnan(p0).all(axis=2)))
     out.attrs.update(calibrated=1, control=", ".join(n for n in names if n), margin=MARGIN,
                      alpha=ALPHA, control_level=CONTROL_LEVEL, scale_floor=SCALE_FLOOR * unit,
                      similarity=judged_name(result))
@@ -341,7 +351,9 @@ def rank_verdict(cmp) -> dict:
            "flags": int(np.asarray(cmp["flag"].values).sum()),
            "params": int(np.asarray(cmp["flag"].values).any(axis=0).sum()),
            "steps": int(steps.size), "similarity_name": name,
-           "control": str(cmp.attrs.get("control", ""))}
+           "control": str(cmp.attrs.get("control", "")),
+           "uncontrolled": (int((~np.asarray(cmp["controlled"].values, bool)).sum())
+                            if "controlled" in cmp else 0)}
     calibrated = bool(cmp.attrs.get("calibrated"))
     if calibrated:
         out["kind"] = "beyond" if step >= 0 else "within"
@@ -405,7 +417,7 @@ def verdict_line(cmp, rank=None) -> str:
         return (f"{who}within what {what} explains over {v['steps']} steps: no "
                 f"parameter departs from the reference further than {ctrl} does "
                 f"(lowest {sim} {_fmt(v['similarity'])}; the control's lowest "
-                f"{_fmt(v['control_similarity'])}).")
+                f"{_fmt(v['control_similarity'])})." + _uncontrolled(v))
     where = f"at {v['param']}" if v["param"] else "in the total"
     if v["why"] == "nonfinite":
         what = "its gradient is NaN/Inf where the reference's and the control's are finite"
@@ -421,7 +433,14 @@ def verdict_line(cmp, rank=None) -> str:
     n, k = v["flags"], v["params"]
     more = (f"; {n} flagged (step, parameter) pair{'s' * (n != 1)} in {k} "
             f"parameter{'s' * (k != 1)}") if n else ""
-    return f"{who}beyond rounding noise from step {v['step']} {where} ({what}){more}."
+    return f"{who}beyond rounding noise from step {v['step']} {where} ({what}){more}." + \
+        _uncontrolled(v)
+
+
+def _uncontrolled(v) -> str:
+    u = v["uncontrolled"]
+    return (f" {u} compared step{'s' * (u != 1)} without a control run there, not judged."
+            if u else "")
 
 
 def _fmt(x) -> str:

@@ -256,3 +256,34 @@ def test_triage_stops_unless_beyond_noise(runs):
     within = probekit.triage(model, never, ref, ctrl, control=ctrl)
     assert within.runs == [] and within.stopped.startswith("Nothing to check")
     assert "<b>probekit triage</b>: within what bf16 rounding explains" in within._repr_html_()
+
+
+def test_ranks_steps_without_control_and_a_control_without_significance(runs):
+    """Two ranks get a verdict each; steps a control does not cover are not judged, and said;
+    a control judged on other bits than the test is refused."""
+    from probekit.errors import GradCompareError
+
+    ref, test, ctrl = runs
+    two = lambda ds: {0: ds, 1: ds.assign_attrs(rank=1)}  # noqa: E731
+    cmp = compare_grads(two(ref), two(test), control=two(ctrl), progress=False)
+    lines = verdict_text(cmp).splitlines()
+    assert len(lines) == 2
+    for r, line in enumerate(lines):
+        assert line.startswith(f"rank {r}: beyond rounding noise from step 2 at enc.weight")
+    short = compare_grads(ref, ctrl.isel(step=slice(0, 3)), control=ctrl.isel(step=slice(0, 3)),
+                          progress=False)
+    assert verdict_text(short).endswith("over 3 steps: no parameter departs from the "
+                                        "reference further than the bf16 control does "
+                                        f"(lowest sign similarity {_low(short)}; the control's "
+                                        f"lowest {_low(short)}).")
+    part = compare_grads(ref, ctrl, control=ctrl.isel(step=slice(0, 3)), progress=False)
+    assert part["controlled"].values.tolist() == [[True] * 3 + [False] * 2]
+    assert verdict_text(part).endswith(" 2 compared steps without a control run there, not "
+                                       "judged.")
+    sig = ref.assign(significant=ref["direction"])     # a run with significance bits
+    with pytest.raises(GradCompareError, match="a control run needs the significance bits"):
+        compare_grads(sig.assign_attrs(), sig, control=ctrl, progress=False)
+
+
+def _low(cmp) -> str:
+    return f"{float(cmp['similarity'].min()):.4f}"
