@@ -28,12 +28,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..config import CONTROL_DTYPES, CONTROL_RECIPES
+
 #: dtype names a control accepts, and the wider dtype its operations are computed in
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = dict(zip(CONTROL_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
 WIDE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
 #: how the test runs the model in the low dtype: under autocast (fp32 parameters), cast to it,
 #: or as the reference already does ("none": a reference in that dtype, or an fp32 control)
-RECIPES = ("autocast", "cast", "none")
+RECIPES = CONTROL_RECIPES
 #: rounding spread of a fresh result: 1/2 = stochastic rounding (unbiased); smaller: round to
 #: nearest after moving the value by a uniform random amount of up to ``spread`` units in the
 #: last place

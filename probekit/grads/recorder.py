@@ -91,21 +91,27 @@ class GradProbe:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, *, config=None, scaler=None,
-                 storage_options: dict | None = None, control=None, control_seed: int = 0,
+                 storage_options: dict | None = None, control=None, control_seed=None,
                  **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
+        if isinstance(control, torch.dtype):  # the config holds its name
+            from .control import parse_control
+
+            control = parse_control(control).name
+        options.update(control=control, control_seed=control_seed)
         self.config = config_for("grad_probe", config, **grad_probe_options(options))
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
         self.storage_options = dict(storage_options or {})
         self._control = None
-        if control is not None:
+        section = self.config.grad_probe
+        if section.control is not None:
             from .control import Perturbation
 
-            self._control = Perturbation(model, control, control_seed)
+            self._control = Perturbation(model, section.control, section.control_seed)
         self.steps_seen = 0  # training iterations begun (the step axis)
         self.hook_seconds: list[float] = []
         self._handles = []

@@ -169,3 +169,40 @@ def test_gradprobe_control_records_it(tmp_path):
     assert losses == same
     norms = ds["norm"].values
     assert np.isfinite(norms).all() and (norms > 0).all()
+
+
+def test_control_from_the_config_as_msprobe_users_run_it(tmp_path):
+    """``grad_probe.control`` in config.json: PrecisionDebugger's grad probe records the same
+    control as ``GradProbe(control=...)``; a bad value names the accepted ones."""
+    import json
+
+    from probekit import PrecisionDebugger
+
+    _, losses, _ = _train("bf16:cast", seed=4, path=tmp_path / "ref")
+    cfg = {"task": "grad_probe", "dump_path": str(tmp_path / "dbg"),
+           "grad_probe": {"grad_level": "L1", "control": "bf16:cast", "control_seed": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1)
+    debugger = PrecisionDebugger(config_path=str(tmp_path / "config.json"))
+    debugger.monitor(model)
+    same = []
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=data)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        same.append(loss.item())
+    debugger.close()
+    assert same == losses
+    ds = open_grads(tmp_path / "dbg")
+    assert ds.attrs["control"] == "bf16:cast" and ds.attrs["control_seed"] == 4
+    assert _get_current_dispatch_mode() is None
+    with pytest.raises(ConfigError, match=r"grad_probe\.control.*'bf8'.*bf16, fp16, fp32"):
+        GradProbe(Net(), dump_path=str(tmp_path / "bad"), control="bf8")
+    # a torch.dtype is stored by its name
+    assert GradProbe(Net(), dump_path=str(tmp_path / "d"),
+                     control=torch.float16).config.grad_probe.control == "fp16"
