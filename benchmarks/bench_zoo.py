@@ -7,12 +7,14 @@ the free benchmark; a healthy model should give no findings (issues 19 and 26).
 The models of ``tests/_hf_models.py``'s ``ZOO`` (GPT-2, LLaMA, BERT, a ResNet, a ViT, Mixtral
 with its default and eager expert paths, T5, Wav2Vec2, ConvNeXt, an efficient CNN with
 squeeze-excite and in-place activations, an LSTM/GRU language model, Qwen2 with GQA), random
-weights, dropout off, SGD on random batches; in fp32, bf16 and bf16 autocast; forward and
-backward stage; improve_precision and bit_noise (``--modes`` adds add_noise...). For each
-configuration: calls checked, finding rows, the APIs flagged (worst ratio) and, where the probe
-keeps them, the hot spots (``fb.hotspots``). Runs against whatever ``probekit`` is first on
-``sys.path`` (so the same script measures an older version: ``PYTHONPATH=old_tree``), and with
-``--before`` renders one table of rows per architecture and configuration, before -> after.
+weights, dropout off (``--dropout``: models run with it on, by default the RNN LM, whose
+inter-layer dropout is drawn inside ``torch.lstm``/``torch.gru``), SGD on random batches; in
+fp32, bf16 and bf16 autocast; forward and backward stage; improve_precision and bit_noise
+(``--modes`` adds add_noise...). For each configuration: calls checked, finding rows, the APIs
+flagged (worst ratio) and, where the probe keeps them, the hot spots (``fb.hotspots``). Runs
+against whatever ``probekit`` is first on ``sys.path`` (so the same script measures an older
+version: ``PYTHONPATH=old_tree``), and with ``--before`` renders one table of rows per
+architecture and configuration, before -> after.
 """
 from __future__ import annotations
 
@@ -36,12 +38,12 @@ MODES = [("improve_precision", "forward"), ("bit_noise", "forward"),
          ("improve_precision", "backward"), ("bit_noise", "backward")]
 
 
-def run_one(kind, setting, mode, stage, steps, dump) -> dict:
-    model = zoo_model(kind, setting)
+def run_one(kind, setting, mode, stage, steps, dump, dropout=False) -> dict:
+    model = zoo_model(kind, setting, dropout=dropout)
     fb = probekit.FreeBench(dump_path=dump, pert_mode=mode, fuzz_stage=stage)
     zoo_train(model, kind, setting, steps=steps, probe=fb)
     res = fb.results
-    out = {"model": kind, "dtype": setting, "mode": mode, "stage": stage,
+    out = {"model": kind, "dtype": setting, "mode": mode, "stage": stage, "dropout": dropout,
            "checked": int(fb.summary["checked"]), "rows": int(len(res)), "apis": {}}
     if not res.empty:
         api = res["api_name"].str.rsplit(".", n=2).str[0]
@@ -118,6 +120,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default=",".join(ZOO_DTYPES))
     ap.add_argument("--modes", default=",".join(f"{m}:{s}" for m, s in MODES))
     ap.add_argument("--before", help="an earlier run's --out (rendered as before -> after)")
+    ap.add_argument("--dropout", default="rnnlm",
+                    help="models run with their dropout on (default: the RNN LM, as "
+                         "tests/integration/test_healthy_zoo.py runs it; '' for none)")
     args = ap.parse_args(argv)
     modes = [tuple(x.split(":")) for x in args.modes.split(",")]
     logging.getLogger("probekit").setLevel(logging.ERROR)
@@ -129,7 +134,8 @@ def main(argv=None) -> int:
             for setting in args.dtypes.split(","):
                 for mode, stage in modes:
                     dump = os.path.join(tmp, f"{kind}_{setting}_{mode}_{stage}")
-                    r = run_one(kind, setting, mode, stage, args.steps, dump)
+                    r = run_one(kind, setting, mode, stage, args.steps, dump,
+                                dropout=kind in args.dropout.split(","))
                     rows.append(r)
                     print(f"{kind} {setting} {mode} {stage}: {r['rows']} rows / {r['checked']} "
                           f"checked {list(r['apis'])[:4]}", file=sys.stderr, flush=True)

@@ -1,7 +1,13 @@
 """matplotlib figures for both features. Headless: no IPython, no ipywidgets.
 
 Every function takes ``ax=None`` (a new figure is made through pyplot, so it shows inline in a
-notebook) or an existing Axes (nothing touches pyplot then), draws, and returns the Axes.
+notebook) or an existing Axes (nothing touches pyplot then), draws, and returns the Figure it drew
+on (its Axes: ``fig.axes[0]``). A figure made here shows once in a notebook, with no text repr
+above it, also as the cell's last expression.
+
+Names in legends and labels are shortened for reading (``legend_names``): the dotted prefix all
+of them share is dropped and a long name keeps its end (``…layer.5.ffn.lin2.weight``), where
+parameter names differ.
 
 Grad probe (datasets of ``probekit.open_grads`` / ``probekit.compare_grads``):
 
@@ -33,17 +39,81 @@ def _axes(ax, figsize):
         return ax
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=figsize, layout="constrained")[1]
+    return plt.subplots(figsize=figsize, layout="constrained", FigureClass=_figure_class())[1]
+
+
+_FIGURE_CLASS = None
+
+
+def _figure_class():
+    """``PlotFigure``: a matplotlib Figure that shows once in a notebook, without a text repr.
+
+    Made on first use (matplotlib is imported by the plot functions only). However it comes to
+    be displayed -- as a cell's last expression, by the inline backend at the end of the cell, by
+    ``display(fig)`` -- it shows as one PNG and leaves pyplot, so nothing draws it a second
+    time (the inline backend closes its figures after a cell anyway)."""
+    global _FIGURE_CLASS
+    if _FIGURE_CLASS is None:
+        from matplotlib.figure import Figure
+
+        class PlotFigure(Figure):
+            def _ipython_display_(self):
+                import io
+
+                from IPython.display import Image, display
+                from matplotlib import pyplot as plt
+                from matplotlib._pylab_helpers import Gcf
+
+                if any(m.canvas.figure is self for m in Gcf.get_all_fig_managers()):
+                    plt.close(self)
+                buf = io.BytesIO()
+                self.savefig(buf, format="png", bbox_inches="tight")
+                display(Image(data=buf.getvalue(), format="png"))
+
+        _FIGURE_CLASS = PlotFigure
+    return _FIGURE_CLASS
 
 
 def short_name(name: str, width: int = 36) -> str:
-    """``name`` cut in the middle to at most ``width`` characters (keeps prefix and suffix)."""
+    """``name`` shortened from the left to at most ``width`` characters, at a dot where one is
+    near: the end of a dotted name is what tells it apart (``…layer.5.output_layer_norm.weight``)."""
     name = str(name)
     if len(name) <= width:
         return name
-    keep = width - 1
-    head = keep // 2
-    return name[:head] + "…" + name[len(name) - (keep - head):]
+    tail = name[len(name) - (width - 1):]
+    dot = tail.find(".")
+    if 0 <= dot < (width - 1) // 2:  # start at a component when that loses less than half
+        tail = tail[dot + 1:]
+    return "…" + tail
+
+
+def legend_names(names, width: int = 36) -> list:
+    """Readable, unique labels for ``names``: the dotted prefix they all share is dropped (with
+    two or more names; each keeps at least two parts, so ``blocks.2`` stays ``blocks.2``), then
+    each is shortened from the left (``short_name``); a label that would then equal another's is
+    lengthened until they differ (the full name at most).
+
+    >>> legend_names(["distilbert.transformer.layer.0.attention.q_lin.weight",
+    ...               "distilbert.transformer.layer.5.output_layer_norm.weight"])
+    ['0.attention.q_lin.weight', '5.output_layer_norm.weight']
+    """
+    names = [str(n) for n in names]
+    if len(names) > 1:
+        parts = [n.split(".") for n in names]
+        common = 0
+        while (all(len(p) > common + 2 for p in parts)  # each keeps two parts: not a bare "2"
+               and len({p[common] for p in parts}) == 1):
+            common += 1
+        stripped = [".".join(p[common:]) for p in parts]
+    else:
+        stripped = names
+    labels = [short_name(n, width) for n in stripped]
+    for w in range(width + 1, max((len(n) for n in stripped), default=0) + 2):
+        dupes = {lab for lab in labels if labels.count(lab) > 1}
+        if not dupes:
+            break
+        labels = [short_name(n, w) if lab in dupes else lab for n, lab in zip(stripped, labels)]
+    return labels
 
 
 def _one_rank(cmp, rank):
@@ -97,43 +167,100 @@ def _step0_threshold(cmp) -> float:
     return float(cmp.attrs.get("step0_threshold", STEP0_THRESHOLD))
 
 
+def _judged(cmp):
+    """(the similarity variable flags are judged on, its axis label): the one number shown."""
+    from .grads.verdict import judged_name
+
+    name = judged_name(cmp)
+    label = ("share of equal gradient signs (significant elements)"
+             if name == "similarity_significant" else "share of equal gradient signs")
+    return name, label
+
+
+def _ylim(ax, lo, lows, thr, calibrated) -> None:
+    """Down to the threshold (uncalibrated), or to the lowest of the data and ``lows`` (the
+    total's band) with a margin of a tenth of the shown range (calibrated: data near 1 stay
+    readable; a parameter's band reaching further down is cut)."""
+    if not calibrated:
+        ax.set_ylim(min(lo, thr) - 0.02, 1.005)
+        return
+    floor = min([lo, *lows])
+    span = max(1.0 - floor, 1e-4)
+    ax.set_ylim(floor - 0.1 * span, 1.0 + 0.05 * span)
+
+
+def _control_label(cmp) -> str:
+    """"the bf16 control" or "the control" (a control run recorded without its name)."""
+    name = str(cmp.attrs.get("control", ""))
+    return f"{name} control" if name else "control"
+
+
 def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
                legend: str = "outside"):
-    """Direction similarity of each parameter over steps for one rank of a comparison.
+    """Direction similarity of each parameter over steps for one rank of a comparison: the
+    similarity the flags are judged on (significant signs when the comparison is noise-aware).
 
-    A dashed line marks the comparison's ``step0_threshold``, red crosses mark flagged
-    (step, param) points. With more than ``max_lines`` parameters (and ``params`` not given), the
-    flagged ones and the lowest ones are drawn, up to ``max_lines``.
+    Calibrated by a control run (``compare_grads(..., control=)``), each line's shaded band is
+    what the control allows (down to ``similarity_band``, dotted); red markers say why a point
+    is flagged (a cross: its signs; a diamond: its scale, the norm or max - min, whatever its
+    similarity; a plus: NaN/Inf). Otherwise a dashed line marks the comparison's
+    ``step0_threshold`` and red crosses the flagged (step, param) points. With more
+    than ``max_lines`` parameters (and ``params`` not given), the flagged ones and the lowest
+    ones are drawn, up to ``max_lines``.
     """
     ds, rank = _one_rank(cmp, rank)
     ax = _axes(ax, (9, 4.2))
     names = _params(ds, params)
-    sim = ds["similarity"]
+    name, ylabel = _judged(cmp)
+    sim = ds[name]
     flag = ds["flag"]
+    calibrated = bool(cmp.attrs.get("calibrated")) and "similarity_band" in ds
     if params is None and len(names) > max_lines:
         worst = sim.min("step").to_series()
         flagged = flag.any("step").to_series()
         order = sorted(names, key=lambda p: (not flagged[p], worst[p]))
         names = [p for p in ds["param"].values if p in set(order[:max_lines])]
     steps = ds["step"].values
-    for p in names:
-        ax.plot(steps, sim.sel(param=p).values, marker="o", markersize=3, linewidth=1.5,
-                label=short_name(p), gid=f"similarity:{p}")
-    fx, fy = [], []
+    lows = []
+    for i, (p, label) in enumerate(zip(names, legend_names(names))):
+        (line,) = ax.plot(steps, sim.sel(param=p).values, marker="o", markersize=3,
+                          linewidth=1.5, label=label, gid=f"similarity:{p}")
+        if calibrated:   # what the control allows: shaded, its lower edge dashed
+            band = ds["similarity_band"].sel(param=p).values
+            ax.fill_between(steps, band, 1.0, color=line.get_color(), alpha=0.07, linewidth=0,
+                            label=f"{_control_label(cmp)} allows" if i == 0 else None,
+                            gid=f"band:{p}")
+            ax.plot(steps, band, color=line.get_color(), linestyle=":", linewidth=1,
+                    gid=f"band_edge:{p}")
+    fx, fy, fk = [], [], []
+    kinds = ds["flag_kind"] if calibrated and "flag_kind" in ds else None
     for p in names:
         f = flag.sel(param=p).values
         fx.extend(steps[f])
         fy.extend(sim.sel(param=p).values[f])
+        fk.extend(kinds.sel(param=p).values[f] if kinds is not None else [1] * int(f.sum()))
     thr = _step0_threshold(cmp)
-    _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
+    if not calibrated:
+        _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
     if fx:
-        ax.scatter(fx, fy, marker="X", s=70, color=FLAG_COLOR, zorder=5,
-                   label=f"flagged ({len(fx)})", gid="flags")
+        fx, fy, fk = np.asarray(fx), np.asarray(fy, np.float64), np.asarray(fk)
+        if kinds is None:
+            ax.scatter(fx, fy, marker="X", s=70, color=FLAG_COLOR, zorder=5,
+                       label=f"flagged ({len(fx)})", gid="flags")
+        else:   # the kind of flag: its signs (X), its scale (diamond: norm or max - min)
+            for code, marker, what in ((1, "X", "signs"), (2, "D", "scale"),
+                                       (3, "P", "NaN/Inf")):
+                sel = fk == code
+                if sel.any():
+                    ax.scatter(fx[sel], np.nan_to_num(fy[sel], nan=1.0), marker=marker,
+                               s=70 if code != 2 else 40, color=FLAG_COLOR, zorder=5,
+                               label=f"flagged: {what} ({int(sel.sum())})",
+                               gid=f"flags:{what}")
     lo = float(np.nanmin(sim.sel(param=names).values)) if names else thr
-    ax.set_ylim(min(lo, thr) - 0.02, 1.005)
+    _ylim(ax, lo, lows, thr, calibrated)
     _step_ticks(ax, steps)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("share of equal gradient signs")
+    ax.set_ylabel(ylabel)
     title = "Gradient direction similarity per parameter"
     ax.set_title(title + (f" (rank {rank})" if rank is not None else ""))
     first = _first_flag(ds)
@@ -142,7 +269,7 @@ def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
                 va="bottom")
     ax.grid(True, alpha=0.3)
     _legend(ax, len(names), legend)
-    return ax
+    return ax.figure
 
 
 def _first_flag(ds) -> str:
@@ -155,32 +282,49 @@ def _first_flag(ds) -> str:
 
 
 def total_similarity(cmp, *, rank=None, ax=None):
-    """Element-weighted direction similarity over steps, one line per rank, flags marked."""
+    """Element-weighted direction similarity over steps (the one the flags are judged on), one
+    line per rank, flags marked; calibrated by a control run, the control's own total is drawn
+    dashed and the band it allows shaded."""
+    from .grads.verdict import judged_total_name
+
     ax = _axes(ax, (8, 3.6))
     ranks = [rank] if rank is not None else [int(r) for r in cmp["rank"].values]
     steps = cmp["step"].values
+    name = judged_total_name(cmp)
+    calibrated = bool(cmp.attrs.get("calibrated")) and "total_band" in cmp
     flagged = 0
+    lows = []
     for r in ranks:
         ds, _ = _one_rank(cmp, r)
-        total = ds["total"].values
-        ax.plot(steps, total, marker="o", markersize=3, linewidth=1.8, label=f"rank {r}",
-                gid=f"total:{r}")
+        total = ds[name].values
+        (line,) = ax.plot(steps, total, marker="o", markersize=3, linewidth=1.8,
+                          label=f"rank {r}", gid=f"total:{r}")
+        if calibrated:
+            band = ds["total_band"].values
+            ctrl = _control_label(cmp)
+            ax.plot(steps, ds["total_control"].values, color=line.get_color(), linestyle="--",
+                    linewidth=1, label=ctrl, gid=f"control:{r}")
+            ax.fill_between(steps, band, 1.0, color=line.get_color(), alpha=0.12, linewidth=0,
+                            label=f"{ctrl} allows", gid=f"band:{r}")
+            lows.append(np.nanmin(band) if np.isfinite(band).any() else 1.0)
         f = ds["flag_total"].values
         if f.any():
             ax.scatter(steps[f], total[f], marker="X", s=70, color=FLAG_COLOR, zorder=5,
                        label="flagged" if not flagged else None, gid=f"flags:{r}")
             flagged += int(f.sum())
     thr = _step0_threshold(cmp)
-    _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
-    lo = float(np.nanmin(cmp["total"].sel(rank=ranks).values))
-    ax.set_ylim(min(lo, thr) - 0.02, 1.005)
+    if not calibrated:
+        _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
+    lo = float(np.nanmin(cmp[name].sel(rank=ranks).values))
+    _ylim(ax, lo, lows, thr, calibrated)
     _step_ticks(ax, steps)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("similarity (element-weighted)")
+    ax.set_ylabel("similarity (element-weighted)" if name == "total" else
+                  "similarity (significant, element-weighted)")
     ax.set_title("Total gradient direction similarity")
     ax.grid(True, alpha=0.3)
     _legend(ax, len(ranks))
-    return ax
+    return ax.figure
 
 
 def _flag_steps(ax, steps, flag_steps, *, label=True):
@@ -222,7 +366,7 @@ def interval_distribution(ds, param: str, *, ax=None, flag_steps=(), cmap="virid
     ax.set_ylabel("gradient value interval")
     ax.set_title(f"Gradient value distribution: {short_name(param, 48)}")
     ax.figure.colorbar(image, ax=ax, label="share of elements", fraction=0.05, pad=0.02)
-    return ax
+    return ax.figure
 
 
 def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_steps=(),
@@ -247,7 +391,7 @@ def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_st
     ax.set_title(f"Gradient statistics: {short_name(param, 48)}{shape}")
     ax.grid(True, alpha=0.3)
     _legend(ax, len(stats), legend)
-    return ax
+    return ax.figure
 
 
 # -- free benchmark ---------------------------------------------------------------------------
@@ -277,7 +421,7 @@ def findings(results, *, ax=None, top: int = 15):
                 ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         ax.set_title("Free benchmark findings")
-        return ax
+        return ax.figure
     ratios = np.array([row["ratio"] for row in groups], dtype=float)
     finite = ratios[np.isfinite(ratios) & (ratios > 0)]
     right = max(float(finite.max()) if finite.size else 10.0, 2.0) * 3
@@ -312,7 +456,7 @@ def findings(results, *, ax=None, top: int = 15):
     ax.set_title(f"Free benchmark findings by severity{more}")
     ax.grid(True, axis="x", alpha=0.3, which="both")
     ax.legend(loc="lower right", fontsize="small")
-    return ax
+    return ax.figure
 
 
 SUSPECT_COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
@@ -332,13 +476,15 @@ def triage(report, *, ax=None, top: int = 15):
                 ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         ax.set_title(title)
-        return ax
+        return ax.figure
     ratios = np.array(df["ratio"], dtype=float)
     finite = ratios[np.isfinite(ratios) & (ratios > 0)]
     right = max(float(finite.max()) if finite.size else 10.0, 2.0) * 3
     left = min(float(finite.min()) if finite.size else 1.0, 1.0) / 3
     colors = {m: SUSPECT_COLORS[i % len(SUSPECT_COLORS)]
               for i, m in enumerate(report.suspects["module"])}
+    modules = list(report.suspects["module"])
+    legend = dict(zip(modules, legend_names(modules, 32)))
     y = np.arange(len(df))[::-1]
     seen = set()
     for yi, (_, row), r in zip(y, df.iterrows(), ratios):
@@ -346,7 +492,8 @@ def triage(report, *, ax=None, top: int = 15):
         width = right if bad else max(r, left)
         ax.barh(yi, width, height=0.6, color=colors.get(row["suspect"], "#7f7f7f"),
                 hatch="//" if bad else None, alpha=0.85,
-                label=row["suspect"] if row["suspect"] not in seen else None,
+                label=legend.get(row["suspect"], row["suspect"]) if row["suspect"] not in seen
+                else None,
                 gid=f"triage:{row['api_name']}")
         seen.add(row["suspect"])
         text = "NaN/Inf" if bad else f"{r:,.0f}× {row['kind']} ({row['pert_modes']})"
@@ -367,4 +514,4 @@ def triage(report, *, ax=None, top: int = 15):
     ax.grid(True, axis="x", alpha=0.3, which="both")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
               title="suspect module", title_fontsize="small")
-    return ax
+    return ax.figure

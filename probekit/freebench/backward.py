@@ -38,19 +38,24 @@ import time
 import torch
 
 from . import autocast, blocks, cause, handlers, perturb, realgrad, scales, state
+from .deferred import combine
 from .guards import modes_off, no_autocast
 from .metric import device_stats
 from .names import call_site
 
 
-def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None) -> tuple:
+def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None, verdicts=None,
+               whole: bool = True) -> tuple:
     """``metric.device_stats`` of a reference gradient (or a block of it) and the perturbed one:
     the deviation relative to the gradient tensor's own scale (``max|gr|``; blocks combine to the
     whole tensor's), or to ``scale`` element by element (the error model's, ``scales.py``: the
-    gradient's magnitude ``S``, or ``(S, lam)`` for the two terms ``|gq| + lam S``)."""
+    gradient's magnitude ``S``, or ``(S, lam)`` for the two terms ``|gq| + lam S``). With
+    ``verdicts``, through ``Verdicts.stats`` (never left inconclusive, ``deferred.py``)."""
     lam = 0.0
     if isinstance(scale, tuple):
         scale, lam = scale
+    if verdicts is not None:
+        return verdicts.stats(gr.detach(), gq.detach(), scale, exact, whole, lam)
     return device_stats(gr.detach(), gq.detach(), scale, exact, lam)
 
 
@@ -76,12 +81,18 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
         engine.note_skip("selection", key, name)
         return func(*call.args, **call.kwargs)
     mark = realgrad.marker()
-    if call.replay is not None:  # a random call: the re-runs in the backward pass replay this
-        call.replay.save()       # stream, so they draw the mask the forward call drew
-        engine.replayed += 1
-    out = func(*call.args, **call.kwargs)
+    if call.replay is not None:  # a random call (or one watched: rng.py): the re-runs in the
+        call.replay.save()       # backward pass replay this stream, the forward call's mask
+    out, call.compute = autocast.run(engine.inner_dtypes, call.info.name, func, call.args,
+                                     call.kwargs, leaves)
     try:
         with modes_off():
+            base = call.rerun or func   # an in-place call: re-run out of place (state.py)
+            rerun = base if call.replay is None else call.replay.bind(base)
+            if rerun is None:    # it drew, and its draws cannot be replayed: skipped
+                return out
+            if rerun is base:    # it draws nothing
+                call.replay = None
             outs = handlers.float_outputs(out)
             if not outs:
                 engine.note_skip("no_float_output", key, name)
@@ -92,7 +103,6 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
                 engine.note_skip("no_grad", key, name)
                 return out
             sel = with_grad[0]
-            rerun = func if call.replay is None else call.replay.bind(func)
             check = _BackwardCheck(engine, call, key, n, name, rerun, leaves, spec, diff, sel[0],
                                    call_site(frame), engine.step)
             check.call_func = func
@@ -100,7 +110,11 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
             check.autocast = (x.device.type, autocast.enabled_dtype(x.device))
             check.module = engine.current_module()  # the module running at the forward call
             check.out_dtype = sel[1].dtype
+            #: the dtype its gradients are judged in (autocast's for a call with fp32 outputs
+            #: that computed in it: ``autocast.run``)
+            check.compute_dtype = call.compute or check.out_dtype
             check.n_outs = len(outs)
+            engine.watching.append(check)   # counted as no_gradient if it never runs
             # the real input gradients only when no other output carries gradients into them
             edges = realgrad.plan(sel[1], leaves, diff, mark) if len(with_grad) == 1 else None
             if edges is None:
@@ -142,6 +156,7 @@ class _BackwardCheck:
         self.autocast = None
         self.module = ""
         self.out_dtype = None
+        self.compute_dtype = None
         self.n_outs = 0
         #: with ``realgrad``: the upstream gradient, kept until the real input gradients arrive
         self.g = None
@@ -276,7 +291,7 @@ class _BackwardCheck:
                 sc = self._scale(i, gq, None if mags is None else mags[k])
                 if sc is None:
                     self.plan[i] = ("other",) + self.plan[i][1:]
-                values.append(grad_stats(gr, gq, exact, sc))
+                values.append(grad_stats(gr, gq, exact, sc, e.verdicts))
                 originals.append((i, gr))
                 del gq, sc
         return values, originals, in_dtype
@@ -307,7 +322,7 @@ class _BackwardCheck:
                         if sc is None:
                             self.plan[i] = ("other",) + self.plan[i][1:]
                         parts[i].append(grad_stats(gr.narrow(sliced[i], start, length), gq,
-                                                   exact, sc))
+                                                   exact, sc, self.engine.verdicts, False))
                     elif i in acc:
                         acc[i].add_(gq)
                         if mag is not None:
@@ -324,13 +339,13 @@ class _BackwardCheck:
                 if gr is None:
                     continue
                 if i in sliced and parts[i]:
-                    values.append(blocks.combine(parts[i]))
+                    values.append(combine(parts[i]))
                 elif i in acc:
                     gq = acc.pop(i)
                     sc = self._scale(i, gq, acc_mag.pop(i, None))
                     if sc is None:
                         self.plan[i] = ("other",) + self.plan[i][1:]
-                    values.append(grad_stats(gr, gq, exact, sc))
+                    values.append(grad_stats(gr, gq, exact, sc, self.engine.verdicts))
                 else:
                     continue
                 originals.append((i, gr))
@@ -339,9 +354,10 @@ class _BackwardCheck:
     def _check(self, grad, real):
         e = self.engine
         leaves = self.leaves
-        if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)):
+        snap = self.call.snap  # what the call overwrites (in place, running statistics): clones
+        if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)
+               if not (snap and i in snap)):   # (an overwritten input comes from its clone)
             raise perturb.Cancel("an input was modified in place before the backward pass")
-        snap = self.call.snap  # state the call writes (running statistics...): fresh clones
         g = grad.detach()
         dev, ac_dtype = self.autocast or (None, None)
         same_autocast = torch.autocast(dev, dtype=ac_dtype) if ac_dtype is not None \
@@ -392,7 +408,7 @@ class _BackwardCheck:
             e.defer(self.key, self.n, self.name, "backward", self.step, self.site, in_dtype,
                     [(i, gr, None) for i, gr in originals], values=values, exact=exact,
                     module=self.module, explain=explain, originals=[gr for _, gr in originals],
-                    compute=[self.out_dtype] * len(values),
+                    compute=[self.compute_dtype] * len(values),
                     plan=[self.plan[i] for i, _ in originals])
 
     def _judge(self, plain, g, g_ref) -> None:
@@ -410,5 +426,5 @@ class _BackwardCheck:
                 continue
             k = scales.backward_length(name, a, plain, i, g, k_fwd)
             self.plan[i] = (fam, k, formula_ok)
-            self.judges[i] = e.judge_of(fam, k, self.out_dtype, gr.dtype, None, "backward",
+            self.judges[i] = e.judge_of(fam, k, self.compute_dtype, gr.dtype, None, "backward",
                                         formula_ok)

@@ -122,7 +122,16 @@ _FAMILIES: dict = {}
 #: computes what the out-of-place one does)
 _INPLACE_DUNDERS = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__",
                     "__itruediv__": "__truediv__", "__idiv__": "__div__", "__ipow__": "__pow__",
-                    "__imatmul__": "__matmul__"}
+                    "__imatmul__": "__matmul__", "__ifloordiv__": "__floordiv__",
+                    "__imod__": "__mod__"}
+
+
+def _outplace(name: str):
+    """The out-of-place form's name of an in-place API (``add_``, ``__iadd__``), else None."""
+    base = _INPLACE_DUNDERS.get(name)
+    if base is None and name.endswith("_") and not name.endswith("__"):
+        base = name[:-1]
+    return base
 
 
 def family(name: str) -> str:
@@ -132,9 +141,7 @@ def family(name: str) -> str:
     if fam is None:
         fam = _family(name)
         if fam == "other":
-            base = _INPLACE_DUNDERS.get(name)
-            if base is None and name.endswith("_") and not name.endswith("__"):
-                base = name[:-1]
+            base = _outplace(name)
             if base is not None:
                 fam = _family(base)
         _FAMILIES[name] = fam
@@ -166,7 +173,9 @@ def _family(name: str) -> str:
 
 
 def is_step(name: str) -> bool:
-    return name in STEP
+    """A step function (``STEP``), or an in-place form of one (``floor_``, ``__imod__``: checked
+    in place since issue 26)."""
+    return name in STEP or _outplace(name) in STEP
 
 
 #: families whose forward S is the call on absolute values

@@ -18,6 +18,11 @@ def _declare_compare(p):
     p.add_argument("-o", "--output", required=True, help="output folder (msprobe's layout)")
     p.add_argument("--plots", choices=PLOTS, default="summary",
                    help="PNGs to render: every parameter (msprobe), summary only, or none")
+    p.add_argument("--control", metavar="RUN", action="append", default=None,
+                   help="a control run of run_a (GradProbe(..., control='bf16'): the "
+                        "reference's code trained again with its rounding drawn at random at "
+                        "the precision under test); flags then mean 'beyond rounding noise'. "
+                        "Repeat for several (their envelope)")
     p.add_argument("--step0-threshold", type=float, default=STEP0_THRESHOLD)
     p.add_argument("--drop-threshold", type=float, default=DROP_THRESHOLD)
     p.add_argument("--scheduler", metavar="ADDR", default=None,
@@ -79,19 +84,24 @@ def compare(args) -> int:
     result = GradComparator.compare_distributed(
         args.run_a, args.run_b, args.output, plots=args.plots,
         step0_threshold=args.step0_threshold, drop_threshold=args.drop_threshold,
-        scheduler=args.scheduler, storage_options=args.storage_options)
+        scheduler=args.scheduler, storage_options=args.storage_options, control=args.control)
+    from .verdict import judged_total_name, verdict_line
+
+    name = judged_total_name(result)     # the similarity the flags are judged on
+    label = " (significant signs)" if name == "total_significant" else ""
     for rank in result["rank"].values:
         r = result.sel(rank=rank)
         step, param = int(r["first_step"].item()), str(r["first_param"].item())
-        total = np.asarray(r["total"].values)
+        total = np.asarray(r[name].values)
         steps = np.asarray(r["step"].values)
         print(f"rank {int(rank)}: {r.sizes['step']} steps x {r.sizes['param']} params compared; "
-              f"total similarity {np.nanmin(total):.4f}..{np.nanmax(total):.4f}")
+              f"total similarity{label} {np.nanmin(total):.4f}..{np.nanmax(total):.4f}")
         if step >= 0:
             print(f"rank {int(rank)}: first flagged at step {step}"
                   + (f", parameter {param}" if param else " (total similarity)"))
         else:
             print(f"rank {int(rank)}: no step flagged (steps {steps.min()}..{steps.max()})")
+        print(verdict_line(r, int(rank)))
     print(f"written to {args.output}")
     return report_unmatched(result, args.allow_unmatched)
 
@@ -108,7 +118,7 @@ def _declare_summary(p):
 
 @command("grads", "summary", "describe a recorded run: ranks, steps, params, last statistics")
 def summary(args) -> int:
-    from .sources import load_runs
+    from .sources import load_runs, without_grad
 
     runs = load_runs(args.run, storage_options=args.storage_options)
     for rank, ds in sorted(runs.items()):
@@ -119,6 +129,16 @@ def summary(args) -> int:
         print(f"rank {rank}: level {ds.attrs.get('level')}, {ds.sizes['param']} params "
               f"({numel:,} elements), {steps.size} steps"
               + (f" ({steps.min()}..{steps.max()})" if steps.size else ""))
+        missing = without_grad(ds)
+        if missing:
+            print(f"  {len(missing)} of {ds.sizes['param']} params never had a gradient "
+                  f"(first: {', '.join(missing[:3])}"
+                  + (", ..." if len(missing) > 3 else "") + ")"
+                  + ("" if len(missing) < ds.sizes["param"] else
+                     ": an empty recording (frozen parameters, or a backward pass that did "
+                     "not reach them)"))
+        elif not steps.size:
+            print("  no step recorded: no optimizer step over these parameters was seen")
         if steps.size:
             last = ds.isel(step=-1)
             print(f"  step {int(steps[-1])}:  {'param':40s} {'max':>12s} {'min':>12s} {'norm':>12s}")

@@ -339,7 +339,7 @@ def pair_runs(runs_a: dict, runs_b: dict, ranks=None) -> list:
     return [(r, runs_a[r], runs_b[r]) for r in common]
 
 
-def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
+def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOLD,
                   drop_threshold: float = DROP_THRESHOLD, ranks=None, noise_aware: bool = True,
                   client=None, scheduler=None, progress=None, storage_options=None,
                   block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES):
@@ -358,6 +358,21 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     both) and ``total_significant``; ``noise_aware`` (default) judges flags and the first
     divergence on them, ``noise_aware=False`` on msprobe's plain ``similarity``.
 
+    ``control``: a control run of ``a`` (``GradProbe(..., control="bf16")``: the reference's
+    code trained again with its rounding drawn at random at the precision under test), or a
+    list of them. Then a (step, param) is flagged only where ``b`` departs from ``a`` further
+    than the control does (``verdict.py``: a count test on the judged similarity's sign flips
+    against the control's share with a margin of 2, and a test of the norms and max - min
+    ranges), and the result holds ``flag_kind`` (0 none, 1 signs, 2 scale, 3 NaN/Inf),
+    ``excess`` (how many times what the control allows), ``similarity_control`` and
+    ``similarity_band`` (the lowest similarity the control allows), ``total_control``,
+    ``total_band``, ``norm_ratio`` and ``norm_ratio_control`` (each run's norm over the
+    reference's), ``range_ratio``, ``norm_dev``/``range_dev`` (``|ln|`` of those ratios) and
+    ``norm_allowed``/``range_allowed``; the fixed-threshold flags stay as
+    ``flag_threshold`` and ``flag_total_threshold``; ``first_param`` is the flagged parameter
+    departing most at the first flagged step. Without it the flags are the fixed thresholds
+    (uncalibrated). Either way the result's ``str`` and HTML begin with the verdict in words.
+
     Runs of one Dataset each (single process, DDP, a sharded run assembled) pair parameter by
     parameter whatever rank recorded them; runs of several ranks pair rank r with rank r.
 
@@ -375,6 +390,23 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     from .engine import run_graph
     from .sources import load_runs
 
+    if control is not None:   # the comparisons with the test and each control, then judged
+        from .verdict import calibrate
+
+        controls = list(control) if isinstance(control, (list, tuple)) else [control]
+        # each run read once ({rank: Dataset} passes through load_runs as it is); one after the
+        # other in this thread, whose dask pool and read buffers stay warm (measured: two at
+        # once from threads of their own cost 1.2-1.8x as much, each thread a fresh pool)
+        a, b, *controls = [load_runs(x, storage_options=storage_options)
+                           for x in (a, b, *controls)]
+        options = dict(step0_threshold=step0_threshold, drop_threshold=drop_threshold,
+                       ranks=ranks, noise_aware=noise_aware, client=client,
+                       scheduler=scheduler, progress=progress,
+                       storage_options=storage_options, block_bytes=block_bytes,
+                       task_bytes=task_bytes)
+        results = [compare_grads(a, x, **options) for x in [b, *controls]]
+        return calibrate(results[0], results[1:], a, b, controls,
+                         storage_options=storage_options)
     runs_a = load_runs(a, storage_options=storage_options)
     runs_b = load_runs(b, storage_options=storage_options)
     pairs = pair_runs(runs_a, runs_b, ranks)
@@ -408,4 +440,6 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
             "total_significant": np.nan, "only_in_first": "", "only_in_second": ""},
             coords="different", compat="equals")
     out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
-    return out
+    from .verdict import GradComparison
+
+    return GradComparison.wrap(out)

@@ -24,7 +24,8 @@ EXPECTED = {
     # and their sum, 3); layer_norm is screened with the tensor scale (3)
     "improve_precision": {"add": 7, "matmul": 8, "linear (bias)": 9, "gelu": 6, "softmax": 6,
                           "log_softmax": 6, "layer_norm bf16": 5, "sum": 7, "matmul bf16": 10,
-                          "gelu bf16": 8},
+                          "gelu bf16": 8, "relu_ (in-place)": 7,
+                          "ReLU(inplace=True)": 7},
     # noise: 2 kernels (bit_noise) or 3 (add_noise), the re-run, the comparison
     "bit_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 6),
     "add_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 7),
@@ -34,6 +35,10 @@ EXPECTED = {
 #: above 8: three upcasts (linear with a bias), or the two-term scale of a 16-bit call whose
 #: bound needs S (the re-run on absolute values plus |p| and the weighted sum)
 OVER_EIGHT = {("improve_precision", "linear (bias)"), ("improve_precision", "matmul bf16")}
+# an in-place call adds one clone of its input, taken before the real call (state.py); the
+# re-run is the out-of-place form on that clone
+EXPECTED["bit_noise"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 7))
+EXPECTED["no_change"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 6))
 
 
 @pytest.fixture(autouse=True)
