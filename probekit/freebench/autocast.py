@@ -37,6 +37,15 @@ def first_tensor(leaves: list):
     return None
 
 
+def in_force(leaves: list):
+    """The autocast dtype in force for the call's first floating input's device, or None (one
+    flag read when autocast is off everywhere). Read before probekit's guards turn it off."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
+    x = first_tensor(leaves)
+    return None if x is None else enabled_dtype(x.device)
+
+
 def compute_leaves(leaves: list, outs: list) -> list:
     """``leaves`` with fp32 inputs cast to the dtype the op computed in (see module doc); the
     same list when the op computed in fp32.

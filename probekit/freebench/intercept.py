@@ -365,6 +365,7 @@ class Engine(Judging):
         if call.replay is not None:  # the generators' states the re-runs replay
             call.replay.save()
             self.replayed += 1
+        call.autocast = autocast.in_force(leaves)   # (a repro record needs it; guards turn it off)
         out = func(*call.args, **call.kwargs)
         if call.replay is not None:
             func = call.replay.bind(func)
@@ -418,6 +419,8 @@ class Engine(Judging):
         def explain(items):  # only for flagged calls: float64 re-runs
             return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items,
                                  api=call.info.name)
+        explain.repro = {"stage": "forward", "func": func, "call": call, "spec": spec,   # issue 30
+                         "fresh": lambda: state.restore(base, call.snap)}
 
         self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
                    [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain,
@@ -450,6 +453,8 @@ class Engine(Judging):
         def explain(items):  # only for flagged calls: float64 re-runs, block by block
             return cause.analyse(func, lambda: leaves, spec, items, blocks=plan,
                                  api=call.info.name)
+        explain.repro = {"stage": "forward", "func": func, "call": call, "spec": spec,   # issue 30
+                         "fresh": lambda: leaves}
 
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
                    values=[blocks.combine(parts)], exact=exact, explain=explain, plan=judged)

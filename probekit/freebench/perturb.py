@@ -258,6 +258,9 @@ class Call:
     #: a call that draws from a generator: its ``rng.Replay`` (re-runs replay the real call's
     #: random stream), else None
     replay: object = None
+    #: the autocast dtype in force at the real call (``autocast.in_force``), else None: the
+    #: forward check's guards turn autocast off, a repro record (``repro_record.py``) needs it
+    autocast: object = None
 
 
 @dataclass
