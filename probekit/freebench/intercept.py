@@ -419,8 +419,7 @@ class Engine(Judging):
         def explain(items):  # only for flagged calls: float64 re-runs
             return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items,
                                  api=call.info.name)
-        explain.repro = {"stage": "forward", "func": func, "call": call, "spec": spec,   # issue 30
-                         "fresh": lambda: state.restore(base, call.snap)}
+        explain.repro = (func, call, spec, base)   # issue 30: repro_record.Recorder reads it
 
         self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
                    [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain,
@@ -453,8 +452,7 @@ class Engine(Judging):
         def explain(items):  # only for flagged calls: float64 re-runs, block by block
             return cause.analyse(func, lambda: leaves, spec, items, blocks=plan,
                                  api=call.info.name)
-        explain.repro = {"stage": "forward", "func": func, "call": call, "spec": spec,   # issue 30
-                         "fresh": lambda: leaves}
+        explain.repro = (func, call, spec, leaves)   # issue 30: repro_record.Recorder reads it
 
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
                    values=[blocks.combine(parts)], exact=exact, explain=explain, plan=judged)

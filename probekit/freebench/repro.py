@@ -223,7 +223,7 @@ class _Case:
     def analyse(self, leaves, g, recorded: bool = False) -> dict:
         """``{index: cause}`` on these inputs, judged with the bound of their shapes."""
         with _rng_kept(self.rng):
-            o = repro_helpers.run(self.call, repro_record._clones(leaves), self.case, g)
+            o = repro_helpers.run(self.call, repro_record._clones(leaves), self.case, g, self.rng)
             o = {i: t for i, t in o.items() if t is not None}
             judges = self.judges(leaves, g, o, recorded)
             return repro_record.analyse(self.func, self.spec, leaves, g, self.case, self.call,
@@ -283,7 +283,7 @@ def magnitudes(c: _Case, leaves, g, judges: dict) -> dict:
     return out
 
 
-def bound_entry(judge: scales.Judge, leaves, e: dict) -> dict:
+def bound_entry(judge: scales.Judge, leaves, e: dict, stage: str) -> dict:
     """The script's bound of one judged output: coefficients of ``|exact|`` and ``S`` read off
     ``cause._Score.bound`` (the analysis' own bound) and of float64's floor off ``floor64``, the
     lost-bits level of ``cause``'s verdict, and the words the script prints."""
@@ -297,7 +297,8 @@ def bound_entry(judge: scales.Judge, leaves, e: dict) -> dict:
             "lost_level": math.sqrt(u_in) * (1.0 if judge.upcast else judge.factor),
             "upcast": bool(judge.upcast), "u": judge.u_out, "u_acc": judge.u_acc,
             "dtype": e["judged_dtype"], "k": int(judge.k), "c": c, "fam": judge.fam,
-            "gamma": scales.accumulation_term(judge.fam, judge.k, judge.u_out, judge.u_acc)}
+            "gamma": scales.accumulation_term(judge.fam, judge.k, judge.u_out, judge.u_acc),
+            "s_text": repro_script.magnitude_text(judge.fam, stage, e["formula_ok"])}
 
 
 # -- the folder ------------------------------------------------------------------------------------------
@@ -360,7 +361,13 @@ def _stored(c: _Case, leaves, g, shrunk: bool, notes: list) -> tuple[dict, dict]
 
 def write(rec, out: str, *, row: dict | None = None, shrink: bool = False,
           check: bool = False) -> Repro:
-    """Write the repro folder of record ``rec`` (``repro_record.Captured``) into ``out``."""
+    """Write the repro folder of record ``rec`` (``repro_record.Captured``) into ``out``. The
+    CPU generator is left as it was (a random call's replays set it)."""
+    with _rng_kept(torch.get_rng_state()):
+        return _write(rec, out, row=row, shrink=shrink, check=check)
+
+
+def _write(rec, out: str, *, row: dict | None, shrink: bool, check: bool) -> Repro:
     row = dict(row or {})
     c = _Case(rec)
     meta = c.meta
@@ -380,13 +387,14 @@ def write(rec, out: str, *, row: dict | None = None, shrink: bool = False,
         shrunk = bool(steps)
         notes.append(repro_shrink.describe(steps, before, _nbytes(leaves, g)))
     with modes_off():
-        o = repro_helpers.run(c.call, repro_record._clones(leaves), c.case, g)
+        o = repro_helpers.run(c.call, repro_record._clones(leaves), c.case, g, c.rng)
         o = {i: t for i, t in o.items() if t is not None}
         judges = c.judges(leaves, g, o, recorded=not shrunk)
         S = magnitudes(c, leaves, g, judges)
     specs, data = _stored(c, leaves, g, shrunk, notes)
     case = dict(c.case, judged=[i for i in c.case["judged"] if i in judges])
-    case["bound"] = {i: bound_entry(judges[i], leaves, c.entries[i]) for i in case["judged"]}
+    case["bound"] = {i: bound_entry(judges[i], leaves, c.entries[i], meta["stage"])
+                     for i in case["judged"]}
     case["blame"] = cause.BLAME_FACTOR
     final = dict(meta, case=case, tensors=specs,
                  judged=[e for e in meta["judged"] if e["index"] in judges])
@@ -427,12 +435,36 @@ def run_here(script_path: str, meta) -> dict:
         return ns["measure"](ns["call"], fresh, meta["case"], S, g, rng, expected)
 
 
-def run_fresh(script_path: str, python: str | None = None, timeout: float = 600) -> tuple:
-    """``(exit status, output)`` of the script in a fresh, isolated Python (``-I``: neither
-    PYTHONPATH nor the working directory on its path, so only installed packages: torch)."""
+#: runs a script in a fresh Python with probekit made unimportable (an editable install puts it
+#: on every interpreter's path): a script that reached for it fails with exit status 3
+FRESH_DRIVER = """
+import runpy, sys, traceback
+class NoProbekit:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "probekit":
+            raise ImportError("a repro script must need only torch: it imported " + name)
+sys.meta_path.insert(0, NoProbekit())
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit:
+    raise
+except BaseException:
+    traceback.print_exc()
+    sys.exit(3)
+"""
+
+
+def run_fresh(script_path: str, *args: str, python: str | None = None,
+              timeout: float = 600) -> tuple:
+    """``(exit status, output)`` of the script in a fresh, isolated Python: ``-I`` (neither
+    PYTHONPATH nor the working directory on its path) and probekit unimportable, so it has
+    torch and the standard library only. Exit 3: the script failed outside its own ``main``."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([python or sys.executable, "-I", script_path], capture_output=True,
-                          text=True, env=env, cwd=os.path.dirname(script_path), timeout=timeout)
+    proc = subprocess.run([python or sys.executable, "-I", "-c", FRESH_DRIVER, script_path,
+                           *args], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.abspath(script_path)), timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -45,7 +45,7 @@ from ..atomic import atomic_write
 from ..errors import ReproError
 from ..log import Once, get_logger
 from ..paths import safe_join, safe_name
-from . import cause, handlers, names, perturb, repro_helpers
+from . import cause, handlers, names, perturb, repro_helpers, state
 from .guards import modes_off, no_autocast
 from .judging import Judging
 
@@ -500,6 +500,17 @@ def load(path: str) -> Captured:
 
 
 # -- the session's hook ---------------------------------------------------------------------------
+def call_info(attached):
+    """What the engine attached to a call's ``explain`` as a dict: a forward check attaches
+    ``(func, call, spec, leaves)`` (a tuple: it is made at every checked call), the backward
+    check a dict with the stage, the upstream gradient and the inputs whose gradients it took."""
+    if attached is None or isinstance(attached, dict):
+        return attached
+    func, call, spec, base = attached
+    return {"stage": "forward", "func": func, "call": call, "spec": spec,
+            "fresh": lambda: state.restore(base, call.snap)}
+
+
 class Recorder:
     """``engine.repro_capture``: after a call site's analysis, save the record of its call when a
     cause confirms a finding (once per API call name per session; never raises into the
@@ -514,7 +525,7 @@ class Recorder:
         self.written: dict = {}      # api_name -> path
 
     def __call__(self, name: str, explain, items: list, causes: dict) -> None:
-        info = getattr(explain, "repro", None)
+        info = call_info(getattr(explain, "repro", None))
         if info is None:
             return
         findings = [(i, o, desc, causes[i]) for i, o, desc in items

@@ -162,12 +162,32 @@ def stage_lines(meta) -> list:
             f"judged: {judged}"]
 
 
+def magnitude_text(fam: str, stage: str, formula_ok: bool = True) -> str:
+    """What ``S`` is for a family (as ``cause.py`` computes it in float64)."""
+    if stage == "forward":
+        if fam in ("multilinear", "gelu"):
+            return "S = the call on the absolute values of its inputs (Σ|a||b| for a product)"
+        if fam in ("arithmetic", "elementwise", "step"):
+            return "S = |exact| (one result per element, nothing cancels)"
+        if fam in ("softmax", "log_softmax"):
+            return f"S = |exact| plus the {fam} floor"
+        if fam == "norm":
+            return "S = the normalisation's magnitude formula (no cancellation in x − mean)"
+    else:
+        if fam in ("multilinear", "arithmetic"):
+            return "S = the backward on the absolute values of the inputs with |g| (Σ|g| for a " \
+                   "bias gradient)"
+        if fam in ("softmax", "log_softmax", "norm", "attention") and formula_ok:
+            return f"S = the {fam} family's magnitude formula (Σ|g| for a norm's bias gradient)"
+    return "S = max|exact| (the result tensor's scale)"
+
+
 def expected_text(meta, i) -> str:
     b = meta["case"]["bound"][i]
-    return (f"within {b['c']:g}·(u_out·|exact| + γ_k(u_acc)·S) of the exact result per element "
-            f"(a correct kernel's bound): u_out = {pow2(b['u'])} ({b['dtype']}), u_acc = "
-            f"{pow2(b['u_acc'])}, k = {b['k']}, S the magnitude of the terms the call adds up "
-            f"({b['fam']} family)")
+    return (f"within {b['c']:g}·(u_out·|exact| + γ_k(u_acc)·S) of the exact result per element, "
+            f"the bound of a correct kernel computing in {b['dtype']} (u_out = {pow2(b['u'])}) "
+            f"and accumulating k = {b['k']} terms with u_acc = {pow2(b['u_acc'])}; "
+            f"{b['s_text']}")
 
 
 def actual_text(meta, i, res) -> str:
@@ -278,6 +298,14 @@ if __name__ == "__main__":
 '''
 
 
+def _wrap(line: str, width: int = 96) -> str:
+    if len(line) <= width:
+        return line
+    lead = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.fill(line, width, subsequent_indent=lead, break_long_words=False,
+                         break_on_hyphens=False)
+
+
 def _py(value) -> str:
     return pprint.pformat(value, width=96, sort_dicts=False)
 
@@ -321,8 +349,7 @@ def script(meta, row: dict, notes: list, results: dict | None = None) -> str:
             head += [f"Actual, when this script was written: " + actual_text(meta, i, results[i])]
     head += ["", "Run: python repro.py [--device DEVICE] [--threads N]; needs only torch. Exit "
                  "status 1 while the defect is present, 0 when not, 2 when it could not run."]
-    doc = "\n".join(textwrap.fill(s, 96, subsequent_indent="    ", break_long_words=False,
-                                  break_on_hyphens=False) if len(s) > 96 else s for s in head)
+    doc = "\n".join(_wrap(s) for s in head)
     doc = doc.replace('"""', "'''").replace("\\", "\\\\")
     labels = {i: label(meta, i) for i in case["judged"]}
     consts = [f"TITLE = {title(meta)!r}", f"FOUND = {found_line(meta)!r}",
@@ -342,10 +369,20 @@ def report(meta, row: dict, notes: list, results: dict, command: str) -> str:
     """``REPORT.md``: the issue text a kernel team expects (versions, minimal script, expected
     vs actual)."""
     case = meta["case"]
+    verdicts = {r["verdict"] for r in results.values()}
+    if "inaccurate" in verdicts:
+        what = ("gives a result further from the exact one than a correct kernel may be (its "
+                "error exceeds the bound below, and one-ulp changes of the inputs do not explain "
+                "it)")
+    elif "ill-conditioned" in verdicts:
+        what = ("is ill-conditioned at these inputs: its exact result loses more than half its "
+                "significant bits under a one-ulp change of an input (a numerical hazard of the "
+                "computation, not a kernel error)")
+    else:
+        what = "shows no defect with these inputs (every result within the bound below)"
     out = [f"# {title(meta)}", "",
-           f"`{call_expression(meta)}` ({meta['stage']} stage) gives a result outside the bound "
-           "of a correct kernel: probekit's free benchmark found it "
-           f"({meta['pert_mode']}; step {meta['step']}, rank {meta['rank']}"
+           f"`{call_expression(meta)}` ({meta['stage']} stage) {what}. Found by probekit's free "
+           f"benchmark ({meta['pert_mode']}; step {meta['step']}, rank {meta['rank']}"
            + (f", {row['call_site']}" if row.get("call_site") else "") + ").", "",
            "## Environment", ""]
     out += [f"- {s}" for s in environment_lines(meta["env"], case["autocast"])]
@@ -358,14 +395,12 @@ def report(meta, row: dict, notes: list, results: dict, command: str) -> str:
         out += [f"**{label(meta, i)}**, {_judged_shape(meta, i)}", "",
                 f"- expected: {expected_text(meta, i)}"]
         if i in results:
-            out.append(f"- actual: {actual_text(meta, i, results[i])}")
             r = results[i]
-            out.append(f"- one-ulp input nudges move the exact result by {r['moved']:.3g} of "
-                       f"the bound (so the inputs' conditioning does not explain the error"
-                       if r["verdict"] == "inaccurate" else
-                       f"- one-ulp input nudges move the exact result by {r['moved']:.3g} of "
-                       f"the bound and lose {r['lost']:.3g} of its scale (")
-            out[-1] += ")"
+            b = case["bound"][i]
+            out.append(f"- actual: {actual_text(meta, i, r)}")
+            out.append(f"- one-ulp input nudges move the exact result by {r['moved']:.3g} × the "
+                       f"bound and lose {r['lost']:.3g} of its scale (more than half its bits: "
+                       f"above {b['lost_level']:.3g})")
         out.append("")
     out.append("Measured numbers: `result:` line of the script's output.")
     return "\n".join(out) + "\n"
