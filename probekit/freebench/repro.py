@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import io
 import math
+import numbers
 import os
 import runpy
 import subprocess
@@ -43,8 +44,9 @@ import sys
 
 import torch
 
+from ..atomic import atomic_write
 from ..errors import ReproError
-from ..paths import safe_join, safe_name
+from ..paths import safe_join
 from . import cause, perturb, repro_helpers, repro_record, repro_script, repro_shrink, scales
 from .guards import modes_off, no_autocast
 from .judging import Judging
@@ -101,7 +103,8 @@ def row_dict(row) -> dict:
 def select(results, row) -> dict:
     """The row ``row`` names in ``results`` (a DataFrame): a position (int), an api_name, or
     the row itself."""
-    if isinstance(row, (int,)) and not isinstance(row, bool):
+    if isinstance(row, numbers.Integral) and not isinstance(row, bool):
+        row = int(row)
         if not 0 <= row < len(results):
             raise ReproError(f"row: {row} is not valid; accepted: 0 to {len(results) - 1} (the "
                              f"row's position in the findings)" if len(results) else
@@ -111,8 +114,9 @@ def select(results, row) -> dict:
         hits = results[results["api_name"] == row] if len(results) else results
         if not len(hits):
             names = sorted(set(results["api_name"])) if len(results) else []
+            more = "..." if len(names) > 8 else ""
             raise ReproError(f"row: {row!r} is not valid; accepted: an api_name of the findings"
-                             f" ({', '.join(names[:8]) or 'none'}{'...' if len(names) > 8 else ''})")
+                             f" ({', '.join(names[:8]) or 'none'}{more})")
         return row_dict(hits.iloc[0])
     return row_dict(row)
 
@@ -133,7 +137,8 @@ def record_for(dump_path: str, row: dict) -> str:
 
 def default_folder(dump_path: str, row: dict) -> str:
     """``{dump_path}/repro/{api_name}.rank{r}`` (the name through ``safe_name``)."""
-    return safe_join(dump_path, "repro", f"{row['api_name']}.rank{int(row.get('rank', 0) or 0)}")
+    rank = int(row.get("rank", 0) or 0)
+    return safe_join(dump_path, "repro", f"{row['api_name']}.rank{rank}")
 
 
 def for_row(dump_path: str, row, out=None, *, results=None, shrink: bool = False,
@@ -277,7 +282,7 @@ def magnitudes(c: _Case, leaves, g, judges: dict) -> dict:
     for i, s in S.items():
         s = s.detach().to(torch.float64)
         if s.dim() and s.numel() > 1 and all(st == 0 for st in s.stride()):
-            s = s.reshape(-1)[0]            # the tensor scale, expanded: one number
+            s = s.as_strided((), ())        # the tensor scale, expanded: one number
         out[i] = s.cpu().clone() if s.numel() * 8 <= repro_record.SAVE_LIMIT else \
             s.to(torch.float32).cpu().clone()
     return out
@@ -409,8 +414,6 @@ def _write(rec, out: str, *, row: dict | None, shrink: bool, check: bool) -> Rep
     os.makedirs(out, exist_ok=True)
     buf = io.BytesIO()
     torch.save(data, buf)
-    from ..atomic import atomic_write
-
     atomic_write(os.path.join(out, DATA), buf.getvalue())
     script_path = os.path.join(out, SCRIPT)
     atomic_write(script_path, repro_script.script(final, row, notes))
@@ -488,7 +491,7 @@ def of_call(func, *args, out, stage: str = "forward", grad=None, judged=None,
     call.autocast = None
     leaves, spec = perturb.flatten(args, kwargs)
     with modes_off(), torch.no_grad():
-        o = handlers_outputs(func, args, kwargs)
+        o = repro_helpers.float_outputs(func(*args, **kwargs))
     rec_info = {"stage": stage, "func": func, "call": call, "spec": spec,
                 "fresh": lambda: leaves}
     if stage == "forward":
@@ -523,10 +526,3 @@ def of_call(func, *args, out, stage: str = "forward", grad=None, judged=None,
     return write(rec, os.fspath(out), row={"cause": "forced (of_call)"}, shrink=shrink,
                  check=check)
 
-
-def handlers_outputs(func, args, kwargs) -> dict:
-    return dict(repro_helpers.float_outputs(func(*args, **kwargs)))
-
-
-def folder_name(api_name: str, rank: int = 0) -> str:
-    return safe_name(f"{api_name}.rank{int(rank)}")

@@ -9,7 +9,6 @@ judged with, and exits 1 while the defect is present (0 when not, 2 when it cann
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import pprint
@@ -110,7 +109,7 @@ def environment_lines(env: dict, autocast) -> list:
             f"Python {env.get('python')} on {env.get('platform')}"]
 
 
-def input_lines(meta, tensors_saved: dict) -> list:
+def input_lines(meta) -> list:
     out = []
     for n, spec in meta["tensors"].items():
         what = f"{n}: {spec['dtype']} {tuple(spec['shape'])}, stride {tuple(spec['stride'])}: "
@@ -337,7 +336,7 @@ def script(meta, row: dict, notes: list, results: dict | None = None) -> str:
     head += ["", "The call"]
     head += ["  " + s for s in call_source(meta).splitlines()]
     head += ["  " + s for s in stage_lines(meta)]
-    head += ["", "Inputs"] + ["  " + s for s in input_lines(meta, {})]
+    head += ["", "Inputs"] + ["  " + s for s in input_lines(meta)]
     head += ["  " + s for s in notes]
     if row.get("ratio") is not None:
         head += ["", f"The free benchmark's check: max_rel {row.get('max_rel', 0):.4g} against "
@@ -389,7 +388,7 @@ def report(meta, row: dict, notes: list, results: dict, command: str) -> str:
     out += ["", "## Minimal script", "", f"`{command}` (needs only torch; exits 1 while the "
             "defect is present). The call:", "", "```python", call_source(meta).rstrip(), "```",
             ""]
-    out += [f"- {s}" for s in stage_lines(meta) + input_lines(meta, {}) + notes]
+    out += [f"- {s}" for s in stage_lines(meta) + input_lines(meta) + notes]
     out += ["", "## Expected vs actual", ""]
     for i in case["judged"]:
         out += [f"**{label(meta, i)}**, {_judged_shape(meta, i)}", "",
@@ -412,6 +411,3 @@ def _judged_shape(meta, i) -> str:
             return f"{e['dtype']} {tuple(e['shape'])}"
     return ""
 
-
-def dumps(results: dict) -> str:
-    return json.dumps({str(i): r for i, r in results.items()})
