@@ -367,8 +367,9 @@ def _stored(c: _Case, leaves, g, shrunk: bool, notes: list) -> tuple[dict, dict]
 def write(rec, out: str, *, row: dict | None = None, shrink: bool = False,
           check: bool = False) -> Repro:
     """Write the repro folder of record ``rec`` (``repro_record.Captured``) into ``out``. The
-    CPU generator is left as it was (a random call's replays set it)."""
-    with _rng_kept(torch.get_rng_state()):
+    CPU generator is left as it was (a random call's replays set it), and no function mode sees
+    the work (``fb.repro`` inside ``with fb:`` checks nothing of its own)."""
+    with modes_off(), _rng_kept(torch.get_rng_state()):
         return _write(rec, out, row=row, shrink=shrink, check=check)
 
 

@@ -394,11 +394,14 @@ def capture(info: dict, findings: list, *, name: str, mode_name: str, fb, step: 
                                               "dtype": str(t.dtype).replace("torch.", "")}
                 check["fallback"] = "saved"
                 gen_specs = {}
-    if not gen_specs:
+    if not gen_specs:   # the outputs the run computed, within what the budget leaves
+        left = budget - sum(t.numel() * t.element_size() for t in tensors.values())
         for i, o, _, _ in findings:
-            if isinstance(o, torch.Tensor) and o.numel() * o.element_size() <= EXPECTED_LIMIT:
+            n = o.numel() * o.element_size() if isinstance(o, torch.Tensor) else left + 1
+            if n <= min(EXPECTED_LIMIT, left):
                 tensors[f"o{i}"] = o.detach().contiguous().cpu().clone()
                 meta["expected"].append(int(i))
+                left -= n
     return Captured(meta, tensors)
 
 
@@ -545,9 +548,11 @@ class Recorder:
                 save(path, rec)
             self.used += rec.nbytes
             self.written[name] = path
-            if budget < SAVE_LIMIT and self.once("budget"):
-                log.info("Free benchmark: repro records of this session reached %d MiB; later "
-                         "records keep their inputs' statistics only", SESSION_LIMIT >> 20)
+            limited = budget < SAVE_LIMIT and any(
+                s["stored"] == "generated" for s in rec.meta["tensors"].values())
+            if limited and self.once("budget"):
+                log.info("Free benchmark: repro records of this session reached %g MiB; later "
+                         "records keep their inputs' statistics only", SESSION_LIMIT / 2 ** 20)
         except Exception as exc:   # never reaches the training code
             if self.once(("repro", name.rsplit(".", 2)[0])):
                 log.info("Free benchmark: no repro record for %s (%s: %s)", name,

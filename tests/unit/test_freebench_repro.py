@@ -210,6 +210,28 @@ def test_generated_inputs_that_do_not_reproduce_are_saved(tmp_path, monkeypatch)
     assert not r.defect
 
 
+def test_a_sessions_records_are_bounded(tmp_path, monkeypatch, caplog):
+    # two call sites of 8 KB of inputs each, 12 KB for the session: the second record keeps
+    # its inputs' statistics only (here they do not reproduce, and the record says so)
+    monkeypatch.setattr(repro_record, "SESSION_LIMIT", 12 << 10)
+    x = 1e4 + torch.randn(1000, generator=gen()) * 100
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        with fb:
+            torch.add(x + 0.01, -x)
+            torch.add(x + 0.02, -x)
+    assert fb.results["api_name"].tolist() == ["Torch.add.0.forward", "Torch.add.1.forward"]
+    first, second = (repro_record.load(repro_record.record_path(str(tmp_path), n, 0))
+                     for n in fb.results["api_name"])
+    assert first.nbytes == 8000 + 4000 and first.meta["generated_check"] is None   # + output
+    assert second.nbytes == 0 and second.meta["generated_check"]["reproduced"] is False
+    assert "fallback" not in second.meta["generated_check"]
+    assert sum("repro records of this session reached 0.0117188 MiB" in r.getMessage()
+               for r in caplog.records) == 1
+    assert sorted(os.listdir(tmp_path / "repro" / "records")) == [
+        "Torch.add.0.forward.rank0.pt", "Torch.add.1.forward.rank0.pt"]     # nothing partial
+
+
 # -- the zoo's real bugs --------------------------------------------------------------------------------
 N, BINS = 20_000, 4
 
