@@ -148,7 +148,8 @@ def for_row(dump_path: str, row, out=None, *, results=None, shrink: bool = False
     if results is not None and not isinstance(row, dict) and not hasattr(row, "to_dict"):
         row = select(results, row)
     row = row_dict(row)
-    rec = repro_record.load(record_for(dump_path, row))
+    with modes_off():
+        rec = repro_record.load(record_for(dump_path, row))
     out = default_folder(dump_path, row) if out is None else os.fspath(out)
     return write(rec, out, row=row, shrink=shrink, check=check)
 

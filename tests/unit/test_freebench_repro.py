@@ -526,3 +526,12 @@ def test_generated_inputs_keep_layout_and_statistics():
             assert abs(yk.std() - ok.std()) < 0.15 * ok.std() + 1e-3, name
             assert abs(y.isnan().double().mean() - t.isnan().double().mean()) < 0.05, name
     assert cases["expanded"].stride()[0] == 0
+
+
+def test_repro_inside_the_block_is_invisible_to_the_probe(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        torch.add(torch.tensor([1e4 + 0.01]), torch.tensor([-1e4]))
+        before = dict(fb.summary)
+        assert fb.repro(0).defect
+        assert dict(fb.summary) == before
