@@ -420,6 +420,14 @@ def _write(rec, out: str, *, row: dict | None, shrink: bool, check: bool) -> Rep
     script_path = os.path.join(out, SCRIPT)
     atomic_write(script_path, repro_script.script(final, row, notes))
     results = run_here(script_path, final)
+    if not shrunk:    # the script's verdicts are the session's analysis' (cause.py)
+        differ = [i for i, v in causes.items() if i in results and
+                  results[i]["verdict"] != str(v) + (" (mild)" if getattr(v, "mild", False)
+                                                     else "")]
+        if differ:
+            notes.append("WARNING: probekit's analysis and the script disagree on "
+                         + ", ".join(f"{repro_script.label(meta, i)} ({causes[i]} / "
+                                     f"{results[i]['verdict']})" for i in differ))
     command = f"python {script_path}"
     atomic_write(script_path, repro_script.script(final, row, notes, results))
     atomic_write(os.path.join(out, REPORT), repro_script.report(final, row, notes, results,
