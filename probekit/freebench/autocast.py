@@ -60,7 +60,7 @@ def run(seen: dict, name: str, func, args: tuple, kwargs: dict, leaves: list):
     its ATen calls ran in autocast's dtype, learned at its first call. Only the real call is
     visible to other function modes."""
     key = inner = None
-    if _on():
+    if torch._C._is_any_autocast_enabled():
         with modes_off():
             key = _signature(name, leaves)
             inner = None if key is None else seen.get(key)
@@ -83,17 +83,6 @@ def run(seen: dict, name: str, func, args: tuple, kwargs: dict, leaves: list):
         outs = float_outputs(out)
         fp32 = bool(outs) and all(t.dtype == torch.float32 for _, t in outs)
     return out, (key[2] if fp32 else None)
-
-
-def _on() -> bool:
-    """Is autocast on for the CPU or CUDA on this thread (two flag reads)?"""
-    for dev in ("cpu", "cuda"):
-        try:
-            if torch.is_autocast_enabled(dev):
-                return True
-        except (TypeError, RuntimeError):
-            pass
-    return False
 
 
 def _signature(name: str, leaves: list):
@@ -125,6 +114,16 @@ def first_tensor(leaves: list):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return x
     return None
+
+
+def in_force(leaves: list):
+    """The autocast dtype in force for the call's first floating input's device, or None (one
+    flag read when autocast is off everywhere). Read before probekit's guards turn it off."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
+    with modes_off():      # (the caller's function modes see only the real call)
+        x = first_tensor(leaves)
+        return None if x is None else enabled_dtype(x.device)
 
 
 def compute_leaves(leaves: list, outs: list) -> list:

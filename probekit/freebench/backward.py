@@ -402,6 +402,10 @@ class _BackwardCheck:
         def explain(items):  # only for flagged gradients: float64 recomputations
             return cause.analyse_backward(self.func, fresh, self.spec, self.diff,
                                           self.out_index, g, items, api=self.call_name)
+        explain.repro = {"stage": "backward", "func": self.func, "call": self.call,   # issue 30
+                         "spec": self.spec, "fresh": fresh, "plan": dict(self.plan), "g": g,
+                         "diff": self.diff, "out_index": self.out_index, "autocast": ac_dtype,
+                         "api": self.call_func}
 
         self.call_name = self.call.info.name
         with torch.no_grad():

@@ -65,7 +65,8 @@ BLAME_FACTOR = 2.0
 _U64 = 2.0 ** -53
 
 
-def _to64(x):
+def to64(x):
+    """A floating tensor in float64 (detached); anything else as it is."""
     if perturb.is_float(x) and x.dtype != torch.float64:
         return x.detach().to(torch.float64)
     return x.detach() if perturb.is_float(x) else x
@@ -103,14 +104,16 @@ def nudged(leaves: list, noise, first_only: bool) -> list:
     return out
 
 
-def _run(func, leaves, spec, kwargs_fix=None) -> list:
+def outputs(func, leaves, spec, kwargs_fix=None) -> list:
+    """``handlers.float_outputs`` of the call on ``leaves`` (``kwargs_fix``: applied to its
+    keyword arguments first, e.g. ``scales.magnitude_kwargs``)."""
     args, kwargs = perturb.unflatten(leaves, spec)
     if kwargs_fix is not None:
         kwargs = kwargs_fix(kwargs)
     return handlers.float_outputs(func(*args, **kwargs))
 
 
-def _in_roundoff(leaves: list, judged) -> float:
+def input_roundoff(leaves: list, judged) -> float:
     """``u_in``: the least precise of the row's dtype and the floating inputs' dtypes."""
     u = scales.unit_roundoff(judged)
     for x in leaves:
@@ -119,8 +122,10 @@ def _in_roundoff(leaves: list, judged) -> float:
     return u
 
 
-class _Score:
-    """Accuracy, move and lost bits of one row, accumulated over blocks and nudges."""
+class Score:
+    """Accuracy, move and lost bits of one row, accumulated over blocks and nudges. ``bound``
+    is the row's bound ``c (u_out |r| + gamma_k S)`` (its ``Judge``; a configured threshold
+    scales it), ``floor64`` float64's own rounding of the call; ``verdict`` the cause."""
 
     __slots__ = ("judge", "u_in", "acc", "moved", "lost", "dmax", "rmax")
 
@@ -146,7 +151,7 @@ class _Score:
 
     def accuracy(self, o: torch.Tensor, r: torch.Tensor, S) -> None:
         for oc, rc, sc in _pieces(o.to(r.device), r, S):   # a few chunk-sized temporaries
-            self.acc = max(self.acc, _ratio(oc, rc, self.bound(rc, sc)))
+            self.acc = max(self.acc, ratio(oc, rc, self.bound(rc, sc)))
             with torch.no_grad():
                 d = (oc.to(torch.float64) - rc).abs().nan_to_num(nan=math.inf)
                 if d.numel():
@@ -157,7 +162,7 @@ class _Score:
     def move(self, s: torch.Tensor, r: torch.Tensor, S) -> None:
         top = scale = 0.0
         for sc_, rc, Sc in _pieces(s, r, S):
-            self.moved = max(self.moved, _ratio(sc_, rc, self.bound(rc, Sc)))
+            self.moved = max(self.moved, ratio(sc_, rc, self.bound(rc, Sc)))
             with torch.no_grad():
                 d = (sc_.double() - rc).abs().nan_to_num(nan=math.inf)
                 beyond = d.sub_(self.floor64(rc, Sc)).clamp_min_(0)
@@ -187,7 +192,7 @@ def _pieces(a: torch.Tensor, r: torch.Tensor, S):
     yield from zip(_chunks(a, CHUNK), _chunks(r, CHUNK), Ss)
 
 
-def _ratio(o: torch.Tensor, r: torch.Tensor, b: torch.Tensor) -> float:
+def ratio(o: torch.Tensor, r: torch.Tensor, b: torch.Tensor) -> float:
     """``max_i |o_i - r_i| / b_i`` (infinite for a NaN/Inf of ``o`` where ``r`` is finite; pairs
     that are both non-finite alike are equal; 0/0 counts 0)."""
     with torch.no_grad():
@@ -224,6 +229,19 @@ def _forward_magnitude(judge, api, func, x64, spec, r, i, abs_out):
     return m.expand_as(r)
 
 
+def forward_magnitudes(judges: dict, api, func, x64, spec, r: dict) -> dict:
+    """``{output index: S}`` in float64 of the outputs ``judges`` names (``{index: Judge}``),
+    by each one's family: the call on absolute values (run once, only when a multilinear output
+    needs it), the input, ``|r|`` plus a floor, a normalisation's formula, or the tensor scale
+    (``r``: the float64 outputs on ``x64``)."""
+    abs_out = None
+    if any(j.fam == "multilinear" for j in judges.values()):
+        abs_out = dict(outputs(func, scales.magnitude_leaves(x64), spec,
+                               scales.magnitude_kwargs))
+    return {i: _forward_magnitude(j, api, func, x64, spec, r[i], i, abs_out)
+            for i, j in judges.items()}
+
+
 def analyse(func, fresh, spec, items: list, blocks=None, api: str | None = None) -> dict:
     """``{output_index: cause}`` for the flagged outputs ``items`` = [(index, original tensor,
     output descriptor)] (descriptor: ``(index, dtype, shape, scale kind, thr, hot, judged dtype,
@@ -232,11 +250,11 @@ def analyse(func, fresh, spec, items: list, blocks=None, api: str | None = None)
     ``fresh()``: the call's inputs as the original call computed with them, with the state it
     writes as fresh clones (``state.restore``), asked once per re-run. ``blocks``: the call's
     ``blocks.Plan`` when it was checked in blocks; the analysis then runs block by block.
-    ``api``: the API's name (its family's formula). The caller runs this under ``no_grad`` with every function mode off; autocast is
-    turned off here. Raises on failure."""
+    ``api``: the API's name (its family's formula). The caller runs this under ``no_grad`` with
+    every function mode off; autocast is turned off here. Raises on failure."""
     from .guards import no_autocast
 
-    judges = {index: _judge_of(desc) for index, _, desc in items}
+    judges = {index: judge_of(desc) for index, _, desc in items}
     parts = [None] if blocks is None else blocks.parts
     scores = None
     with no_autocast(True):
@@ -250,22 +268,16 @@ def analyse(func, fresh, spec, items: list, blocks=None, api: str | None = None)
 
             x = inputs()
             if scores is None:
-                scores = {i: _Score(judges[i], _in_roundoff(x, items_dtype(items, i)))
+                scores = {i: Score(judges[i], input_roundoff(x, items_dtype(items, i)))
                           for i, _, _ in items}
-            x64 = [_to64(t) for t in x]
-            r = dict(_run(func, x64, spec))
-            abs_out = None
-            if any(j.fam == "multilinear" for j in judges.values()):
-                abs_out = dict(_run(func, scales.magnitude_leaves(x64), spec,
-                                    scales.magnitude_kwargs))
-            S = {i: _forward_magnitude(judges[i], api, func, x64, spec, r[i], i, abs_out)
-                 for i, _, _ in items}
-            del abs_out
+            x64 = [to64(t) for t in x]
+            r = dict(outputs(func, x64, spec))
+            S = forward_magnitudes(judges, api, func, x64, spec, r)
             del x64
             for i, o, _ in items:
                 scores[i].accuracy(original(o), r[i], S[i])
             for noise, first in NUDGES:
-                s = dict(_run(func, [_to64(t) for t in nudged(inputs(), noise, first)], spec))
+                s = dict(outputs(func, [to64(t) for t in nudged(inputs(), noise, first)], spec))
                 for i, _, _ in items:
                     scores[i].move(s[i], r[i], S[i])
                 del s
@@ -280,14 +292,16 @@ def items_dtype(items, index):
     return torch.float32
 
 
-def _judge_of(desc) -> scales.Judge:
+def judge_of(desc) -> scales.Judge:
+    """The ``Judge`` of an output descriptor (``Pending.outputs``' 8th element; the tensor
+    scale of its judged dtype for a descriptor without one)."""
     if len(desc) > 7 and desc[7] is not None:
         return desc[7]
     cdt = desc[6]
     return scales.judge("improve_precision", "other", scales.TENSOR_MIN_K, cdt)
 
 
-def _grads64(func, leaves, spec, diff, out_index, g, kwargs_fix=None) -> list:
+def grads64(func, leaves, spec, diff, out_index, g, kwargs_fix=None) -> list:
     """Input gradients (for the leaves in ``diff``) of the call's output ``out_index`` with
     upstream gradient ``g``, everything in float64."""
     leaves = list(leaves)
@@ -295,7 +309,7 @@ def _grads64(func, leaves, spec, diff, out_index, g, kwargs_fix=None) -> list:
     for i in diff:
         leaves[i] = leaves[i].detach().requires_grad_(True)
         ins.append(leaves[i])
-    y = dict(_run(func, leaves, spec, kwargs_fix))[out_index]
+    y = dict(outputs(func, leaves, spec, kwargs_fix))[out_index]
     return list(torch.autograd.grad(y, ins, g.to(torch.float64), allow_unused=True))
 
 
@@ -361,11 +375,11 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
     from .guards import no_autocast
 
     pos = {i: k for k, i in enumerate(diff)}
-    judges = {index: _judge_of(desc) for index, _, desc in items}
+    judges = {index: judge_of(desc) for index, _, desc in items}
     with no_autocast(True), torch.enable_grad():
         x = fresh()
-        x64 = [_to64(t) for t in x]
-        r = _grads64(func, x64, spec, diff, out_index, g)
+        x64 = [to64(t) for t in x]
+        r = grads64(func, x64, spec, diff, out_index, g)
         S = backward_magnitudes(func, api, x64, spec, diff, out_index, g.to(torch.float64),
                                 judges)
         del x64
@@ -374,7 +388,7 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
         ref = r[pos[index]]
         if ref is None:
             continue
-        sc = _Score(judges[index], _in_roundoff(x, desc[6]))
+        sc = Score(judges[index], input_roundoff(x, desc[6]))
         s_i = S.get(index)
         if s_i is None:
             m = ref.abs().amax() if ref.numel() else ref.new_zeros(())
@@ -387,7 +401,7 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
     del x
     for noise, first in NUDGES:
         with no_autocast(True), torch.enable_grad():
-            s = _grads64(func, [_to64(t) for t in nudged(fresh(), noise, first)], spec, diff,
+            s = grads64(func, [to64(t) for t in nudged(fresh(), noise, first)], spec, diff,
                          out_index, g)
         for index in list(scores):
             k = pos[index]

@@ -414,6 +414,7 @@ class Engine(Judging):
                     return "inplace"   # an in-place op on a leaf requiring grad: no re-run
                 if w.rerun is not None:
                     call.rerun = w.rerun
+                    call.called = (func, call.info)   # (a repro record names the real call)
                     if call.info.inplace:   # perturbations, scales, blocks: the out-of-place API
                         call.info = self.classify(w.rerun)
                 return w
@@ -501,6 +502,7 @@ class Engine(Judging):
     def _check_forward(self, call, key, n, name, func, leaves, spec, frame):
         if call.replay is not None:  # the generators' states the re-runs replay
             call.replay.save()
+        call.autocast = autocast.in_force(leaves)   # (a repro record needs it; guards turn it off)
         out, call.compute = autocast.run(self.inner_dtypes, call.info.name, func, call.args,
                                          call.kwargs, leaves)
         func = call.rerun or func   # an in-place call: re-run out of place (state.py)
@@ -571,6 +573,7 @@ class Engine(Judging):
         def explain(items):  # only for flagged calls: float64 re-runs
             return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items,
                                  api=call.info.name)
+        explain.repro = (func, call, spec, base)   # issue 30: repro_record.Recorder reads it
 
         self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
                    [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain,
@@ -605,6 +608,7 @@ class Engine(Judging):
         def explain(items):  # only for flagged calls: float64 re-runs, block by block
             return cause.analyse(func, lambda: leaves, spec, items, blocks=plan,
                                  api=call.info.name)
+        explain.repro = (func, call, spec, leaves)   # issue 30: repro_record.Recorder reads it
 
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
                    values=[combine(parts)], exact=exact, explain=explain, plan=judged,

@@ -338,6 +338,9 @@ class Judging:
         if site is None:
             return causes
         self.site_causes[site] = causes
+        capture = getattr(self, "repro_capture", None)   # issue 30: the call's repro record
+        if capture is not None and causes:
+            capture(name, explain, items, causes)
         for row in self._uncaused.pop(site, ()):
             row["cause"] = causes.get(row["output_index"]) or row["cause"]
         settled = []

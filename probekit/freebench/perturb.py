@@ -261,9 +261,15 @@ class Call:
     #: an in-place / ``out=`` call: the callable its re-runs use (its out-of-place form,
     #: ``state.out_of_place``), else None (the API itself)
     rerun: object = None
+    #: such a call's own API and ``ApiInfo`` (``info`` is then its out-of-place form's), for
+    #: what must name the call the user made (a repro record), else None
+    called: tuple | None = None
     #: the dtype the call computed in when its outputs do not say it (autocast's, for a call
     #: with fp32 outputs that ran ATen calls in it: ``autocast.run``), else None
     compute: object = None
+    #: the autocast dtype in force at the real call (``autocast.in_force``), else None: the
+    #: forward check's guards turn autocast off, a repro record (``repro_record.py``) needs it
+    autocast: object = None
 
 
 @dataclass
