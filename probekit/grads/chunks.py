@@ -218,6 +218,53 @@ class RawChunks:
         return out
 
 
+def read_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int, out: np.ndarray) -> None:
+    """Rows ``rows`` (sorted indices) and columns ``c0:c1`` of ``raw`` into ``out`` ((len(rows),
+    c1 - c0) uint8, C-contiguous): exactly those bytes of each chunk file, read into place with
+    ``os.preadv`` (whole rows of a chunk at once where they are contiguous in the file and in
+    ``out``); a missing chunk file is its fill value. From an object store: the chunk objects
+    (``RawChunks.read``)."""
+    if not len(rows) or c1 <= c0:
+        return
+    rows = np.asarray(rows, np.int64)
+    if raw.fs.remote:
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        block = raw.read(lo, hi, c0, c1)
+        out[...] = block if hi - lo == rows.size else block[rows - lo]
+        return
+    cr, cc = raw.chunk_shape
+    which = rows // cr
+    starts = np.flatnonzero(np.concatenate([[True], which[1:] != which[:-1]]))
+    stops = np.append(starts[1:], rows.size)
+    for a, z in zip(starts, stops):
+        i = int(which[a])
+        local = rows[a:z] - i * cr
+        together = z - a == 1 or bool(np.all(np.diff(local) == 1))
+        for j in range(c0 // cc, (c1 - 1) // cc + 1):
+            lo, hi = max(c0, j * cc), min(c1, (j + 1) * cc)
+            path = os.path.join(raw.path, "c", str(i), str(j))
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                out[a:z, lo - c0:hi - c0] = raw.fill
+                continue
+            try:
+                if together and hi - lo == cc and out.shape[1] == cc:  # whole rows, one read
+                    want = (z - a) * cc
+                    got = os.preadv(fd, [out[a:z].reshape(-1)], int(local[0]) * cc)
+                else:
+                    want = (z - a) * (hi - lo)
+                    got = 0
+                    for k in range(a, z):
+                        got += os.preadv(fd, [out[k, lo - c0:hi - c0]],
+                                         int(local[k - a]) * cc + lo - j * cc)
+            finally:
+                os.close(fd)
+            if got != want:
+                raise GradStoreError(f"{path}: {got} bytes where {want} were expected; the "
+                                     "chunk file is shorter than its chunk")
+
+
 def read_plain(array_path: str, n: int, fs=LOCAL):
     """(dimension names, the first ``n`` rows) of an uncompressed Zarr v3 array chunked along its
     first dimension only, read straight from its chunk files; None for any other layout."""

@@ -225,6 +225,8 @@ def _count(sources, plan, s0: int, s1: int) -> tuple:
         _per_param(np.bitwise_and(x, both, out=sb if plan["same_layout"] else None),
                    differ_sig, plan)
     _per_param(x, differ, plan)
+    if count_sig is not None:  # padding bits are ones in both runs: not elements
+        count_sig -= plan["nwords"] * 64 - plan["numel"]
     return differ, differ_sig, count_sig
 
 
@@ -241,11 +243,12 @@ def _per_param(words, target, plan) -> None:
 
 def finish_pair(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
                 drop_threshold: float = DROP_THRESHOLD, noise_aware: bool = True):
-    """The comparison Dataset of one pair from its blocks' counts."""
+    """The comparison Dataset of one pair from its blocks' counts (exact element counts:
+    differ, differ and significant in both, significant in both)."""
     import xarray as xr
 
     differ = np.concatenate([p[0] for p in parts])
-    present, numel_a, nwords = plan["present"], plan["numel"], plan["nwords"]
+    present, numel_a = plan["present"], plan["numel"]
     use_sig = plan["use_sig"]
     numel = numel_a.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -259,7 +262,6 @@ def finish_pair(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
     if use_sig:
         differ_sig = np.concatenate([p[1] for p in parts])
         count_sig = np.concatenate([p[2] for p in parts])
-        count_sig -= nwords * 64 - numel_a  # padding bits are ones in both runs
         with np.errstate(invalid="ignore", divide="ignore"):
             sim_sig = np.where(present & (count_sig > 0), 1.0 - differ_sig / count_sig, np.nan)
             total_sig = 1.0 - (np.where(present, differ_sig, 0).sum(1)
@@ -361,25 +363,160 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     Runs of one Dataset each (single process, DDP, a sharded run assembled) pair parameter by
     parameter whatever rank recorded them; runs of several ranks pair rank r with rank r.
 
-    Where it runs: a dask graph, one task per block of steps of each rank pair (the counts of
-    differing bits; the similarities are computed from them here), on the local
-    cores (dask's threads) by default, or on a ``dask.distributed`` cluster: ``client=`` (a
-    ``distributed.Client``) or ``scheduler=`` (its address, ``"tcp://host:8786"``); the
-    workers read the stores themselves (the same paths or URLs must reach them).
-    ``progress``: None shows progress on stderr once a comparison runs for 2 s, True at once,
+    Two probekit stores (paths or URLs) are compared shard by shard: the counts are taken
+    over the element ranges the two runs' rank groups share (``planner.py``), so a sharded run
+    is never assembled, and opening the rank groups and planning are tasks of the graph too.
+    Datasets, msprobe dumps and layouts the planner does not handle are compared as Datasets
+    (a sharded store assembled by ``open_grads``). Both give the same result.
+
+    Where it runs: a dask graph (the stores' rank groups opened in batches, the plan, then one
+    task per slab set and chunk of steps, summed per chunk; for Datasets one task per block of
+    steps of each rank pair), on the local cores (dask's threads) by default, or on a
+    ``dask.distributed`` cluster: ``client=`` (a ``distributed.Client``) or ``scheduler=`` (its
+    address, ``"tcp://host:8786"``); the workers read the stores themselves (the same paths or
+    URLs must reach them). ``progress``: None shows progress (finished tasks / all, the total
+    growing as the stages are planned) on stderr once a comparison runs for 2 s, True at once,
     False never. ``storage_options``: for URLs (credentials, endpoint). ``block_bytes`` (8 MiB)
     and ``task_bytes`` (64 MiB): sign bytes of one run read at once, and per task.
     """
-    import xarray as xr
+    from .engine import Session
 
-    from .engine import run_graph
+    with Session(client=client, scheduler=scheduler, progress=progress,
+                 label="compare") as session:
+        results = None
+        stores = _stores(a, b, storage_options)
+        if stores is not None:
+            results = _compare_stores(*stores, session=session, ranks=ranks,
+                                      block_bytes=block_bytes, task_bytes=task_bytes,
+                                      thresholds=(step0_threshold, drop_threshold),
+                                      noise_aware=noise_aware)
+        if results is None:
+            results = _compare_datasets(a, b, session=session, ranks=ranks,
+                                        block_bytes=block_bytes, task_bytes=task_bytes,
+                                        thresholds=(step0_threshold, drop_threshold),
+                                        noise_aware=noise_aware,
+                                        storage_options=storage_options)
+    return _combine(results, step0_threshold, drop_threshold)
+
+
+def _stores(a, b, storage_options):
+    from .segments import store_of
+
+    sa = store_of(a, storage_options)
+    if sa is None:
+        return None
+    sb = store_of(b, storage_options)
+    return None if sb is None else (sa, sb)
+
+
+def _plan_task(n_a: int, ranks, block_bytes, task_bytes, *batches) -> dict:
+    """The comparison's plan from the opened rank groups of both runs (a task of the graph)."""
+    from .planner import plan
+    from .segments import segments
+
+    groups_a = [g for batch in batches[:n_a] for g in batch]
+    groups_b = [g for batch in batches[n_a:] for g in batch]
+    return plan(segments(groups_a), segments(groups_b), ranks=ranks, block_bytes=block_bytes,
+                task_bytes=task_bytes)
+
+
+def _plan_shape(plan: dict):
+    """What the caller needs to build the counting stage: per pair (slab sets, step chunks);
+    or the reason the planner declined."""
+    if "unsupported" in plan:
+        return plan["unsupported"]
+    return [(len(p["sets"]), p["chunks"]) for p in plan["pairs"]]
+
+
+def _plan_finish(plan: dict) -> list:
+    """The small part of each pair's plan that ``finish_pair`` needs."""
+    keep = ("label", "common", "only_a", "only_b", "n_a", "n_b", "steps", "numel", "present",
+            "use_sig")
+    return [{k: p[k] for k in keep} for p in plan["pairs"]]
+
+
+def _tree_add(parts: list, fan: int = 32):
+    """(a task summing ``parts``, the summing tasks below it): a tree of fan-in ``fan``; one
+    part is its own sum."""
+    import dask
+
+    from .counting import add
+
+    below, level = [], list(parts)
+    while len(level) > fan:
+        level = [dask.delayed(add, pure=False)(*level[i:i + fan])
+                 for i in range(0, len(level), fan)]
+        below += level
+    if len(level) == 1:
+        top = level[0]
+        return top, [t for t in below if t is not top]
+    return dask.delayed(add, pure=False)(*level), below
+
+
+def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,
+                    noise_aware):
+    """The range comparison of two stores (``planner.py``, ``counting.py``): [(rank, result)]
+    or None when the planner declines (the Dataset path then)."""
+    import dask
+
+    from .counting import count_task
+    from .segments import batches, open_batch
+
+    opened = [[dask.delayed(open_batch, pure=False)(fs, store, batch)
+               for batch in batches(rks)] for fs, store, rks in (sa, sb)]
+    planned = dask.delayed(_plan_task, pure=False)(len(opened[0]), ranks, block_bytes,
+                                                   task_bytes, *opened[0], *opened[1])
+    handle, = session.run([planned], keep=True, inner=opened[0] + opened[1])
+    shape = session.value(_plan_shape, handle)
+    if isinstance(shape, str):
+        log.info("compare: %s; the runs are compared as Datasets", shape)
+        return None
+    finish = session.value(_plan_finish, handle)
+    lazy = handle if session.on_cluster else dask.delayed(handle, pure=False, traverse=False)
+    outputs, inner, where = [], [], []
+    for p, (nsets, chunks) in enumerate(shape):
+        for s0, s1 in chunks:
+            parts = [dask.delayed(count_task, pure=False)(lazy, p, s, s0, s1)
+                     for s in range(nsets)]
+            if not parts:
+                continue
+            top, more = _tree_add(parts)
+            outputs.append(top)
+            inner += [t for t in parts if t is not top] + more
+            where.append(p)
+    counts = session.run(outputs, inner=inner)
+    results = []
+    for p, info in enumerate(finish):
+        mine = [c for c, q in zip(counts, where) if q == p]
+        if mine:
+            total = np.concatenate(mine, axis=1)
+        else:  # no parameter with elements in both runs
+            total = np.zeros((3, info["steps"].size, len(info["common"])), np.int64)
+        parts = [(total[0], total[1] if info["use_sig"] else None,
+                  total[2] if info["use_sig"] else None)]
+        results.append((info["label"], _finished(info, parts, thresholds, noise_aware)))
+    return results
+
+
+def _finished(plan, parts, thresholds, noise_aware):
+    res = finish_pair(plan, parts, thresholds[0], thresholds[1], noise_aware)
+    step, param = first_divergence(res)
+    res["first_step"] = ((), step)
+    res["first_param"] = ((), param)
+    return res
+
+
+def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, thresholds,
+                      noise_aware, storage_options):
+    """Datasets (or stores read as Datasets: ``load_runs``): per rank pair ``plan_pair`` here,
+    then one task per block of steps."""
+    import dask
+
     from .sources import load_runs
 
     runs_a = load_runs(a, storage_options=storage_options)
     runs_b = load_runs(b, storage_options=storage_options)
     pairs = pair_runs(runs_a, runs_b, ranks)
-    import dask
-
     plans, tasks = [], []
     for r, ds_a, ds_b in pairs:
         plan = plan_pair(ds_a, ds_b, block_bytes, task_bytes, label=f"rank {r}: ")
@@ -388,17 +525,15 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
         plans.append(plan)
         tasks += [dask.delayed(count_block, pure=True)(src, lazy_plan, s0, s1)
                   for s0, s1 in plan["blocks"]]
-    counts = iter(run_graph(tasks, client=client, scheduler=scheduler, progress=progress,
-                            label="compare"))
-    results = []
-    for plan in plans:  # cheap: per-parameter arithmetic on the counts
-        res = finish_pair(plan, [next(counts) for _ in plan["blocks"]], step0_threshold,
-                          drop_threshold, noise_aware)
-        step, param = first_divergence(res)
-        res["first_step"] = ((), step)
-        res["first_param"] = ((), param)
-        results.append(res)
-    parts = [res.expand_dims(rank=[r]) for (r, _, _), res in zip(pairs, results)]
+    counts = iter(session.run(tasks))
+    return [(r, _finished(plan, [next(counts) for _ in plan["blocks"]], thresholds,
+                          noise_aware)) for (r, _, _), plan in zip(pairs, plans)]
+
+
+def _combine(results: list, step0_threshold: float, drop_threshold: float):
+    import xarray as xr
+
+    parts = [res.expand_dims(rank=[r]) for r, res in results]
     if len(parts) == 1:
         out = parts[0]
     else:

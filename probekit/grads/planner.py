@@ -1,0 +1,427 @@
+"""Plan a comparison over the element ranges two runs' rank groups share: no parameter rebuilt.
+
+The similarity of two runs is a count of equal bits, so it adds up over any partition of the
+elements. Each run recorded every parameter as pieces (``segments.py``: one per rank group under
+FSDP2 dim-0 sharding, a tensor-parallel column or row block, HSDP's first replica, the whole
+parameter in a single process or under DDP), each a box of the parameter's index space stored in
+the box's own C order. Wherever a piece of one run meets a piece of the other, the two count the
+elements of that intersection between them: run sets (``geometry.py``) read straight from the
+two groups' rows (``counting.py``). A 2-rank run against a 4-rank one, FSDP2 against tensor
+parallel, DDP or a single process: the same counts as comparing the assembled parameters, bit
+for bit, without assembling them.
+
+Tasks. One side (the one of more rank groups, *F*) is cut into *slab sets*: consecutive pieces
+of its groups' rows (a piece larger than a set is cut into slabs, flat ranges of its C order,
+``geometry.flat_boxes``) of about ``block_bytes`` per step; each set reads its own bytes of F and
+of the other side (*C*) the byte ranges its run sets touch (merged per group), a block of steps
+at a time. A task is a slab set over a chunk of steps of about ``task_bytes``; its output is the
+counts of its steps for every compared parameter, summed over the sets of the same steps
+(``compare.py``'s reduce tasks).
+
+What a run is (which rank groups form one run, which pieces are taken once, which steps) follows
+``assemble.assemble_runs`` exactly, so the result is the assembled comparison's, variable for
+variable. A layout this planner does not handle (a parameter whose shapes differ between the
+runs while sharded, more than ``geometry.PREFIX + 1`` dimensions that stay after merging,
+non-plain chunk files) makes ``plan`` return the reason, and the comparison reads the runs as
+Datasets instead.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+
+import numpy as np
+
+from ..errors import GradCompareError
+from ..log import get_logger
+from . import geometry
+from .names import canonical_names
+from .unmatched import unmatched_text
+
+log = get_logger(__name__)
+
+#: bytes between two needed ranges of a row below which they are read as one
+_MERGE_GAP = 4096
+
+
+class Unsupported(Exception):
+    """A layout the range planner does not handle (the comparison reads Datasets instead)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape(text: str) -> tuple:
+    value = ast.literal_eval(text)
+    return tuple(int(x) for x in (value if isinstance(value, (tuple, list)) else (value,)))
+
+
+def match_params(raw_a: list, raw_b: list, left_a: list, left_b: list, label: str = ""):
+    """Parameters of two runs paired by name without wrapper prefixes: (common names in the
+    first run's order, their positions in a, in b, names of a only, of b only, parameter count
+    of a, of b). Raises when none is shared; logs the unmatched ones."""
+    names_a, names_b = list(canonical_names(raw_a)), list(canonical_names(raw_b))
+    index_a = {n: i for i, n in enumerate(names_a)}
+    index_b = {n: i for i, n in enumerate(names_b)}
+    common = [n for n in names_a if n in index_b]
+    only_a = [r for r, n in zip(raw_a, names_a) if n not in index_b] + list(left_a)
+    only_b = [r for r, n in zip(raw_b, names_b) if n not in index_a] + list(left_b)
+    n_a, n_b = len(names_a) + len(left_a), len(names_b) + len(left_b)
+    if not common:
+        raise GradCompareError(f"the runs share no parameter (first: {names_a[:3]}..., second: "
+                               f"{names_b[:3]}...)")
+    if only_a or only_b:
+        log.warning("%s%s", label, unmatched_text(only_a, only_b, n_a, n_b))
+    pos_a = np.array([index_a[n] for n in common], np.int64)
+    pos_b = np.array([index_b[n] for n in common], np.int64)
+    return common, pos_a, pos_b, only_a, only_b, n_a, n_b
+
+
+def check_sizes(common, numel_a, numel_b) -> None:
+    if np.any(numel_a != numel_b):
+        bad = [(common[i], int(numel_a[i]), int(numel_b[i])) for i in
+               np.flatnonzero(numel_a != numel_b)[:5]]
+        raise GradCompareError("parameter sizes differ between the runs (name, first, second): "
+                               + "; ".join(f"{n}: {x} vs {y}" for n, x, y in bad))
+
+
+def ranges_text(values) -> str:
+    v = np.asarray(values)
+    if v.size == 0:
+        return "none"
+    if v.size <= 6:
+        return ", ".join(str(x) for x in v)
+    return f"{v[0]}..{v[-1]} ({v.size} values)"
+
+
+# -- which groups form a run (as assemble.assemble_runs decides) --------------------------------
+def _whole_piece(g: dict, j: int):
+    return (0,) * len(_shape(g["shapes"][j])), _shape(g["shapes"][j])
+
+
+def logical_runs(groups: list) -> dict:
+    """{label rank: run} from one layout's rank groups: a sharded run's groups as one run of
+    whole parameters under its lowest rank (its pieces taken once, as ``assemble._pieces``
+    takes them), every other group a run of its own; when a parameter's shards do not cover it
+    (a ``rank`` filter), every group as recorded. A run: {"label", "groups", "names",
+    "pieces": {name: [(group index, param index, offset, extent, global shape)]}, "steps"}."""
+    sharded = [g for g in groups if g["placement"] is not None]
+    plain = [g for g in groups if g["placement"] is None]
+    out = {g["rank"]: _as_recorded(g) for g in plain}
+    if not sharded:
+        return dict(sorted(out.items()))
+    sharded.sort(key=lambda g: g["rank"])
+    order, pieces, seen = [], {}, set()
+    for gi, g in enumerate(sharded):
+        for j, (name, place) in enumerate(zip(g["names"], g["placement"])):
+            if name not in pieces:
+                order.append(name)
+                pieces[name] = []
+            if place is None:  # a whole parameter in a shard group
+                if not any(p[5] for p in pieces[name]):
+                    off, ext = _whole_piece(g, j)
+                    pieces[name] = [(gi, j, off, ext, ext, True)]
+                continue
+            if any(p[5] for p in pieces[name]):
+                continue
+            key = (name, tuple(place["offset"]), tuple(place["local_shape"]))
+            if key in seen:  # a replica's copy
+                continue
+            seen.add(key)
+            pieces[name].append((gi, j, tuple(int(x) for x in place["offset"]),
+                                 tuple(int(x) for x in place["local_shape"]),
+                                 tuple(int(x) for x in place["global_shape"]), False))
+    for name in order:
+        parts = pieces[name]
+        total = int(np.prod(parts[0][4], dtype=np.int64))
+        covered = sum(int(np.prod(p[3], dtype=np.int64)) for p in parts)
+        if covered != total:  # a rank filter left shards out: every group as recorded
+            return dict(sorted({g["rank"]: _as_recorded(g) for g in groups}.items()))
+    used = sorted({p[0] for parts in pieces.values() for p in parts})
+    steps = None
+    for gi in used:
+        s = sharded[gi]["steps"]
+        steps = s if steps is None else np.intersect1d(steps, s)
+    label = sharded[0]["rank"]
+    out[label] = {"label": label, "groups": sharded, "names": order,
+                  "pieces": {n: [p[:5] for p in pieces[n]] for n in order}, "steps": steps,
+                  "used": used}
+    return dict(sorted(out.items()))
+
+
+def _as_recorded(g: dict) -> dict:
+    pieces = {}
+    for j, name in enumerate(g["names"]):
+        off, ext = _whole_piece(g, j)
+        if int(np.prod(ext, dtype=np.int64)) != int(g["numels"][j]):  # a shape that lies
+            off, ext = (0,), (int(g["numels"][j]),)
+        pieces[name] = [(0, j, off, ext, ext)]
+    return {"label": g["rank"], "groups": [g], "names": list(g["names"]), "pieces": pieces,
+            "steps": g["steps"], "used": [0]}
+
+
+def pair_logical(runs_a: dict, runs_b: dict, ranks=None) -> list:
+    """[(label, run a, run b)], as ``compare.pair_runs`` pairs Datasets."""
+    if len(runs_a) == 1 and len(runs_b) == 1 and (ranks is None or set(runs_a) & set(ranks)):
+        (ra, a), = runs_a.items()
+        (_, b), = runs_b.items()
+        return [(ra, a, b)]
+    common = sorted(set(runs_a) & set(runs_b))
+    if ranks is not None:
+        common = [r for r in common if r in set(ranks)]
+    if not common:
+        raise GradCompareError(f"the runs share no rank (first: {sorted(runs_a)}, second: "
+                               f"{sorted(runs_b)}" + (f", asked: {list(ranks)}" if ranks else "")
+                               + ")")
+    return [(r, runs_a[r], runs_b[r]) for r in common]
+
+
+# -- one pair ------------------------------------------------------------------------------
+def plan(segments_a: list, segments_b: list, *, ranks=None, block_bytes: int = 8 << 20,
+         task_bytes: int = 64 << 20) -> dict:
+    """The comparison of two runs given as layout segments (``segments.segments``): {"pairs":
+    [pair plan]} or {"unsupported": reason}. One segment each today; runs of several segments
+    are refused here (the Dataset path reads them)."""
+    if len(segments_a) != 1 or len(segments_b) != 1:
+        return {"unsupported": "runs of several layout segments"}
+    ga, gb = segments_a[0]["groups"], segments_b[0]["groups"]
+    if any(g is None for g in ga + gb):
+        return {"unsupported": "arrays not stored as plain chunk files"}
+    try:
+        pairs = pair_logical(logical_runs(ga), logical_runs(gb), ranks)
+        return {"pairs": [plan_pair(r, a, b, block_bytes, task_bytes, prefix=f"rank {r}: ")
+                          for r, a, b in pairs]}
+    except Unsupported as exc:
+        return {"unsupported": str(exc)}
+
+
+def _level_check(run, which: str) -> None:
+    for gi in run["used"]:
+        g = run["groups"][gi]
+        if g["direction"] is None:
+            raise GradCompareError(
+                f"the {which} run was recorded at grad_level {g.get('level') or '?'!r}, which "
+                "keeps no direction data; accepted: runs recorded at L1 or L2")
+
+
+def _global(parts) -> tuple:
+    return parts[0][4]
+
+
+def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
+              prefix: str = "") -> dict:
+    """The plan of one pair of runs (see the module docstring); ``prefix`` starts the
+    unmatched-parameter warning."""
+    _level_check(ra, "first")
+    _level_check(rb, "second")
+    for run in (ra, rb):
+        if any(run["groups"][gi].get("sample") for gi in run["used"]):
+            raise Unsupported("sampled sign bits")
+    common, pos_a, pos_b, only_a, only_b, n_a, n_b = match_params(
+        ra["names"], rb["names"], [], [], prefix)
+    names_a = [ra["names"][i] for i in pos_a]
+    names_b = [rb["names"][i] for i in pos_b]
+    numel_a = np.array([int(np.prod(_global(ra["pieces"][n]), dtype=np.int64))
+                        for n in names_a], np.int64)
+    numel_b = np.array([int(np.prod(_global(rb["pieces"][n]), dtype=np.int64))
+                        for n in names_b], np.int64)
+    check_sizes(common, numel_a, numel_b)
+    steps, _, _ = np.intersect1d(ra["steps"], rb["steps"], assume_unique=True,
+                                 return_indices=True)
+    if steps.size == 0:
+        raise GradCompareError(f"the runs share no step (first: {ranges_text(ra['steps'])}; "
+                               f"second: {ranges_text(rb['steps'])})")
+    sides = []
+    for run, names in ((ra, names_a), (rb, names_b)):
+        groups = []
+        for gi, g in enumerate(run["groups"]):
+            rows = (np.searchsorted(g["steps"], steps) if gi in run["used"]
+                    else np.zeros(0, np.int64))
+            groups.append({"rank": g["rank"], "rows": rows, "direction": g["direction"],
+                           "significant": g["significant"], "offsets": g["offsets"]})
+        sides.append(groups)
+    present = np.ones((steps.size, len(common)), bool)
+    for run, names, groups in ((ra, names_a, sides[0]), (rb, names_b, sides[1])):
+        for k, name in enumerate(names):
+            for gi, j, *_ in run["pieces"][name]:
+                pres = run["groups"][gi]["present"]
+                if pres is not None:
+                    present[:, k] &= pres[groups[gi]["rows"], j]
+    use_sig = all(ra["groups"][gi]["significant"] is not None for gi in ra["used"]) and all(
+        rb["groups"][gi]["significant"] is not None for gi in rb["used"])
+    f_side = 0 if len(ra["used"]) >= len(rb["used"]) else 1
+    sets = _slab_sets(ra, rb, names_a, names_b, sides, f_side, block_bytes * 8)
+    widest = max((s["bits"] for s in sets), default=1)
+    per_task = max(1, (task_bytes * 8) // max(1, widest))
+    chunks = [(s0, min(s0 + per_task, steps.size)) for s0 in range(0, steps.size, per_task)]
+    for s in sets:
+        s["block"] = max(1, min(per_task, (block_bytes * 8) // max(1, s["bits"])))
+    return {"label": label, "common": common, "only_a": only_a, "only_b": only_b, "n_a": n_a,
+            "n_b": n_b, "steps": steps, "numel": numel_a, "present": present,
+            "use_sig": use_sig, "sides": sides, "sets": sets, "chunks": chunks,
+            "f_side": f_side}
+
+
+def _boxes(run, names):
+    """Per compared parameter: (offsets, extents, group index, bit offset of the piece in its
+    group's rows) arrays of its non-empty pieces, and the global shape."""
+    out = []
+    for name in names:
+        parts = run["pieces"][name]
+        gshape = tuple(parts[0][4]) or (1,)
+        off = np.array([p[2] or (0,) for p in parts], np.int64).reshape(len(parts), -1)
+        ext = np.array([p[3] or (1,) for p in parts], np.int64).reshape(len(parts), -1)
+        gi = np.array([p[0] for p in parts], np.int64)
+        bit0 = np.array([int(run["groups"][p[0]]["offsets"][p[1]]) * 8 for p in parts], np.int64)
+        keep = ext.prod(axis=1) > 0
+        out.append((off[keep], ext[keep], gi[keep], bit0[keep], gshape))
+    return out
+
+
+def _normalise(shape_a, shape_b, a, b):
+    """The two sides' boxes of one parameter in one index space of at most PREFIX + 1
+    dimensions: trailing dimensions whole in every piece merged into the one before them,
+    dimensions of size 1 dropped. Raises Unsupported when that is not possible."""
+    (oa, la), (ob, lb) = a, b
+    if shape_a != shape_b:
+        if len(oa) == len(ob) == 1 and np.array_equal(la[0], shape_a) and np.array_equal(
+                lb[0], shape_b):  # one whole piece each, shaped differently: flat
+            n = int(np.prod(shape_a, dtype=np.int64))
+            one = np.zeros((1, 1), np.int64)
+            return (one, np.array([[n]], np.int64)), (one.copy(), np.array([[n]], np.int64))
+        raise Unsupported("a sharded parameter whose shapes differ between the runs")
+    shape = np.asarray(shape_a, np.int64)
+    keep = shape != 1
+    if not keep.any():
+        keep[-1] = True
+    oa, la, ob, lb, shape = oa[:, keep], la[:, keep], ob[:, keep], lb[:, keep], shape[keep]
+    nd = shape.size
+    d0 = nd  # the first of the trailing dims whole everywhere
+    while d0 > 1 and np.all(la[:, d0 - 1] == shape[d0 - 1]) and np.all(
+            lb[:, d0 - 1] == shape[d0 - 1]):
+        d0 -= 1
+    if d0 < nd:
+        inner = int(np.prod(shape[d0:], dtype=np.int64))
+        oa = np.concatenate([oa[:, :d0 - 1], oa[:, d0 - 1:d0] * inner], axis=1)
+        la = np.concatenate([la[:, :d0 - 1], la[:, d0 - 1:d0] * inner], axis=1)
+        ob = np.concatenate([ob[:, :d0 - 1], ob[:, d0 - 1:d0] * inner], axis=1)
+        lb = np.concatenate([lb[:, :d0 - 1], lb[:, d0 - 1:d0] * inner], axis=1)
+        shape = np.concatenate([shape[:d0 - 1], [shape[d0 - 1] * inner]])
+    if shape.size > geometry.PREFIX + 1:
+        raise Unsupported(f"a sharded parameter of {shape.size} dimensions")
+    return (oa, la), (ob, lb)
+
+
+def _slabs(off, ext, gi, bit0, limit: int):
+    """F pieces cut into slabs of at most ``limit`` elements (flat ranges of each piece's C
+    order, each as its boxes): (offsets, extents, group index, bit offset) arrays."""
+    size = ext.prod(axis=1)
+    big = size > limit
+    if not big.any():
+        return off, ext, gi, bit0
+    o, e, g, b = [off[~big]], [ext[~big]], [gi[~big]], [bit0[~big]]
+    for k in np.flatnonzero(big):
+        for x0 in range(0, int(size[k]), limit):
+            pos = x0
+            for sub_off, sub_ext in geometry.flat_boxes(tuple(ext[k]), x0,
+                                                        min(int(size[k]), x0 + limit)):
+                o.append(off[k] + np.asarray(sub_off, np.int64)[None, :])
+                e.append(np.asarray(sub_ext, np.int64)[None, :])
+                g.append(gi[k:k + 1])
+                b.append(bit0[k:k + 1] + pos)
+                pos += int(np.prod(sub_ext, dtype=np.int64))
+    return np.concatenate(o), np.concatenate(e), np.concatenate(g), np.concatenate(b)
+
+
+def _slab_sets(ra, rb, names_a, names_b, sides, f_side: int, limit: int) -> list:
+    """The slab sets of one pair: per set the read ranges of both sides and its run sets in
+    the kernel's layout (``kernel.RUN_FIELDS``), and its F bits per step."""
+    box_a = _boxes(ra, names_a)
+    box_b = _boxes(rb, names_b)
+    f_base = 0
+    tables_f = []  # (group, bit0, nbits) of every F sub-piece, all parameters
+    all_runs = []
+    for col, (pa, pb) in enumerate(zip(box_a, box_b)):
+        (oa, la, ga, ba, sa), (ob, lb, gb, bb, sb) = pa, pb
+        if not len(oa) or not len(ob):
+            continue
+        (oa, la), (ob, lb) = _normalise(sa, sb, (oa, la), (ob, lb))
+        if f_side == 0:
+            fo, fl, fg, fb, co, cl, cg, cb = oa, la, ga, ba, ob, lb, gb, bb
+        else:
+            fo, fl, fg, fb, co, cl, cg, cb = ob, lb, gb, bb, oa, la, ga, ba
+        fo, fl, fg, fb = _slabs(fo, fl, fg, fb, limit)
+        i, j = geometry.candidate_pairs(fo, fl, co, cl)
+        rs = geometry.runsets(fo[i], fl[i], co[j], cl[j], np.full(i.size, col, np.int64))
+        rs[:, 1] += fb[i]  # element offsets -> bit offsets in the groups' rows
+        rs[:, 2] += cb[j]
+        tables_f.append(np.stack([fg, fb, fl.prod(axis=1)], axis=1))
+        all_runs.append((rs, f_base + i, fg[i], cg[j]))
+        f_base += len(fo)
+    if not tables_f:
+        return []
+    ftab = np.concatenate(tables_f)
+    rs = np.concatenate([r[0] for r in all_runs])
+    fsub = np.concatenate([r[1] for r in all_runs])
+    fgrp = np.concatenate([r[2] for r in all_runs])
+    cgrp = np.concatenate([r[3] for r in all_runs])
+    # slab sets: F sub-pieces in the order of their groups' rows, cut every `limit` bits
+    order = np.lexsort((ftab[:, 1], ftab[:, 0]))
+    cum = np.cumsum(ftab[order, 2]) - ftab[order, 2]
+    set_of = np.empty(len(ftab), np.int64)
+    set_of[order] = cum // max(1, limit)
+    _, set_of = np.unique(set_of, return_inverse=True)
+    nsets = int(set_of.max()) + 1
+    rs_set = set_of[fsub]
+    by_set = np.argsort(rs_set, kind="stable")
+    bounds = np.searchsorted(rs_set[by_set], np.arange(nsets + 1))
+    sub_by_set = np.argsort(set_of, kind="stable")
+    sub_bounds = np.searchsorted(set_of[sub_by_set], np.arange(nsets + 1))
+    sets = []
+    for s in range(nsets):
+        mine = by_set[bounds[s]:bounds[s + 1]]
+        runs, rf, rc = rs[mine], fgrp[mine], cgrp[mine]
+        subs = ftab[sub_by_set[sub_bounds[s]:sub_bounds[s + 1]]]
+        f_reads = _merge(subs[:, 0], subs[:, 1], subs[:, 1] + subs[:, 2], 64)
+        span = geometry.runset_span(runs, 1)
+        c_reads = _merge(rc, span[:, 0], span[:, 1], _MERGE_GAP)
+        ka = _locate(f_reads, rf, runs[:, 1])
+        kc = _locate(c_reads, rc, runs[:, 2])
+        out = np.zeros((len(runs), 15), np.int64)
+        out[:, 0] = runs[:, 0]
+        a_cols, b_cols = (ka, kc) if f_side == 0 else (kc, ka)
+        out[:, 1], out[:, 3] = a_cols
+        out[:, 2], out[:, 4] = b_cols
+        out[:, 5] = runs[:, 3]
+        for k in range(geometry.PREFIX):
+            out[:, 6 + 3 * k] = runs[:, 4 + 3 * k]
+            if f_side == 0:
+                out[:, 7 + 3 * k], out[:, 8 + 3 * k] = runs[:, 5 + 3 * k], runs[:, 6 + 3 * k]
+            else:
+                out[:, 7 + 3 * k], out[:, 8 + 3 * k] = runs[:, 6 + 3 * k], runs[:, 5 + 3 * k]
+        reads = (f_reads, c_reads) if f_side == 0 else (c_reads, f_reads)
+        sets.append({"reads": reads, "runs": out, "bits": int(subs[:, 2].sum())})
+    return sets
+
+
+def _merge(group, lo_bits, hi_bits, gap: int) -> np.ndarray:
+    """(n, 3) int64 read ranges (group, first byte, end byte) covering the bit ranges
+    [lo, hi) of each group, ranges closer than ``gap`` bytes merged, sorted."""
+    if not len(group):
+        return np.zeros((0, 3), np.int64)
+    b0 = lo_bits // 8
+    b1 = -(-hi_bits // 8)
+    order = np.lexsort((b0, group))
+    g, b0, b1 = group[order], b0[order], b1[order]
+    big = np.int64(1) << 40  # groups sorted: the running maximum restarts with each group
+    end = np.maximum.accumulate(b1 + g * big) - g * big
+    brk = np.ones(len(g), bool)
+    brk[1:] = (g[1:] != g[:-1]) | (b0[1:] > end[:-1] + gap)
+    idx = np.flatnonzero(brk)
+    stop = np.append(idx[1:], len(g))
+    return np.stack([g[idx], b0[idx], end[stop - 1]], axis=1).astype(np.int64)
+
+
+def _locate(reads: np.ndarray, group: np.ndarray, bit: np.ndarray):
+    """(read range index, bit within that range's row) of each bit of a group's row."""
+    key = reads[:, 0] * (1 << 40) + reads[:, 1]
+    k = np.searchsorted(key, group * (1 << 40) + bit // 8, side="right") - 1
+    return k.astype(np.int64), bit - reads[k, 1] * 8
