@@ -128,3 +128,77 @@ def write(path, params: dict, layout: dict, steps, *, seed: int = 0, noise: floa
                 local.append(torch.from_numpy(np.ascontiguousarray(g)))
             w.append(step, compute(local, lay, level, (-1, 0, 1), "md5", None, significance))
         w.close()
+
+
+def llama7b() -> dict:
+    """Llama-2-7B's 291 parameter tensors (6.74B elements)."""
+    d, ff, vocab = 4096, 11008, 32000
+    out = {"model.embed_tokens.weight": (vocab, d)}
+    for i in range(32):
+        p = f"model.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[p + f"self_attn.{proj}.weight"] = (d, d)
+        out[p + "mlp.gate_proj.weight"] = (ff, d)
+        out[p + "mlp.up_proj.weight"] = (ff, d)
+        out[p + "mlp.down_proj.weight"] = (d, ff)
+        out[p + "input_layernorm.weight"] = (d,)
+        out[p + "post_attention_layernorm.weight"] = (d,)
+    out["model.norm.weight"] = (d,)
+    out["lm_head.weight"] = (vocab, d)
+    return out
+
+
+def write_random(path, params: dict, layout: dict, steps: int, *, seed: int = 0,
+                 significance: bool = True, flush_every: int = 50, bits: bool = True) -> None:
+    """A store of ``layout`` with random sign and significance bits (no gradients computed:
+    for throughput and planning benchmarks). Ranks of the same local layout after the first are
+    copies of its group with their own ``rank`` and ``placement`` attributes (fast for many
+    ranks; their bits are the first one's); ``bits=False`` writes no bit chunk files (every
+    element reads as the fill value: the metadata of a large store at no disk cost)."""
+    import json
+    import os
+    import shutil
+
+    from probekit.grads.stats import Layout, StepStats
+    from probekit.grads.store import GradWriter
+
+    rng = np.random.default_rng(seed)
+    sharded = any(off is not None for entries in layout.values() for _, off, _ in entries)
+    store = os.path.join(str(path), "grads.zarr")
+    templates = {}
+    for r, entries in sorted(layout.items()):
+        if not entries:
+            continue
+        numels = tuple(int(np.prod(e[2], dtype=np.int64)) for e in entries)
+        key = (tuple(e[0] for e in entries), numels)
+        placement = ([place(params[n], off, loc) for n, off, loc in entries]
+                     if sharded else None)
+        group = os.path.join(store, f"rank{r}")
+        if key in templates:
+            shutil.copytree(templates[key], group)
+            meta_path = os.path.join(group, "zarr.json")
+            with open(meta_path) as fh:
+                meta = json.load(fh)
+            meta["attributes"]["rank"] = int(r)
+            if placement is not None:
+                meta["attributes"]["placement"] = placement
+            with open(meta_path, "w") as fh:
+                json.dump(meta, fh)
+            continue
+        lay = Layout(key[0], numels, tuple(tuple(e[2]) for e in entries))
+        w = GradWriter(str(path), r, lay, "L1", (-1, 0, 1), "md5", flush_every,
+                       attrs={"placement": placement} if sharded else None,
+                       significance=significance)
+        p = len(entries)
+        for s in range(steps):
+            w.append(s, StepStats(
+                present=np.ones(p, bool), max=np.ones(p), min=-np.ones(p), norm=np.ones(p),
+                direction=(rng.integers(0, 256, lay.nbytes, np.uint8) if bits
+                           else np.zeros(lay.nbytes, np.uint8)),
+                significant=(rng.integers(0, 256, lay.nbytes, np.uint8) if bits
+                             else np.full(lay.nbytes, 255, np.uint8))))
+        w.close()
+        if not bits:
+            for name in ("direction", "significant"):
+                shutil.rmtree(os.path.join(group, name, "c"), ignore_errors=True)
+        templates[key] = group

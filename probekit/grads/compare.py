@@ -247,6 +247,17 @@ def finish_pair(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
     differ, differ and significant in both, significant in both)."""
     import xarray as xr
 
+    data, coords, attrs = finish_arrays(plan, parts, step0_threshold, drop_threshold,
+                                        noise_aware)
+    out = xr.Dataset(data, coords=coords)
+    out.attrs.update(attrs)
+    return out
+
+
+def finish_arrays(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
+                  drop_threshold: float = DROP_THRESHOLD, noise_aware: bool = True) -> tuple:
+    """``finish_pair``'s variables, coordinates and attributes as numpy arrays (many pairs are
+    stacked into one Dataset without building one each)."""
     differ = np.concatenate([p[0] for p in parts])
     present, numel_a = plan["present"], plan["numel"]
     use_sig = plan["use_sig"]
@@ -275,11 +286,25 @@ def finish_pair(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
     data["flag_total"] = (("step",), flags(judged_total[:, None], step0_threshold,
                                            drop_threshold)[:, 0])
     data.update(unmatched_vars(plan["only_a"], plan["only_b"], plan["n_a"], plan["n_b"]))
-    out = xr.Dataset(data, coords={"step": plan["steps"],
-                                   "param": np.array(plan["common"], dtype=str),
-                                   "numel": ("param", numel_a)})
-    out.attrs["noise_aware"] = int(bool(use_sig and noise_aware))
-    return out
+    coords = {"step": plan["steps"], "param": np.array(plan["common"], dtype=str),
+              "numel": ("param", numel_a)}
+    return data, coords, {"noise_aware": int(bool(use_sig and noise_aware))}
+
+
+def _first_divergence_arrays(data, coords, attrs) -> tuple[int, str]:
+    """``first_divergence`` on ``finish_arrays``' output."""
+    flag, flag_total = data["flag"][1], data["flag_total"][1]
+    hits = np.flatnonzero(flag.any(axis=1) | flag_total)
+    if hits.size == 0:
+        return -1, ""
+    i = int(hits[0])
+    steps = np.asarray(coords["step"])
+    if not flag[i].any():
+        return int(steps[i]), ""
+    name = ("similarity_significant" if attrs.get("noise_aware")
+            and "similarity_significant" in data else "similarity")
+    sims = np.where(flag[i], np.nan_to_num(data[name][1][i], nan=np.inf), np.inf)
+    return int(steps[i]), str(coords["param"][int(np.argmin(sims))])
 
 
 def _left_out(ds) -> list:
@@ -453,13 +478,13 @@ def _tree_add(parts: list, fan: int = 32):
     return dask.delayed(add, pure=False)(*level), below
 
 
-def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,
-                    noise_aware):
-    """The range comparison of two stores (``planner.py``, ``counting.py``): [(rank, result)]
-    or None when the planner declines (the Dataset path then)."""
+def plan_stage(sa, sb, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
+               task_bytes: int = _TASK_BYTES):
+    """The first stage of a comparison of two stores (``segments.store_of``): the rank groups
+    opened in batches, then the plan, as tasks of ``session``'s graph; the plan (on a cluster:
+    its future)."""
     import dask
 
-    from .counting import count_task
     from .segments import batches, open_batch
 
     opened = [[dask.delayed(open_batch, pure=False)(fs, store, batch)
@@ -467,6 +492,19 @@ def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, threshol
     planned = dask.delayed(_plan_task, pure=False)(len(opened[0]), ranks, block_bytes,
                                                    task_bytes, *opened[0], *opened[1])
     handle, = session.run([planned], keep=True, inner=opened[0] + opened[1])
+    return handle
+
+
+def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,
+                    noise_aware):
+    """The range comparison of two stores (``planner.py``, ``counting.py``): [(rank, result)]
+    or None when the planner declines (the Dataset path then)."""
+    import dask
+
+    from .counting import count_task
+
+    handle = plan_stage(sa, sb, session=session, ranks=ranks, block_bytes=block_bytes,
+                        task_bytes=task_bytes)
     shape = session.value(_plan_shape, handle)
     if isinstance(shape, str):
         log.info("compare: %s; the runs are compared as Datasets", shape)
@@ -498,12 +536,13 @@ def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, threshol
     return results
 
 
-def _finished(plan, parts, thresholds, noise_aware):
-    res = finish_pair(plan, parts, thresholds[0], thresholds[1], noise_aware)
-    step, param = first_divergence(res)
-    res["first_step"] = ((), step)
-    res["first_param"] = ((), param)
-    return res
+def _finished(plan, parts, thresholds, noise_aware) -> tuple:
+    """(variables, coordinates, attributes) of one pair, its first divergence included."""
+    data, coords, attrs = finish_arrays(plan, parts, thresholds[0], thresholds[1], noise_aware)
+    step, param = _first_divergence_arrays(data, coords, attrs)
+    data["first_step"] = ((), step)
+    data["first_param"] = ((), param)
+    return data, coords, attrs
 
 
 def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, thresholds,
@@ -531,16 +570,47 @@ def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, threshol
 
 
 def _combine(results: list, step0_threshold: float, drop_threshold: float):
+    """One Dataset with a ``rank`` dimension from [(rank, (variables, coordinates, attributes))]:
+    stacked straight when every pair has the same steps and parameters (a run of many ranks),
+    else one Dataset each, concatenated with an outer join."""
     import xarray as xr
 
-    parts = [res.expand_dims(rank=[r]) for r, res in results]
-    if len(parts) == 1:
-        out = parts[0]
+    first = results[0][1]
+    same = len(results) > 1 and all(
+        np.array_equal(np.asarray(c["step"]), np.asarray(first[1]["step"]))
+        and np.array_equal(c["param"], first[1]["param"])
+        and np.array_equal(c["numel"][1], first[1]["numel"][1])
+        and d.keys() == first[0].keys() and a == first[2] for _, (d, c, a) in results)
+    if same:
+        data = {}
+        for name, (dims, _) in first[0].items():
+            values = [d[name][1] for _, (d, _, _) in results]
+            if name in ("only_in_first", "only_in_second"):
+                width = max(len(v) for v in values)
+                values = [np.concatenate([v, np.full(width - len(v), "", dtype=v.dtype)])
+                          for v in values]
+            elif name in ("first_only", "second_only"):
+                continue
+            data[name] = (("rank", *dims), np.stack([np.asarray(v) for v in values]))
+        coords = dict(first[1])
+        coords["rank"] = [r for r, _ in results]
+        for dim, var in (("first_only", "only_in_first"), ("second_only", "only_in_second")):
+            coords[dim] = (dim, np.arange(data[var][1].shape[1]))
+        out = xr.Dataset(data, coords=coords)
+        out.attrs.update(first[2])
     else:
-        out = xr.concat(parts, dim="rank", join="outer", fill_value={
-            "similarity": np.nan, "total": np.nan, "flag": False, "flag_total": False,
-            "differ": -1, "numel": 0, "similarity_significant": np.nan, "significant": -1,
-            "total_significant": np.nan, "only_in_first": "", "only_in_second": ""},
-            coords="different", compat="equals")
+        parts = []
+        for r, (data, coords, attrs) in results:
+            ds = xr.Dataset(data, coords=coords)
+            ds.attrs.update(attrs)
+            parts.append(ds.expand_dims(rank=[r]))
+        if len(parts) == 1:
+            out = parts[0]
+        else:
+            out = xr.concat(parts, dim="rank", join="outer", fill_value={
+                "similarity": np.nan, "total": np.nan, "flag": False, "flag_total": False,
+                "differ": -1, "numel": 0, "similarity_significant": np.nan, "significant": -1,
+                "total_significant": np.nan, "only_in_first": "", "only_in_second": ""},
+                coords="different", compat="equals")
     out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
     return out

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 
 import numpy as np
 
@@ -102,58 +103,77 @@ def logical_runs(groups: list) -> dict:
     whole parameters under its lowest rank (its pieces taken once, as ``assemble._pieces``
     takes them), every other group a run of its own; when a parameter's shards do not cover it
     (a ``rank`` filter), every group as recorded. A run: {"label", "groups", "names",
-    "pieces": {name: [(group index, param index, offset, extent, global shape)]}, "steps"}."""
+    "pieces": {name: Pieces}, "steps", "used": indices of the groups holding pieces}."""
     sharded = [g for g in groups if g["placement"] is not None]
     plain = [g for g in groups if g["placement"] is None]
     out = {g["rank"]: _as_recorded(g) for g in plain}
     if not sharded:
         return dict(sorted(out.items()))
     sharded.sort(key=lambda g: g["rank"])
-    order, pieces, seen = [], {}, set()
+    order, pieces, seen, whole = [], {}, set(), set()
     for gi, g in enumerate(sharded):
         for j, (name, place) in enumerate(zip(g["names"], g["placement"])):
-            if name not in pieces:
+            parts = pieces.get(name)
+            if parts is None:
                 order.append(name)
-                pieces[name] = []
-            if place is None:  # a whole parameter in a shard group
-                if not any(p[5] for p in pieces[name]):
+                parts = pieces[name] = Pieces()
+            if place is None:  # a whole parameter in a shard group: it stands for all
+                if name not in whole:
+                    whole.add(name)
                     off, ext = _whole_piece(g, j)
-                    pieces[name] = [(gi, j, off, ext, ext, True)]
+                    pieces[name] = Pieces()
+                    pieces[name].add(gi, j, off, ext, ext)
                 continue
-            if any(p[5] for p in pieces[name]):
+            if name in whole:
                 continue
-            key = (name, tuple(place["offset"]), tuple(place["local_shape"]))
+            off, ext = tuple(place["offset"]), tuple(place["local_shape"])
+            key = (name, off, ext)
             if key in seen:  # a replica's copy
                 continue
             seen.add(key)
-            pieces[name].append((gi, j, tuple(int(x) for x in place["offset"]),
-                                 tuple(int(x) for x in place["local_shape"]),
-                                 tuple(int(x) for x in place["global_shape"]), False))
+            parts.add(gi, j, off, ext, place["global_shape"])
     for name in order:
         parts = pieces[name]
-        total = int(np.prod(parts[0][4], dtype=np.int64))
-        covered = sum(int(np.prod(p[3], dtype=np.int64)) for p in parts)
-        if covered != total:  # a rank filter left shards out: every group as recorded
+        if sum(math.prod(e) for e in parts.ext) != math.prod(parts.gshape):
+            # a rank filter left shards out: every group as recorded
             return dict(sorted({g["rank"]: _as_recorded(g) for g in groups}.items()))
-    used = sorted({p[0] for parts in pieces.values() for p in parts})
+    used = sorted({gi for parts in pieces.values() for gi in parts.gi})
     steps = None
     for gi in used:
         s = sharded[gi]["steps"]
         steps = s if steps is None else np.intersect1d(steps, s)
     label = sharded[0]["rank"]
-    out[label] = {"label": label, "groups": sharded, "names": order,
-                  "pieces": {n: [p[:5] for p in pieces[n]] for n in order}, "steps": steps,
-                  "used": used}
+    out[label] = {"label": label, "groups": sharded, "names": order, "pieces": pieces,
+                  "steps": steps, "used": used}
     return dict(sorted(out.items()))
+
+
+class Pieces:
+    """The pieces of one parameter in one run: group index, parameter index in the group, box
+    offset and extent (one list each), and the global shape."""
+
+    __slots__ = ("gi", "j", "off", "ext", "gshape")
+
+    def __init__(self) -> None:
+        self.gi, self.j, self.off, self.ext, self.gshape = [], [], [], [], None
+
+    def add(self, gi, j, off, ext, gshape) -> None:
+        self.gi.append(gi)
+        self.j.append(j)
+        self.off.append(off)
+        self.ext.append(ext)
+        if self.gshape is None:
+            self.gshape = tuple(int(x) for x in gshape)
 
 
 def _as_recorded(g: dict) -> dict:
     pieces = {}
     for j, name in enumerate(g["names"]):
         off, ext = _whole_piece(g, j)
-        if int(np.prod(ext, dtype=np.int64)) != int(g["numels"][j]):  # a shape that lies
+        if math.prod(ext) != int(g["numels"][j]):  # a shape that lies
             off, ext = (0,), (int(g["numels"][j]),)
-        pieces[name] = [(0, j, off, ext, ext)]
+        pieces[name] = Pieces()
+        pieces[name].add(0, j, off, ext, ext)
     return {"label": g["rank"], "groups": [g], "names": list(g["names"]), "pieces": pieces,
             "steps": g["steps"], "used": [0]}
 
@@ -203,7 +223,7 @@ def _level_check(run, which: str) -> None:
 
 
 def _global(parts) -> tuple:
-    return parts[0][4]
+    return parts.gshape
 
 
 def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
@@ -219,10 +239,8 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
         ra["names"], rb["names"], [], [], prefix)
     names_a = [ra["names"][i] for i in pos_a]
     names_b = [rb["names"][i] for i in pos_b]
-    numel_a = np.array([int(np.prod(_global(ra["pieces"][n]), dtype=np.int64))
-                        for n in names_a], np.int64)
-    numel_b = np.array([int(np.prod(_global(rb["pieces"][n]), dtype=np.int64))
-                        for n in names_b], np.int64)
+    numel_a = np.array([math.prod(_global(ra["pieces"][n])) for n in names_a], np.int64)
+    numel_b = np.array([math.prod(_global(rb["pieces"][n])) for n in names_b], np.int64)
     check_sizes(common, numel_a, numel_b)
     steps, _, _ = np.intersect1d(ra["steps"], rb["steps"], assume_unique=True,
                                  return_indices=True)
@@ -240,11 +258,17 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
         sides.append(groups)
     present = np.ones((steps.size, len(common)), bool)
     for run, names, groups in ((ra, names_a, sides[0]), (rb, names_b, sides[1])):
+        cols: dict = {}  # group -> (its parameter indices, compared columns)
         for k, name in enumerate(names):
-            for gi, j, *_ in run["pieces"][name]:
-                pres = run["groups"][gi]["present"]
-                if pres is not None:
-                    present[:, k] &= pres[groups[gi]["rows"], j]
+            parts = run["pieces"][name]
+            for gi, j in zip(parts.gi, parts.j):
+                c = cols.setdefault(gi, ([], []))
+                c[0].append(j)
+                c[1].append(k)
+        for gi, (js, ks) in cols.items():
+            pres = run["groups"][gi]["present"]
+            if pres is not None:  # a group holds a parameter once: no column twice
+                present[:, ks] &= pres[groups[gi]["rows"]][:, js]
     use_sig = all(ra["groups"][gi]["significant"] is not None for gi in ra["used"]) and all(
         rb["groups"][gi]["significant"] is not None for gi in rb["used"])
     f_side = 0 if len(ra["used"]) >= len(rb["used"]) else 1
@@ -263,14 +287,25 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
 def _boxes(run, names):
     """Per compared parameter: (offsets, extents, group index, bit offset of the piece in its
     group's rows) arrays of its non-empty pieces, and the global shape."""
+    groups = run["groups"]
+    sizes = [len(g["offsets"]) if g["offsets"] is not None else 0 for g in groups]
+    base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    flat = np.concatenate([g["offsets"] if g["offsets"] is not None
+                           else np.zeros(0, np.int64) for g in groups]).astype(np.int64)
     out = []
     for name in names:
         parts = run["pieces"][name]
-        gshape = tuple(parts[0][4]) or (1,)
-        off = np.array([p[2] or (0,) for p in parts], np.int64).reshape(len(parts), -1)
-        ext = np.array([p[3] or (1,) for p in parts], np.int64).reshape(len(parts), -1)
-        gi = np.array([p[0] for p in parts], np.int64)
-        bit0 = np.array([int(run["groups"][p[0]]["offsets"][p[1]]) * 8 for p in parts], np.int64)
+        gshape = parts.gshape or (1,)
+        nd = max(1, len(parts.gshape))
+        n = len(parts.gi)
+        off = np.array(parts.off, np.int64).reshape(n, -1) if parts.gshape else np.zeros(
+            (n, 1), np.int64)
+        ext = np.array(parts.ext, np.int64).reshape(n, -1) if parts.gshape else np.ones(
+            (n, 1), np.int64)
+        if off.shape[1] != nd or ext.shape[1] != nd:
+            raise Unsupported(f"{name}: pieces of another rank than the parameter")
+        gi = np.asarray(parts.gi, np.int64)
+        bit0 = flat[base[gi] + np.asarray(parts.j, np.int64)] * 8
         keep = ext.prod(axis=1) > 0
         out.append((off[keep], ext[keep], gi[keep], bit0[keep], gshape))
     return out

@@ -1,0 +1,209 @@
+"""The comparison over shared element ranges (planner.py, counting.py, geometry.py): the same
+result as comparing the assembled parameters, on every layout pair, without assembling them."""
+import itertools
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import sharded_stores as S
+from probekit.grads import GradCompareError, compare_grads, geometry, kernel, open_grads
+
+PARAMS = {"emb": (13, 6), "w": (7, 10), "conv": (6, 3, 2, 2), "b": (5,), "s": (),
+          "big": (40, 33), "c5": (4, 3, 2, 2, 2)}
+LAYOUTS = {"single": S.single(PARAMS), "fsdp2": S.fsdp(PARAMS, 2), "fsdp3": S.fsdp(PARAMS, 3),
+           "fsdp4": S.fsdp(PARAMS, 4), "tp2": S.tensor_parallel(PARAMS, 2),
+           "mesh2x2": S.mesh2d(PARAMS, 2, 2)}
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    base = tmp_path_factory.mktemp("layouts")
+    for name, layout in LAYOUTS.items():
+        S.write(base / f"{name}_a", PARAMS, layout, 4, seed=0)
+        S.write(base / f"{name}_b", PARAMS, layout, 4, seed=1, noise=0.4)
+    return base
+
+
+def assembled(a, b, **kw):
+    """The reference: both runs opened (sharded ones assembled) and compared as Datasets."""
+    return compare_grads(open_grads(a), open_grads(b), progress=False, **kw)
+
+
+@pytest.mark.parametrize("first,second", list(itertools.product(LAYOUTS, LAYOUTS)))
+def test_every_layout_pair_counts_as_the_assembled_comparison(stores, first, second,
+                                                              monkeypatch):
+    a, b = stores / f"{first}_a", stores / f"{second}_b"
+    want = assembled(a, b)
+    assert 0.0 < float(want["similarity"].min()) < 1.0  # the runs differ, not everywhere
+    from probekit.grads import assemble
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a parameter was assembled")
+
+    monkeypatch.setattr(assemble, "assemble_runs", refuse)
+    for block in (1, 8 << 20):  # slabs of a few elements; one slab set
+        got = compare_grads(a, b, block_bytes=block, task_bytes=3 * block, progress=False)
+        xr.testing.assert_identical(got, want)
+
+
+def test_the_same_bits_in_every_layout_compare_equal(stores):
+    for first, second in itertools.combinations(LAYOUTS, 2):
+        cmp = compare_grads(stores / f"{first}_a", stores / f"{second}_a", progress=False)
+        assert np.all(cmp["differ"].values == 0), (first, second)
+        assert int(cmp["first_step"].item()) == -1
+
+
+def test_dead_rank_replicas_rank_filter_and_errors(tmp_path):
+    params = {"w": (8, 6), "b": (6,)}
+    layout = S.fsdp(params, 3)
+    S.write(tmp_path / "died", params, layout, {0: 5, 1: 3, 2: 5})  # rank 1 died after 3
+    S.write(tmp_path / "single", params, S.single(params), 5, seed=1, noise=0.5)
+    got = compare_grads(tmp_path / "died", tmp_path / "single", progress=False)
+    assert got["step"].values.tolist() == [0, 1, 2]
+    xr.testing.assert_identical(got, assembled(tmp_path / "died", tmp_path / "single"))
+    # every rank recorded replicas too (a rank filter listing them): each piece counted once
+    twice = {r: entries + [e for q in layout if q != r for e in layout[q]]
+             for r, entries in layout.items()}
+    S.write(tmp_path / "replicas", params, twice, 5)
+    got = compare_grads(tmp_path / "replicas", tmp_path / "single", progress=False)
+    xr.testing.assert_identical(got, assembled(tmp_path / "replicas", tmp_path / "single"))
+    # shards that do not cover a parameter: each rank group compared as recorded, rank r
+    # with rank r
+    S.write(tmp_path / "part_a", params, {0: layout[0], 2: layout[2]}, 5)
+    S.write(tmp_path / "part_b", params, {0: layout[0], 2: layout[2]}, 5, seed=3, noise=1.0)
+    got = compare_grads(tmp_path / "part_a", tmp_path / "part_b", progress=False)
+    assert got["rank"].values.tolist() == [0, 2]
+    want = compare_grads({r: open_grads(tmp_path / "part_a", rank=r, shards=True)
+                          for r in (0, 2)},
+                         {r: open_grads(tmp_path / "part_b", rank=r, shards=True)
+                          for r in (0, 2)}, progress=False)
+    xr.testing.assert_identical(got, want)
+    S.write(tmp_path / "late", params, S.single(params), range(7, 9))
+    with pytest.raises(GradCompareError, match=r"share no step \(first: 0, 1, 2; second: 7, 8"):
+        compare_grads(tmp_path / "died", tmp_path / "late", progress=False)
+    S.write(tmp_path / "l0", params, layout, 2, level="L0")
+    with pytest.raises(GradCompareError, match="grad_level 'L0', which keeps no direction"):
+        compare_grads(tmp_path / "l0", tmp_path / "single", progress=False)
+    other = {"w": (8, 7), "b": (6,)}
+    S.write(tmp_path / "other", other, S.fsdp(other, 2), 3)
+    with pytest.raises(GradCompareError, match="sizes differ.*w: 48 vs 56"):
+        compare_grads(tmp_path / "died", tmp_path / "other", progress=False)
+
+
+def test_progress_covers_opening_planning_and_counting(stores, capsys):
+    compare_grads(stores / "fsdp4_a", stores / "fsdp3_b", progress=True, block_bytes=40,
+                  task_bytes=80)
+    line = capsys.readouterr().err.rstrip().split("\r")[-1]
+    # 2 open batches + the plan + the slab sets' count tasks over 2 step chunks + their sums
+    done, total = line.split(": ")[1].split(" tasks")[0].split("/")
+    assert done == total and int(total) > 3 + 2, line
+
+
+def test_flat_boxes_cover_a_range_in_contiguous_boxes():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        shape = tuple(int(x) for x in rng.integers(1, 6, rng.integers(1, 5)))
+        n = int(np.prod(shape))
+        x0 = int(rng.integers(0, n))
+        x1 = int(rng.integers(x0, n + 1))
+        boxes = geometry.flat_boxes(shape, x0, x1)
+        pos = x0
+        for off, ext in boxes:
+            first = int(np.ravel_multi_index(off, shape))
+            last = int(np.ravel_multi_index(tuple(np.add(off, ext) - 1), shape))
+            size = int(np.prod(ext))
+            assert first == pos and last == first + size - 1, (shape, off, ext)
+            pos += size
+        assert pos == x1 and len(boxes) <= 2 * len(shape) - 1
+
+
+def test_run_sets_visit_each_shared_element_once_at_its_place_in_both_boxes():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        nd = int(rng.integers(1, 5))
+        shape = tuple(int(x) for x in rng.integers(1, 6, nd))
+
+        def box():
+            off = [int(rng.integers(0, s)) for s in shape]
+            return off, [int(rng.integers(1, s - o + 1)) for s, o in zip(shape, off)]
+
+        boxes_a, boxes_b = [box() for _ in range(3)], [box() for _ in range(3)]
+        oa, la = (np.array([b[k] for b in boxes_a]) for k in (0, 1))
+        ob, lb = (np.array([b[k] for b in boxes_b]) for k in (0, 1))
+        i, j = geometry.candidate_pairs(oa, la, ob, lb)
+        meet = {(x, y) for x in range(3) for y in range(3) if np.all(
+            np.maximum(oa[x], ob[y]) < np.minimum(oa[x] + la[x], ob[y] + lb[y]))}
+        assert set(zip(i.tolist(), j.tolist())) == meet
+        rs = geometry.runsets(oa[i], la[i], ob[j], lb[j], np.arange(i.size))
+        k, sa, sb, lengths = geometry.expand(rs)
+        for q, (x, y) in enumerate(zip(i, j)):
+            lo, hi = np.maximum(oa[x], ob[y]), np.minimum(oa[x] + la[x], ob[y] + lb[y])
+            want = sorted((int(np.ravel_multi_index(tuple(g - oa[x]), la[x])),
+                           int(np.ravel_multi_index(tuple(g - ob[y]), lb[y])))
+                          for g in itertools.product(*map(range, lo, hi)))
+            got = sorted((int(a + t), int(b + t)) for a, b, n in
+                         zip(sa[k == q], sb[k == q], lengths[k == q]) for t in range(n))
+            assert got == want
+
+
+def test_count_runs_every_path_equals_the_bits_unpacked():
+    rng = np.random.default_rng(2)
+    paths = [p for p in ("avx512", "avx2", "c") if kernel.set_path(p) == p] + ["numpy"]
+    kernel.set_path("auto")
+    for trial in range(40):
+        nrows = int(rng.integers(1, 4))
+
+        def side():
+            out = []
+            for _ in range(3):
+                n = int(rng.integers(1, 200))
+                d = rng.integers(0, 256, (nrows, n + 5), np.uint8)[:, 2:2 + n]  # row stride
+                s = (rng.integers(0, 256, (nrows, n), np.uint8) if trial % 2 else
+                     np.broadcast_to(np.full(n, 255, np.uint8), (nrows, n)))  # stride 0
+                out.append((d, s))
+            return out
+
+        a, b = side(), side()
+        runs = []
+        for _ in range(6):
+            ra, rb = int(rng.integers(0, 3)), int(rng.integers(0, 3))
+            cnt = [int(x) for x in rng.integers(1, 3, 3)]
+            da, db = [int(x) for x in rng.integers(0, 40, 3)], [int(x) for x in
+                                                                 rng.integers(0, 40, 3)]
+            length = int(rng.integers(1, 150))
+            span_a = sum((c - 1) * s for c, s in zip(cnt, da)) + length
+            span_b = sum((c - 1) * s for c, s in zip(cnt, db)) + length
+            if span_a > a[ra][0].shape[1] * 8 or span_b > b[rb][0].shape[1] * 8:
+                continue
+            a0 = int(rng.integers(0, a[ra][0].shape[1] * 8 - span_a + 1))
+            b0 = int(rng.integers(0, b[rb][0].shape[1] * 8 - span_b + 1))
+            runs.append([int(rng.integers(0, 4)), ra, rb, a0, b0, length,
+                         *[v for k in range(3) for v in (cnt[k], da[k], db[k])]])
+        if not runs:
+            continue
+        runs = np.array(runs, np.int64)
+        want = np.zeros((3, nrows, 4), np.int64)
+        for row in runs:
+            _, sa, sb, ln = geometry.expand(row[[0, 3, 4, 5, *range(6, 15)]][None])
+            for r in range(nrows):
+                ua, ub = np.unpackbits(a[row[1]][0][r]), np.unpackbits(b[row[2]][0][r])
+                ga, gb = np.unpackbits(a[row[1]][1][r]), np.unpackbits(b[row[2]][1][r])
+                for x, y, n in zip(sa, sb, ln):
+                    diff = ua[x:x + n] ^ ub[y:y + n]
+                    both = ga[x:x + n] & gb[y:y + n]
+                    want[:, r, row[0]] += [int(diff.sum()), int((diff & both).sum()),
+                                           int(both.sum())]
+        for path in paths:
+            kernel.set_path(path)
+            try:
+                got = np.zeros((3, nrows, 4), np.int64)
+                kernel.count_runs(a, b, runs, nrows, got)
+                np.testing.assert_array_equal(got, want, err_msg=path)
+                got = np.zeros((3, nrows, 4), np.int64)
+                kernel.count_runs([(d, None) for d, _ in a], [(d, None) for d, _ in b], runs,
+                                  nrows, got)
+                np.testing.assert_array_equal(got[0], want[0], err_msg=path)
+                assert not got[1:].any()
+            finally:
+                kernel.set_path("auto")
