@@ -10,6 +10,7 @@ Every file is replaced with ``probekit.atomic.atomic_write``.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 
 import numpy as np
@@ -263,6 +264,48 @@ def read_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int, out: np.ndarra
             if got != want:
                 raise GradStoreError(f"{path}: {got} bytes where {want} were expected; the "
                                      "chunk file is shorter than its chunk")
+
+
+_PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+def map_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int):
+    """Rows ``rows`` and columns ``c0:c1`` of ``raw`` as a read-only (len(rows), c1 - c0) view
+    of the page cache (``mmap`` of the one chunk file holding them all: no copy; rows keep the
+    file's row stride), a row of the fill value repeated (a chunk never written), or None when
+    they span several chunk files, lie in an object store, or are not consecutive (then
+    ``read_rows`` copies them)."""
+    n = len(rows)
+    if raw.fs.remote or not n or c1 <= c0:
+        return None
+    cr, cc = raw.chunk_shape
+    r0 = int(rows[0])
+    i, j = r0 // cr, c0 // cc
+    if (int(rows[-1]) // cr != i or (c1 - 1) // cc != j
+            or (n > 1 and int(rows[-1]) - r0 != n - 1)):
+        return None
+    path = os.path.join(raw.path, "c", str(i), str(j))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return np.broadcast_to(np.full(c1 - c0, raw.fill, np.uint8), (n, c1 - c0))
+    try:
+        size = os.fstat(fd).st_size
+        if size != cr * cc:
+            raise GradStoreError(f"{path}: {size} bytes, expected {cr * cc}")
+        first = (r0 - i * cr) * cc + (c0 - j * cc)
+        last = (r0 + n - 1 - i * cr) * cc + (c1 - j * cc)
+        start = first - first % _PAGE
+        m = mmap.mmap(fd, last - start, flags=mmap.MAP_SHARED | _POPULATE,
+                      prot=mmap.PROT_READ, offset=start)
+    finally:
+        os.close(fd)
+    buf = np.frombuffer(m, np.uint8)
+    return np.lib.stride_tricks.as_strided(buf[first - start:], (n, c1 - c0), (cc, 1),
+                                           writeable=False)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def read_plain(array_path: str, n: int, fs=LOCAL):

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from . import kernel
-from .chunks import read_rows
+from .chunks import map_rows, read_rows
 
 _TLS = threading.local()
 
@@ -52,9 +52,11 @@ def _read_side(groups: list, reads: np.ndarray, b0: int, b1: int, use_sig: bool,
         rows = group["rows"][b0:b1]
         views = []
         for kind in kinds:
-            view = bufs[kind][offs[k]:offs[k + 1]].reshape(n, int(widths[k]))
             raw = group[kind]
-            read_rows(raw, rows, int(c0), int(c1), view)
+            view = map_rows(raw, rows, int(c0), int(c1))  # the page cache itself where it can
+            if view is None:
+                view = bufs[kind][offs[k]:offs[k + 1]].reshape(n, int(widths[k]))
+                read_rows(raw, rows, int(c0), int(c1), view)
             views.append(view)
         out.append((views[0], views[1] if use_sig else None))
     return out

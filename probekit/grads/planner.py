@@ -94,50 +94,117 @@ def ranges_text(values) -> str:
 
 
 # -- which groups form a run (as assemble.assemble_runs decides) --------------------------------
-def _whole_piece(g: dict, j: int):
-    return (0,) * len(_shape(g["shapes"][j])), _shape(g["shapes"][j])
+def boxes(names, numels, shapes, placement) -> dict:
+    """Each parameter of a rank group as a box of its whole parameter: {"off", "ext", "gshape":
+    (P, ND) int64 (trailing dimensions padded with 0 / 1 / 1), "nd": (P,) dimensions,
+    "whole": (P,) the group holds the whole parameter}. A whole parameter's box is its shape
+    (its size flat where the recorded shape does not multiply to it)."""
+    rows = []
+    for j in range(len(names)):
+        place = placement[j] if placement is not None else None
+        if place is None:
+            shape = _shape(shapes[j])
+            if math.prod(shape) != int(numels[j]):
+                shape = (int(numels[j]),)
+            rows.append(((0,) * len(shape), shape, shape, True))
+        else:
+            rows.append((tuple(place["offset"]), tuple(place["local_shape"]),
+                         tuple(place["global_shape"]), False))
+    nd = np.array([len(r[2]) for r in rows], np.int64)
+    width = max(1, int(nd.max()) if nd.size else 1)
+    out = {k: np.zeros((len(rows), width), np.int64) for k in ("off", "ext", "gshape")}
+    out["ext"][:] = 1
+    out["gshape"][:] = 1
+    for j, (off, ext, gs, _) in enumerate(rows):
+        n = len(gs)
+        out["off"][j, :n], out["ext"][j, :n], out["gshape"][j, :n] = off, ext, gs
+    out["nd"] = nd
+    out["whole"] = np.array([r[3] for r in rows], bool)
+    return out
+
+
+def _pad(a: np.ndarray, width: int, fill: int) -> np.ndarray:
+    return a if a.shape[1] == width else np.pad(a, ((0, 0), (0, width - a.shape[1])),
+                                                constant_values=fill)
+
+
+def _table(groups: list, ids: list, rows=None) -> dict:
+    """Every parameter of ``groups`` as one table: group index, parameter index in the group,
+    name index, box (``boxes``), in the order of the groups, then of their parameters."""
+    width = max(g["boxes"]["off"].shape[1] for g in groups)
+    t = {"gi": np.concatenate([np.full(len(g["names"]), gi, np.int64)
+                               for gi, g in enumerate(groups)]),
+         "j": np.concatenate([np.arange(len(g["names"]), dtype=np.int64) for g in groups]),
+         "k": np.concatenate(ids).astype(np.int64)}
+    for key, fill in (("off", 0), ("ext", 1), ("gshape", 1)):
+        t[key] = np.concatenate([_pad(g["boxes"][key], width, fill) for g in groups])
+    t["nd"] = np.concatenate([g["boxes"]["nd"] for g in groups])
+    t["whole"] = np.concatenate([g["boxes"]["whole"] for g in groups])
+    if rows is not None:
+        t = {k: v[rows] for k, v in t.items()}
+    return t
+
+
+def _by_name(t: dict, n: int) -> dict:
+    """The table sorted by name (stable), with each name's row range."""
+    order = np.argsort(t["k"], kind="stable")
+    t = {k: v[order] for k, v in t.items()}
+    t["start"] = np.searchsorted(t["k"], np.arange(n + 1))
+    return t
 
 
 def logical_runs(groups: list) -> dict:
     """{label rank: run} from one layout's rank groups: a sharded run's groups as one run of
     whole parameters under its lowest rank (its pieces taken once, as ``assemble._pieces``
-    takes them), every other group a run of its own; when a parameter's shards do not cover it
-    (a ``rank`` filter), every group as recorded. A run: {"label", "groups", "names",
-    "pieces": {name: Pieces}, "steps", "used": indices of the groups holding pieces}."""
-    sharded = [g for g in groups if g["placement"] is not None]
-    plain = [g for g in groups if g["placement"] is None]
-    out = {g["rank"]: _as_recorded(g) for g in plain}
+    takes them: a group's whole parameter stands for all its shards, a replica's copy of a
+    shard is dropped), every other group a run of its own; when a parameter's shards do not
+    cover it (a ``rank`` filter), every group as recorded. A run: {"label", "groups", "names",
+    "pieces": a table of its pieces sorted by name (``_by_name``), "steps", "used": indices of
+    the groups holding pieces}."""
+    sharded = sorted((g for g in groups if g["placement"] is not None), key=lambda g: g["rank"])
+    out = {g["rank"]: _as_recorded(g) for g in groups if g["placement"] is None}
     if not sharded:
         return dict(sorted(out.items()))
-    sharded.sort(key=lambda g: g["rank"])
-    order, pieces, seen, whole = [], {}, set(), set()
-    for gi, g in enumerate(sharded):
-        for j, (name, place) in enumerate(zip(g["names"], g["placement"])):
-            parts = pieces.get(name)
-            if parts is None:
+    order, index, ids, last = [], {}, [], (None, None)
+    for g in sharded:
+        if g["names"] == last[0]:  # the usual case: every rank holds the same parameters
+            ids.append(last[1])
+            continue
+        mine = np.empty(len(g["names"]), np.int64)
+        for j, name in enumerate(g["names"]):
+            k = index.get(name)
+            if k is None:
+                k = index[name] = len(order)
                 order.append(name)
-                parts = pieces[name] = Pieces()
-            if place is None:  # a whole parameter in a shard group: it stands for all
-                if name not in whole:
-                    whole.add(name)
-                    off, ext = _whole_piece(g, j)
-                    pieces[name] = Pieces()
-                    pieces[name].add(gi, j, off, ext, ext)
-                continue
-            if name in whole:
-                continue
-            off, ext = tuple(place["offset"]), tuple(place["local_shape"])
-            key = (name, off, ext)
-            if key in seen:  # a replica's copy
-                continue
-            seen.add(key)
-            parts.add(gi, j, off, ext, place["global_shape"])
-    for name in order:
-        parts = pieces[name]
-        if sum(math.prod(e) for e in parts.ext) != math.prod(parts.gshape):
-            # a rank filter left shards out: every group as recorded
-            return dict(sorted({g["rank"]: _as_recorded(g) for g in groups}.items()))
-    used = sorted({gi for parts in pieces.values() for gi in parts.gi})
+            mine[j] = k
+        ids.append(mine)
+        last = (g["names"], mine)
+    t = _table(sharded, ids)
+    n = len(order)
+    keep = ~t["whole"]
+    # a whole parameter in a shard group stands for all: the first such row, nothing else
+    has_whole = np.zeros(n, bool)
+    has_whole[t["k"][t["whole"]]] = True
+    if has_whole.any():
+        first_whole = np.unique(t["k"][t["whole"]], return_index=True)[1]
+        keep &= ~has_whole[t["k"]]
+        keep[np.flatnonzero(t["whole"])[first_whole]] = True
+    size = t["ext"].prod(axis=1)
+    total = t["gshape"].prod(axis=1)
+    covered = np.bincount(t["k"][keep], size[keep], minlength=n)
+    want = np.zeros(n)
+    want[t["k"]] = total
+    if np.any(covered > want):  # copies of shards (replicas recorded on purpose): once each
+        cand = np.flatnonzero(keep & ~t["whole"])
+        key = np.column_stack([t["k"][cand], t["off"][cand], t["ext"][cand]])
+        _, first = np.unique(key, axis=0, return_index=True)
+        keep[cand] = False
+        keep[cand[first]] = True
+        covered = np.bincount(t["k"][keep], size[keep], minlength=n)
+    if np.any(covered != want):  # a rank filter left shards out: every group as recorded
+        return dict(sorted({g["rank"]: _as_recorded(g) for g in groups}.items()))
+    pieces = _by_name({k: v[keep] for k, v in t.items()}, n)
+    used = np.unique(pieces["gi"]).tolist()
     steps = None
     for gi in used:
         s = sharded[gi]["steps"]
@@ -148,34 +215,14 @@ def logical_runs(groups: list) -> dict:
     return dict(sorted(out.items()))
 
 
-class Pieces:
-    """The pieces of one parameter in one run: group index, parameter index in the group, box
-    offset and extent (one list each), and the global shape."""
-
-    __slots__ = ("gi", "j", "off", "ext", "gshape")
-
-    def __init__(self) -> None:
-        self.gi, self.j, self.off, self.ext, self.gshape = [], [], [], [], None
-
-    def add(self, gi, j, off, ext, gshape) -> None:
-        self.gi.append(gi)
-        self.j.append(j)
-        self.off.append(off)
-        self.ext.append(ext)
-        if self.gshape is None:
-            self.gshape = tuple(int(x) for x in gshape)
-
-
 def _as_recorded(g: dict) -> dict:
-    pieces = {}
-    for j, name in enumerate(g["names"]):
-        off, ext = _whole_piece(g, j)
-        if math.prod(ext) != int(g["numels"][j]):  # a shape that lies
-            off, ext = (0,), (int(g["numels"][j]),)
-        pieces[name] = Pieces()
-        pieces[name].add(0, j, off, ext, ext)
-    return {"label": g["rank"], "groups": [g], "names": list(g["names"]), "pieces": pieces,
-            "steps": g["steps"], "used": [0]}
+    """One rank group as a run of its own: each parameter one piece as the group holds it."""
+    t = _table([{**g, "boxes": {**g["boxes"], "off": np.zeros_like(g["boxes"]["off"]),
+                                "gshape": g["boxes"]["ext"],
+                                "whole": np.ones(len(g["names"]), bool)}}],
+               [np.arange(len(g["names"]))])
+    return {"label": g["rank"], "groups": [g], "names": list(g["names"]),
+            "pieces": _by_name(t, len(g["names"])), "steps": g["steps"], "used": [0]}
 
 
 def pair_logical(runs_a: dict, runs_b: dict, ranks=None) -> list:
@@ -222,8 +269,11 @@ def _level_check(run, which: str) -> None:
                 "keeps no direction data; accepted: runs recorded at L1 or L2")
 
 
-def _global(parts) -> tuple:
-    return parts.gshape
+def _gshape(run, k: int) -> tuple:
+    """The global shape of the run's parameter ``k`` (its first piece's)."""
+    t = run["pieces"]
+    row = t["start"][k]
+    return tuple(int(x) for x in t["gshape"][row, :t["nd"][row]])
 
 
 def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
@@ -237,10 +287,8 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
             raise Unsupported("sampled sign bits")
     common, pos_a, pos_b, only_a, only_b, n_a, n_b = match_params(
         ra["names"], rb["names"], [], [], prefix)
-    names_a = [ra["names"][i] for i in pos_a]
-    names_b = [rb["names"][i] for i in pos_b]
-    numel_a = np.array([math.prod(_global(ra["pieces"][n])) for n in names_a], np.int64)
-    numel_b = np.array([math.prod(_global(rb["pieces"][n])) for n in names_b], np.int64)
+    numel_a = np.array([math.prod(_gshape(ra, k)) for k in pos_a], np.int64)
+    numel_b = np.array([math.prod(_gshape(rb, k)) for k in pos_b], np.int64)
     check_sizes(common, numel_a, numel_b)
     steps, _, _ = np.intersect1d(ra["steps"], rb["steps"], assume_unique=True,
                                  return_indices=True)
@@ -248,7 +296,7 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
         raise GradCompareError(f"the runs share no step (first: {ranges_text(ra['steps'])}; "
                                f"second: {ranges_text(rb['steps'])})")
     sides = []
-    for run, names in ((ra, names_a), (rb, names_b)):
+    for run in (ra, rb):
         groups = []
         for gi, g in enumerate(run["groups"]):
             rows = (np.searchsorted(g["steps"], steps) if gi in run["used"]
@@ -257,24 +305,34 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
                            "significant": g["significant"], "offsets": g["offsets"]})
         sides.append(groups)
     present = np.ones((steps.size, len(common)), bool)
-    for run, names, groups in ((ra, names_a, sides[0]), (rb, names_b, sides[1])):
-        cols: dict = {}  # group -> (its parameter indices, compared columns)
-        for k, name in enumerate(names):
-            parts = run["pieces"][name]
-            for gi, j in zip(parts.gi, parts.j):
-                c = cols.setdefault(gi, ([], []))
-                c[0].append(j)
-                c[1].append(k)
-        for gi, (js, ks) in cols.items():
-            pres = run["groups"][gi]["present"]
+    for run, pos, groups in ((ra, pos_a, sides[0]), (rb, pos_b, sides[1])):
+        t = run["pieces"]
+        col = np.full(len(run["names"]), -1, np.int64)
+        col[pos] = np.arange(len(pos))
+        c = col[t["k"]]
+        mine = c >= 0
+        gis, cs, js = t["gi"][mine], c[mine], t["j"][mine]
+        order = np.argsort(gis, kind="stable")
+        gis, cs, js = gis[order], cs[order], js[order]
+        bounds = np.flatnonzero(np.concatenate([[True], gis[1:] != gis[:-1], [True]]))
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            pres = run["groups"][gis[lo]]["present"]
             if pres is not None:  # a group holds a parameter once: no column twice
-                present[:, ks] &= pres[groups[gi]["rows"]][:, js]
+                present[:, cs[lo:hi]] &= pres[groups[gis[lo]]["rows"]][:, js[lo:hi]]
     use_sig = all(ra["groups"][gi]["significant"] is not None for gi in ra["used"]) and all(
         rb["groups"][gi]["significant"] is not None for gi in rb["used"])
     f_side = 0 if len(ra["used"]) >= len(rb["used"]) else 1
-    sets = _slab_sets(ra, rb, names_a, names_b, sides, f_side, block_bytes * 8)
+    # a block of steps lies in one chunk file of every group where it can (the steps a chunk
+    # holds: several of a small row, one of a large one; the fewest of both runs), so its
+    # rows are mapped, not copied; the slab sets are sized to match
+    block_rows = max(1, min([run["groups"][gi]["direction"].chunk_shape[0]
+                             for run in (ra, rb) for gi in run["used"]] + [steps.size]))
+    sets = _slab_sets(ra, rb, pos_a, pos_b, sides, f_side,
+                      max(64, block_bytes * 8 // block_rows))
     widest = max((s["bits"] for s in sets), default=1)
     per_task = max(1, (task_bytes * 8) // max(1, widest))
+    if per_task >= block_rows:
+        per_task -= per_task % block_rows
     chunks = [(s0, min(s0 + per_task, steps.size)) for s0 in range(0, steps.size, per_task)]
     for s in sets:
         s["block"] = max(1, min(per_task, (block_bytes * 8) // max(1, s["bits"])))
@@ -284,30 +342,26 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
             "f_side": f_side}
 
 
-def _boxes(run, names):
-    """Per compared parameter: (offsets, extents, group index, bit offset of the piece in its
-    group's rows) arrays of its non-empty pieces, and the global shape."""
+def _boxes(run, pos):
+    """Per compared parameter (``pos``: indices into the run's names): (offsets, extents, group
+    index, bit offset of the piece in its group's rows) arrays of its non-empty pieces, and the
+    global shape."""
     groups = run["groups"]
     sizes = [len(g["offsets"]) if g["offsets"] is not None else 0 for g in groups]
     base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     flat = np.concatenate([g["offsets"] if g["offsets"] is not None
                            else np.zeros(0, np.int64) for g in groups]).astype(np.int64)
+    t = run["pieces"]
+    bit0 = flat[base[t["gi"]] + t["j"]] * 8
+    size = t["ext"].prod(axis=1)
     out = []
-    for name in names:
-        parts = run["pieces"][name]
-        gshape = parts.gshape or (1,)
-        nd = max(1, len(parts.gshape))
-        n = len(parts.gi)
-        off = np.array(parts.off, np.int64).reshape(n, -1) if parts.gshape else np.zeros(
-            (n, 1), np.int64)
-        ext = np.array(parts.ext, np.int64).reshape(n, -1) if parts.gshape else np.ones(
-            (n, 1), np.int64)
-        if off.shape[1] != nd or ext.shape[1] != nd:
-            raise Unsupported(f"{name}: pieces of another rank than the parameter")
-        gi = np.asarray(parts.gi, np.int64)
-        bit0 = flat[base[gi] + np.asarray(parts.j, np.int64)] * 8
-        keep = ext.prod(axis=1) > 0
-        out.append((off[keep], ext[keep], gi[keep], bit0[keep], gshape))
+    for k in pos:
+        lo, hi = t["start"][k], t["start"][k + 1]
+        nd = max(1, int(t["nd"][lo]))
+        gshape = _gshape(run, k) or (1,)
+        keep = np.flatnonzero(size[lo:hi] > 0) + lo
+        out.append((t["off"][keep, :nd], t["ext"][keep, :nd], t["gi"][keep], bit0[keep],
+                    gshape))
     return out
 
 
@@ -366,11 +420,11 @@ def _slabs(off, ext, gi, bit0, limit: int):
     return np.concatenate(o), np.concatenate(e), np.concatenate(g), np.concatenate(b)
 
 
-def _slab_sets(ra, rb, names_a, names_b, sides, f_side: int, limit: int) -> list:
+def _slab_sets(ra, rb, pos_a, pos_b, sides, f_side: int, limit: int) -> list:
     """The slab sets of one pair: per set the read ranges of both sides and its run sets in
     the kernel's layout (``kernel.RUN_FIELDS``), and its F bits per step."""
-    box_a = _boxes(ra, names_a)
-    box_b = _boxes(rb, names_b)
+    box_a = _boxes(ra, pos_a)
+    box_b = _boxes(rb, pos_b)
     f_base = 0
     tables_f = []  # (group, bit0, nbits) of every F sub-piece, all parameters
     all_runs = []

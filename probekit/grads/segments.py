@@ -22,6 +22,7 @@ import json
 import numpy as np
 
 from .chunks import RawChunks, read_plain
+from .planner import boxes
 
 #: rank groups opened per task of the comparison's graph
 BATCH = 32
@@ -75,11 +76,13 @@ def open_group(fs, store: str, rank: int) -> dict | None:
     if isinstance(placement, str):
         placement = json.loads(placement)
     numels = np.asarray(attrs["numels"], np.int64)
+    names = [str(x) for x in attrs["params"]]
+    shapes = [str(x) for x in attrs.get("shapes") or [f"({int(x)},)" for x in numels]]
     return {
         "rank": int(rank), "steps": np.asarray(step[1], np.int64),
         "present": None if present is None else np.asarray(present[1], bool),
-        "names": [str(x) for x in attrs["params"]], "numels": numels,
-        "shapes": [str(x) for x in attrs.get("shapes") or [f"({int(x)},)" for x in numels]],
+        "names": names, "numels": numels, "shapes": shapes,
+        "boxes": boxes(names, numels, shapes, placement),
         "offsets": (np.asarray(attrs["offsets"], np.int64) if attrs.get("offsets") is not None
                     else None),
         "placement": placement, "level": attrs.get("level"),
