@@ -225,6 +225,9 @@ class GradProbeConfig:
     #: where the gradients are taken (``GRAD_POINTS``): at the optimizer's step, after the loop
     #: clipped them, or at the end of the last backward pass before it, before clipping
     grad_point: str = "step"
+    #: sign and significance bits of at most this many elements per parameter, a fixed
+    #: pseudo-random sample chosen by global index (``grads/sampling.py``; 0: every element)
+    sample: int = 0
 
     def __post_init__(self) -> None:
         s = "grad_probe."
@@ -238,6 +241,9 @@ class GradProbeConfig:
             _fail(s + "flush_seconds", self.flush_seconds, "a finite number of seconds > 0")
         _bool(s + "significance", self.significance)
         _choice(s + "grad_point", self.grad_point, GRAD_POINTS)
+        if not _is_int(self.sample) or self.sample < 0:
+            _fail(s + "sample", self.sample, "an integer >= 0 (elements sampled per parameter; "
+                  "0 records every element)")
 
 
 def _bounds(key: str, value: Any) -> tuple:

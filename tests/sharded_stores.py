@@ -97,12 +97,14 @@ def place(shape, offset, local) -> dict | None:
 
 def write(path, params: dict, layout: dict, steps, *, seed: int = 0, noise: float = 0.0,
           level: str = "L1", significance: bool = True, flush_every: int = 2,
-          data=None) -> None:
+          data=None, sample: int = 0) -> None:
     """Write the store of ``layout`` at ``path`` (a folder or URL): ``steps`` (an int or the
     step numbers; {rank: steps} gives each rank its own, a rank that died early), gradients from
-    ``grads`` (or ``data(step) -> {name: array}``)."""
+    ``grads`` (or ``data(step) -> {name: array}``); ``sample``: sampled sign bits, as
+    ``grad_probe.sample`` records them."""
     import torch
 
+    from probekit.grads.sampling import samples_in_box
     from probekit.grads.stats import Layout, compute
     from probekit.grads.store import GradWriter
 
@@ -110,13 +112,21 @@ def write(path, params: dict, layout: dict, steps, *, seed: int = 0, noise: floa
     for r, entries in sorted(layout.items()):
         if not entries:
             continue
-        lay = Layout(tuple(e[0] for e in entries),
-                     tuple(int(np.prod(e[2], dtype=np.int64)) for e in entries),
-                     tuple(tuple(e[2]) for e in entries))
+        numels = tuple(int(np.prod(e[2], dtype=np.int64)) for e in entries)
+        positions = None
+        if sample:
+            positions = [samples_in_box(params[n], sample, off or (0,) * len(loc), loc)[1]
+                         for n, off, loc in entries]
+            positions = [None if p.size == m else p for p, m in zip(positions, numels)]
+        lay = Layout(tuple(e[0] for e in entries), numels, tuple(tuple(e[2]) for e in entries),
+                     None if positions is None else tuple(
+                         m if p is None else int(p.size) for p, m in zip(positions, numels)))
         attrs = ({"placement": [place(params[n], off, loc) for n, off, loc in entries]}
-                 if sharded else None)
-        w = GradWriter(str(path), r, lay, level, (-1, 0, 1), "md5", flush_every, attrs=attrs,
-                       significance=significance)
+                 if sharded else {})
+        if sample:
+            attrs.update(sample=int(sample), sample_bits=list(lay.bits))
+        w = GradWriter(str(path), r, lay, level, (-1, 0, 1), "md5", flush_every,
+                       attrs=attrs or None, significance=significance)
         mine = steps[r] if isinstance(steps, dict) else steps
         for step in (range(mine) if isinstance(mine, int) else mine):
             full = data(step) if data is not None else grads(params, step, seed, noise)
@@ -126,7 +136,8 @@ def write(path, params: dict, layout: dict, steps, *, seed: int = 0, noise: floa
                 if off is not None:
                     g = g[tuple(slice(o, o + s) for o, s in zip(off, loc))]
                 local.append(torch.from_numpy(np.ascontiguousarray(g)))
-            w.append(step, compute(local, lay, level, (-1, 0, 1), "md5", None, significance))
+            w.append(step, compute(local, lay, level, (-1, 0, 1), "md5", None, significance,
+                                   sample=positions))
         w.close()
 
 

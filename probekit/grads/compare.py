@@ -23,6 +23,7 @@ from ..errors import GradCompareError
 from ..log import get_logger
 from .names import canonical_names
 from .chunks import bit_reader
+from .sampling import CONFIDENCE, stratified_interval, wilson
 from .unmatched import unmatched_text, unmatched_vars
 
 log = get_logger(__name__)
@@ -55,10 +56,15 @@ def _ranges(values) -> str:
     return f"{v[0]}..{v[-1]} ({v.size} values)"
 
 
+def _bits(ds) -> np.ndarray:
+    """Sign bits recorded per parameter: one per element, or its sample (``nbits``)."""
+    return np.asarray((ds["nbits"] if "nbits" in ds.coords else ds["numel"]).values, np.int64)
+
+
 def _word_index(ds, pos: np.ndarray) -> np.ndarray:
     """64-bit word indices (into one step's sign bits) of the parameters at positions ``pos``."""
     offsets = np.asarray(ds["offset"].values, np.int64)[pos] // 8
-    words = -(-np.asarray(ds["numel"].values, np.int64)[pos] // 64)
+    words = -(-_bits(ds)[pos] // 64)
     return np.concatenate([np.arange(o, o + w) for o, w in zip(offsets, words)]) if len(
         pos) else np.zeros(0, np.int64)
 
@@ -75,10 +81,25 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
 
     In this process, block after block; ``compare_grads`` runs the same blocks as a dask
     graph."""
+    a, b = match_samples(a, b)
     plan = plan_pair(a, b, block_bytes)
     src = bit_sources(a, b, plan)
     parts = [count_block(src, plan, s0, s1) for s0, s1 in plan["blocks"]]
     return finish_pair(plan, parts, step0_threshold, drop_threshold, noise_aware)
+
+
+def match_samples(a, b) -> tuple:
+    """Two Datasets on the same elements: a run that recorded every element's bits, compared
+    with a sampled one (``grad_probe.sample``), is sampled the same way (``sampling.subsample``);
+    anything else as it is."""
+    from .sampling import subsample
+
+    ka, kb = int(a.attrs.get("sample", 0) or 0), int(b.attrs.get("sample", 0) or 0)
+    if ka and not kb and "direction" in b:
+        b = subsample(b, ka)
+    elif kb and not ka and "direction" in a:
+        a = subsample(a, kb)
+    return a, b
 
 
 def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES, *,
@@ -118,6 +139,13 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
                np.flatnonzero(numel_a != numel_b)[:5]]
         raise GradCompareError("parameter sizes differ between the runs (name, first, second): "
                                + "; ".join(f"{n}: {x} vs {y}" for n, x, y in bad))
+    bits_a, bits_b = _bits(a)[pos_a], _bits(b)[pos_b]
+    if a.attrs.get("sample", 0) != b.attrs.get("sample", 0) or np.any(bits_a != bits_b):
+        raise GradCompareError(
+            f"the runs sampled their sign bits differently (grad_probe.sample "
+            f"{a.attrs.get('sample', 0)} vs {b.attrs.get('sample', 0)}); accepted: runs "
+            "recording the same sample, or one recording every element (compare_grads "
+            "samples it)")
     steps_a = np.asarray(a["step"].values, np.int64)
     steps_b = np.asarray(b["step"].values, np.int64)
     steps, rows_a, rows_b = np.intersect1d(steps_a, steps_b, assume_unique=True,
@@ -132,7 +160,7 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
     same_layout = bool(len(common) == len(names_a) == len(names_b)
                        and np.array_equal(pos_b, pos_a) and np.array_equal(off_a, off_b)
                        and nbytes_a == nbytes_b)
-    nwords = -(-numel_a // 64)
+    nwords = -(-bits_a // 64)
     word0 = np.concatenate([[0], np.cumsum(nwords)[:-1]]).astype(np.int64)
     # Per-parameter sums of the per-word bit counts: a large parameter sums its own columns
     # (numpy's reduce is far faster than reduceat over long segments); the small ones are
@@ -145,7 +173,8 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
     return {
         "common": common, "only_a": only_a, "only_b": only_b, "n_a": n_a, "n_b": n_b,
         "steps": steps, "rows_a": rows_a, "rows_b": rows_b,
-        "numel": numel_a, "nwords": nwords, "word0": word0, "same_layout": same_layout,
+        "numel": numel_a, "nbits": bits_a, "sample": int(a.attrs.get("sample", 0)),
+        "nwords": nwords, "word0": word0, "same_layout": same_layout,
         "words_a": None if same_layout else _word_index(a, pos_a),
         "words_b": None if same_layout else _word_index(b, pos_b),
         "big": np.flatnonzero(nwords >= 1024), "small": small,
@@ -226,7 +255,7 @@ def _count(sources, plan, s0: int, s1: int) -> tuple:
                    differ_sig, plan)
     _per_param(x, differ, plan)
     if count_sig is not None:  # padding bits are ones in both runs: not elements
-        count_sig -= plan["nwords"] * 64 - plan["numel"]
+        count_sig -= plan["nwords"] * 64 - plan["nbits"]
     return differ, differ_sig, count_sig
 
 
@@ -262,24 +291,50 @@ def finish_arrays(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
     present, numel_a = plan["present"], plan["numel"]
     use_sig = plan["use_sig"]
     numel = numel_a.astype(np.float64)
+    bits = np.asarray(plan.get("nbits", numel_a), np.int64)
+    sampled = bool(np.any(bits != numel_a))
+    n = bits.astype(np.float64)  # elements compared per parameter (all, or the sample)
     with np.errstate(invalid="ignore", divide="ignore"):
-        similarity = np.where(present & (numel > 0), 1.0 - differ / numel, np.nan)
+        similarity = np.where(present & (numel > 0), 1.0 - differ / n, np.nan)
         weight = np.where(present, numel, 0.0)
-        total = 1.0 - (np.where(present, differ, 0).sum(1) / weight.sum(1))
+        if sampled:  # each parameter's share estimated from its sample, weighted by its size
+            total = 1.0 - ((np.where(present, differ, 0) * (numel / n)).sum(1)
+                           / weight.sum(1))
+        else:
+            total = 1.0 - (np.where(present, differ, 0).sum(1) / weight.sum(1))
     data = {"similarity": (("step", "param"), similarity),
             "differ": (("step", "param"), np.where(present, differ, -1)),
             "total": (("step",), total)}
+    if sampled:  # the population's share within its confidence interval (sampling.py)
+        low, high = wilson(n - differ, n, numel)
+        data["similarity_low"] = (("step", "param"), np.where(present, low, np.nan))
+        data["similarity_high"] = (("step", "param"), np.where(present, high, np.nan))
+        low, high = stratified_interval(similarity, weight, n, numel)
+        data["total_low"], data["total_high"] = (("step",), low), (("step",), high)
     judged, judged_total = similarity, total
     if use_sig:
         differ_sig = np.concatenate([p[1] for p in parts])
         count_sig = np.concatenate([p[2] for p in parts])
         with np.errstate(invalid="ignore", divide="ignore"):
             sim_sig = np.where(present & (count_sig > 0), 1.0 - differ_sig / count_sig, np.nan)
-            total_sig = 1.0 - (np.where(present, differ_sig, 0).sum(1)
-                               / np.where(present, count_sig, 0).sum(1))
+            scale = numel / n if sampled else 1.0  # significant elements of the population
+            total_sig = 1.0 - ((np.where(present, differ_sig, 0) * scale).sum(1)
+                               / (np.where(present, count_sig, 0) * scale).sum(1))
         data["similarity_significant"] = (("step", "param"), sim_sig)
         data["significant"] = (("step", "param"), np.where(present, count_sig, -1))
         data["total_significant"] = (("step",), total_sig)
+        if sampled:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                both = count_sig * (numel / n)  # significant in both, over all elements
+            low, high = wilson(count_sig - differ_sig, count_sig, np.maximum(both, count_sig))
+            data["similarity_significant_low"] = (("step", "param"),
+                                                  np.where(present, low, np.nan))
+            data["similarity_significant_high"] = (("step", "param"),
+                                                   np.where(present, high, np.nan))
+            low, high = stratified_interval(sim_sig, np.where(present, both, 0.0), count_sig,
+                                            np.maximum(both, count_sig))
+            data["total_significant_low"] = (("step",), low)
+            data["total_significant_high"] = (("step",), high)
         if noise_aware:
             judged, judged_total = sim_sig, total_sig
     data["flag"] = (("step", "param"), flags(judged, step0_threshold, drop_threshold))
@@ -288,7 +343,11 @@ def finish_arrays(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
     data.update(unmatched_vars(plan["only_a"], plan["only_b"], plan["n_a"], plan["n_b"]))
     coords = {"step": plan["steps"], "param": np.array(plan["common"], dtype=str),
               "numel": ("param", numel_a)}
-    return data, coords, {"noise_aware": int(bool(use_sig and noise_aware))}
+    attrs = {"noise_aware": int(bool(use_sig and noise_aware))}
+    if sampled:
+        coords["sampled"] = ("param", bits)
+        attrs.update(sample=int(plan.get("sample", 0)), confidence=CONFIDENCE)
+    return data, coords, attrs
 
 
 def _first_divergence_arrays(data, coords, attrs) -> tuple[int, str]:
@@ -455,8 +514,8 @@ def _plan_shape(plan: dict):
 
 def _plan_finish(plan: dict) -> list:
     """The small part of each pair's plan that ``finish_pair`` needs."""
-    keep = ("label", "common", "only_a", "only_b", "n_a", "n_b", "steps", "numel", "present",
-            "use_sig")
+    keep = ("label", "common", "only_a", "only_b", "n_a", "n_b", "steps", "numel", "nbits",
+            "sample", "present", "use_sig")
     return [{k: p[k] for k in keep} for p in plan["pairs"]]
 
 
@@ -558,6 +617,7 @@ def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, threshol
     pairs = pair_runs(runs_a, runs_b, ranks)
     plans, tasks = [], []
     for r, ds_a, ds_b in pairs:
+        ds_a, ds_b = match_samples(ds_a, ds_b)
         plan = plan_pair(ds_a, ds_b, block_bytes, task_bytes, label=f"rank {r}: ")
         src = dask.delayed(bit_sources(ds_a, ds_b, plan), pure=False, traverse=False)
         lazy_plan = dask.delayed(plan, pure=False, traverse=False)
@@ -576,10 +636,12 @@ def _combine(results: list, step0_threshold: float, drop_threshold: float):
     import xarray as xr
 
     first = results[0][1]
+    def value(c):
+        return np.asarray(c[1] if isinstance(c, tuple) else c)
+
     same = len(results) > 1 and all(
-        np.array_equal(np.asarray(c["step"]), np.asarray(first[1]["step"]))
-        and np.array_equal(c["param"], first[1]["param"])
-        and np.array_equal(c["numel"][1], first[1]["numel"][1])
+        c.keys() == first[1].keys()
+        and all(np.array_equal(value(c[key]), value(first[1][key])) for key in c)
         and d.keys() == first[0].keys() and a == first[2] for _, (d, c, a) in results)
     if same:
         data = {}

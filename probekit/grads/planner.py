@@ -37,6 +37,7 @@ from ..errors import GradCompareError
 from ..log import get_logger
 from . import geometry
 from .names import canonical_names
+from .sampling import sample_run
 from .unmatched import unmatched_text
 
 log = get_logger(__name__)
@@ -94,32 +95,50 @@ def ranges_text(values) -> str:
 
 
 # -- which groups form a run (as assemble.assemble_runs decides) --------------------------------
-def boxes(names, numels, shapes, placement) -> dict:
-    """Each parameter of a rank group as a box of its whole parameter: {"off", "ext", "gshape":
-    (P, ND) int64 (trailing dimensions padded with 0 / 1 / 1), "nd": (P,) dimensions,
-    "whole": (P,) the group holds the whole parameter}. A whole parameter's box is its shape
-    (its size flat where the recorded shape does not multiply to it)."""
-    rows = []
+def boxes(names, numels, shapes, placement, sample: int = 0, nbits=None) -> dict:
+    """Each parameter of a rank group as a box of its whole parameter's index space: {"off",
+    "ext", "gshape": (P, ND) int64 (trailing dimensions padded with 0 / 1 / 1), "nd": (P,)
+    dimensions, "whole": (P,) the group holds the whole parameter, "numel": (P,) the whole
+    parameter's elements}. A whole parameter's box is its shape (its size flat where the
+    recorded shape does not multiply to it). Sampled bits (``sample``, ``sampling.py``) of a
+    parameter larger than the sample live in the 1-D space of its sample numbers, where an
+    FSDP2 shard's (a flat range of the parameter) are a run; ``"scattered"``: True when a
+    shard's are not (a tensor-parallel block: the planner declines it)."""
+    rows, scattered = [], False
     for j in range(len(names)):
         place = placement[j] if placement is not None else None
         if place is None:
             shape = _shape(shapes[j])
             if math.prod(shape) != int(numels[j]):
                 shape = (int(numels[j]),)
-            rows.append(((0,) * len(shape), shape, shape, True))
+            row = [(0,) * len(shape), shape, shape, True, math.prod(shape)]
         else:
-            rows.append((tuple(place["offset"]), tuple(place["local_shape"]),
-                         tuple(place["global_shape"]), False))
+            gshape = tuple(place["global_shape"])
+            row = [tuple(place["offset"]), tuple(place["local_shape"]), gshape, False,
+                   math.prod(gshape)]
+        if sample and sample < row[4]:  # its sample numbers: one dimension
+            space = (sample,)
+            if row[3]:
+                row[:3] = (0,), space, space
+            else:
+                run = sample_run(row[2], sample, row[0], row[1])
+                scattered |= run is None
+                row[:3] = ((run[0],), (run[1],), space) if run else ((0,), (0,), space)
+            if nbits is not None and int(nbits[j]) != row[1][0] and not scattered:
+                raise Unsupported("sampled bits that do not match their sample")
+        rows.append(row)
     nd = np.array([len(r[2]) for r in rows], np.int64)
     width = max(1, int(nd.max()) if nd.size else 1)
     out = {k: np.zeros((len(rows), width), np.int64) for k in ("off", "ext", "gshape")}
     out["ext"][:] = 1
     out["gshape"][:] = 1
-    for j, (off, ext, gs, _) in enumerate(rows):
+    for j, (off, ext, gs, _, _) in enumerate(rows):
         n = len(gs)
         out["off"][j, :n], out["ext"][j, :n], out["gshape"][j, :n] = off, ext, gs
     out["nd"] = nd
     out["whole"] = np.array([r[3] for r in rows], bool)
+    out["numel"] = np.array([r[4] for r in rows], np.int64)
+    out["scattered"] = scattered
     return out
 
 
@@ -140,6 +159,7 @@ def _table(groups: list, ids: list, rows=None) -> dict:
         t[key] = np.concatenate([_pad(g["boxes"][key], width, fill) for g in groups])
     t["nd"] = np.concatenate([g["boxes"]["nd"] for g in groups])
     t["whole"] = np.concatenate([g["boxes"]["whole"] for g in groups])
+    t["numel"] = np.concatenate([g["boxes"]["numel"] for g in groups])
     if rows is not None:
         t = {k: v[rows] for k, v in t.items()}
     return t
@@ -270,10 +290,16 @@ def _level_check(run, which: str) -> None:
 
 
 def _gshape(run, k: int) -> tuple:
-    """The global shape of the run's parameter ``k`` (its first piece's)."""
+    """The shape of the index space of the run's parameter ``k`` (its first piece's): the
+    parameter's, or its sample's."""
     t = run["pieces"]
     row = t["start"][k]
     return tuple(int(x) for x in t["gshape"][row, :t["nd"][row]])
+
+
+def _numel(run, k: int) -> int:
+    t = run["pieces"]
+    return int(t["numel"][t["start"][k]])
 
 
 def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
@@ -282,14 +308,25 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
     unmatched-parameter warning."""
     _level_check(ra, "first")
     _level_check(rb, "second")
+    samples = []
     for run in (ra, rb):
-        if any(run["groups"][gi].get("sample") for gi in run["used"]):
-            raise Unsupported("sampled sign bits")
+        ks = {int(run["groups"][gi].get("sample") or 0) for gi in run["used"]}
+        if len(ks) > 1 or any(run["groups"][gi]["boxes"]["scattered"] for gi in run["used"]):
+            raise Unsupported("sampled bits of shards that are not flat ranges")
+        samples.append(ks.pop())
+    if samples[0] != samples[1]:
+        if 0 in samples:  # one run records every element: the Dataset path samples it
+            raise Unsupported("one run sampled, the other not")
+        raise GradCompareError(
+            f"the runs sampled their sign bits differently (grad_probe.sample {samples[0]} vs "
+            f"{samples[1]}); accepted: runs recording the same sample, or one recording every "
+            "element (compare_grads samples it)")
     common, pos_a, pos_b, only_a, only_b, n_a, n_b = match_params(
         ra["names"], rb["names"], [], [], prefix)
-    numel_a = np.array([math.prod(_gshape(ra, k)) for k in pos_a], np.int64)
-    numel_b = np.array([math.prod(_gshape(rb, k)) for k in pos_b], np.int64)
+    numel_a = np.array([_numel(ra, k) for k in pos_a], np.int64)
+    numel_b = np.array([_numel(rb, k) for k in pos_b], np.int64)
     check_sizes(common, numel_a, numel_b)
+    nbits = np.array([math.prod(_gshape(ra, k)) for k in pos_a], np.int64)
     steps, _, _ = np.intersect1d(ra["steps"], rb["steps"], assume_unique=True,
                                  return_indices=True)
     if steps.size == 0:
@@ -337,7 +374,8 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
     for s in sets:
         s["block"] = max(1, min(per_task, (block_bytes * 8) // max(1, s["bits"])))
     return {"label": label, "common": common, "only_a": only_a, "only_b": only_b, "n_a": n_a,
-            "n_b": n_b, "steps": steps, "numel": numel_a, "present": present,
+            "n_b": n_b, "steps": steps, "numel": numel_a, "nbits": nbits,
+            "sample": samples[0], "present": present,
             "use_sig": use_sig, "sides": sides, "sets": sets, "chunks": chunks,
             "f_side": f_side}
 

@@ -82,7 +82,8 @@ def open_group(fs, store: str, rank: int) -> dict | None:
         "rank": int(rank), "steps": np.asarray(step[1], np.int64),
         "present": None if present is None else np.asarray(present[1], bool),
         "names": names, "numels": numels, "shapes": shapes,
-        "boxes": boxes(names, numels, shapes, placement),
+        "boxes": boxes(names, numels, shapes, placement, int(attrs.get("sample") or 0),
+                       attrs.get("sample_bits")),
         "offsets": (np.asarray(attrs["offsets"], np.int64) if attrs.get("offsets") is not None
                     else None),
         "placement": placement, "level": attrs.get("level"),

@@ -403,6 +403,8 @@ def open_rank(store: str, rank: int, chunks=None, fs=LOCAL):
             if data.dtype.kind in "UTO":
                 data = np.array(data.tolist(), dtype=str).reshape(data.shape)
             coords[name] = (dims, data)
+    if attrs.get("sample_bits") is not None:  # sampled sign bits: the bits per parameter
+        coords["nbits"] = ("param", np.asarray(attrs.pop("sample_bits"), np.int64))
     data_vars = {k: arrays[k] for k in names if k not in coords and k != "hash"}
     if "hash" in arrays:
         data_vars["hash"] = (("step", "param"), _hex(arrays["hash"][1]))
