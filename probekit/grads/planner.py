@@ -236,13 +236,29 @@ def logical_runs(groups: list) -> dict:
 
 
 def _as_recorded(g: dict) -> dict:
-    """One rank group as a run of its own: each parameter one piece as the group holds it."""
-    t = _table([{**g, "boxes": {**g["boxes"], "off": np.zeros_like(g["boxes"]["off"]),
-                                "gshape": g["boxes"]["ext"],
-                                "whole": np.ones(len(g["names"]), bool)}}],
-               [np.arange(len(g["names"]))])
+    """One rank group as a run of its own: each parameter one whole piece as the group holds
+    it (its local shape and size; sampled bits: the 1-D space of the ones it holds)."""
+    numels = np.asarray(g["numels"], np.int64)
+    nbits = np.asarray(g["nbits"], np.int64)
+    shapes = []
+    for j, n in enumerate(numels):
+        shape = _shape(g["shapes"][j])
+        if nbits[j] != n:
+            shape = (int(nbits[j]),)
+        elif math.prod(shape) != int(n):
+            shape = (int(n),)
+        shapes.append(shape)
+    nd = np.array([len(x) for x in shapes], np.int64)
+    width = max(1, int(nd.max()) if nd.size else 1)
+    ext = np.ones((len(shapes), width), np.int64)
+    for j, x in enumerate(shapes):
+        ext[j, :len(x)] = x
+    t = {"gi": np.zeros(len(shapes), np.int64), "j": np.arange(len(shapes), dtype=np.int64),
+         "k": np.arange(len(shapes), dtype=np.int64), "off": np.zeros_like(ext), "ext": ext,
+         "gshape": ext.copy(), "nd": nd, "whole": np.ones(len(shapes), bool),
+         "numel": numels}
     return {"label": g["rank"], "groups": [g], "names": list(g["names"]),
-            "pieces": _by_name(t, len(g["names"])), "steps": g["steps"], "used": [0]}
+            "pieces": _by_name(t, len(shapes)), "steps": g["steps"], "used": [0]}
 
 
 def pair_logical(runs_a: dict, runs_b: dict, ranks=None) -> list:
