@@ -238,3 +238,26 @@ def subsample(ds, k: int):
     out = out.assign_coords(offset=("param", offsets), nbits=("param", nbits))
     out.attrs = {**ds.attrs, "sample": int(k)}
     return out
+
+
+def whole_sample(shapes, k: int) -> tuple:
+    """(positions of the sampled elements of each whole parameter of ``shapes`` or None where
+    every element is recorded, bits recorded per parameter) for ``grad_probe.sample = k``;
+    (None, None) when no parameter is sampled (a probe recording whole parameters: MindSpore's,
+    and PyTorch's without sharding)."""
+    if not k:
+        return None, None
+    pos, nbits = [], []
+    for shape in shapes:
+        shape = tuple(int(x) for x in shape)
+        n = math.prod(shape)
+        if k >= n:
+            pos.append(None)
+            nbits.append(n)
+            continue
+        p = chosen(shape, k, np.arange(k, dtype=np.int64))
+        pos.append(p)
+        nbits.append(int(p.size))
+    if all(p is None for p in pos):
+        return None, None
+    return pos, tuple(nbits)
