@@ -37,12 +37,17 @@ def store_of(source, storage_options=None):
     from .storage import location
     from .store import find_store, store_ranks
 
+    from ..errors import GradStoreError
+
     if not isinstance(source, (str, os.PathLike)):
         return None
     fs, path = location(source, storage_options)
-    if not fs.remote and os.path.isdir(path) and msprobe.is_grad_dump(path):
+    if not fs.remote and (not os.path.isdir(path) or msprobe.is_grad_dump(path)):
         return None
-    store = find_store(path, fs)
+    try:
+        store = find_store(path, fs)
+    except GradStoreError:  # not a store: the Dataset path says what it is
+        return None
     return fs, store, store_ranks(store, fs)
 
 
