@@ -55,18 +55,20 @@ def main(argv=None) -> None:
         a = os.path.join(base, f"fsdp{args.ranks}")
         for other in layouts:
             b = os.path.join(base, other)
-            times, shape = [], None
+            times, cpus, shape = [], [], None
             for _ in range(args.repeats):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 sa, sb = store_of(a), store_of(b)
                 with Session(progress=False, num_workers=args.workers) as session:
                     plan = plan_stage(sa, sb, session=session)
                 times.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
                 shape = plan
             pairs = shape["pairs"]
             row = {"first": f"fsdp{args.ranks}", "second": other,
                    "groups": len(sa[2]) + len(sb[2]), "steps": args.steps,
                    "plan_s": statistics.median(times), "plan_s_all": times,
+                   "cpu_s": statistics.median(cpus), "load": os.getloadavg()[0],
                    "slab_sets": sum(len(q["sets"]) for q in pairs),
                    "run_sets": sum(len(s["runs"]) for q in pairs for s in q["sets"]),
                    "count_tasks": sum(len(q["sets"]) * len(q["chunks"]) for q in pairs)}

@@ -496,12 +496,13 @@ def _stores(a, b, storage_options):
 def _plan_task(n_a: int, ranks, block_bytes, task_bytes, *batches) -> dict:
     """The comparison's plan from the opened rank groups of both runs (a task of the graph)."""
     from .planner import plan
-    from .segments import segments
+    from .segments import gc_held, segments
 
     groups_a = [g for batch in batches[:n_a] for g in batch]
     groups_b = [g for batch in batches[n_a:] for g in batch]
-    return plan(segments(groups_a), segments(groups_b), ranks=ranks, block_bytes=block_bytes,
-                task_bytes=task_bytes)
+    with gc_held():  # many small containers: no collection of everything alive meanwhile
+        return plan(segments(groups_a), segments(groups_b), ranks=ranks,
+                    block_bytes=block_bytes, task_bytes=task_bytes)
 
 
 def _plan_shape(plan: dict):

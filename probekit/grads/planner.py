@@ -104,42 +104,60 @@ def boxes(names, numels, shapes, placement, sample: int = 0, nbits=None) -> dict
     parameter larger than the sample live in the 1-D space of its sample numbers, where an
     FSDP2 shard's (a flat range of the parameter) are a run; ``"scattered"``: True when a
     shard's are not (a tensor-parallel block: the planner declines it)."""
-    rows, scattered = [], False
-    for j in range(len(names)):
-        place = placement[j] if placement is not None else None
+    p = len(names)
+    places = placement if placement is not None else [None] * p
+    off, ext, gsh, whole = [], [], [], []
+    for j, place in enumerate(places):
         if place is None:
             shape = _shape(shapes[j])
             if math.prod(shape) != int(numels[j]):
                 shape = (int(numels[j]),)
-            row = [(0,) * len(shape), shape, shape, True, math.prod(shape)]
+            off.append((0,) * len(shape))
+            ext.append(shape)
+            gsh.append(shape)
+            whole.append(True)
         else:
-            gshape = tuple(place["global_shape"])
-            row = [tuple(place["offset"]), tuple(place["local_shape"]), gshape, False,
-                   math.prod(gshape)]
-        if sample and sample < row[4]:  # its sample numbers: one dimension
-            space = (sample,)
-            if row[3]:
-                row[:3] = (0,), space, space
-            else:
-                run = sample_run(row[2], sample, row[0], row[1])
-                scattered |= run is None
-                row[:3] = ((run[0],), (run[1],), space) if run else ((0,), (0,), space)
-            if nbits is not None and int(nbits[j]) != row[1][0] and not scattered:
-                raise Unsupported("sampled bits that do not match their sample")
-        rows.append(row)
-    nd = np.array([len(r[2]) for r in rows], np.int64)
-    width = max(1, int(nd.max()) if nd.size else 1)
-    out = {k: np.zeros((len(rows), width), np.int64) for k in ("off", "ext", "gshape")}
-    out["ext"][:] = 1
-    out["gshape"][:] = 1
-    for j, (off, ext, gs, _, _) in enumerate(rows):
-        n = len(gs)
-        out["off"][j, :n], out["ext"][j, :n], out["gshape"][j, :n] = off, ext, gs
+            off.append(place["offset"])
+            ext.append(place["local_shape"])
+            gsh.append(place["global_shape"])
+            whole.append(False)
+    nd = np.fromiter((len(g) for g in gsh), np.int64, p)
+    width = max(1, int(nd.max()) if p else 1)
+    out = {}
+    for key, rows, fill in (("off", off, 0), ("ext", ext, 1), ("gshape", gsh, 1)):
+        arr = np.full((p, width), fill, np.int64)
+        for d in np.unique(nd):  # parameters of one rank at once
+            sel = np.flatnonzero(nd == d)
+            if d:
+                arr[sel, :d] = np.array([rows[j] for j in sel], np.int64).reshape(sel.size, d)
+        out[key] = arr
     out["nd"] = nd
-    out["whole"] = np.array([r[3] for r in rows], bool)
-    out["numel"] = np.array([r[4] for r in rows], np.int64)
-    out["scattered"] = scattered
+    out["whole"] = np.array(whole, bool)
+    out["numel"] = out["gshape"].prod(axis=1)
+    out["scattered"] = False
+    if sample:
+        _sample_space(out, sample, nbits)
     return out
+
+
+def _sample_space(out: dict, sample: int, nbits) -> None:
+    """Parameters larger than ``sample``: their boxes moved to the 1-D space of their sample
+    numbers (``boxes``)."""
+    for j in np.flatnonzero(out["numel"] > sample):
+        d = int(out["nd"][j])
+        if out["whole"][j]:
+            off, ext = (0,), (sample,)
+        else:
+            run = sample_run(tuple(out["gshape"][j, :d]), sample, tuple(out["off"][j, :d]),
+                             tuple(out["ext"][j, :d]))
+            out["scattered"] |= run is None
+            off, ext = ((run[0],), (run[1],)) if run else ((0,), (0,))
+            if run and nbits is not None and int(nbits[j]) != run[1]:
+                raise Unsupported("sampled bits that do not match their sample")
+        for key, value, fill in (("off", off, 0), ("ext", ext, 1), ("gshape", (sample,), 1)):
+            out[key][j] = fill
+            out[key][j, 0] = value[0]
+        out["nd"][j] = 1
 
 
 def _pad(a: np.ndarray, width: int, fill: int) -> np.ndarray:

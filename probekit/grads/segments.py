@@ -17,6 +17,8 @@ Datasets (``sources.load_runs``).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 
 import numpy as np
@@ -100,8 +102,24 @@ def open_group(fs, store: str, rank: int) -> dict | None:
 
 
 def open_batch(fs, store: str, ranks) -> list:
-    """``open_group`` of each rank of a batch (one task of the comparison's graph)."""
-    return [open_group(fs, store, r) for r in ranks]
+    """``open_group`` of each rank of a batch (one task of the comparison's graph). Python's
+    cyclic garbage collector is held off meanwhile: parsing many groups' attributes makes
+    thousands of small containers, each batch of which set off a collection of everything
+    alive (measured: 2.1 ms per group's ``zarr.json`` with it, 0.6 ms without)."""
+    with gc_held():
+        return [open_group(fs, store, r) for r in ranks]
+
+
+@contextlib.contextmanager
+def gc_held():
+    """Python's cyclic garbage collector off for the block (on again after, if it was on)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def batches(ranks, size: int = BATCH) -> list:
