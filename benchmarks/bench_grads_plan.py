@@ -5,7 +5,8 @@ of FSDP2 dim-0 shards over ``--ranks`` rank groups (metadata and statistics of `
 steps; no bit chunk files: the planner reads none), and compared with 1024 vs 1024, 1024 vs
 512 ranks and 1024 ranks vs a single process: the time of the comparison's first stage (the
 rank groups opened in batches as graph tasks, then the plan), on the local threads, median of
-``--repeats``; also the plan's size (slab sets, run sets, tasks).
+``--repeats`` (wall, and the process's CPU time: the machine may be shared); also the plan's
+size (slab sets, run sets, tasks).
 
     python benchmarks/bench_grads_plan.py --out bench_out/plan.json
 """
