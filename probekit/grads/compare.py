@@ -21,10 +21,10 @@ import numpy as np
 
 from ..errors import GradCompareError
 from ..log import get_logger
-from .names import canonical_names
 from .chunks import bit_reader
+from .planner import check_sizes, match_params, ranges_text
 from .sampling import CONFIDENCE, stratified_interval, wilson
-from .unmatched import unmatched_text, unmatched_vars
+from .unmatched import unmatched_vars
 
 log = get_logger(__name__)
 
@@ -45,15 +45,6 @@ def _popcount_table(words: np.ndarray) -> np.ndarray:
 
 
 _bitwise_count = getattr(np, "bitwise_count", _popcount_table)
-
-
-def _ranges(values) -> str:
-    v = np.asarray(values)
-    if v.size == 0:
-        return "none"
-    if v.size <= 6:
-        return ", ".join(str(x) for x in v)
-    return f"{v[0]}..{v[-1]} ({v.size} values)"
 
 
 def _bits(ds) -> np.ndarray:
@@ -113,32 +104,16 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
             raise GradCompareError(
                 f"the {name} run was recorded at grad_level {ds.attrs.get('level', '?')!r}, "
                 "which keeps no direction data; accepted: runs recorded at L1 or L2")
-    # names matched without wrapper prefixes (an msprobe dump of a DDP run has "module.*")
+    # names matched without wrapper prefixes (an msprobe dump of a DDP run has "module.*");
+    # parameters of one run only by the names the run holds, and those a step before the
+    # comparison left out (``left_out``: mindspore.align, a name mapping to no reference one)
     raw_a = [str(x) for x in a["param"].values]
     raw_b = [str(x) for x in b["param"].values]
-    names_a, names_b = list(canonical_names(raw_a)), list(canonical_names(raw_b))
-    index_a = {n: i for i, n in enumerate(names_a)}
-    index_b = {n: i for i, n in enumerate(names_b)}
-    common = [n for n in names_a if n in index_b]
-    # parameters of one run only, by the names the run holds, and those a step before the
-    # comparison left out (``left_out``: mindspore.align, a name mapping to no reference one)
-    only_a = [r for r, n in zip(raw_a, names_a) if n not in index_b] + _left_out(a)
-    only_b = [r for r, n in zip(raw_b, names_b) if n not in index_a] + _left_out(b)
-    n_a, n_b = len(names_a) + len(_left_out(a)), len(names_b) + len(_left_out(b))
-    if not common:
-        raise GradCompareError(f"the runs share no parameter (first: {names_a[:3]}..., second: "
-                               f"{names_b[:3]}...)")
-    if only_a or only_b:
-        log.warning("%s%s", label, unmatched_text(only_a, only_b, n_a, n_b))
-    pos_a = np.array([index_a[n] for n in common])
-    pos_b = np.array([index_b[n] for n in common])
+    common, pos_a, pos_b, only_a, only_b, n_a, n_b = match_params(
+        raw_a, raw_b, _left_out(a), _left_out(b), label)
     numel_a = np.asarray(a["numel"].values, np.int64)[pos_a]
     numel_b = np.asarray(b["numel"].values, np.int64)[pos_b]
-    if np.any(numel_a != numel_b):
-        bad = [(common[i], int(numel_a[i]), int(numel_b[i])) for i in
-               np.flatnonzero(numel_a != numel_b)[:5]]
-        raise GradCompareError("parameter sizes differ between the runs (name, first, second): "
-                               + "; ".join(f"{n}: {x} vs {y}" for n, x, y in bad))
+    check_sizes(common, numel_a, numel_b)
     bits_a, bits_b = _bits(a)[pos_a], _bits(b)[pos_b]
     if a.attrs.get("sample", 0) != b.attrs.get("sample", 0) or np.any(bits_a != bits_b):
         raise GradCompareError(
@@ -151,13 +126,13 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
     steps, rows_a, rows_b = np.intersect1d(steps_a, steps_b, assume_unique=True,
                                            return_indices=True)
     if steps.size == 0:
-        raise GradCompareError(f"the runs share no step (first: {_ranges(steps_a)}; second: "
-                               f"{_ranges(steps_b)})")
+        raise GradCompareError(f"the runs share no step (first: {ranges_text(steps_a)}; "
+                               f"second: {ranges_text(steps_b)})")
     nbytes_a, nbytes_b = a.sizes["byte"], b.sizes["byte"]
     off_a = np.asarray(a["offset"].values, np.int64)
     off_b = np.asarray(b["offset"].values, np.int64)
     # Same layout (the usual case: same model, same config): XOR whole rows, no gather.
-    same_layout = bool(len(common) == len(names_a) == len(names_b)
+    same_layout = bool(len(common) == len(raw_a) == len(raw_b)
                        and np.array_equal(pos_b, pos_a) and np.array_equal(off_a, off_b)
                        and nbytes_a == nbytes_b)
     nwords = -(-bits_a // 64)

@@ -29,15 +29,6 @@ def _buffer(key, nbytes: int) -> np.ndarray:
     return buf
 
 
-def _ones(width: int) -> np.ndarray:
-    """Significance rows of a group that has none (every element counts): one row of ones,
-    read with a row stride of 0."""
-    ones = getattr(_TLS, "ones", None)
-    if ones is None or ones.size < width:
-        ones = _TLS.ones = np.full(max(width, 1), 255, np.uint8)
-    return ones[:width]
-
-
 def _read_side(groups: list, reads: np.ndarray, b0: int, b1: int, use_sig: bool,
                side: int) -> list:
     """[(sign rows, significance rows or None)] of each read range of one side, steps b0:b1."""

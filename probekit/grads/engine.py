@@ -48,51 +48,11 @@ class _Progress:
 
 def run_graph(tasks: list, *, client=None, scheduler=None, progress=None, label="graph",
               num_workers: int | None = None) -> list:
-    """The values of ``tasks`` (``dask.delayed`` objects), computed together."""
-    import dask
-
-    if client is not None and scheduler is not None:
-        raise ValueError("client= and scheduler= given; accepted: one of them (a "
-                         "distributed.Client, or the address of its scheduler)")
-    delay = 0.0 if progress is True else 2.0
-    show = progress is not False
-    if scheduler is not None:
-        try:
-            from distributed import Client
-        except ImportError:
-            raise ImportError("scheduler=: a dask.distributed cluster needs the distributed "
-                              "package: pip install 'probekit[distributed]'") from None
-        try:
-            client = Client(scheduler, timeout="10s", set_as_default=False)
-        except (OSError, ValueError, TypeError) as exc:
-            raise GradCompareError(f"scheduler: {scheduler!r} cannot be reached "
-                                   f"({type(exc).__name__}: {exc}); accepted: the address of a "
-                                   "running dask scheduler, e.g. tcp://host:8786") from None
-        try:
-            return _on_client(client, tasks, show, delay, label)
-        finally:
-            client.close()
-    if client is not None:
-        return _on_client(client, tasks, show, delay, label)
-    if not show:
-        return list(dask.compute(*tasks, scheduler="threads", num_workers=num_workers,
-                                 optimize_graph=False))
-    from dask.callbacks import Callback
-
-    keys = {t.key for t in tasks}
-    bar = _Progress(len(tasks), label, delay)
-
-    class Count(Callback):
-        def _posttask(self, key, result, dsk, state, worker_id):
-            if key in keys:
-                bar.step()
-
-    try:
-        with Count():
-            return list(dask.compute(*tasks, scheduler="threads", num_workers=num_workers,
-                                     optimize_graph=False))
-    finally:
-        bar.close()
+    """The values of ``tasks`` (``dask.delayed`` objects), computed together (one stage of a
+    ``Session``)."""
+    with Session(client=client, scheduler=scheduler, progress=progress, label=label,
+                 num_workers=num_workers) as session:
+        return session.run(tasks)
 
 
 class Session:
@@ -186,18 +146,3 @@ class Session:
         if self.client is not None and type(handle).__name__ == "Future":
             return self.client.submit(fn, handle, *args, pure=False).result()
         return fn(handle, *args)
-
-
-def _on_client(client, tasks, show, delay, label) -> list:
-    from distributed import as_completed
-
-    with client.as_current():  # a client made for this call is nobody's default
-        futures = client.compute(tasks)
-        if show:
-            bar = _Progress(len(futures), label, delay)
-            try:
-                for _ in as_completed(futures):
-                    bar.step()
-            finally:
-                bar.close()
-        return client.gather(futures)

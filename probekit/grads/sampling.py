@@ -202,8 +202,6 @@ def subsample(ds, k: int):
     the ``sample`` attribute. Reads the bits into memory."""
     import ast
 
-    import xarray as xr
-
     from .stats import padded_nbytes
 
     numel = np.asarray(ds["numel"].values, np.int64)

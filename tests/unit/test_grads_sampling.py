@@ -128,3 +128,20 @@ def test_every_layout_records_the_same_sample(tmp_path):
     ds = open_grads(tmp_path / "fsdp3_a")  # assembled: the whole sample of each parameter
     assert ds["nbits"].values.tolist() == [50, 50, 50, 5, 1]
     assert ds["numel"].values.tolist() == [780, 700, 720, 5, 1]
+
+
+def test_sampled_runs_refuse_what_needs_every_element(tmp_path):
+    """msprobe's layout (a sign per element) and a transposed weight (its sample was chosen in
+    the other layout) cannot be made from a sample: errors naming why."""
+    from probekit.errors import MsprobeDumpError
+    from probekit.grads.msprobe import write_rank
+    from probekit.mindspore.align import AlignError, align_rank
+
+    params = {"w": (30, 20), "b": (20,)}
+    S.write(tmp_path / "s", params, S.single(params), 2, sample=64)
+    ds = open_grads(tmp_path / "s")
+    with pytest.raises(MsprobeDumpError, match="grad_probe.sample 64.*every element's"):
+        write_rank(ds, str(tmp_path / "out"))
+    ported = ds.assign_coords(shape=("param", ["(20, 30)", "(20,)"]))
+    with pytest.raises(AlignError, match=r"\['w'\]: transposed, and the run recorded a sample"):
+        align_rank(ds, ported)
