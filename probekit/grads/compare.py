@@ -534,12 +534,21 @@ def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, threshol
                     noise_aware):
     """The range comparison of two stores (``planner.py``, ``counting.py``): [(rank, result)]
     or None when the planner declines (the Dataset path then)."""
+    handle = plan_stage(sa, sb, session=session, ranks=ranks, block_bytes=block_bytes,
+                        task_bytes=task_bytes)
+    return count_stage(handle, session=session, thresholds=thresholds, noise_aware=noise_aware)
+
+
+def count_stage(handle, *, session, thresholds=(STEP0_THRESHOLD, DROP_THRESHOLD),
+                noise_aware: bool = True):
+    """The comparison's counting from its plan (``plan_stage``'s, or ``planner.plan``'s for
+    runs given as layout segments): one task per slab set and chunk of steps, summed per chunk;
+    [(rank, (variables, coordinates, attributes))] for ``_combine``, or None when the planner
+    declined."""
     import dask
 
     from .counting import count_task
 
-    handle = plan_stage(sa, sb, session=session, ranks=ranks, block_bytes=block_bytes,
-                        task_bytes=task_bytes)
     shape = session.value(_plan_shape, handle)
     if isinstance(shape, str):
         log.info("compare: %s; the runs are compared as Datasets", shape)
@@ -558,17 +567,40 @@ def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, threshol
             inner += [t for t in parts if t is not top] + more
             where.append(p)
     counts = session.run(outputs, inner=inner)
-    results = []
+    per_pair = []
     for p, info in enumerate(finish):
         mine = [c for c, q in zip(counts, where) if q == p]
         if mine:
-            total = np.concatenate(mine, axis=1)
+            per_pair.append(np.concatenate(mine, axis=1))
         else:  # no parameter with elements in both runs
-            total = np.zeros((3, info["steps"].size, len(info["common"])), np.int64)
+            per_pair.append(np.zeros((3, info["steps"].size, len(info["common"])), np.int64))
+    results = []
+    for info, total in _by_label(finish, per_pair):
         parts = [(total[0], total[1] if info["use_sig"] else None,
                   total[2] if info["use_sig"] else None)]
         results.append((info["label"], _finished(info, parts, thresholds, noise_aware)))
     return results
+
+
+def _by_label(finish: list, counts: list) -> list:
+    """[(plan, counts)] with the pair plans of one rank label (one per layout segment, in step
+    order) joined along the steps."""
+    out = []
+    for info, total in zip(finish, counts):
+        if out and out[-1][0]["label"] == info["label"]:
+            prev, ptotal = out[-1]
+            if prev["common"] != info["common"] or not np.array_equal(prev["numel"],
+                                                                      info["numel"]):
+                raise GradCompareError(
+                    f"rank {info['label']}: the parameters differ between layout segments of "
+                    "the runs; accepted: runs whose layouts change, not their parameters")
+            merged = dict(prev, steps=np.concatenate([prev["steps"], info["steps"]]),
+                          present=np.concatenate([prev["present"], info["present"]]),
+                          use_sig=prev["use_sig"] and info["use_sig"])
+            out[-1] = (merged, np.concatenate([ptotal, total], axis=1))
+        else:
+            out.append((info, total))
+    return out
 
 
 def _finished(plan, parts, thresholds, noise_aware) -> tuple:

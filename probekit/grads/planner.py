@@ -298,20 +298,42 @@ def pair_logical(runs_a: dict, runs_b: dict, ranks=None) -> list:
 # -- one pair ------------------------------------------------------------------------------
 def plan(segments_a: list, segments_b: list, *, ranks=None, block_bytes: int = 8 << 20,
          task_bytes: int = 64 << 20) -> dict:
-    """The comparison of two runs given as layout segments (``segments.segments``): {"pairs":
-    [pair plan]} or {"unsupported": reason}. One segment each today; runs of several segments
-    are refused here (the Dataset path reads them)."""
-    if len(segments_a) != 1 or len(segments_b) != 1:
-        return {"unsupported": "runs of several layout segments"}
-    ga, gb = segments_a[0]["groups"], segments_b[0]["groups"]
-    if any(g is None for g in ga + gb):
+    """The comparison of two runs given as layout segments (``segments.segments``: each
+    {"steps": (first, last) or None for all, "groups": [rank group]}): {"pairs": [pair plan]}
+    or {"unsupported": reason}. Each pair of segments whose steps overlap is planned on its
+    own (its groups form runs as ``logical_runs`` says, over the steps both hold); the pair
+    plans of one rank label are consecutive and in step order (``compare.py`` joins their
+    counts)."""
+    groups = [g for seg in segments_a + segments_b for g in seg["groups"]]
+    if any(g is None for g in groups):
         return {"unsupported": "arrays not stored as plain chunk files"}
     try:
-        pairs = pair_logical(logical_runs(ga), logical_runs(gb), ranks)
-        return {"pairs": [plan_pair(r, a, b, block_bytes, task_bytes, prefix=f"rank {r}: ")
-                          for r, a, b in pairs]}
+        out = []
+        for seg_a in segments_a:
+            for seg_b in segments_b:
+                window = _overlap(seg_a.get("steps"), seg_b.get("steps"))
+                if window is False:
+                    continue
+                pairs = pair_logical(logical_runs(seg_a["groups"]),
+                                     logical_runs(seg_b["groups"]), ranks)
+                out += [plan_pair(r, a, b, block_bytes, task_bytes, prefix=f"rank {r}: ",
+                                  window=window) for r, a, b in pairs]
+        if not out:
+            raise GradCompareError("the runs' layout segments share no step")
+        out.sort(key=lambda q: (q["label"], int(q["steps"][0])))
+        return {"pairs": out}
     except Unsupported as exc:
         return {"unsupported": str(exc)}
+
+
+def _overlap(a, b):
+    """The step range two segments share: None (all), (first, last), or False (none)."""
+    if a is None:
+        return b
+    if b is None:
+        return tuple(a)
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo <= hi else False
 
 
 def _level_check(run, which: str) -> None:
@@ -337,9 +359,9 @@ def _numel(run, k: int) -> int:
 
 
 def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
-              prefix: str = "") -> dict:
+              prefix: str = "", window=None) -> dict:
     """The plan of one pair of runs (see the module docstring); ``prefix`` starts the
-    unmatched-parameter warning."""
+    unmatched-parameter warning; ``window``: (first, last) steps of a layout segment."""
     _level_check(ra, "first")
     _level_check(rb, "second")
     samples = []
@@ -363,6 +385,8 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
     nbits = np.array([math.prod(_gshape(ra, k)) for k in pos_a], np.int64)
     steps, _, _ = np.intersect1d(ra["steps"], rb["steps"], assume_unique=True,
                                  return_indices=True)
+    if window is not None:
+        steps = steps[(steps >= window[0]) & (steps <= window[1])]
     if steps.size == 0:
         raise GradCompareError(f"the runs share no step (first: {ranges_text(ra['steps'])}; "
                                f"second: {ranges_text(rb['steps'])})")

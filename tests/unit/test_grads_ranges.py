@@ -207,3 +207,35 @@ def test_count_runs_every_path_equals_the_bits_unpacked():
                 assert not got[1:].any()
             finally:
                 kernel.set_path("auto")
+
+
+def test_runs_of_several_layout_segments(tmp_path):
+    """An elastic restart: a run recorded by 4 ranks up to step 2 and by 2 ranks from step 3
+    (two layout segments) against a single process; each segment is compared over its own
+    layout and the counts join along the steps."""
+    from probekit.grads import compare, planner, segments
+    from probekit.grads.engine import Session
+
+    params = {"w": (9, 6), "b": (7,)}
+    S.write(tmp_path / "four", params, S.fsdp(params, 4), range(0, 3))
+    S.write(tmp_path / "two", params, S.fsdp(params, 2), range(3, 6))
+    S.write(tmp_path / "single", params, S.single(params), 6, seed=1, noise=0.5)
+
+    def groups(path):
+        fs, store, ranks = segments.store_of(path)
+        return [segments.open_group(fs, store, r) for r in ranks]
+
+    plan = planner.plan([{"steps": (0, 2), "groups": groups(tmp_path / "four")},
+                         {"steps": (3, 5), "groups": groups(tmp_path / "two")}],
+                        [{"steps": None, "groups": groups(tmp_path / "single")}])
+    assert [(q["label"], q["steps"].tolist()) for q in plan["pairs"]] == [(0, [0, 1, 2]),
+                                                                          (0, [3, 4, 5])]
+    with Session(progress=False) as session:
+        got = compare._combine(compare.count_stage(plan, session=session), 0.97, 0.03)
+    assert got["step"].values.tolist() == list(range(6))
+    first = compare_grads(tmp_path / "four", tmp_path / "single", progress=False)
+    second = compare_grads(tmp_path / "two", tmp_path / "single", progress=False)
+    for var in ("differ", "significant", "similarity"):
+        np.testing.assert_array_equal(got[var].values[:, :3], first[var].values)
+        np.testing.assert_array_equal(got[var].values[:, 3:], second[var].values)
+    assert float(got["similarity"].min()) < 1.0
