@@ -252,18 +252,27 @@ def read_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int, out: np.ndarra
             try:
                 if together and hi - lo == cc and out.shape[1] == cc:  # whole rows, one read
                     want = (z - a) * cc
-                    got = os.preadv(fd, [out[a:z].reshape(-1)], int(local[0]) * cc)
+                    got = _pread(fd, out[a:z].reshape(-1), int(local[0]) * cc)
                 else:
                     want = (z - a) * (hi - lo)
                     got = 0
                     for k in range(a, z):
-                        got += os.preadv(fd, [out[k, lo - c0:hi - c0]],
-                                         int(local[k - a]) * cc + lo - j * cc)
+                        got += _pread(fd, out[k, lo - c0:hi - c0],
+                                      int(local[k - a]) * cc + lo - j * cc)
             finally:
                 os.close(fd)
             if got != want:
                 raise GradStoreError(f"{path}: {got} bytes where {want} were expected; the "
                                      "chunk file is shorter than its chunk")
+
+
+def _pread(fd: int, dest: np.ndarray, offset: int) -> int:
+    """Bytes of file ``fd`` from ``offset`` read into ``dest`` (contiguous); how many."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [dest], offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # no preadv here (Windows): seek, then read into place
+    with os.fdopen(os.dup(fd), "rb", buffering=0) as fh:
+        return fh.readinto(dest) or 0
 
 
 _PAGE = mmap.ALLOCATIONGRANULARITY
@@ -276,7 +285,7 @@ def map_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int):
     they span several chunk files, lie in an object store, or are not consecutive (then
     ``read_rows`` copies them)."""
     n = len(rows)
-    if raw.fs.remote or not n or c1 <= c0:
+    if raw.fs.remote or not n or c1 <= c0 or not hasattr(mmap, "PROT_READ"):
         return None
     cr, cc = raw.chunk_shape
     r0 = int(rows[0])

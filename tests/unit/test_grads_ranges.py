@@ -239,3 +239,18 @@ def test_runs_of_several_layout_segments(tmp_path):
         np.testing.assert_array_equal(got[var].values[:, :3], first[var].values)
         np.testing.assert_array_equal(got[var].values[:, 3:], second[var].values)
     assert float(got["similarity"].min()) < 1.0
+
+
+def test_copied_and_mapped_reads_count_the_same(stores, monkeypatch):
+    """Ranges mapped from the page cache, copied with preadv, or copied by seek and read (where
+    the OS has no preadv): the same counts."""
+    import os
+
+    from probekit.grads import counting
+
+    a, b = stores / "fsdp4_a", stores / "mesh2x2_b"
+    want = compare_grads(a, b, progress=False)
+    monkeypatch.setattr(counting, "map_rows", lambda *args: None)  # every range copied
+    xr.testing.assert_identical(compare_grads(a, b, progress=False), want)
+    monkeypatch.delattr(os, "preadv")
+    xr.testing.assert_identical(compare_grads(a, b, progress=False), want)
