@@ -712,6 +712,8 @@ PK_COUNT_RUN(run_c, , raw_c)
 PK_RAW(raw_popcnt, __attribute__((target("popcnt"))))
 PK_COUNT_RUN(run_popcnt, __attribute__((target("popcnt"))), raw_popcnt)
 
+#if (defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && __GNUC__ >= 8)
+#define PK_HAVE_VPOPCNT 1
 /* AVX-512 with VPOPCNTQ: eight words a step */
 __attribute__((target("avx512f,avx512vpopcntdq,popcnt")))
 static void raw_avx512(const uint8_t *a, const uint8_t *b, const uint8_t *sa, const uint8_t *sb,
@@ -739,6 +741,7 @@ static void raw_avx512(const uint8_t *a, const uint8_t *b, const uint8_t *sa, co
 }
 PK_COUNT_RUN(run_avx512, __attribute__((target("avx512f,avx512vpopcntdq,popcnt"))), raw_avx512)
 #endif
+#endif
 
 typedef void (*pk_run_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, const uint8_t *,
                           const uint8_t *, int64_t, int64_t, int64_t, int64_t *);
@@ -748,7 +751,9 @@ void pk_count_runs(const int64_t *ta, const int64_t *tb, const int64_t *rs, int6
     pk_run_fn run = run_c;
 #ifdef PK_HAVE_AVX2_CODE
     if (level >= 1 && __builtin_cpu_supports("popcnt")) run = run_popcnt;
+#ifdef PK_HAVE_VPOPCNT
     if (level == 2 && __builtin_cpu_supports("avx512vpopcntdq")) run = run_avx512;
+#endif
 #endif
     int64_t plane = nrows * ncols;
     for (int64_t r = 0; r < nrows; r++) {
