@@ -1,7 +1,9 @@
 # probekit: every target sets itself up on a fresh machine.
-#   make test   - create .venv, install torch (CPU build) + probekit[test], run the whole suite
+#   make test   - create .venv, install torch (CPU build) + probekit's test extra, run the whole suite
 #                 (the free benchmark's verdict tests again on the avx2 and default CPU kernels)
-#   make demo   - same set-up, then run the main job headless; outputs under demo_out/
+#   make demo   - same set-up, then run the main job headless; outputs under demo_out/, and the
+#                 README's snippets, whose pictures it redraws in docs/img/
+#   make docs   - only the README's snippets and pictures
 #   make bench  - also create .venv-msprobe (mindstudio-probe 1.0.4) and run the benchmarks
 #   make test also creates .venv-mindspore (MindSpore's CPU wheel, numpy < 2, torch, probekit)
 #   and runs tests/mindspore there
@@ -11,7 +13,7 @@ PYTHON ?= python3
 VENV ?= .venv
 MSPROBE_VENV ?= .venv-msprobe
 MINDSPORE_VENV ?= .venv-mindspore
-# the one tested; its wheel is built against numpy 1.x (hence numpy<2 in probekit[mindspore])
+# the one tested; its wheel is built against numpy 1.x (hence numpy<2 in probekit's mindspore extra)
 MINDSPORE ?= mindspore==2.10.0
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
@@ -19,7 +21,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: test kernel-paths demo bench lab chromium clean
+.PHONY: test kernel-paths demo docs bench lab chromium clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,7 +77,10 @@ kernel-paths: $(VENV)/.installed
 	done
 
 demo: $(VENV)/.installed
-	$(PY) -m probekit.demo --out demo_out
+	$(PY) -m probekit.demo --out demo_out --pictures docs/img
+
+docs: $(VENV)/.installed
+	$(PY) -m probekit.demo --out demo_out --pictures docs/img --no-notebooks
 
 bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed
 	$(PY) benchmarks/run.py --msprobe-python $(MSPROBE_VENV)/bin/python

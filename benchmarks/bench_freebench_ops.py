@@ -35,6 +35,7 @@ def ops():
     a, b = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
     w, bias = torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
     h = a.to(torch.bfloat16)
+    c = a.clone()
     return {
         "add": lambda: torch.add(a, b),
         "matmul": lambda: torch.matmul(a, b),
@@ -44,6 +45,9 @@ def ops():
         "log_softmax": lambda: F.log_softmax(a, -1),
         "layer_norm bf16": lambda: F.layer_norm(h, (64,)),
         "sum": lambda: torch.sum(a, -1),
+        # in-place: the input cloned before the real call, the out-of-place re-run on the clone
+        "relu_ (in-place)": lambda: torch.relu_(c),
+        "ReLU(inplace=True)": lambda: F.relu(c, inplace=True),
     }
 
 

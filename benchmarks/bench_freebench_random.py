@@ -14,6 +14,11 @@ the loop, where the off variant's wrong verdicts become rows, is not timed), med
 ``--repeats`` rounds after two warm-up rounds; ``plain``: the same loop without the probe. Also
 the dispatched ATen operators per checked call with and without the replay (torch.profiler's
 top-level ``aten::`` events).
+
+``lstm``: a 2-layer ``nn.LSTM`` with dropout between the layers, whose masks are drawn inside
+the one ``torch.lstm`` call: no rule lists it, it is found by watching the generators at its
+signature's first call (``rng.observe``), then replayed and verified like a listed call; the
+replay-off variant switches the observation off too.
 """
 from __future__ import annotations
 
@@ -41,7 +46,11 @@ def ops():
     a = torch.randn(64, 64, generator=g)
     big = torch.randn(512, 512, generator=g)
     q = torch.randn(2, 4, 64, 32, generator=g)
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(32, 32, num_layers=2, dropout=0.3, batch_first=True).train()
+    s = torch.randn(4, 16, 32, generator=g)
     return {
+        "lstm 2 layers, dropout 0.3, 4x16x32": lambda: lstm(s)[0],
         "dropout 64x64": lambda: F.dropout(a, 0.3),
         "dropout 512x512": lambda: F.dropout(big, 0.3),
         "sdpa 2x4x64x32 dropout_p=0.1": lambda: F.scaled_dot_product_attention(q, q, q,
@@ -69,11 +78,12 @@ class _ReplayOff:
     def __enter__(self):
         from probekit.freebench import intercept
 
-        self.mod, self.plan = intercept.rng, intercept.rng.plan
-        self.mod.plan = lambda *a, **k: None
+        self.mod, self.plan, self.observe = intercept.rng, intercept.rng.plan, \
+            intercept.rng.observe
+        self.mod.plan = self.mod.observe = lambda *a, **k: None
 
     def __exit__(self, *exc):
-        self.mod.plan = self.plan
+        self.mod.plan, self.mod.observe = self.plan, self.observe
 
 
 def measure(op: str, fn, mode: str, calls: int, repeats: int) -> list:
@@ -129,6 +139,43 @@ def measure(op: str, fn, mode: str, calls: int, repeats: int) -> list:
     return out
 
 
+def fixed_costs(repeats: int) -> list:
+    """What watching the generators costs, apart (``timeit``, best of ``repeats``): building and
+    looking up the call signature, which every checked call of an unlisted API pays (a 2-tensor
+    call, and ``torch.lstm``'s 17 arguments); observing a signature's first call (saving the
+    CPU generator's state, then comparing it after the call), paid once per signature; and the
+    CPU test that a fast verdict is conclusive (``deferred._finite``, four values), which every
+    fast check pays."""
+    import timeit
+
+    from probekit.freebench import deferred, metric, rng
+    from probekit.freebench.perturb import flatten
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+    lstm = torch.nn.LSTM(32, 32, num_layers=2, dropout=0.3)
+    lstm_leaves, _ = flatten((torch.randn(4, 16, 32), (torch.zeros(2, 4, 32),) * 2,
+                              lstm._flat_weights, True, 2, 0.3, True, False, True), {})
+    cache: dict = {}
+    gen = torch.default_generator
+    state = gen.get_state()
+    vals = metric.device_stats(a, b)
+    cases = {
+        "signature + lookup, 2 tensors": lambda: cache.get(rng.signature("Torch.add", [a, b])),
+        f"signature + lookup, torch.lstm ({len(lstm_leaves)} leaves)":
+            lambda: cache.get(rng.signature("Torch.lstm", lstm_leaves)),
+        "first call of a signature: get_state before, get_state + equal after":
+            lambda: (gen.get_state(), torch.equal(gen.get_state(), state)),
+        "CPU fast verdict conclusive? (4 values, by their bits)": lambda: deferred._finite(vals),
+    }
+    out = []
+    for name, fn in cases.items():
+        n = 20000
+        best = min(timeit.repeat(fn, number=n, repeat=repeats)) / n
+        out.append({"what": name, "us": best * 1e6})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=100)
@@ -149,6 +196,10 @@ def main(argv=None) -> int:
                      f"{on['overhead_us']:.1f} µs | {off['overhead_us']:.1f} µs | "
                      f"{on['overhead_us'] - off['overhead_us']:+.1f} µs | "
                      f"{on['aten_per_check']:g} / {off['aten_per_check']:g} |")
+    fixed = fixed_costs(a.repeats)
+    lines += ["", "| fixed cost | µs |", "|---|---:|"]
+    lines += [f"| {r['what']} | {r['us']:.2f} |" for r in fixed]
+    res += fixed
     print("\n".join(lines))
     if a.out:
         with open(a.out, "w") as fh:

@@ -7,6 +7,7 @@ reported against the physical limit measured in the same process.
 
     python benchmarks/bench_grads.py hook --tool probekit --params 16.8 --level L2 --out r.json
     python benchmarks/bench_grads.py compare --tool probekit --params 16.8 --steps 10 --out c.json
+    python benchmarks/bench_grads.py hook --tool probekit --durable ...   # fsync every commit
 """
 from __future__ import annotations
 
@@ -74,16 +75,18 @@ def _wrap_msprobe_hook(timings: list) -> None:
 
 
 def run_steps(tool: str, model, level: str, steps: int, dump: str, seed: int = 0,
-              hash_name: str = "md5", sample: int = 0) -> dict:
+              hash_name: str = "md5", sample: int = 0, durable: bool = False) -> dict:
     """Record ``steps`` optimizer steps. Returns the cost per step: the mean over the steps of
-    the hook time plus the writes (probekit buffers and writes its block on ``stop()``; msprobe
-    writes inside its hook), and the bytes the steps added on disk."""
+    the hook time plus the writes (probekit hands each step to its writing thread and waits for
+    the last ones at ``stop()``; msprobe writes inside its hook), and the bytes the steps added
+    on disk. ``durable``: probekit fsyncs every commit (``GradProbe(durable=True)``)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     if tool == "probekit":
         from probekit import GradProbe
 
         probe = GradProbe(model, optimizer=opt, grad_level=level, dump_path=dump,
-                          hash=hash_name, sample=sample).start()
+                          hash=hash_name, sample=sample,
+                          **({"durable": True} if durable else {})).start()
         empty = du(dump)  # the store's fixed part (metadata), written once per run
         for s in range(steps):
             set_grads(model, seed + s)
@@ -129,7 +132,7 @@ def cmd_hook(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="bench_grads_")
     try:
         res = run_steps(args.tool, model, args.level, args.steps, os.path.join(tmp, "dump"),
-                        hash_name=args.hash, sample=args.sample)
+                        hash_name=args.hash, sample=args.sample, durable=args.durable)
         return {"tool": args.tool, "level": args.level, "hash": args.hash, "params": nparams,
                 "sample": args.sample,
                 "n_tensors": len(list(model.parameters())), "read_s": read,
@@ -209,6 +212,8 @@ def main(argv=None) -> None:
                        help="grad_probe.sample: sign bits of this many elements per tensor")
         p.add_argument("--repeats", type=int, default=5)
         p.add_argument("--workdir", default=None)
+        p.add_argument("--durable", action="store_true",
+                       help="probekit: fsync every commit (GradProbe(durable=True))")
         p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))

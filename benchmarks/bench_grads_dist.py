@@ -9,10 +9,14 @@ and without the grad probe (L2). Per configuration and rank:
 * peak memory per rank: the process's peak RSS with the probe minus without (separate runs;
   both import probekit.grads, zarr and xarray first, so this is the probe's memory while
   recording);
-* bytes per step: what the store gained per step, all ranks together;
+* bytes per step: what the store gained per step, all ranks together; the whole store, and
+  its size against the store of one process (``single``: the same model unwrapped, one rank)
+  when that mode is measured too;
 * hook time: the median of the probe's per-step hook time (statistics + buffering).
 
     python benchmarks/bench_grads_dist.py --ranks 2 4 --out bench_out/grads_dist.json
+    python benchmarks/bench_grads_dist.py --modes single fsdp2 --ranks 8 --steps 10 \
+        --layers 2 --width 192      # a short run at 8 ranks against one process's store
 """
 from __future__ import annotations
 
@@ -90,6 +94,8 @@ def worker(args) -> None:
         for block in model.h:
             fully_shard(block)
         fully_shard(model)
+        train_model = model
+    elif args.mode == "single":
         train_model = model
     else:
         train_model = torch.nn.parallel.DistributedDataParallel(model)
@@ -176,7 +182,7 @@ def measure(args) -> dict:
     results = []
     try:
         for mode in args.modes:
-            for n in args.ranks:
+            for n in ([1] if mode == "single" else args.ranks):
                 plain = launch(args, mode, n, False, work)
                 probed = launch(args, mode, n, True, work)
                 coll = [p["collectives"] - q["collectives"] for p, q in zip(probed, plain)]
@@ -189,6 +195,7 @@ def measure(args) -> dict:
                     "extra_peak_rss_max": max(mem), "extra_peak_rss_median":
                         statistics.median(mem),
                     "bytes_per_step": probed[0]["store_bytes"] / args.steps,
+                    "store_bytes": probed[0]["store_bytes"],
                     "hook_s_max": max(p["hook_s"] for p in probed),
                     "step_s_plain": statistics.median(q["step_s"] for q in plain),
                     "step_s_probed": statistics.median(p["step_s"] for p in probed)})
@@ -199,15 +206,18 @@ def measure(args) -> dict:
 
 
 def markdown(data: dict) -> str:
+    single = next((r["store_bytes"] for r in data["results"] if r["mode"] == "single"), None)
     lines = ["| layout | ranks | collectives/step (plain) | + probe | peak RSS + probe (max rank, "
-             "median) | store bytes/step (all ranks) | hook time/step (max rank) "
-             "| step plain → probed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "median) | store bytes/step (all ranks) | store, all ranks (x single) | hook "
+             "time/step (max rank) | step plain → probed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["results"]:
+        ratio = f" ({r['store_bytes'] / single:.2f}x)" if single else ""
         lines.append(f"| {r['mode']} | {r['ranks']} | {r['plain_collectives']} | "
                      f"+{r['extra_collectives']} | {r['extra_peak_rss_max'] / 2**20:+.0f} MiB, "
                      f"{r['extra_peak_rss_median'] / 2**20:+.0f} MiB | "
-                     f"{r['bytes_per_step'] / 2**20:.2f} MiB | {r['hook_s_max'] * 1e3:.0f} ms | "
+                     f"{r['bytes_per_step'] / 2**20:.2f} MiB | "
+                     f"{r['store_bytes'] / 1e6:.2f} MB{ratio} | {r['hook_s_max'] * 1e3:.0f} ms | "
                      f"{r['step_s_plain']:.2f} → {r['step_s_probed']:.2f} s |")
     return "\n".join(lines)
 

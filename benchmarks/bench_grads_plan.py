@@ -3,10 +3,11 @@
 Two runs of a Llama-2-7B-shaped model (291 tensors, 6.74B parameters) are written as stores
 of FSDP2 dim-0 shards over ``--ranks`` rank groups (metadata and statistics of ``--steps``
 steps; no bit chunk files: the planner reads none), and compared with 1024 vs 1024, 1024 vs
-512 ranks and 1024 ranks vs a single process: the time of the comparison's first stage (the
-rank groups opened in batches as graph tasks, then the plan), on the local threads, median of
-``--repeats`` (wall, and the process's CPU time: the machine may be shared); also the plan's
-size (slab sets, run sets, tasks).
+512 ranks and 1024 ranks vs a single process: the time of the comparison's first stages (each
+store's segments listed by ``restarts.segments``, their rank groups opened in batches, then the
+plan: tasks of the graph), on the local threads, median of ``--repeats`` (wall, and the
+process's CPU time: the machine may be shared); also the plan's size (slab sets, run sets,
+tasks).
 
     python benchmarks/bench_grads_plan.py --out bench_out/plan.json
 """
@@ -36,9 +37,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     import sharded_stores as S
+    from probekit.grads import segments
     from probekit.grads.compare import plan_stage
     from probekit.grads.engine import Session
-    from probekit.grads.segments import store_of
+    from probekit.grads.opening import store_of
 
     params = S.llama7b()
     base = args.keep or tempfile.mkdtemp(prefix="probekit_plan_")
@@ -67,7 +69,8 @@ def main(argv=None) -> None:
                 shape = plan
             pairs = shape["pairs"]
             row = {"first": f"fsdp{args.ranks}", "second": other,
-                   "groups": len(sa[2]) + len(sb[2]), "steps": args.steps,
+                   "groups": sum(len(s.groups) for p in (a, b) for s in segments(p)),
+                   "steps": args.steps,
                    "plan_s": statistics.median(times), "plan_s_all": times,
                    "cpu_s": statistics.median(cpus), "load": os.getloadavg()[0],
                    "slab_sets": sum(len(q["sets"]) for q in pairs),

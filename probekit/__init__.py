@@ -33,9 +33,22 @@ _LAZY = {
 
 __all__ = ["__version__", "Config", "FreeBenchmarkConfig", "GradProbeConfig", "PrecisionDebugger",
            "config_for", "load_config", "make_config", "ProbekitError", "ConfigError",
-           "GradStoreError", "GradCompareError", "MsprobeDumpError", "UnsafePathError", *_LAZY]
+           "GradStoreError", "GradCompareError", "MsprobeDumpError", "UnsafePathError", "plot",
+           *_LAZY]
 
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+_lazy_getattr, _lazy_dir = lazy_exports(__name__, _LAZY)
+
+
+def __getattr__(name: str):
+    if name == "plot":  # the submodule, importable as probekit.plot without its own import line
+        import importlib
+
+        return importlib.import_module(".plot", __name__)
+    return _lazy_getattr(name)
+
+
+def __dir__():
+    return sorted({*_lazy_dir(), "plot"})
 
 
 def load_ipython_extension(ipython) -> None:

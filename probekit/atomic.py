@@ -1,28 +1,35 @@
 """The one way probekit replaces a file: whole or not at all.
 
-``atomic_write(path, data)`` writes ``data`` to a temporary file beside ``path``, flushes and
-fsyncs it, then renames it over ``path``: a reader (or a run killed at any moment, or a machine
-that loses power after the call returned) sees the old file or the new one, never a part. Used for
-the grad store's chunk files, array metadata and commit marker, and for ``Config.to_json``.
+``atomic_write(path, data)`` writes ``data`` to a temporary file beside ``path`` and renames it
+over ``path``: a reader, or a process killed at any moment, sees the old file or the new one,
+never a part (the kernel's page cache holds what was written; it outlives the process). With
+``fsync=True`` (the default) the file is also flushed to the disk before the rename, so it
+survives a power loss or a kernel crash once the rename is itself durable: ``fsync_dir`` of the
+folder. Used for ``Config.to_json`` (fsync'd) and for the grad store's chunk files, array
+metadata and commit marker (fsync'd only with ``durable=True``: ``grads/store.py``).
 """
 from __future__ import annotations
 
 import os
+import threading
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str | memoryview, *, pad: int = 0) -> None:
-    """Replace ``path`` by ``data`` (``str`` is written as UTF-8) followed by ``pad`` zero bytes."""
+def atomic_write(path: str | os.PathLike, data: bytes | str | memoryview, *, pad: int = 0,
+                 fsync: bool = True) -> None:
+    """Replace ``path`` by ``data`` (``str`` is written as UTF-8) followed by ``pad`` zero bytes;
+    ``fsync``: flush the file to the disk before the rename."""
     path = os.fspath(path)
     if isinstance(data, str):
         data = data.encode("utf-8")
-    tmp = f"{path}.{os.getpid()}.partial"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
             if pad:
                 fh.write(bytes(pad))
-            fh.flush()
-            os.fsync(fh.fileno())
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -30,3 +37,12 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | memoryview, *, pad
         except OSError:
             pass
         raise
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the entries of folder ``path`` (files renamed or created in it) durable."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

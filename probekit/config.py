@@ -228,6 +228,13 @@ class GradProbeConfig:
     #: sign and significance bits of at most this many elements per parameter, a fixed
     #: pseudo-random sample chosen by global index (``grads/sampling.py``; 0: every element)
     sample: int = 0
+    #: a restarted run continues the store: the step it starts at (None: in a store that holds
+    #: steps, the optimizer's step count where it keeps one, else the step after the newest; in
+    #: a new store 0), whether it may replace the whole recording, and whether each commit is
+    #: flushed to the disk (survives a power loss, not only the death of the process)
+    start_step: int | None = None
+    overwrite: bool = False
+    durable: bool = False
 
     def __post_init__(self) -> None:
         s = "grad_probe."
@@ -244,6 +251,11 @@ class GradProbeConfig:
         if not _is_int(self.sample) or self.sample < 0:
             _fail(s + "sample", self.sample, "an integer >= 0 (elements sampled per parameter; "
                   "0 records every element)")
+        if self.start_step is not None and (not _is_int(self.start_step) or self.start_step < 0):
+            _fail(s + "start_step", self.start_step, "an integer >= 0, or null (resuming a "
+                  "store: the optimizer's step count, else the step after its newest)")
+        _bool(s + "overwrite", self.overwrite)
+        _bool(s + "durable", self.durable)
 
 
 def _bounds(key: str, value: Any) -> tuple:

@@ -6,6 +6,9 @@ msprobe users write::
     debugger.start(); ...; debugger.stop(); debugger.step()      # free_benchmark
     debugger.monitor(model)                                       # grad_probe
 
+(for grad_probe, msprobe's documented loop keeps the start/stop/step calls around every
+iteration: they do nothing for it, in msprobe and here, so every step is recorded)
+
 and some call the methods on the class (``PrecisionDebugger.start()``), which msprobe allows
 because it keeps one instance. Both spellings work here: a call on the class goes to the most
 recently created debugger. Unlike msprobe, creating a second debugger makes a new one (it does not
@@ -157,17 +160,22 @@ class PrecisionDebugger:
 
     @ClassOrInstance
     def stop(self):
-        """Stop probing. For grad_probe this ends monitoring: hooks removed, data flushed."""
+        """Stop probing (free_benchmark: intercepting ends until the next ``start()``). For
+        grad_probe it does nothing, as in msprobe: recording goes on until ``close()``."""
         if self._skip("stop") or self._session is None:
             return
         self._session.stop()
 
     @ClassOrInstance
     def step(self):
-        """Mark the end of a training step (free_benchmark: per-step counters reset)."""
-        if self._skip("step") or self._session is None:
+        """Mark the end of a training step (free_benchmark: per-step counters reset, the step
+        number + 1, as in msprobe also before the first ``start()``, with a warning; grad_probe:
+        nothing, the probe counts the optimizer's steps)."""
+        if self._skip("step"):
             return
-        self._session.step()
+        if self._session is None and self.task == "grad_probe":
+            return
+        self._get_session().step()
 
     @ClassOrInstance
     def monitor(self, model, optimizer=None, scaler=None):

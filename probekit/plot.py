@@ -1,7 +1,13 @@
 """matplotlib figures for both features. Headless: no IPython, no ipywidgets.
 
 Every function takes ``ax=None`` (a new figure is made through pyplot, so it shows inline in a
-notebook) or an existing Axes (nothing touches pyplot then), draws, and returns the Axes.
+notebook) or an existing Axes (nothing touches pyplot then), draws, and returns the Figure it drew
+on (its Axes: ``fig.axes[0]``). A figure made here shows once in a notebook, with no text repr
+above it, also as the cell's last expression.
+
+Names in legends and labels are shortened for reading (``legend_names``): the dotted prefix all
+of them share is dropped and a long name keeps its end (``…layer.5.ffn.lin2.weight``), where
+parameter names differ.
 
 Grad probe (datasets of ``probekit.open_grads`` / ``probekit.compare_grads``):
 
@@ -33,17 +39,81 @@ def _axes(ax, figsize):
         return ax
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=figsize, layout="constrained")[1]
+    return plt.subplots(figsize=figsize, layout="constrained", FigureClass=_figure_class())[1]
+
+
+_FIGURE_CLASS = None
+
+
+def _figure_class():
+    """``PlotFigure``: a matplotlib Figure that shows once in a notebook, without a text repr.
+
+    Made on first use (matplotlib is imported by the plot functions only). However it comes to
+    be displayed -- as a cell's last expression, by the inline backend at the end of the cell, by
+    ``display(fig)`` -- it shows as one PNG and leaves pyplot, so nothing draws it a second
+    time (the inline backend closes its figures after a cell anyway)."""
+    global _FIGURE_CLASS
+    if _FIGURE_CLASS is None:
+        from matplotlib.figure import Figure
+
+        class PlotFigure(Figure):
+            def _ipython_display_(self):
+                import io
+
+                from IPython.display import Image, display
+                from matplotlib import pyplot as plt
+                from matplotlib._pylab_helpers import Gcf
+
+                if any(m.canvas.figure is self for m in Gcf.get_all_fig_managers()):
+                    plt.close(self)
+                buf = io.BytesIO()
+                self.savefig(buf, format="png", bbox_inches="tight")
+                display(Image(data=buf.getvalue(), format="png"))
+
+        _FIGURE_CLASS = PlotFigure
+    return _FIGURE_CLASS
 
 
 def short_name(name: str, width: int = 36) -> str:
-    """``name`` cut in the middle to at most ``width`` characters (keeps prefix and suffix)."""
+    """``name`` shortened from the left to at most ``width`` characters, at a dot where one is
+    near: the end of a dotted name is what tells it apart (``…layer.5.output_layer_norm.weight``)."""
     name = str(name)
     if len(name) <= width:
         return name
-    keep = width - 1
-    head = keep // 2
-    return name[:head] + "…" + name[len(name) - (keep - head):]
+    tail = name[len(name) - (width - 1):]
+    dot = tail.find(".")
+    if 0 <= dot < (width - 1) // 2:  # start at a component when that loses less than half
+        tail = tail[dot + 1:]
+    return "…" + tail
+
+
+def legend_names(names, width: int = 36) -> list:
+    """Readable, unique labels for ``names``: the dotted prefix they all share is dropped (with
+    two or more names; each keeps at least two parts, so ``blocks.2`` stays ``blocks.2``), then
+    each is shortened from the left (``short_name``); a label that would then equal another's is
+    lengthened until they differ (the full name at most).
+
+    >>> legend_names(["distilbert.transformer.layer.0.attention.q_lin.weight",
+    ...               "distilbert.transformer.layer.5.output_layer_norm.weight"])
+    ['0.attention.q_lin.weight', '5.output_layer_norm.weight']
+    """
+    names = [str(n) for n in names]
+    if len(names) > 1:
+        parts = [n.split(".") for n in names]
+        common = 0
+        while (all(len(p) > common + 2 for p in parts)  # each keeps two parts: not a bare "2"
+               and len({p[common] for p in parts}) == 1):
+            common += 1
+        stripped = [".".join(p[common:]) for p in parts]
+    else:
+        stripped = names
+    labels = [short_name(n, width) for n in stripped]
+    for w in range(width + 1, max((len(n) for n in stripped), default=0) + 2):
+        dupes = {lab for lab in labels if labels.count(lab) > 1}
+        if not dupes:
+            break
+        labels = [short_name(n, w) if lab in dupes else lab for n, lab in zip(stripped, labels)]
+    return labels
 
 
 def _one_rank(cmp, rank):
@@ -116,9 +186,9 @@ def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
         order = sorted(names, key=lambda p: (not flagged[p], worst[p]))
         names = [p for p in ds["param"].values if p in set(order[:max_lines])]
     steps = ds["step"].values
-    for p in names:
+    for p, label in zip(names, legend_names(names)):
         ax.plot(steps, sim.sel(param=p).values, marker="o", markersize=3, linewidth=1.5,
-                label=short_name(p), gid=f"similarity:{p}")
+                label=label, gid=f"similarity:{p}")
     fx, fy = [], []
     for p in names:
         f = flag.sel(param=p).values
@@ -142,7 +212,7 @@ def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
                 va="bottom")
     ax.grid(True, alpha=0.3)
     _legend(ax, len(names), legend)
-    return ax
+    return ax.figure
 
 
 def _first_flag(ds) -> str:
@@ -180,7 +250,7 @@ def total_similarity(cmp, *, rank=None, ax=None):
     ax.set_title("Total gradient direction similarity")
     ax.grid(True, alpha=0.3)
     _legend(ax, len(ranks))
-    return ax
+    return ax.figure
 
 
 def _flag_steps(ax, steps, flag_steps, *, label=True):
@@ -222,7 +292,7 @@ def interval_distribution(ds, param: str, *, ax=None, flag_steps=(), cmap="virid
     ax.set_ylabel("gradient value interval")
     ax.set_title(f"Gradient value distribution: {short_name(param, 48)}")
     ax.figure.colorbar(image, ax=ax, label="share of elements", fraction=0.05, pad=0.02)
-    return ax
+    return ax.figure
 
 
 def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_steps=(),
@@ -247,7 +317,7 @@ def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_st
     ax.set_title(f"Gradient statistics: {short_name(param, 48)}{shape}")
     ax.grid(True, alpha=0.3)
     _legend(ax, len(stats), legend)
-    return ax
+    return ax.figure
 
 
 # -- free benchmark ---------------------------------------------------------------------------
@@ -277,7 +347,7 @@ def findings(results, *, ax=None, top: int = 15):
                 ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         ax.set_title("Free benchmark findings")
-        return ax
+        return ax.figure
     ratios = np.array([row["ratio"] for row in groups], dtype=float)
     finite = ratios[np.isfinite(ratios) & (ratios > 0)]
     right = max(float(finite.max()) if finite.size else 10.0, 2.0) * 3
@@ -312,7 +382,7 @@ def findings(results, *, ax=None, top: int = 15):
     ax.set_title(f"Free benchmark findings by severity{more}")
     ax.grid(True, axis="x", alpha=0.3, which="both")
     ax.legend(loc="lower right", fontsize="small")
-    return ax
+    return ax.figure
 
 
 SUSPECT_COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
@@ -332,13 +402,15 @@ def triage(report, *, ax=None, top: int = 15):
                 ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         ax.set_title(title)
-        return ax
+        return ax.figure
     ratios = np.array(df["ratio"], dtype=float)
     finite = ratios[np.isfinite(ratios) & (ratios > 0)]
     right = max(float(finite.max()) if finite.size else 10.0, 2.0) * 3
     left = min(float(finite.min()) if finite.size else 1.0, 1.0) / 3
     colors = {m: SUSPECT_COLORS[i % len(SUSPECT_COLORS)]
               for i, m in enumerate(report.suspects["module"])}
+    modules = list(report.suspects["module"])
+    legend = dict(zip(modules, legend_names(modules, 32)))
     y = np.arange(len(df))[::-1]
     seen = set()
     for yi, (_, row), r in zip(y, df.iterrows(), ratios):
@@ -346,7 +418,8 @@ def triage(report, *, ax=None, top: int = 15):
         width = right if bad else max(r, left)
         ax.barh(yi, width, height=0.6, color=colors.get(row["suspect"], "#7f7f7f"),
                 hatch="//" if bad else None, alpha=0.85,
-                label=row["suspect"] if row["suspect"] not in seen else None,
+                label=legend.get(row["suspect"], row["suspect"]) if row["suspect"] not in seen
+                else None,
                 gid=f"triage:{row['api_name']}")
         seen.add(row["suspect"])
         text = "NaN/Inf" if bad else f"{r:,.0f}× {row['kind']} ({row['pert_modes']})"
@@ -367,4 +440,4 @@ def triage(report, *, ax=None, top: int = 15):
     ax.grid(True, axis="x", alpha=0.3, which="both")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
               title="suspect module", title_fontsize="small")
-    return ax
+    return ax.figure

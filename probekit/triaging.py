@@ -217,11 +217,15 @@ class TriageReport:
         return self.summary()
 
     def _repr_html_(self) -> str:
+        """The verdict first: each table starts with what was found (flagged calls, how far
+        over the threshold, the kind) and ends with the long names, which wrap, so the verdict
+        stays in view in a narrow output area."""
         d = self.divergence
         esc = html.escape
-        th = "text-align:left;padding:3px 8px;border-bottom:1px solid #999"
-        td = ("text-align:left;padding:2px 8px;border-bottom:1px solid #ddd;font-family:monospace;"
-              "white-space:nowrap")
+        th = "text-align:left;padding:3px 8px;border-bottom:1px solid #999;vertical-align:bottom"
+        td = "text-align:left;padding:2px 8px;border-bottom:1px solid #ddd;vertical-align:top"
+        short = td + ";white-space:nowrap"  # numbers and verdicts: one line
+        name = td + ";font-family:monospace"  # names wrap after their dots (_wrap)
         sites = _cell_sites()
         if d["step"] < 0:
             return f"<p><b>probekit triage</b>: {esc(self.summary())}</p>"
@@ -230,27 +234,29 @@ class TriageReport:
                f"{d['similarity']:.3f}, rank {d['rank']}).</p>"]
         if self.suspects.empty:
             return "".join(out) + "<p>No module to check.</p></div>"
-        out.append("<table><thead><tr>" + "".join(
-            f"<th style='{th}'>{h}</th>" for h in ("#", "suspect module", "flagged at step",
-                                                    "similarity", "parameters", "flagged calls",
-                                                    f"below {self.min_ratio:g}×")) +
-                   "</tr></thead><tbody>")
+        table = "<table style='table-layout:auto;max-width:100%'>"
+        out.append(table + "<thead><tr>" + "".join(
+            f"<th style='{th}'>{h}</th>" for h in ("#", "flagged calls",
+                                                    f"below {self.min_ratio:g}×", "suspect module",
+                                                    "flagged at step", "similarity",
+                                                    "parameters")) + "</tr></thead><tbody>")
         for i, s in self.suspects.iterrows():
             n = int(s["findings"])
             style = "color:#b71c1c;font-weight:600" if n else "color:#1b5e20"
-            out.append(f"<tr><td style='{td}'>{i + 1}</td><td style='{td}'>{esc(s['module'])}</td>"
-                       f"<td style='{td}'>{s['step']}</td><td style='{td}'>"
-                       f"{s['similarity']:.3f}</td><td style='{td}'>"
-                       f"{esc(_names(s['params']))}</td><td style='{td};{style}'>{n}</td>"
-                       f"<td style='{td}'>{int(s['minor'])}</td></tr>")
+            out.append(f"<tr><td style='{short}'>{i + 1}</td><td style='{short};{style}'>{n}</td>"
+                       f"<td style='{short}'>{int(s['minor'])}</td>"
+                       f"<td style='{name}'>{_wrap(s['module'])}</td>"
+                       f"<td style='{short}'>{s['step']}</td>"
+                       f"<td style='{short}'>{s['similarity']:.3f}</td>"
+                       f"<td style='{name}'>{_wrap(_names(s['params']))}</td></tr>")
         out.append("</tbody></table>")
         if not self.findings.empty:
-            cols = [("suspect", "suspect"), ("API call", "api_name"), ("kind", "kind"),
-                    ("× threshold", "ratio"), ("perturbations", "pert_modes"),
-                    ("dtype", "dtype"), ("shape", "shape"), ("module", "module"),
-                    ("call site", "call_site")]
-            out.append("<p>Flagged calls, most severe first within each suspect:</p><table>"
-                       "<thead><tr>" + "".join(f"<th style='{th}'>{h}</th>" for h, _ in cols)
+            cols = [("suspect", "suspect"), ("× threshold", "ratio"), ("kind", "kind"),
+                    ("perturbations", "pert_modes"), ("API call", "api_name"),
+                    ("module", "module"), ("call site", "call_site"), ("dtype, shape", "dtype")]
+            wraps = {"suspect", "api_name", "module", "call_site", "dtype", "pert_modes"}
+            out.append("<p>Flagged calls, most severe first within each suspect:</p>" + table
+                       + "<thead><tr>" + "".join(f"<th style='{th}'>{h}</th>" for h, _ in cols)
                        + "</tr></thead><tbody>")
             for _, r in self.findings.iterrows():
                 cells = []
@@ -258,7 +264,10 @@ class TriageReport:
                     v = r[c]
                     v = (_ratio(v) if c == "ratio" else _site(v, sites) if c == "call_site"
                          else str(v).removeprefix("torch."))
-                    cells.append(f"<td style='{td}'>{esc(v)}</td>")
+                    if c == "dtype":
+                        v = f"{v} {r['shape']}"
+                    cells.append(f"<td style='{name}'>{_wrap(v)}</td>" if c in wraps else
+                                 f"<td style='{short}'>{esc(v)}</td>")
                 out.append("<tr>" + "".join(cells) + "</tr>")
             out.append("</tbody></table>")
         return "".join(out) + "</div>"
@@ -268,6 +277,18 @@ class TriageReport:
         from .plot import triage as plot_triage
 
         return plot_triage(self, ax=ax, top=top)
+
+
+def _wrap(text) -> str:
+    """``text`` escaped; a long one (over 20 characters) with a line-break opportunity after each
+    ``.``, ``_``, ``,`` and ``:`` (a dotted name wraps between its parts, never inside a word;
+    a short one never wraps)."""
+    out = html.escape(str(text))
+    if len(str(text)) <= 20:
+        return out
+    for ch in (".", "_", ",", ":"):
+        out = out.replace(ch, ch + "<wbr>")
+    return out
 
 
 def _names(names, n: int = 3) -> str:

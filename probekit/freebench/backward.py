@@ -37,16 +37,20 @@ import time
 import torch
 
 from . import autocast, blocks, cause, handlers, perturb, realgrad, scales, state
+from .deferred import combine
 from .guards import modes_off, no_autocast
 from .metric import device_stats
 from .names import call_site
 
 
-def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None) -> tuple:
+def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None, verdicts=None,
+               whole: bool = True) -> tuple:
     """``metric.device_stats`` of a reference gradient (or a block of it) and the perturbed one:
     the deviation relative to the gradient tensor's own scale (``max|gr|``; blocks combine to the
     whole tensor's), or to ``scale`` element by element (an accumulating API's gradient in the
     accuracy modes: the same gradient computed on absolute values, ``sum |g||b|``)."""
+    if verdicts is not None:   # never left inconclusive (deferred.py)
+        return verdicts.stats(gr.detach(), gq.detach(), scale, exact, whole)
     return device_stats(gr.detach(), gq.detach(), scale, exact)
 
 
@@ -72,12 +76,17 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
         engine.note_skip("selection", key, name)
         return func(*call.args, **call.kwargs)
     mark = realgrad.marker()
-    if call.replay is not None:  # a random call: the re-runs in the backward pass replay this
-        call.replay.save()       # stream, so they draw the mask the forward call drew
-        engine.replayed += 1
+    if call.replay is not None:  # a random call (or one watched: rng.py): the re-runs in the
+        call.replay.save()       # backward pass replay this stream, the forward call's mask
     out = func(*call.args, **call.kwargs)
     try:
         with modes_off():
+            base = call.rerun or func   # an in-place call: re-run out of place (state.py)
+            rerun = base if call.replay is None else call.replay.bind(base)
+            if rerun is None:    # it drew, and its draws cannot be replayed: skipped
+                return out
+            if rerun is base:    # it draws nothing
+                call.replay = None
             outs = handlers.float_outputs(out)
             if not outs:
                 engine.note_skip("no_float_output", key, name)
@@ -88,7 +97,6 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
                 engine.note_skip("no_grad", key, name)
                 return out
             sel = with_grad[0]
-            rerun = func if call.replay is None else call.replay.bind(func)
             check = _BackwardCheck(engine, call, key, n, name, rerun, leaves, spec, diff, sel[0],
                                    call_site(frame), engine.step)
             x = autocast.first_tensor(leaves)
@@ -96,6 +104,7 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
             check.module = engine.current_module()  # the module running at the forward call
             check.out_dtype = sel[1].dtype
             check.n_outs = len(outs)
+            engine.watching.append(check)   # counted as no_gradient if it never runs
             # the real input gradients only when no other output carries gradients into them
             edges = realgrad.plan(sel[1], leaves, diff, mark) if len(with_grad) == 1 else None
             if edges is None:
@@ -259,7 +268,8 @@ class _BackwardCheck:
                     continue
                 if e.mode.swap_back and i in replaced and gq.dim() >= 1:
                     gq = perturb.swap_last(gq)
-                values.append(grad_stats(gr, gq, exact, None if mags is None else mags[k]))
+                values.append(grad_stats(gr, gq, exact, None if mags is None else mags[k],
+                                         e.verdicts))
                 originals.append((i, gr))
                 del gq
         return values, originals, in_dtype
@@ -287,7 +297,7 @@ class _BackwardCheck:
                         continue
                     if i in sliced:
                         parts[i].append(grad_stats(gr.narrow(sliced[i], start, length), gq,
-                                                   exact, mag))
+                                                   exact, mag, self.engine.verdicts, False))
                     elif i in acc:
                         acc[i].add_(gq)
                         if mag is not None:
@@ -304,9 +314,10 @@ class _BackwardCheck:
                 if gr is None:
                     continue
                 if i in sliced and parts[i]:
-                    values.append(blocks.combine(parts[i]))
+                    values.append(combine(parts[i]))
                 elif i in acc:
-                    values.append(grad_stats(gr, acc.pop(i), exact, acc_mag.pop(i, None)))
+                    values.append(grad_stats(gr, acc.pop(i), exact, acc_mag.pop(i, None),
+                                             self.engine.verdicts))
                 else:
                     continue
                 originals.append((i, gr))
@@ -315,9 +326,10 @@ class _BackwardCheck:
     def _check(self, grad, real):
         e = self.engine
         leaves = self.leaves
-        if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)):
+        snap = self.call.snap  # what the call overwrites (in place, running statistics): clones
+        if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)
+               if not (snap and i in snap)):   # (an overwritten input comes from its clone)
             raise perturb.Cancel("an input was modified in place before the backward pass")
-        snap = self.call.snap  # state the call writes (running statistics...): fresh clones
         g = grad.detach()
         dev, ac_dtype = self.autocast or (None, None)
         same_autocast = torch.autocast(dev, dtype=ac_dtype) if ac_dtype is not None \

@@ -11,8 +11,11 @@
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import time
+import weakref
 
 import torch
 
@@ -65,6 +68,11 @@ class FreeBench:
         self._coverage_once = Once()
         self._step_start = coverage.counters(self._engine)
         self._block_start = None
+        self._started = False  # start() was called (step() before it is warned about)
+        # verdicts still pending when the process exits (a run that never called stop()) are
+        # read back and written then; a weak reference: the hook does not keep this alive
+        self._exit_hook = functools.partial(_gather_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -101,6 +109,7 @@ class FreeBench:
         if names and self._scope is None:
             raise ConfigError(f"free_benchmark.module: {list(names)!r} needs the model; "
                               "accepted: FreeBench(..., model=model) or start(model)")
+        self._started = True
         if not rank_selected(self.config.rank):
             log.debug("free benchmark inactive: rank %d is not in %s", get_rank(),
                       list(self.config.rank))
@@ -191,7 +200,9 @@ class FreeBench:
     def step(self) -> None:
         """End of a training step: pending verdicts gathered, per-API counters reset, the step
         number grows by one. A filter or stage that left the step with nothing checked is
-        reported once (WARNING)."""
+        reported once (WARNING), and so is a step() before any start()."""
+        if not self._started and self._coverage_once("step-before-start"):
+            log.warning("%s", _step_before_start(self.config, self._engine.step))
         self._gather()
         e = self._engine
         try:
@@ -211,6 +222,7 @@ class FreeBench:
             self.stop()
         finally:
             self._closed = True
+            atexit.unregister(self._exit_hook)
 
     def __enter__(self) -> "FreeBench":
         self.start()
@@ -285,6 +297,33 @@ class FreeBench:
         return (f"FreeBench(pert_mode={fb.pert_mode!r}, handler_type={fb.handler_type!r}, "
                 f"fuzz_stage={fb.fuzz_stage!r}, {where}{state}; "
                 f"{summary_line(self.summary)})")
+
+
+def _step_before_start(config: Config, step: int) -> str:
+    """The warning for a ``step()`` before any ``start()``: the step number still grows (it
+    counts training steps, as msprobe's does), so a ``step`` filter may now exclude the rest."""
+    msg = (f"Free benchmark: step() was called before any start(): step {step} ends with nothing "
+           f"checked and the next block is step {step + 1}. step() ends a training step whose "
+           "calls ran between start() and stop() (or inside `with fb:`)")
+    left = [s for s in config.step if s > step]
+    if config.step and not left:
+        msg += (f"; with the step filter {list(config.step)} no step is left to check: "
+                "nothing will be checked")
+    elif config.step:
+        msg += f"; the step filter {list(config.step)} leaves steps {left} to check"
+    return msg
+
+
+def _gather_at_exit(ref) -> None:
+    """At process exit: the pending verdicts of a FreeBench that is still around are read back
+    and their findings written (never raises)."""
+    fb = ref()
+    if fb is None or fb._closed:
+        return
+    try:
+        fb._gather()
+    except Exception:
+        pass
 
 
 def open_session(config: Config) -> FreeBench:

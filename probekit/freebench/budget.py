@@ -13,8 +13,9 @@ every call site is checked within ``ceil(N / limit)`` steps.
 Host time is what probekit can measure without a sync; on accelerators the device time of a check
 runs in parallel with the host and is of the same order for small kernels.
 
-``Coverage``: per call site (``Torch.matmul.3``) how many times it was eligible and checked, and
-the call sites never re-run because their random draws cannot be replayed, with the reason.
+``Coverage``: per floating-point call site (``Torch.matmul.3``) how many times it ran and was
+checked, and why not (the reason it was last skipped); the share of the floating-point calls
+checked and a count per skip reason.
 """
 from __future__ import annotations
 
@@ -89,43 +90,68 @@ def _avg(old: float | None, new: float) -> float:
 
 
 class Coverage:
-    """Per call site ``(api key, counter)``: times eligible and times checked (named
-    ``Torch.matmul.3`` only when the table is built); and the sites skipped because their
-    random draws cannot be replayed (``rng.py``): times seen and why."""
+    """What share of the floating-point calls were checked, and why the others were not.
+
+    A floating-point call is one that reaches the check's decision (inside ``scope``/``list``,
+    the module scope and the step filter) with a floating-point tensor among its arguments and
+    is not a metadata query (``size``, ``dim``...). Per call site ``(api key, counter)``, named
+    ``Torch.matmul.3`` only when the table is built: times it ran, times it was checked, and the
+    reason it was last not checked; per skip reason, how many floating-point calls it left
+    unchecked. ``eligible``: the sites that passed every reason but the budget (the budget's
+    rotation covers them)."""
 
     def __init__(self) -> None:
         self.calls: dict[tuple, int] = {}
         self.checked: dict[tuple, int] = {}
-        self.skipped: dict[tuple, int] = {}
         self.reasons: dict[tuple, str] = {}
+        self.eligible: dict[tuple, int] = {}
+        self.float_calls = 0
+        self.checks = 0
+        self.by_reason: dict[str, int] = {}
 
     def seen(self, site: tuple) -> None:
+        """A floating-point call of ``site`` reached the decision."""
         self.calls[site] = self.calls.get(site, 0) + 1
+        self.float_calls += 1
 
-    def skip(self, site: tuple, reason: str) -> None:
-        """A call of ``site`` that could not be checked, and why (the latest reason is kept)."""
-        self.skipped[site] = self.skipped.get(site, 0) + 1
-        self.reasons[site] = reason
+    def admitted(self, site: tuple) -> None:
+        """It passed every reason but the budget."""
+        self.eligible[site] = self.eligible.get(site, 0) + 1
+
+    def skip(self, site: tuple, reason: str, text: str | None = None) -> None:
+        """A floating-point call of ``site`` that was not checked, and why (``reason``: the
+        key of ``summary["float_skipped"]``; ``text``: what the table shows, default the key;
+        the latest is kept). A site not seen yet is counted as seen."""
+        if site not in self.calls:
+            self.seen(site)
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+        self.reasons[site] = text or reason
 
     def check(self, site: tuple) -> None:
         self.checked[site] = self.checked.get(site, 0) + 1
+        self.checks += 1
 
     def share(self) -> float:
-        """Share of the call sites seen that were checked at least once (1.0 when none seen)."""
-        if not self.calls:
+        """Share of the eligible call sites checked at least once (1.0 when none): the budget's
+        rotation."""
+        if not self.eligible:
             return 1.0
-        return sum(1 for k in self.calls if self.checked.get(k)) / len(self.calls)
+        return sum(1 for k in self.eligible if self.checked.get(k)) / len(self.eligible)
+
+    def checked_share(self) -> float:
+        """Checks over floating-point calls (1.0 when there were none)."""
+        return min(1.0, self.checks / self.float_calls) if self.float_calls else 1.0
 
     def frame(self):
-        """``api_name, calls, checked, reason``: the eligible sites (reason empty), then the
-        sites never checked because their draws cannot be replayed."""
+        """``api_name, calls, checked, reason``: one row per floating-point call site, in the
+        order they first ran; ``reason`` is why it was last not checked ("" when every run was
+        checked)."""
         import pandas as pd
 
-        sites = list(self.calls) + [s for s in self.skipped if s not in self.calls]
-        calls = [self.calls.get(s, 0) + self.skipped.get(s, 0) for s in sites]
+        sites = list(self.calls)
         return pd.DataFrame({"api_name": pd.Series([f"{k}.{n}" for k, n in sites],
                                                    dtype="object"),
-                             "calls": pd.Series(calls, dtype="int64"),
+                             "calls": pd.Series([self.calls[s] for s in sites], dtype="int64"),
                              "checked": pd.Series([self.checked.get(s, 0) for s in sites],
                                                   dtype="int64"),
                              "reason": pd.Series([self.reasons.get(s, "") for s in sites],

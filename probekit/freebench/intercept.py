@@ -6,8 +6,10 @@ Inside ``__torch_function__`` torch has already popped the mode, so the calls an
 internally (``F.layer_norm`` -> ``torch.layer_norm``) and probekit's own re-runs are not seen;
 ``busy`` guards the paths where the mode may still be active (gradient hooks). How a compared
 call becomes a verdict, a row and a cause is ``judging.py`` (the engine's ``Judging`` part).
-About 430 lines: the mode, the engine's state and filters, and the one path of a checked call
-(decide, re-run, compare, fix) stay together.
+About 650 lines: the mode, the engine's state and filters, and the one path of a checked call
+(decide, watch the generators, snapshot what it overwrites, re-run, compare, fix) stay
+together; what a random call's generators showed is ``rng.py``'s, what a call writes
+``state.py``'s, the coverage ``budget.py``'s.
 """
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ from ..log import Once, get_logger
 from . import autocast, blocks, cause, handlers, perturb, rng, scales, state
 from .backward import watch
 from .budget import Budget, Coverage
-from .deferred import Verdicts
+from .deferred import Verdicts, combine
 from .guards import modes_off, no_autocast, quiet
 from .judging import Judging
-from .metric import device_stats
 from .modes import MODES
+from . import names
 from .names import (PROPERTY, REASONS, Classifier, dynamic_skip, operator_key,
                     random_draw)
 from .preheat import Preheat
@@ -46,11 +48,44 @@ EXTRA_REASONS = {
     "budget": "the overhead budget leaves this call to a later step (call sites rotate)",
     "selection": "its gradient goes to the elements it selects: a one-ulp tie break moves it "
                  "elsewhere, a choice rather than a precision loss (sensitivity modes, backward)",
+    "no_gradient": "no gradient reached it before stop() (the backward ran outside the block, "
+                   "or its output does not reach the loss)",
+    "cancelled": "the perturbation does not apply to this call",
+    "error": "the check failed (logged)",
 }
 
 
 def _reason_text(reason: str) -> str:
     return REASONS.get(reason) or EXTRA_REASONS.get(reason) or reason
+
+
+#: skip reasons of calls that are not floating-point calls (not in the coverage)
+_NOT_FLOAT = frozenset({"no_float_input", "meta", "metadata", "other"})
+
+
+def _has_float(args, kwargs) -> bool:
+    """A floating-point tensor among the arguments (one level into lists and tuples)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_floating_point():
+                return True
+        elif type(a) in (list, tuple):
+            for b in a:
+                if isinstance(b, torch.Tensor) and b.is_floating_point():
+                    return True
+    if kwargs:
+        return _has_float(tuple(kwargs.values()), None)
+    return False
+
+
+def _site(name: str) -> tuple:
+    """``("Torch.matmul", 3)`` of ``"Torch.matmul.3.forward"``."""
+    key, n, _ = name.rsplit(".", 2)
+    return key, int(n)
+
+
+class _Unfixable(Exception):
+    """fix: an observed call drew (its skip is already counted): the original call runs."""
 
 
 class _Mode(TorchFunctionMode):
@@ -125,15 +160,19 @@ class Engine(Judging):
         self.in_optimizer = 0
         self.counts: dict[str, int] = {}
         self.handles: list = []
+        self.watching: list = []  # backward checks registered in this block (backward.py)
         self.once = Once()        # per run: perturbation applied / skip and cancel reasons, per API
         self.once_step = Once()   # per step: preheat sampling lines
         self.summary_every = SUMMARY_EVERY
-        self._logged = (0, 0, 0)  # (step, checked, flagged) at the last summary line
+        self._logged = (0, 0, 0, 0)  # (step, checked, flagged, float calls) at the last line
         # summary counters
         self.calls = 0
         self.checked = 0
         self.flagged = 0
         self.replayed = 0         # random calls re-run on their saved random stream (rng.py)
+        #: call signature -> does it draw (``rng.signature``): False, True, or the ``rng.WHY``
+        #: key of a random call that cannot be replayed; learned at its first checked call
+        self.draws: dict = {}
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
@@ -188,13 +227,19 @@ class Engine(Judging):
                      self.preheat.at_risk() or "none", 0.5, self.preheat.low_risk() or "none")
 
     def log_summary(self) -> None:
-        """One INFO line: what the last steps checked and found (every ``summary_every`` steps)."""
-        step0, checked0, flagged0 = self._logged
-        self._logged = (self.step, self.checked, self.flagged)
+        """One INFO line: what the last steps checked (and what share of their floating-point
+        calls) and found (every ``summary_every`` steps)."""
+        step0, checked0, flagged0, float0 = self._logged
+        cov = self.coverage
+        self._logged = (self.step, self.checked, self.flagged, cov.float_calls)
         if log.isEnabledFor(logging.INFO):
-            log.info("Free benchmark: steps %d-%d: %d call(s) checked, %d finding(s); %d step(s), "
-                     "%d finding(s) in all", step0, self.step - 1, self.checked - checked0,
-                     self.flagged - flagged0, self.step, self.flagged)
+            n = cov.float_calls - float0
+            share = f" ({100 * min(1.0, (self.checked - checked0) / n):.0f} % of {n} " \
+                    f"floating-point call(s))" if n else ""
+            log.info("Free benchmark: steps %d-%d: %d call(s) checked%s, %d finding(s); %d "
+                     "step(s), %d finding(s) in all", step0, self.step - 1,
+                     self.checked - checked0, share, self.flagged - flagged0, self.step,
+                     self.flagged)
 
     def summary(self) -> dict:
         skipped = dict(self.skipped)
@@ -215,9 +260,15 @@ class Engine(Judging):
             out["pending"] = pending
         if self.verdicts.inconclusive:
             out["inconclusive"] = self.verdicts.inconclusive
+        if self.verdicts.unresolved:
+            out["unresolved"] = self.verdicts.unresolved
         if self.budget is not None:
             out["coverage"] = self.coverage.share()
             out["budget_limit"] = self.budget.limit
+        cov = self.coverage
+        out["float_calls"] = cov.float_calls
+        out["checked_share"] = cov.checked_share()
+        out["float_skipped"] = dict(sorted(cov.by_reason.items(), key=lambda kv: -kv[1]))
         return out
 
     def remove_hooks(self) -> None:
@@ -226,17 +277,27 @@ class Engine(Judging):
             h.remove()
 
     def stopped(self) -> None:
-        """The session stopped intercepting: pending backward hooks removed, per-call state reset
-        (an exception inside a check or an optimizer step may have left it set)."""
+        """The session stopped intercepting: pending backward hooks removed (their calls counted
+        as ``no_gradient``), per-call state reset (an exception inside a check or an optimizer
+        step may have left it set)."""
+        watching, self.watching = self.watching, []
+        for check in watching:
+            if check.leaves is not None:   # its gradient never arrived
+                self.note_skip("no_gradient", check.key, check.name)
         self.remove_hooks()
         self.in_optimizer = 0
         self.busy = False
 
     # -- logging -------------------------------------------------------------------------------
-    def note_skip(self, reason: str, key: str, name: str, why: str | None = None) -> None:
-        """Count a call that is not checked and log why (once per API per run; ``why``: the
-        text, when it is more precise than the reason's)."""
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+    def note_skip(self, reason: str, key: str, name: str, why: str | None = None,
+                  text: str | None = None, counted: bool = False) -> None:
+        """Count a floating-point call that is not checked (in ``skipped`` and the coverage:
+        ``text`` is its ``reason`` there, default the key) and log why (once per API per run;
+        ``why``: the log text, when it is more precise than the reason's). ``counted``: already
+        counted in ``skipped``, not a floating-point call: only logged."""
+        if not counted:
+            self.skipped[reason] = self.skipped.get(reason, 0) + 1
+            self.coverage.skip(_site(name), reason, text)
         if reason == "no_float_input":
             if self.once(("input", key)):
                 log.warning("Free benchmark: unsupported input type for %s (no floating-point "
@@ -245,17 +306,26 @@ class Engine(Judging):
             log.info("Free benchmark: For %s, %s. Cancel perturbation.", name,
                      why or _reason_text(reason))
 
-    def _skip(self, reason: str, key: str, name: str, func, args, kwargs):
-        self.note_skip(reason, key, name)
+    def _skip(self, reason: str, key: str, name: str, func, args, kwargs, seen: bool = False):
+        """Count a skipped call (a floating-point one in the coverage too: ``seen`` when it is
+        counted there already) and run it."""
+        if not seen and reason not in _NOT_FLOAT and _has_float(args, kwargs):
+            self.coverage.seen(_site(name))
+            seen = True
+        if not seen:
+            self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.note_skip(reason, key, name, counted=not seen)
         return func(*args, **kwargs)
 
     def cancelled(self, key: str, name: str, why: str) -> None:
         self.skipped["cancelled"] = self.skipped.get("cancelled", 0) + 1
+        self.coverage.skip(_site(name), "cancelled")
         if self.once(("cancel", key)):
             log.info("Free benchmark: For %s, %s. Cancel perturbation.", name, why)
 
     def failed(self, key: str, name: str, exc: BaseException) -> None:
         self.skipped["error"] = self.skipped.get("error", 0) + 1
+        self.coverage.skip(_site(name), "error")
         if self.once(("error", key)):
             log.warning("Free benchmark: For %s, the check failed and was skipped (%s: %s).",
                         name, type(exc).__name__, exc)
@@ -271,52 +341,71 @@ class Engine(Judging):
             with modes_off():
                 decision = self._decide(info, key, n, name, args, kwargs)
         except Exception as exc:  # probekit's own logic failed: run the call untouched
+            self.coverage.seen((key, n))
             self.failed(key, name, exc)
             return func(*args, **kwargs)
         if isinstance(decision, str):
             return self._skip(decision, key, name, func, args, kwargs)
         leaves, spec, replay = decision
+        site = (key, n)
+        self.coverage.seen(site)
         if isinstance(replay, str):  # a random call whose draws cannot be replayed
-            why = rng.why_text(replay)
-            self.coverage.skip((key, n), f"random: {rng.WHY[replay]}")
-            self.note_skip("random", key, name, why)
+            self.note_skip("random", key, name, rng.why_text(replay),
+                           text=f"random: {rng.WHY[replay]}")
             return func(*args, **kwargs)
         call = perturb.Call(info, args, kwargs, self.fb.fuzz_device)
         call.replay = replay
-        if info.rule is not None:
-            stateful = self._stateful(call, key, name, func, leaves)
-            if stateful is not None:
-                return stateful
+        writes = None
+        if info.rule is not None or info.inplace or info.inplace_pos is not None or \
+                (kwargs and kwargs.get("out") is not None):
+            writes = self._writes(call, key, name, func, leaves)
+            if writes is False:        # failed (counted): the call runs untouched
+                return func(*args, **kwargs)
+            if isinstance(writes, str):
+                return self._skip(writes, key, name, func, args, kwargs, seen=True)
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
-        self.coverage.seen((key, n))
+        self.coverage.admitted(site)
         if self.budget is not None and not self.budget.admit():
-            return self._skip("budget", key, name, func, args, kwargs)
+            return self._skip("budget", key, name, func, args, kwargs, seen=True)
+        if writes is not None and writes.indices:   # just before the real call
+            try:
+                with modes_off():
+                    call.snap = state.snapshot(leaves, writes.indices, writes.fresh)
+                    if self.verdicts.held:   # checks of the overwritten tensor: its clone
+                        for i, clone in call.snap.items():
+                            self.verdicts.rebind(leaves[i], clone)
+            except Exception as exc:
+                self.failed(key, name, exc)
+                return func(*args, **kwargs)
         if self.stage == "backward":
             return watch(self, call, key, n, name, func, leaves, spec, frame)
         return self._check_forward(call, key, n, name, func, leaves, spec, frame)
 
-    def _stateful(self, call, key, name, func, leaves):
-        """For a call that writes state: snapshot it (check), or skip it (fix; backward of an
-        in-place call). Returns the call's output when skipped, else None."""
+    def _writes(self, call, key, name, func, leaves):
+        """For a call that writes tensors (state.py): its ``state.Writes`` (the re-runs use its
+        out-of-place form, ``call.rerun``, with ``call.info`` that form's), None when it writes
+        nothing, or the reason it is skipped (fix; an in-place call without an out-of-place form
+        in the backward stage)."""
+        if not names.written(call.info, call.args, call.kwargs):   # F.relu(inplace=False)...
+            return None
         try:
             with modes_off():
-                call.state = state.written(call.info, call.args, call.kwargs, leaves)
-                if not call.state:
+                w = state.plan(call.info, func, call.args, call.kwargs, leaves)
+                if w is None:
                     return None
-                reason = None
-                if self.fix:  # fix would drop the state update into an upcast copy
-                    reason = "inplace" if state.writes_self(call.info) else "side_effect"
-                elif self.stage == "backward" and state.writes_self(call.info):
-                    reason = "inplace"
-                if reason is None:
-                    call.snap = state.snapshot(leaves, call.state)
+                if self.fix:  # fix would drop the write into an upcast copy
+                    return "inplace" if w.inplace else "side_effect"
+                if w.inplace and w.rerun is None and self.stage == "backward":
+                    return "inplace"   # an in-place op on a leaf requiring grad: no re-run
+                if w.rerun is not None:
+                    call.rerun = w.rerun
+                    if call.info.inplace:   # perturbations, scales, blocks: the out-of-place API
+                        call.info = self.classify(w.rerun)
+                return w
         except Exception as exc:
             self.failed(key, name, exc)
-            return func(*call.args, **call.kwargs)
-        if reason is not None:
-            return self._skip(reason, key, name, func, call.args, call.kwargs)
-        return None
+            return False
 
     def _decide(self, info, key, n, name, args, kwargs):
         """A skip reason, or ``(leaves, spec, replay)`` when the call is to be checked: its
@@ -342,6 +431,9 @@ class Engine(Judging):
             return "no_float_input"
         if has_meta:
             return "meta"
+        if self.upcast_mode and info.name in names.NO_FLOAT64 and any(
+                isinstance(x, torch.Tensor) and x.dtype == torch.float32 for x in leaves):
+            return "no_float64"
         if self.preheat is not None:
             if self.preheat.in_preheat(self.step):
                 if not self.preheat.sample(key, n, self.step):
@@ -352,15 +444,60 @@ class Engine(Judging):
                              self.preheat.total(key))
             elif not self.preheat.wanted(key):
                 return "preheat"
-        return leaves, spec, (None if draw is None else rng.plan(draw, leaves, self.mode_name))
+        if info.random is not None:   # a listed random API: its rule said whether it draws
+            return leaves, spec, (None if draw is None else rng.plan(
+                draw, leaves, self.mode_name, self._reporter(None, key, n, name)))
+        return leaves, spec, self._observed(info, key, n, name, leaves)
+
+    # -- random calls found by watching the generators (rng.py) --------------------------------
+    def _observed(self, info, key, n, name, leaves):
+        """For an API no rule lists: None when its signature is known not to draw, a
+        ``rng.Replay`` (a random call, or the first call of a signature: watched), or the
+        ``rng.WHY`` key of a random call that cannot be replayed."""
+        sig = rng.signature(key, leaves)
+        known = self.draws.get(sig)
+        if known is False:
+            return None
+        if isinstance(known, str):
+            return known
+        draw = names.Draw(info.name, rng.explicit_generator(leaves), detected=True)
+        report = self._reporter(sig, key, n, name)
+        if known is None:
+            return rng.observe(draw, leaves, self.mode_name, report)
+        if self.fix:
+            return "fix"
+        return rng.plan(draw, leaves, self.mode_name, report)
+
+    def _reporter(self, sig, key, n, name):
+        """``Replay.report`` of one call: what its generators showed (rng.py)."""
+        def report(outcome) -> None:
+            if sig is not None and (sig in self.draws or len(self.draws) < rng.MAX_SIGNATURES):
+                if outcome is False and self.draws.get(sig) is True:
+                    self.replayed -= 1   # its re-run drew nothing: not a random call after all
+                self.draws[sig] = outcome
+            if outcome is True:
+                self.replayed += 1
+            elif isinstance(outcome, str) and outcome != "draws":  # a re-run's draws: cancelled
+                self.note_skip("random", key, name, rng.why_text(outcome),
+                               text=f"random: {rng.WHY[outcome]}")
+        return report
 
     def _check_forward(self, call, key, n, name, func, leaves, spec, frame):
         if call.replay is not None:  # the generators' states the re-runs replay
             call.replay.save()
-            self.replayed += 1
         out = func(*call.args, **call.kwargs)
+        func = call.rerun or func   # an in-place call: re-run out of place (state.py)
         if call.replay is not None:
-            func = call.replay.bind(func)
+            try:
+                with modes_off():
+                    func = call.replay.bind(func)
+            except Exception as exc:  # never reaches the training code
+                self.failed(key, name, exc)
+                return out
+            if func is None:        # it drew, and its draws cannot be replayed: skipped
+                return out
+            if not call.replay.drew:  # watched, and it drew nothing: a plain call
+                call.replay = None
         self.busy = True
         t0 = time.perf_counter() if self.budget is not None else 0.0
         try:
@@ -388,8 +525,10 @@ class Engine(Judging):
         leaves = autocast.compute_leaves(leaves, outs)
         base = leaves
         kind = scales.scale_kind(self.mode_name, call.info.name)
-        if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK and not call.snap and \
-                call.replay is None:  # a random call's mask is drawn whole
+        if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK and \
+                (not call.snap or not call.snap.fresh) and \
+                call.replay is None:  # a random call's mask is drawn whole; a re-run that
+            # writes state (a training batch norm) is run whole
             plan = blocks.plan(self.mode_name, call.info, call.args, call.kwargs, leaves, outs)
             if plan is not None:
                 return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs,
@@ -447,7 +586,8 @@ class Engine(Judging):
             p = func(*pert.args, **pert.kwargs)
             (_, p), = handlers.float_outputs(p)
             (sc,) = self._scales(kind, func, pert.new, spec, [(i, p)], outs)
-            parts.append(device_stats(plan.output(o, start, length), p, sc, exact))
+            parts.append(self.verdicts.stats(plan.output(o, start, length), p, sc, exact,
+                                             whole=False))
             del pert, p, sc  # free this block's re-run before the next one
         self.applied(key, name)
 
@@ -455,38 +595,48 @@ class Engine(Judging):
             return cause.analyse(func, lambda: leaves, spec, items, blocks=plan)
 
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
-                   values=[blocks.combine(parts)], exact=exact, explain=explain, kinds=[kind])
+                   values=[combine(parts)], exact=exact, explain=explain, kinds=[kind])
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):
-            return self._skip("dtype_arg", key, name, func, call.args, call.kwargs)
+            return self._skip("dtype_arg", key, name, func, call.args, call.kwargs, seen=True)
+        replay = call.replay
         self.busy = True
         try:
             with modes_off():
                 probe = func
-                if call.replay is not None:   # the upcast call draws what the original would;
-                    call.replay.save()        # the dtype probe below must not draw at all
-                    probe = call.replay.bind(func)
-                    self.replayed += 1
+                if replay is not None:        # the upcast call draws what the original would;
+                    replay.save()             # the dtype probe below must not draw at all
+                    if replay.detect is None:
+                        probe = replay.bind(func)
                 pert = perturb.apply(self.mode_name, call, leaves, spec)
                 self.applied(key, name)
                 with no_autocast(True):
                     p_out = func(*pert.args, **pert.kwargs)
+                if replay is not None and replay.detect is not None:
+                    if replay.moved():  # a call nobody listed drew: not known to draw the
+                        replay.report("fix")  # same in every dtype: the original runs instead
+                        raise _Unfixable
+                    replay.report(False)
+                    replay = None
                 floats = [x for x in leaves if perturb.is_float(x)]
                 back = functools.reduce(torch.promote_types, [x.dtype for x in floats])
                 # under autocast the caller sees the op's autocast dtype (bf16 linear...)
                 back = autocast.fix_dtype(probe, call.args, call.kwargs, leaves) or back
                 out = handlers.cast_back(p_out, pert.in_dtype, back, floats[0].device)
             self.checked += 1
+            self.coverage.check(_site(name))
             return out
+        except _Unfixable:
+            pass
         except perturb.Cancel as exc:
             self.cancelled(key, name, str(exc))
         except Exception as exc:
             self.failed(key, name, exc)
         finally:
             self.busy = False
-        if call.replay is not None and call.replay.before is not None:
-            call.replay.rewind()   # the original call draws what it would have drawn
+        if replay is not None and replay.before is not None:
+            replay.rewind()   # the original call draws what it would have drawn
         return func(*call.args, **call.kwargs)
 
     # -- optimizer steps (global hooks, removed on stop) ----------------------------------------

@@ -39,7 +39,6 @@ from ..log import get_logger
 from . import cause, handlers, scales
 from .deferred import OutMeta, Pending
 from .guards import modes_off
-from .metric import device_stats
 from .names import call_site
 from .scales import TENSOR
 
@@ -76,7 +75,8 @@ class Judging:
         if compute is None:
             compute = [o.dtype for o in originals]
         if values is None:
-            values = [device_stats(o, p, s, exact) for (_, o, p), s in zip(triples, scales_)]
+            values = [self.verdicts.stats(o, p, s, exact) for (_, o, p), s in
+                      zip(triples, scales_)]
         outputs = []
         for (i, _, _), o, kind, cdt in zip(triples, originals, kinds, compute):
             cdt = self.judged_dtype(cdt, o.dtype, in_dtype)

@@ -45,12 +45,15 @@ REASONS = {
     "conversion": "a dtype/device conversion is a plain copy or rounding",
     "creation": "a tensor-creation call has no input to perturb",
     "metadata": "not a numerical call",
-    "inplace": "an in-place call (re-running it would change the training)",
+    "inplace": "an in-place call that fix cannot replace (it would have to write the upcast "
+               "result into the tensor), or one with no out-of-place form (backward stage)",
     "random": "a random call whose draws cannot be replayed for a re-run",
     "collective": "a distributed collective is never re-run",
     "autograd": "autograd machinery is never re-run",
     "private": "a private torch API (called by torch itself, e.g. inside optimizers)",
     "side_effect": "the call updates state in place (running statistics / embedding renorm)",
+    "no_float64": "an upcast re-run needs a float64 kernel this API does not have (its float32 "
+                  "calls are checked by the noise modes; float16/bfloat16 ones upcast to float32)",
     "other": "not a torch API",
     "optimizer": "an optimizer update under no_grad",
 }
@@ -107,6 +110,25 @@ INPLACE_DUNDERS = frozenset("""
 __iadd__ __isub__ __imul__ __itruediv__ __idiv__ __ifloordiv__ __imod__ __ipow__ __imatmul__
 __iand__ __ior__ __ixor__ __ilshift__ __irshift__ __setitem__ __delitem__
 """.split())
+#: private torch APIs that models reach through public ones (the mode sees only the private call:
+#: the public wrapper is plain Python without a ``__torch_function__`` dispatch): checked like
+#: public ones. ``F.grouped_mm`` -> ``torch._grouped_mm`` (the expert GEMMs of Mixture-of-Experts
+#: layers, e.g. transformers' default ``grouped_mm`` experts), ``nn.utils.weight_norm`` /
+#: ``parametrizations.weight_norm`` -> ``torch._weight_norm`` (wav2vec2's positional conv). The
+#: other private calls are skipped as ``private`` and named in ``fb.coverage``
+PUBLIC_PRIVATE = frozenset({"_grouped_mm", "_weight_norm"})
+#: APIs without a float64 kernel: their float32 calls cannot be upcast (``no_float64``)
+NO_FLOAT64 = frozenset({"_grouped_mm", "grouped_mm"})
+#: in-place calls that write values not computed from the tensor's own: copies, fills, resizes
+#: (exact: ``copy``), and the random fills, whose output does not depend on the input's values
+#: (``creation``); the other in-place calls are checked (the original runs on the real tensor,
+#: the re-runs on copies: ``state.py``)
+INPLACE_COPY = frozenset("""
+copy_ fill_ zero_ set_ resize_ resize_as_ fill_diagonal_ __setitem__ __delitem__
+""".split())
+RANDOM_FILLS = frozenset("""
+uniform_ normal_ bernoulli_ exponential_ geometric_ cauchy_ log_normal_ random_
+""".split())
 
 # -- change_value: APIs whose result is invariant (or equivariant) to swapping two elements -------
 #: element-wise on a single tensor (output elements follow the input's)
@@ -126,11 +148,12 @@ class ApiInfo:
     """What one torch callable is. ``skip`` is a key of ``REASONS`` or None (may be checked)."""
 
     __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos", "rule", "random",
-                 "params")
+                 "params", "inplace", "outplace")
 
     def __init__(self, prefix: str, name: str, skip: str | None = None,
                  operators: dict | None = None, inplace_pos: int | None = None,
-                 rule=None, random=None, params: dict | None = None) -> None:
+                 rule=None, random=None, params: dict | None = None,
+                 inplace: bool = False) -> None:
         self.prefix = prefix            # Torch | Tensor | Functional | Other
         self.name = name                # API name as the user spells it (matmul, __add__)
         self.key = f"{prefix}.{name}"   # msprobe's name without counter and stage
@@ -146,6 +169,12 @@ class ApiInfo:
         #: argument name -> (position or None, default or ``MISSING``) (``parameters``), for
         #: the APIs whose rules read arguments; empty otherwise
         self.params = params or {}
+        #: an in-place API by name (``add_``, ``relu_``, ``__iadd__``): it writes its first
+        #: argument (``inplace_target``)
+        self.inplace = inplace
+        #: the out-of-place API computing what this in-place one writes (``state.out_of_place``
+        #: fills it on first use; None: not looked up yet, False: there is none)
+        self.outplace = None
 
     def __repr__(self) -> str:
         return f"ApiInfo({self.key!r}, skip={self.skip!r})"
@@ -297,7 +326,13 @@ def classify(func) -> ApiInfo:
         skip = None if rule is not None or random is not None else static_skip(name)
     inplace_pos = _inplace_position(func) if prefix == "Functional" else None
     params = parameters(func, name) if rule is not None or random is not None else None
-    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos, rule, random, params)
+    return ApiInfo(prefix, name, skip, _operators_for(name), inplace_pos, rule, random, params,
+                   inplace=is_inplace_name(name))
+
+
+def is_inplace_name(name: str) -> bool:
+    """``add_``, ``relu_``, ``__iadd__``: an API that writes its first argument."""
+    return name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
 
 
 def static_skip(name: str) -> str | None:
@@ -306,17 +341,29 @@ def static_skip(name: str) -> str | None:
         return "view"
     if name in METADATA:
         return "metadata"
-    if name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")):
-        return "inplace"
     if name in CONVERSION:
         return "conversion"
+    if is_inplace_name(name):
+        if name.startswith("_") and not name.startswith("__"):
+            return "private"
+        if name in INPLACE_COPY:
+            return "copy"
+        if name in RANDOM_FILLS:
+            return "creation"
+        base = static_skip(name[:-1]) if not name.startswith("__") else None
+        return base if base in _EXACT_KINDS else None   # checked: runs on copies (state.py)
     if name in CREATION or name in RANDOM_CREATION:
         return "creation"
     if name in COPY:
         return "copy"
-    if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+    if name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and \
+            name not in PUBLIC_PRIVATE:
         return "private"
     return None
+
+
+#: skip reasons of calls whose result is exact (an in-place form of one is exact too)
+_EXACT_KINDS = frozenset({"view", "copy", "conversion", "creation", "metadata"})
 
 
 class Classifier:
@@ -409,15 +456,39 @@ def arg(info: ApiInfo, args: tuple, kwargs: dict, name: str, default=None):
 
 
 def dynamic_skip(info: ApiInfo, args: tuple, kwargs: dict) -> str | None:
-    """A reason decided by this call's arguments (``out=``, ``inplace=True``, ``accumulate``...)."""
-    if kwargs.get("out") is not None:
-        return "inplace"
-    if info.inplace_pos is not None and (kwargs["inplace"] if "inplace" in kwargs else (
-            len(args) > info.inplace_pos and args[info.inplace_pos])):
-        return "inplace"
+    """A reason decided by this call's arguments (``accumulate``, ``reduce``...)."""
     if info.rule is not None:
         return info.rule(info, args, kwargs)[0]
     return None
+
+
+def inplace_flag(info: ApiInfo, args: tuple, kwargs: dict) -> bool:
+    """``inplace=True`` given to a functional that has the parameter (``F.relu``, ``F.silu``,
+    ``F.dropout``...)."""
+    pos = info.inplace_pos
+    if pos is None:
+        return False
+    return bool(kwargs["inplace"] if "inplace" in kwargs else (len(args) > pos and args[pos]))
+
+
+def written(info: ApiInfo, args: tuple, kwargs: dict) -> tuple:
+    """The tensors this call writes: ``self`` of an in-place API (``add_``, ``relu_``,
+    ``index_put_``), the input of a functional called with ``inplace=True``, the ``out=``
+    tensors, the running statistics of a training batch norm, the weight of
+    ``embedding(max_norm=...)`` (empty for nearly every call)."""
+    tensors = list(state_positions(info, args, kwargs)) if info.rule is not None else []
+    if info.inplace and args and isinstance(args[0], torch.Tensor):
+        if not any(args[0] is t for t in tensors):
+            tensors.append(args[0])
+    elif info.inplace_pos is not None and inplace_flag(info, args, kwargs):
+        x = kwargs["input"] if "input" in kwargs else (args[0] if args else None)
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+    out = kwargs.get("out") if kwargs else None
+    if out is not None:
+        tensors.extend(t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                       if isinstance(t, torch.Tensor))
+    return tuple(tensors)
 
 
 def random_draw(info: ApiInfo, args: tuple, kwargs: dict):
@@ -452,7 +523,7 @@ def _always_sums(info, args, kwargs):
 def _accumulate_flag(info, args, kwargs):
     """index_put / put: a sum with ``accumulate=True``, an exact copy otherwise."""
     if not arg(info, args, kwargs, "accumulate", False):
-        return ("inplace" if info.name.endswith("_") else "copy"), ()
+        return "copy", ()
     return None, _inplace_self(info, args)
 
 
@@ -464,7 +535,7 @@ def _reduce_arg(info, args, kwargs):
     """scatter(reduce=...), scatter_reduce, index_reduce: exact for amax/amin and plain scatter."""
     reduce = arg(info, args, kwargs, "reduce", None)
     if reduce is None or reduce in _EXACT_REDUCE:
-        return ("inplace" if info.name.endswith("_") else "copy"), ()
+        return "copy", ()
     return None, _inplace_self(info, args)
 
 
@@ -519,14 +590,18 @@ ARG_RULES = {
 
 # -- random calls ----------------------------------------------------------------------------------
 class Draw:
-    """A call that draws from a generator: its API name (what ``rng.py`` knows of its draws)
-    and the explicit ``generator=`` it draws from (None: the device's default generator)."""
+    """A call that draws from a generator: its API name (what ``rng.py`` knows of its draws),
+    the explicit ``generator=`` it draws from (None: the device's default generator), and
+    whether it was found by watching the generators rather than by a rule."""
 
-    __slots__ = ("name", "generator")
+    __slots__ = ("name", "generator", "detected")
 
-    def __init__(self, name: str, generator=None) -> None:
+    def __init__(self, name: str, generator=None, detected: bool = False) -> None:
         self.name = name
         self.generator = generator
+        #: found drawing by watching the generators (``rng.observe``), not by a rule: nothing
+        #: is known of its draws (``DTYPE_FREE``, ``VALUE_DRAWS``), its re-runs are verified
+        self.detected = detected
 
 
 def _draw(info, args, kwargs) -> Draw:
@@ -587,8 +662,9 @@ def _fractional(info, args, kwargs):
 RANDOM_RULES = {
     **{name: _dropout for name in ("dropout", "dropout1d", "dropout2d", "dropout3d",
                                    "alpha_dropout", "feature_alpha_dropout", "feature_dropout",
-                                   "native_dropout")},
-    "rrelu": _training, "bernoulli": _bernoulli,
+                                   "native_dropout", "dropout_", "alpha_dropout_",
+                                   "feature_alpha_dropout_", "feature_dropout_")},
+    "rrelu": _training, "rrelu_": _training, "bernoulli": _bernoulli,
     "normal": _draw, "gumbel_softmax": _draw, "multinomial": _draw,
     "poisson": _draw, "binomial": _draw,
     "scaled_dot_product_attention": _sdpa, "multi_head_attention_forward": _mha,
@@ -604,6 +680,7 @@ RANDOM_RULES = {
 DTYPE_FREE = frozenset("""
 dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout feature_dropout
 native_dropout rrelu gumbel_softmax scaled_dot_product_attention multi_head_attention_forward
+dropout_ alpha_dropout_ feature_alpha_dropout_ feature_dropout_ rrelu_
 """.split())
 #: random APIs whose number of draws depends on the input's values (rejection sampling): a
 #: re-run on changed values falls out of step with the real call's stream

@@ -258,6 +258,9 @@ class Call:
     #: a call that draws from a generator: its ``rng.Replay`` (re-runs replay the real call's
     #: random stream), else None
     replay: object = None
+    #: an in-place / ``out=`` call: the callable its re-runs use (its out-of-place form,
+    #: ``state.out_of_place``), else None (the API itself)
+    rerun: object = None
 
 
 @dataclass

@@ -59,7 +59,7 @@ matmul __matmul__ __rmatmul__ mm bmm mv dot vdot inner einsum tensordot linear b
 addbmm baddbmm addr conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
 convolution sum nansum mean nanmean cumsum trace index_add index_add_ scatter_add scatter_add_
 index_put index_put_ put put_ embedding_bag bincount scatter_reduce scatter_reduce_ index_reduce
-index_reduce_ scatter scatter_ kron chain_matmul multi_dot
+index_reduce_ scatter scatter_ kron chain_matmul multi_dot _grouped_mm grouped_mm
 """.split())
 #: APIs whose every output element is a sum of same-signed terms (judged element by element)
 ELEMENT_APIS = frozenset({"log_softmax"})

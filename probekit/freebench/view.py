@@ -101,13 +101,20 @@ def _fmt(column: str, value) -> str:
 
 
 def summary_line(summary: dict | None, n_rows: int = 0) -> str:
-    """``"1,204 calls seen · 310 checked · 894 skipped (inplace 600, ...) · 3 flagged · 2 steps"``
-    (steps only once ``step()`` was called)."""
+    """``"1,204 calls seen · 310 checked (47 % of 660 floating-point calls) · 894 skipped (view
+    600, ...) · 3 flagged · 2 steps"`` (the share when the summary has it; steps only once
+    ``step()`` was called)."""
     if not summary:
         return f"{n_rows} findings"
     calls = summary.get("calls", 0)
-    parts = [f"{calls:,} call{'' if calls == 1 else 's'} seen",
-             f"{summary.get('checked', 0):,} checked"]
+    checked = f"{summary.get('checked', 0):,} checked"
+    n_float = summary.get("float_calls")
+    if n_float:
+        share = 100 * summary.get("checked_share", 0.0)
+        pct = f"{share:.0f}" if share >= 1 or share == 0 else f"{share:.1g}"
+        checked += (f" ({pct} % of {n_float:,} floating-point "
+                    f"call{'' if n_float == 1 else 's'})")
+    parts = [f"{calls:,} call{'' if calls == 1 else 's'} seen", checked]
     skipped = dict(summary.get("skipped") or {})
     n_skipped = sum(skipped.values())
     if n_skipped:

@@ -2,9 +2,10 @@
 from .compare import GradCompareError, compare_grads, first_divergence
 from .recorder import GradProbe
 from .report import GradComparator
+from .restarts import segments
 from .sources import open_grads
 from .store import GradStoreError
 from .suspects import suspects  # also registers the ``cmp.probekit`` accessor
 
 __all__ = ["GradProbe", "open_grads", "compare_grads", "first_divergence", "GradComparator",
-           "GradCompareError", "GradStoreError", "suspects"]
+           "GradCompareError", "GradStoreError", "suspects", "segments"]

@@ -108,7 +108,7 @@ def _declare_summary(p):
 
 @command("grads", "summary", "describe a recorded run: ranks, steps, params, last statistics")
 def summary(args) -> int:
-    from .sources import load_runs
+    from .sources import load_runs, without_grad
 
     runs = load_runs(args.run, storage_options=args.storage_options)
     for rank, ds in sorted(runs.items()):
@@ -119,6 +119,16 @@ def summary(args) -> int:
         print(f"rank {rank}: level {ds.attrs.get('level')}, {ds.sizes['param']} params "
               f"({numel:,} elements), {steps.size} steps"
               + (f" ({steps.min()}..{steps.max()})" if steps.size else ""))
+        missing = without_grad(ds)
+        if missing:
+            print(f"  {len(missing)} of {ds.sizes['param']} params never had a gradient "
+                  f"(first: {', '.join(missing[:3])}"
+                  + (", ..." if len(missing) > 3 else "") + ")"
+                  + ("" if len(missing) < ds.sizes["param"] else
+                     ": an empty recording (frozen parameters, or a backward pass that did "
+                     "not reach them)"))
+        elif not steps.size:
+            print("  no step recorded: no optimizer step over these parameters was seen")
         if steps.size:
             last = ds.isel(step=-1)
             print(f"  step {int(steps[-1])}:  {'param':40s} {'max':>12s} {'min':>12s} {'norm':>12s}")

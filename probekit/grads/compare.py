@@ -7,11 +7,13 @@ A parameter is flagged at the first compared step if its similarity is below ``s
 previous compared step; ``flag_total`` applies the same rule to ``total``. Parameters are paired
 by name (without wrapper prefixes); those of one run only are named in the result and logged.
 
-The sign bits are read in blocks of steps as 64-bit words, XOR-ed, counted with
-``np.bitwise_count`` and summed per parameter with ``np.add.reduceat``: no loop over files,
-steps or parameters in Python. ``compare_grads`` runs the blocks of every rank pair as a dask
-graph (``plan_pair`` -> ``count_block`` per block -> ``finish_pair``), on local threads or a
-``dask.distributed`` cluster (``engine.py``).
+``compare_grads`` runs a dask graph on local threads or a ``dask.distributed`` cluster
+(``engine.py``). Two stores are compared shard by shard, segment by segment (``plan_stage``:
+the stores' segments, their rank groups opened, the plan of ``planner.py``; ``count_stage``:
+``counting.count_task`` per slab set and chunk of steps, summed; ``finish_arrays``). Datasets
+(and what the planner declines) block by block (``plan_pair``, ``count_block`` per block of
+steps: the sign bits read as 64-bit words, XOR-ed, counted with ``np.bitwise_count`` and summed
+per parameter; ``finish_pair``). Both give the same counts.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import numpy as np
 from ..errors import GradCompareError
 from ..log import get_logger
 from .chunks import bit_reader
-from .planner import check_sizes, match_params, ranges_text
+from .planner import check_sizes, match_params, pair_labels, ranges_text
 from .sampling import CONFIDENCE, stratified_interval, wilson
 from .unmatched import unmatched_vars
 
@@ -386,18 +388,7 @@ def pair_runs(runs_a: dict, runs_b: dict, ranks=None) -> list:
     process, a DDP run written by one rank, a sharded run assembled) pair whatever rank recorded
     them: FSDP2 at 2 or 4 ranks, DDP and a single process line up parameter by parameter.
     Otherwise (one Dataset per rank: pipeline stages, independent ranks) rank r pairs with r."""
-    if len(runs_a) == 1 and len(runs_b) == 1 and (ranks is None or set(runs_a) & set(ranks)):
-        (ra, a), = runs_a.items()
-        (_, b), = runs_b.items()
-        return [(ra, a, b)]
-    common = sorted(set(runs_a) & set(runs_b))
-    if ranks is not None:
-        common = [r for r in common if r in set(ranks)]
-    if not common:
-        raise GradCompareError(f"the runs share no rank (first: {sorted(runs_a)}, second: "
-                               f"{sorted(runs_b)}" + (f", asked: {list(ranks)}" if ranks else "")
-                               + ")")
-    return [(r, runs_a[r], runs_b[r]) for r in common]
+    return [(ra, runs_a[ra], runs_b[rb]) for ra, rb in pair_labels(runs_a, runs_b, ranks)]
 
 
 def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
@@ -423,12 +414,15 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     parameter whatever rank recorded them; runs of several ranks pair rank r with rank r.
 
     Two probekit stores (paths or URLs) are compared shard by shard: the counts are taken
-    over the element ranges the two runs' rank groups share (``planner.py``), so a sharded run
-    is never assembled, and opening the rank groups and planning are tasks of the graph too.
-    Datasets, msprobe dumps and layouts the planner does not handle are compared as Datasets
-    (a sharded store assembled by ``open_grads``). Both give the same result.
+    over the element ranges the two runs' rank groups share (``planner.py``), segment by
+    segment of a restarted store (``restarts.segments``: 4 ranks for some steps, 2 for the
+    next), so a sharded run is never assembled, and listing the segments, opening the rank
+    groups and planning are tasks of the graph too. Datasets, msprobe dumps and layouts the
+    planner does not handle are compared as Datasets (a sharded store assembled by
+    ``open_grads``). Both give the same result.
 
-    Where it runs: a dask graph (the stores' rank groups opened in batches, the plan, then one
+    Where it runs: a dask graph (each store's segments, their rank groups opened in batches,
+    the plan, then one
     task per slab set and chunk of steps, summed per chunk; for Datasets one task per block of
     steps of each rank pair), on the local cores (dask's threads) by default, or on a
     ``dask.distributed`` cluster: ``client=`` (a ``distributed.Client``) or ``scheduler=`` (its
@@ -459,7 +453,7 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
 
 
 def _stores(a, b, storage_options):
-    from .segments import store_of
+    from .opening import store_of
 
     sa = store_of(a, storage_options)
     if sa is None:
@@ -468,15 +462,19 @@ def _stores(a, b, storage_options):
     return None if sb is None else (sa, sb)
 
 
-def _plan_task(n_a: int, ranks, block_bytes, task_bytes, *batches) -> dict:
-    """The comparison's plan from the opened rank groups of both runs (a task of the graph)."""
+def _plan_task(segs_a, segs_b, n_a: int, ranks, block_bytes, task_bytes, *batches) -> dict:
+    """The comparison's plan from both runs' segments (``restarts.Segment``) and their opened
+    rank groups (``opening.open_batch`` of each segment's ranks in order; a task of the
+    graph)."""
+    from .opening import gc_held
     from .planner import plan
-    from .segments import gc_held, segments
 
-    groups_a = [g for batch in batches[:n_a] for g in batch]
-    groups_b = [g for batch in batches[n_a:] for g in batch]
+    def runs(segs, opened):
+        groups = iter(g for batch in opened for g in batch)
+        return [(seg, [next(groups) for _ in seg.ranks]) for seg in segs]
+
     with gc_held():  # many small containers: no collection of everything alive meanwhile
-        return plan(segments(groups_a), segments(groups_b), ranks=ranks,
+        return plan(runs(segs_a, batches[:n_a]), runs(segs_b, batches[n_a:]), ranks=ranks,
                     block_bytes=block_bytes, task_bytes=task_bytes)
 
 
@@ -515,17 +513,25 @@ def _tree_add(parts: list, fan: int = 32):
 
 def plan_stage(sa, sb, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
                task_bytes: int = _TASK_BYTES):
-    """The first stage of a comparison of two stores (``segments.store_of``): the rank groups
-    opened in batches, then the plan, as tasks of ``session``'s graph; the plan (on a cluster:
-    its future)."""
+    """The first stages of a comparison of two stores (``opening.store_of``), as tasks of
+    ``session``'s graph: each store's layout segments (``restarts.segments``), then their rank
+    groups opened in batches, then the plan; the plan (on a cluster: its future)."""
     import dask
 
-    from .segments import batches, open_batch
+    from .opening import batches, open_batch, shape, store_segments
 
-    opened = [[dask.delayed(open_batch, pure=False)(fs, store, batch)
-               for batch in batches(rks)] for fs, store, rks in (sa, sb)]
-    planned = dask.delayed(_plan_task, pure=False)(len(opened[0]), ranks, block_bytes,
-                                                   task_bytes, *opened[0], *opened[1])
+    listed = session.run([dask.delayed(store_segments, pure=False)(fs, store)
+                          for fs, store in (sa, sb)], keep=True)
+    segs = [h if session.on_cluster else dask.delayed(h, pure=False, traverse=False)
+            for h in listed]
+    opened = []
+    for (fs, _), handle, lazy in zip((sa, sb), listed, segs):
+        opened.append([dask.delayed(open_batch, pure=False)(fs, lazy, i, batch)
+                       for i, (_, _, rks) in enumerate(session.value(shape, handle))
+                       for batch in batches(rks)])
+    planned = dask.delayed(_plan_task, pure=False)(segs[0], segs[1], len(opened[0]), ranks,
+                                                   block_bytes, task_bytes, *opened[0],
+                                                   *opened[1])
     handle, = session.run([planned], keep=True, inner=opened[0] + opened[1])
     return handle
 

@@ -18,14 +18,16 @@ import sys
 import time
 
 from ..errors import GradCompareError
+from ..log import in_kernel
 
 
 class _Progress:
-    """Finished tasks / all, printed on stderr once the run is slower than ``delay`` seconds."""
+    """Finished tasks / all, printed on stderr once the run is slower than ``delay`` seconds
+    (stdout in a notebook kernel, where stderr is drawn as an error)."""
 
     def __init__(self, total: int, label: str, delay: float, stream=None) -> None:
         self.total, self.label, self.delay = total, label, delay
-        self.stream = stream or sys.stderr
+        self.stream = stream or (sys.stdout if in_kernel() else sys.stderr)
         self.done = 0
         self.t0 = self.last = time.monotonic()
         self.shown = False
@@ -76,7 +78,8 @@ class Session:
                 from distributed import Client
             except ImportError:
                 raise ImportError("scheduler=: a dask.distributed cluster needs the distributed "
-                                  "package: pip install 'probekit[distributed]'") from None
+                                  "package: pip install distributed (probekit's 'distributed' "
+                                  "extra)") from None
             try:
                 self.client = Client(self.scheduler, timeout="10s", set_as_default=False)
             except (OSError, ValueError, TypeError) as exc:

@@ -1,7 +1,7 @@
 """Plan a comparison over the element ranges two runs' rank groups share: no parameter rebuilt.
 
 The similarity of two runs is a count of equal bits, so it adds up over any partition of the
-elements. Each run recorded every parameter as pieces (``segments.py``: one per rank group under
+elements. Each run recorded every parameter as pieces (``opening.py``: one per rank group under
 FSDP2 dim-0 sharding, a tensor-parallel column or row block, HSDP's first replica, the whole
 parameter in a single process or under DDP), each a box of the parameter's index space stored in
 the box's own C order. Wherever a piece of one run meets a piece of the other, the two count the
@@ -18,12 +18,15 @@ at a time. A task is a slab set over a chunk of steps of about ``task_bytes``; i
 counts of its steps for every compared parameter, summed over the sets of the same steps
 (``compare.py``'s reduce tasks).
 
-What a run is (which rank groups form one run, which pieces are taken once, which steps) follows
-``assemble.assemble_runs`` exactly, so the result is the assembled comparison's, variable for
-variable. A layout this planner does not handle (a parameter whose shapes differ between the
-runs while sharded, more than ``geometry.PREFIX + 1`` dimensions that stay after merging,
-non-plain chunk files) makes ``plan`` return the reason, and the comparison reads the runs as
-Datasets instead.
+What a run is follows the readers exactly, so the result is the assembled comparison's,
+variable for variable: its segments are ``restarts.segments``' (a store restarted with another
+layout, 4 ranks for some steps and 2 for the next, is several; each pair of segments of the two
+runs that share steps is planned on its own and the counts join along the steps), and within a
+segment which rank groups form one run, which pieces are taken once and which steps count
+follow ``assemble.assemble_runs``. A layout this planner does not handle (a parameter whose
+shapes differ between the runs while sharded, more than ``geometry.PREFIX + 1`` dimensions that
+stay after merging, bits stored neither as plain chunk files nor as shards of steps) makes
+``plan`` return the reason, and the comparison reads the runs as Datasets instead.
 """
 from __future__ import annotations
 
@@ -59,7 +62,8 @@ def _shape(text: str) -> tuple:
 def match_params(raw_a: list, raw_b: list, left_a: list, left_b: list, label: str = ""):
     """Parameters of two runs paired by name without wrapper prefixes: (common names in the
     first run's order, their positions in a, in b, names of a only, of b only, parameter count
-    of a, of b). Raises when none is shared; logs the unmatched ones."""
+    of a, of b). Raises when none is shared; logs the unmatched ones (after ``label``; None:
+    not logged, a caller that logged them already)."""
     names_a, names_b = list(canonical_names(raw_a)), list(canonical_names(raw_b))
     index_a = {n: i for i, n in enumerate(names_a)}
     index_b = {n: i for i, n in enumerate(names_b)}
@@ -70,7 +74,7 @@ def match_params(raw_a: list, raw_b: list, left_a: list, left_b: list, label: st
     if not common:
         raise GradCompareError(f"the runs share no parameter (first: {names_a[:3]}..., second: "
                                f"{names_b[:3]}...)")
-    if only_a or only_b:
+    if (only_a or only_b) and label is not None:
         log.warning("%s%s", label, unmatched_text(only_a, only_b, n_a, n_b))
     pos_a = np.array([index_a[n] for n in common], np.int64)
     pos_b = np.array([index_b[n] for n in common], np.int64)
@@ -279,61 +283,83 @@ def _as_recorded(g: dict) -> dict:
             "pieces": _by_name(t, len(shapes)), "steps": g["steps"], "used": [0]}
 
 
-def pair_logical(runs_a: dict, runs_b: dict, ranks=None) -> list:
-    """[(label, run a, run b)], as ``compare.pair_runs`` pairs Datasets."""
-    if len(runs_a) == 1 and len(runs_b) == 1 and (ranks is None or set(runs_a) & set(ranks)):
-        (ra, a), = runs_a.items()
-        (_, b), = runs_b.items()
-        return [(ra, a, b)]
-    common = sorted(set(runs_a) & set(runs_b))
+def pair_labels(labels_a, labels_b, ranks=None) -> list:
+    """[(label of a, label of b)]: which runs of two recordings are compared with which. A
+    recording of one run each: those two, whatever rank recorded them; else rank r with rank r
+    (``ranks``: only those). ``compare.pair_runs`` pairs Datasets by it too."""
+    labels_a, labels_b = sorted(labels_a), sorted(labels_b)
+    if len(labels_a) == 1 and len(labels_b) == 1 and (ranks is None
+                                                      or set(labels_a) & set(ranks)):
+        return [(labels_a[0], labels_b[0])]
+    common = sorted(set(labels_a) & set(labels_b))
     if ranks is not None:
         common = [r for r in common if r in set(ranks)]
     if not common:
-        raise GradCompareError(f"the runs share no rank (first: {sorted(runs_a)}, second: "
-                               f"{sorted(runs_b)}" + (f", asked: {list(ranks)}" if ranks else "")
+        raise GradCompareError(f"the runs share no rank (first: {labels_a}, second: "
+                               f"{labels_b}" + (f", asked: {list(ranks)}" if ranks else "")
                                + ")")
-    return [(r, runs_a[r], runs_b[r]) for r in common]
+    return [(r, r) for r in common]
 
 
-# -- one pair ------------------------------------------------------------------------------
-def plan(segments_a: list, segments_b: list, *, ranks=None, block_bytes: int = 8 << 20,
+# -- one comparison --------------------------------------------------------------------------
+def plan(run_a: list, run_b: list, *, ranks=None, block_bytes: int = 8 << 20,
          task_bytes: int = 64 << 20) -> dict:
-    """The comparison of two runs given as layout segments (``segments.segments``: each
-    {"steps": (first, last) or None for all, "groups": [rank group]}): {"pairs": [pair plan]}
-    or {"unsupported": reason}. Each pair of segments whose steps overlap is planned on its
-    own (its groups form runs as ``logical_runs`` says, over the steps both hold); the pair
-    plans of one rank label are consecutive and in step order (``compare.py`` joins their
-    counts)."""
-    groups = [g for seg in segments_a + segments_b for g in seg["groups"]]
+    """The comparison of two runs, each given as its layout segments with their rank groups:
+    ``[(restarts.Segment, [opening.open_group of each of its ranks])]`` -> {"pairs": [pair
+    plan]} or {"unsupported": reason}.
+
+    Each segment's groups form runs as ``logical_runs`` says (a sharded segment: one run under
+    its lowest rank), labelled as the assembled readers label them; the runs of the two
+    recordings are paired by label over all their segments (``pair_labels``: a run of one
+    label each, whatever rank; else rank r with rank r), and each pair of segments of a paired
+    label whose steps overlap is planned on its own over the steps both hold (``plan_pair``).
+    The pair plans of one label are consecutive and in step order (``compare.py`` joins their
+    counts along the steps)."""
+    groups = [g for _, gs in run_a + run_b for g in gs]
     if any(g is None for g in groups):
-        return {"unsupported": "arrays not stored as plain chunk files"}
+        return {"unsupported": "arrays stored neither as plain chunk files nor as shards of "
+                               "steps"}
     try:
+        sides = [[(seg, logical_runs(gs)) for seg, gs in run if seg.last_step >= seg.first_step]
+                 for run in (run_a, run_b)]
+        labels = [{label for _, runs in side for label in runs} for side in sides]
+        if not labels[0] or not labels[1]:
+            raise GradCompareError(f"the {'first' if not labels[0] else 'second'} run holds no "
+                                   "committed step")
         out = []
-        for seg_a in segments_a:
-            for seg_b in segments_b:
-                window = _overlap(seg_a.get("steps"), seg_b.get("steps"))
-                if window is False:
-                    continue
-                pairs = pair_logical(logical_runs(seg_a["groups"]),
-                                     logical_runs(seg_b["groups"]), ranks)
-                out += [plan_pair(r, a, b, block_bytes, task_bytes, prefix=f"rank {r}: ",
-                                  window=window) for r, a, b in pairs]
-        if not out:
-            raise GradCompareError("the runs' layout segments share no step")
-        out.sort(key=lambda q: (q["label"], int(q["steps"][0])))
+        for la, lb in pair_labels(labels[0], labels[1], ranks):
+            mine = []
+            for seg_a, runs_a in sides[0]:
+                for seg_b, runs_b in sides[1]:
+                    if la not in runs_a or lb not in runs_b:
+                        continue
+                    window = _overlap(seg_a, seg_b)
+                    if window is None:
+                        continue
+                    got = plan_pair(la, runs_a[la], runs_b[lb], block_bytes, task_bytes,
+                                    prefix=None if mine else f"rank {la}: ", window=window)
+                    if got is not None:
+                        mine.append(got)
+            if not mine:
+                steps = [np.concatenate([r[label]["steps"] for _, r in side if label in r])
+                         for side, label in zip(sides, (la, lb))]
+                raise GradCompareError(f"the runs share no step (first: "
+                                       f"{ranges_text(steps[0])}; second: "
+                                       f"{ranges_text(steps[1])})")
+            mine.sort(key=lambda q: int(q["steps"][0]))
+            for prev, nxt in zip(mine, mine[1:]):
+                if int(prev["steps"][-1]) >= int(nxt["steps"][0]):
+                    raise Unsupported("layout segments of one run holding the same steps")
+            out += mine
         return {"pairs": out}
     except Unsupported as exc:
         return {"unsupported": str(exc)}
 
 
 def _overlap(a, b):
-    """The step range two segments share: None (all), (first, last), or False (none)."""
-    if a is None:
-        return b
-    if b is None:
-        return tuple(a)
-    lo, hi = max(a[0], b[0]), min(a[1], b[1])
-    return (lo, hi) if lo <= hi else False
+    """The steps (first, last) two segments share, or None."""
+    lo, hi = max(a.first_step, b.first_step), min(a.last_step, b.last_step)
+    return (lo, hi) if lo <= hi else None
 
 
 def _level_check(run, which: str) -> None:
@@ -359,9 +385,10 @@ def _numel(run, k: int) -> int:
 
 
 def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
-              prefix: str = "", window=None) -> dict:
+              prefix: str | None = "", window=None) -> dict | None:
     """The plan of one pair of runs (see the module docstring); ``prefix`` starts the
-    unmatched-parameter warning; ``window``: (first, last) steps of a layout segment."""
+    unmatched-parameter warning (None: none logged); ``window``: (first, last) steps of a pair
+    of layout segments, None when the runs share none of them."""
     _level_check(ra, "first")
     _level_check(rb, "second")
     samples = []
@@ -387,6 +414,8 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
                                  return_indices=True)
     if window is not None:
         steps = steps[(steps >= window[0]) & (steps <= window[1])]
+        if steps.size == 0:
+            return None
     if steps.size == 0:
         raise GradCompareError(f"the runs share no step (first: {ranges_text(ra['steps'])}; "
                                f"second: {ranges_text(rb['steps'])})")

@@ -28,10 +28,16 @@ from .names import canonical_names
 from .placement import (amax_reducer, ddp_first_rank, dtensor_placement, first_replica,
                         is_dtensor, local_grad)
 from .rawgrads import BackwardTap
-from .store import GradWriter
+from .restarts import plan_run
+from .store import GradWriter, layout_key
 from .summary import ProbeSummary, probe_summary
 
 log = get_logger(__name__)
+
+#: steps of optimizers owning none of the monitored parameters, with none of this probe's own,
+#: after which a WARNING says nothing is recorded (a GAN's discriminator may step a few times
+#: before the generator's first step: 10 leaves room for that)
+IGNORED_STEPS_WARNING = 10
 
 
 class GradProbe:
@@ -48,7 +54,8 @@ class GradProbe:
     ``rank`` (recorded steps and ranks; empty = all), ``hash``, ``flush_every``,
     ``flush_seconds``, ``significance``, ``grad_point`` (``"step"``, the default: the gradients
     ``optimizer.step()`` is handed, after clipping; ``"backward"``: the raw gradients at the end
-    of the last backward pass before the step, before clipping). The spellings ``level=``,
+    of the last backward pass before the step, before clipping), ``start_step``, ``overwrite``,
+    ``durable`` (below). The spellings ``level=``,
     ``steps=``, ``ranks=`` of earlier versions still work, with a ``DeprecationWarning``.
     ``scaler``: the run's ``GradScaler``, so that its skipped steps keep their place (a row with
     no gradient present);
@@ -60,6 +67,17 @@ class GradProbe:
     parallel, HSDP) each rank records its own shard with its placement, no gather, and
     ``open_grads`` assembles full parameters; under DDP the first rank of the group records.
     A ``rank`` filter, when given, selects the recording ranks as in msprobe.
+
+    Restarts: a run into a store that holds steps continues it. Its first step is
+    ``start_step`` when given, else the optimizer's own step count (Adam, AdamW, RMSprop...
+    keep one in their state, which HF Trainer, Lightning and a checkpointing script restore),
+    else the step after the store's newest (a new store: 0, msprobe's numbering); from that
+    step on it supersedes what earlier runs recorded (steps a killed run wrote beyond the
+    checkpoint it resumed from). A run that would replace every recorded step needs
+    ``overwrite=True``. A changed world size or
+    sharding records into a new layout folder of the same store; the readers join them
+    (``restarts.py``). ``durable=True``: every commit flushed to the disk (survives a power
+    loss; without it, the death of the process).
 
     Parameters are stored under their names without the prefixes of ``torch.compile``, DDP,
     FSDP1 and checkpoint wrappers (``names.canonical_name``); the names as recorded are kept in
@@ -93,7 +111,12 @@ class GradProbe:
         self._once = Once()
         self._tap = None  # grad_point "backward": the statistics at the end of each backward
         self._tap_seconds = 0.0
+        self._run = None  # this recording's run in the store (``_begin_run``, at its first step)
         self._select_params()
+        # empty recordings are warned about (_warn_*): which parameters ever had a gradient at
+        # a recorded step, and the steps of optimizers owning none of them
+        self._had_grad = np.zeros(len(self._params), bool)
+        self._ignored_steps = 0
         if (self.config.grad_probe.grad_point == "backward" and scaler is not None
                 and self.config.grad_probe.grad_level == "L0"):
             raise ConfigError(
@@ -126,6 +149,7 @@ class GradProbe:
                      len(frozen), frozen[0])
         if not named:
             raise ValueError("grad_probe: the model has no parameter to monitor")
+        self._layout_desc = self._describe(named)
         named, self._placement = self._shard_plan(named)
         self.param_names = tuple(c for c, _, _ in named)
         self.recorded_names = tuple(n for _, n, _ in named)
@@ -148,6 +172,22 @@ class GradProbe:
             self.param_names, numels,
             tuple(tuple(pl["local_shape"]) if pl else tuple(p.shape)
                   for pl, p in zip(local, self._params)), nbits)
+
+    def _describe(self, named) -> dict:
+        """What every rank of the run records, computed alike on each (the layout key of
+        ``restarts.py``): the options that shape the store and every monitored parameter's
+        global shape and placement, not this rank's shards."""
+        section = self.config.grad_probe
+        params = []
+        for c, _, p in named:
+            place = dtensor_placement(p) if is_dtensor(p) else None
+            params.append([c, [int(x) for x in p.shape], None if place is None else
+                           {"mesh": place["mesh_shape"], "placements": place["placements"]}])
+        return {"level": section.grad_level, "bounds": list(section.bounds),
+                "hash": section.hash if section.grad_level == "L0" else None,
+                "significance": bool(section.significance) and section.grad_level != "L0",
+                "grad_point": section.grad_point, "rank": sorted(self.config.rank),
+                "params": params}
 
     def _all_ranks_record(self) -> bool:
         import torch.distributed as dist
@@ -218,14 +258,25 @@ class GradProbe:
                                       section.grad_level, section.bounds, section.hash,
                                       section.flush_every, section.flush_seconds,
                                       attrs=attrs, significance=section.significance,
-                                      storage_options=self.storage_options)
+                                      storage_options=self.storage_options,
+                                      layout_key=layout_key(self._layout_desc),
+                                      durable=section.durable, overwrite=section.overwrite,
+                                      world=_world_size())
+            self._run = None
             self._scratch = _stats.Workspace()
+        elif self._writer is not None:
+            self._writer.reopen()  # started again after stop(): the same run goes on
         optimizers = (self.optimizer if isinstance(self.optimizer, (list, tuple))
                       else [self.optimizer] if self.optimizer is not None else [])
         for opt in optimizers:
             self._owns(opt)
             self._handles.append(opt.register_step_pre_hook(self._pre_step))
             self._handles.append(opt.register_step_post_hook(self._post_step))
+        if optimizers and self._writer is not None and not self._owned:
+            log.warning("grad_probe: the optimizer given owns none of the %d monitored "
+                        "parameters (was it built over another model or a copy of this one?); "
+                        "the gradients are taken at its steps all the same",
+                        len(self.param_names))
         if not optimizers:
             self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
             self._handles.append(register_optimizer_step_post_hook(self._post_step))
@@ -271,12 +322,28 @@ class GradProbe:
                     self._scratch.close()  # the pool's threads end with the probe
         if handles and self._writer is not None:
             log.info("%s", self.summary)
+            if self.steps_seen == 0:
+                log.warning("%s", self._no_step_message())
+
+    def _no_step_message(self) -> str:
+        msg = ("grad_probe: no optimizer step over the monitored parameters was seen, so no "
+               "step is recorded. ")
+        if self._ignored_steps:
+            return msg + (f"{self._ignored_steps} step(s) of optimizers owning none of the "
+                          f"{len(self.param_names)} monitored parameters were ignored: the "
+                          "optimizer was built over other parameters (another model, or a copy "
+                          "of this one made after it); build it over this model's parameters "
+                          "or pass it to the probe")
+        return msg + ("Likely cause: optimizer.step() ran outside the probe (before start() or "
+                      "after stop(), or outside the `with` block)")
 
     @property
     def summary(self) -> ProbeSummary:
-        """Steps written (all of them after ``stop()``), parameters, bytes of this rank's store
-        and where it is; ``str()`` of it is the line ``stop()`` logs."""
-        return probe_summary(self._writer, len(self.param_names))
+        """Steps written (all of them after ``stop()``), parameters, bytes of this rank's store,
+        where it is and how many parameters never had a gradient at a recorded step
+        (``no_grad``); ``str()`` of it is the line ``stop()`` logs."""
+        return probe_summary(self._writer, len(self.param_names),
+                             no_grad=int((~self._had_grad).sum()))
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -352,6 +419,13 @@ class GradProbe:
             if self._once(("other-optimizer", id(optimizer))):
                 log.debug("grad_probe: ignoring an optimizer that does not own the model's "
                           "parameters")
+            self._ignored_steps += 1
+            if (self.steps_seen == 0 and self._ignored_steps == IGNORED_STEPS_WARNING
+                    and self._writer is not None):
+                log.warning("grad_probe: %d optimizer steps so far, none over the %d monitored "
+                            "parameters: nothing is recorded. Was the optimizer built over "
+                            "other parameters (another model, or a copy of this one)?",
+                            self._ignored_steps, len(self.param_names))
             return None
         if self._nested():
             return None
@@ -384,6 +458,8 @@ class GradProbe:
         (no gradient changed in between) belong to the same iteration, whichever optimizer
         stepped first. With a ``GradScaler`` the iteration is the number of its ``update()``
         calls, so steps it skipped stay in place (as steps where no gradient is present)."""
+        if self._run is None and self._writer is not None:
+            self._begin_run(optimizer)  # once: reads the store (not in the hook's time)
         t0 = time.perf_counter()
         grads = self._grads()
         if self._fresh(grads):
@@ -403,6 +479,8 @@ class GradProbe:
                     for g, p, pl in zip(part, self._params, self._placement)]
             if self._writer is None:  # a rank outside the rank filter: gathered, not recorded
                 return
+        if mine and all(grads[i] is None for i in mine) and self._once("no-grad-at-all"):
+            log.warning("%s", self._no_grad_message(mine))
         for i in sorted(mine):
             if grads[i] is None and self._params[i].requires_grad and self._once(
                     ("no-grad", i)):
@@ -443,6 +521,51 @@ class GradProbe:
             self._emit(cur, amend=True)
         # the step's hook time includes the statistics taken at the backward passes before it
         self.hook_seconds.append(time.perf_counter() - t0 + extra)
+
+    def _no_grad_message(self, idx) -> str:
+        """The warning for an optimizer step at which none of the parameters ``idx`` it takes has
+        a gradient (logged once): the likely cause, from the parameters' state."""
+        n = len(idx)
+        step = self.steps_seen if self._iter is None else self._iter["step"]
+        frozen = sum(not self._params[i].requires_grad for i in idx)
+        msg = (f"grad_probe: none of the {n} monitored parameters stepped by the optimizer has a "
+               f"gradient at step {step}; their statistics are empty (NaN). ")
+        if frozen == n:
+            return msg + ("They are all frozen (requires_grad=False): unfreeze them, or monitor "
+                          "the trainable ones (param_list)")
+        return msg + ("Likely cause: the backward pass did not reach them (the loss came from "
+                      "another model or a copy, ran under torch.no_grad, or backward() ran "
+                      "outside the probe's model), or the gradients were cleared "
+                      "(zero_grad) before optimizer.step()")
+
+    def _begin_run(self, optimizer) -> None:
+        """This recording's first step and what it supersedes in the store (``segments.
+        plan_run``), decided once for the job: by the first rank to get here, the others take
+        its decision from torch.distributed's store (one key, no collective)."""
+        section = self.config.grad_probe
+        inferred = _optimizer_step(optimizer) if section.start_step is None else None
+
+        def decide(scope):
+            return plan_run(self.dump_path, start=section.start_step, inferred=inferred,
+                            why=f"the step count of {type(optimizer).__name__}'s state",
+                            overwrite=section.overwrite, scope=scope, rank=get_rank(),
+                            storage_options=self.storage_options or None,
+                            sample=int(section.sample) if self._sample is not None else 0)
+
+        run = _agree(self._writer.url.rsplit("/rank", 1)[0], decide)
+        self._run = run
+        start = int(run["start"])
+        self.steps_seen = start
+        if self.scaler is not None:
+            self._updates = start
+        self._writer.begin(run)
+        held = run.get("held")
+        if held:
+            gone = "" if start > held[1] else (
+                f"; steps {max(start, held[0])}..{held[1]} recorded before are superseded "
+                "by this run's")
+            log.info("grad_probe: %s holds steps %d..%d; this run records from step %d (%s)%s",
+                     self.dump_path, held[0], held[1], start, run.get("how"), gone)
 
     def _statistics(self, part, bounds=None):
         """``stats.compute`` of this rank's gradients ``part``: the shards' significance scale
@@ -489,6 +612,7 @@ class GradProbe:
                                     section.bounds, section.hash, self._scratch,
                                     section.significance)]
         stats = parts[0] if len(parts) == 1 else _stats.merge(parts, self.layout)
+        self._had_grad |= np.asarray(stats.present, bool)
         if not amend:
             self._writer.append(step, stats)
         elif not self._writer.amend(step, stats) and self._once(("late", step)):
@@ -601,3 +725,91 @@ class _CallCounter:
 
 def _count_calls(obj, name, callback) -> _CallCounter:
     return _CallCounter(obj, name, callback)
+
+
+def _optimizer_step(optimizer):
+    """The number of steps ``optimizer`` took, from the ``step`` its state keeps per parameter
+    (Adam, AdamW, RMSprop, Adagrad...; restored with a checkpoint's optimizer state): the index
+    of the step about to be taken, in the pre-step hook. None for an optimizer keeping none."""
+    steps = []
+    for state in getattr(optimizer, "state", {}).values():
+        value = state.get("step") if isinstance(state, dict) else None
+        if value is None:
+            continue
+        try:
+            steps.append(int(float(value)))
+        except (TypeError, ValueError):
+            continue
+    if steps:
+        return max(steps)
+    return 0 if getattr(optimizer, "state", None) is not None and _keeps_steps(optimizer) \
+        else None
+
+
+def _keeps_steps(optimizer) -> bool:
+    """An optimizer of a kind that counts steps in its state, before its first step (empty
+    state): its step is 0."""
+    from torch import optim
+
+    kinds = tuple(getattr(optim, n) for n in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam",
+                                              "RMSprop", "Adagrad", "Adadelta", "ASGD",
+                                              "Rprop", "SparseAdam") if hasattr(optim, n))
+    return isinstance(optimizer, kinds) and not any(optimizer.state.values())
+
+
+def _world_size():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return None
+
+
+_RUNS_STARTED: dict = {}  # store -> runs this process began into it (the agreement's key)
+
+
+def _agree(store_url: str, decide) -> dict:
+    """``decide(scope)`` once for the job: under torch.distributed the first rank to claim the
+    key decides and publishes its decision in the process group's store, the others wait for
+    it (a key-value exchange, no collective); otherwise this process decides alone (scope
+    "job" when it is the whole job, "rank" when other processes record beside it)."""
+    import hashlib
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from ..errors import GradStoreError
+
+    n = _RUNS_STARTED[store_url] = _RUNS_STARTED.get(store_url, 0) + 1
+    kv = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            kv = dist.distributed_c10d._get_default_store()
+        except Exception:  # pragma: no cover - another torch: each rank decides alone
+            kv = None
+    if kv is None:
+        alone = int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1
+        return decide("job" if alone else "rank")
+    key = "probekit/grads/{}/{}/{}".format(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        hashlib.sha1(store_url.encode()).hexdigest()[:16], n)
+    me = f"{os.getpid()}-{get_rank()}"
+    claimed = kv.compare_set(key + "/claim", "", me)
+    if (claimed.decode() if isinstance(claimed, bytes) else claimed) == me:
+        try:
+            run = decide("job")
+        except GradStoreError as exc:
+            run = {"error": str(exc)}
+        except Exception as exc:  # the others must not wait for a decision that never comes
+            run = {"error": f"grad_probe: reading the store failed: {type(exc).__name__}: {exc}"}
+        kv.set(key + "/run", json.dumps(run))
+    else:
+        import datetime
+
+        kv.wait([key + "/run"], datetime.timedelta(seconds=600))
+        raw = kv.get(key + "/run")
+        run = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    if "error" in run:
+        raise GradStoreError(run["error"])
+    return run

@@ -97,7 +97,7 @@ def hasher(name: str):
             import xxhash
         except ImportError:  # pragma: no cover - depends on the environment
             raise ImportError("grad_probe hash 'xxh3' needs the xxhash package: "
-                              "pip install 'probekit[fast]'") from None
+                              "pip install xxhash (probekit's 'fast' extra)") from None
         return xxhash.xxh3_128()
     raise ValueError(f"hash: {name!r} is not valid; accepted: md5, xxh3")
 

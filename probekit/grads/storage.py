@@ -7,10 +7,11 @@ at interpreter exit and from a signal handler, as fast as before. Any other URL 
 filesystem, with credentials and endpoint the fsspec way: the standard variables (``AWS_*`` for
 S3, ``GOOGLE_APPLICATION_CREDENTIALS`` for GCS) or ``storage_options``.
 
-Atomic writes: locally a temporary file, fsync, rename (``probekit.atomic``); on an object store
-one PUT per object, which readers see whole or not at all. The store's commit protocol (chunks,
-then array shapes, then ``commit.json``) rests on nothing else, so a writer that dies leaves the
-last committed step readable on either.
+Atomic writes: locally a temporary file renamed over the old one (``probekit.atomic``; flushed
+to the disk first, and the folder after the rename, only where the store asks for durability);
+on an object store one PUT per object, which readers see whole or not at all. The store's commit
+protocol (chunks, then array shapes, then ``commit.json``) rests on nothing else, so a writer
+that dies leaves the last committed step readable on either.
 
 A URL is checked before anything is written: an unknown protocol, a missing filesystem package
 (``s3fs``, ``gcsfs``) or a missing bucket raise ``GradStoreError`` naming it; a URL never falls
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, fsync_dir
 from ..errors import GradStoreError
 
 #: packages providing the common object-store protocols (fsspec names them in its registry too)
@@ -65,8 +66,14 @@ class Local:
         return out
 
     @staticmethod
-    def write(path, data, pad: int = 0) -> None:
-        atomic_write(path, data, pad=pad)
+    def write(path, data, pad: int = 0, fsync: bool = True) -> None:
+        atomic_write(path, data, pad=pad, fsync=fsync)
+
+    @staticmethod
+    def sync_dirs(paths) -> None:
+        """Make the files renamed into these folders durable (``durable=True``)."""
+        for p in paths:
+            fsync_dir(p)
 
     @staticmethod
     def makedirs(path) -> None:
@@ -101,9 +108,15 @@ class Local:
 
     @staticmethod
     def du(path) -> int:
-        """Bytes of the files under ``path``."""
-        return sum(os.path.getsize(os.path.join(folder, f))
-                   for folder, _, files in os.walk(path) for f in files)
+        """Bytes of the files under ``path`` (a file a writer renames meanwhile counts once)."""
+        total = 0
+        for folder, _, files in os.walk(path):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(folder, f))
+                except FileNotFoundError:
+                    pass
+        return total
 
     @staticmethod
     def url(path) -> str:
@@ -162,13 +175,18 @@ class Remote:
                 out[p] = v
         return out
 
-    def write(self, path, data, pad: int = 0) -> None:
+    def write(self, path, data, pad: int = 0, fsync: bool = True) -> None:
+        # a PUT is durable once it returned: ``fsync`` has nothing to add
         if isinstance(data, str):
             data = data.encode("utf-8")
         data = bytes(data)
         if pad:
             data += bytes(pad)
         self.fs.pipe_file(path, data)  # one PUT: the object is replaced whole
+
+    @staticmethod
+    def sync_dirs(paths) -> None:
+        pass  # an object store has no folder entries to flush
 
     def makedirs(self, path) -> None:
         if self.protocol not in _BUCKETED:  # object stores have no folders
@@ -240,8 +258,9 @@ def location(path, storage_options: dict | None = None, *, for_writing: bool = F
                              f"local folder or an fsspec URL ({known}, ...)") from None
     except ImportError as exc:
         pkg = _PACKAGES.get(protocol, "the package fsspec names")
+        extra = "gcs" if pkg == "gcsfs" else "s3"
         raise GradStoreError(f"{path!r}: the {protocol}:// protocol needs {pkg}: pip install "
-                             f"'probekit[{'gcs' if pkg == 'gcsfs' else 's3'}]' ({exc})") from None
+                             f"{pkg} (probekit's {extra!r} extra) ({exc})") from None
     try:
         fs = cls(**dict(storage_options or {}))
     except TypeError as exc:

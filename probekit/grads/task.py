@@ -1,8 +1,11 @@
 """The grad probe behind ``PrecisionDebugger(task="grad_probe")``.
 
-msprobe's grad probe is driven by ``monitor(model)`` alone; ``start()`` and ``step()`` do nothing
-for it (they are accepted, so a loop written for the free benchmark runs unchanged) and
-``stop()`` ends the monitoring: hooks removed, buffered steps written.
+msprobe's grad probe is driven by ``monitor(model)`` alone: ``start()``, ``stop()`` and ``step()``
+do nothing for it (msprobe 1.0.4 returns from them at once for task grad_probe), so a loop
+written in msprobe's documented shape -- ``monitor`` once, ``start``/``stop``/``step`` around
+every iteration -- records every step. The recording ends with ``close()`` (or at process exit),
+which removes the hooks and writes the buffered steps. ``start(model)`` before any ``monitor``
+monitors that model.
 """
 from __future__ import annotations
 
@@ -19,19 +22,19 @@ class GradSession:
             self.monitor(model)
 
     def step(self) -> None:
-        pass
+        """Nothing to do: the probe counts the optimizer's steps itself."""
+
+    def stop(self) -> None:
+        """Nothing to do (as in msprobe): recording goes on until ``close()``."""
 
     def monitor(self, model, optimizer=None, scaler=None) -> None:
         if self.probe is not None:
             self.probe.stop()
         self.probe = GradProbe(model, optimizer, config=self.config, scaler=scaler).start()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         if self.probe is not None:
             self.probe.stop()
-
-    def close(self) -> None:
-        self.stop()
 
     @property
     def results(self):
@@ -39,8 +42,12 @@ class GradSession:
 
     @property
     def summary(self):
-        """The probe's ``ProbeSummary`` (None before ``monitor``)."""
-        return self.probe.summary if self.probe is not None else None
+        """The probe's ``ProbeSummary`` (None before ``monitor``); the buffered steps are written
+        first, so it counts every step recorded so far."""
+        if self.probe is None:
+            return None
+        self.probe.flush()
+        return self.probe.summary
 
 
 def open_session(config) -> GradSession:

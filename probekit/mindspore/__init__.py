@@ -5,8 +5,8 @@ PrecisionDebugger``) and the comparison of a MindSpore run with a PyTorch run.
 ``align_runs`` and ``compare_frameworks`` work on recorded runs and need no MindSpore.
 Nothing here is imported by ``import probekit``.
 
-Install with ``pip install "probekit[mindspore]"``: MindSpore's wheels up to 2.10 are compiled
-against numpy 1.x, and that extra pins ``numpy<2``. Importing this package with numpy >= 2
+Install with the ``mindspore`` extra (``pip install ".[mindspore]"`` in a checkout): MindSpore's
+wheels up to 2.10 are compiled against numpy 1.x, and that extra pins ``numpy<2``. Importing this package with numpy >= 2
 beside such a wheel warns, and the MindSpore-backed names then raise ``ImportError``, both
 saying what to install (``numpy_conflict``), before MindSpore fails at its first op.
 """

@@ -1,7 +1,7 @@
 """MindSpore's wheels and numpy: the install trap, detected before MindSpore is imported.
 
 MindSpore's wheels up to 2.10 are compiled against numpy 1.x (2.10.0's declares numpy>=1.25 and
-fails at its first op with numpy 2). ``probekit[mindspore]`` pins ``numpy<2``; installing
+fails at its first op with numpy 2). probekit's ``mindspore`` extra pins ``numpy<2``; installing
 MindSpore after probekit, as MindSpore's guide has users do, leaves numpy 2 beside it.
 ``numpy_conflict`` reads the installed metadata (no MindSpore import) and says what to install.
 """
@@ -39,8 +39,9 @@ def numpy_conflict() -> str | None:
     return (f"MindSpore {ms_version} is compiled against numpy 1.x, but numpy "
             f"{numpy.__version__} is installed: MindSpore imports, then fails at its first op "
             "('A module that was compiled using NumPy 1.x cannot be run in NumPy 2'). Install "
-            "numpy 1.x beside it: pip install \"numpy<2\" (pip install \"probekit[mindspore]\" "
-            "pins it, and is the tested way to install probekit with MindSpore)")
+            "numpy 1.x beside it: pip install \"numpy<2\" (probekit's \"mindspore\" extra, "
+            "pip install \".[mindspore]\" in a checkout, pins it, and is the tested way to "
+            "install probekit with MindSpore)")
 
 
 def check_numpy(what: str = "probekit.mindspore") -> None:

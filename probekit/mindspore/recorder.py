@@ -34,6 +34,7 @@ from ..config import ConfigError, config_for, grad_probe_options
 from ..grads import stats as host_stats
 from ..grads.sampling import whole_sample
 from ..grads.stats import Layout, StepStats, padded_nbytes
+from ..grads.restarts import plan_run
 from ..grads.store import GradWriter
 from ..grads.summary import ProbeSummary, probe_summary
 from ..log import Once, ensure_handler, get_logger
@@ -215,7 +216,23 @@ class GradProbe:
             self._writer = GradWriter(self.dump_path, rank, self.layout, section.grad_level,
                                       section.bounds, section.hash, section.flush_every,
                                       section.flush_seconds, significance=section.significance,
-                                      attrs=self._store_attrs())
+                                      attrs=self._store_attrs(),
+                                      durable=section.durable, overwrite=section.overwrite)
+            # a restarted run continues the store: from start_step, else the optimizer's
+            # global_step (restored with a checkpoint), else after the store's newest step
+            gs = _graph.global_step(self.optimizer) if section.start_step is None else None
+            alone = int(os.environ.get("WORLD_SIZE", os.environ.get("RANK_SIZE", "1")) or 1) <= 1
+            try:
+                run = plan_run(self.dump_path, start=section.start_step, inferred=gs,
+                               why="the optimizer's global_step", overwrite=section.overwrite,
+                               scope="job" if alone else "rank", rank=rank,
+                               sample=int(self._store_attrs().get("sample", 0)))
+            except Exception:
+                self._writer.close()
+                self._writer = None
+                raise
+            self._writer.begin(run)
+            self.steps_seen = int(run["start"])
             self._plan = _stats.Plan(self.layout)
         self._gs0 = _graph.global_step(self.optimizer)
         self._seen0 = self.steps_seen

@@ -7,7 +7,13 @@ so the kernel uses the same probekit as the caller. ``demo(out)`` is what ``make
 then ``04_triage.ipynb`` -> ``{out}/triage.html`` and ``triage_summary.txt``.
 
     python -m probekit.notebook.run notebooks/01_quickstart.ipynb --html out.html
+    python -m probekit.notebook.run --no-execute executed.ipynb --html out.html
     python -m probekit.notebook.run --demo demo_out
+
+The HTML shows every widget by its static fallback (probekit's panels and explorer give one),
+whether or not the notebook was executed with its widget state stored: a page rendering the
+live widgets would need the widget manager's script from the network, and shows them blank
+without it (what ``jupyter nbconvert --execute --to html`` gives offline).
 """
 from __future__ import annotations
 
@@ -54,12 +60,14 @@ def kernel_env() -> dict:
 
 
 def run_notebook(path, *, cwd=None, timeout: int = 300, python: str | None = None,
-                 pythonpath: str | None = None, allow_errors: bool = False):
+                 pythonpath: str | None = None, allow_errors: bool = False,
+                 store_widget_state: bool = False):
     """Execute the notebook at ``path`` in a fresh kernel; returns the executed notebook.
 
     ``cwd`` is the kernel's working folder (default: a new temporary folder, so outputs the
     notebook writes do not land next to it). Errors raise ``nbclient``'s
-    ``CellExecutionError`` unless ``allow_errors``.
+    ``CellExecutionError`` unless ``allow_errors``. ``store_widget_state``: keep the widgets'
+    state in the notebook's metadata, as ``jupyter nbconvert --execute`` does.
     """
     import nbformat
     from jupyter_client.kernelspec import KernelSpecManager
@@ -73,7 +81,7 @@ def run_notebook(path, *, cwd=None, timeout: int = 300, python: str | None = Non
         km = AsyncKernelManager(kernel_name=KERNEL_NAME,
                                 kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]))
         client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=allow_errors,
-                                record_timing=True, store_widget_state=False,
+                                record_timing=True, store_widget_state=store_widget_state,
                                 resources={"metadata": {"path": cwd}})
         client.execute(env=kernel_env())
     return nb
@@ -134,11 +142,18 @@ def summary(nb, name: str = "notebook") -> str:
 def export_html(nb, path) -> Path:
     """Write ``nb`` as a standalone HTML page (nbconvert's lab template, images inline).
 
-    Widgets are shown through their static HTML fallback (the page needs no network): the
-    notebook is executed without storing widget state, so nbconvert skips the widget views.
+    Widgets are shown through their static HTML fallback (the page needs no network): without
+    the widgets' state in the notebook's metadata nbconvert skips the widget views, so a state
+    stored by the execution (``jupyter nbconvert --execute``, JupyterLab's "save widget state")
+    is left out of the page.
     """
+    import copy
+
     from nbconvert import HTMLExporter
 
+    if "widgets" in nb.metadata:
+        nb = copy.deepcopy(nb)
+        del nb.metadata["widgets"]
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,6 +200,8 @@ def main(argv=None) -> int:
     parser.add_argument("notebooks", nargs="*", help="notebooks to run")
     parser.add_argument("--html", help="write the (single) executed notebook as HTML here")
     parser.add_argument("--demo", metavar="OUT", help="run the quickstart as `make demo` does")
+    parser.add_argument("--no-execute", action="store_true",
+                        help="export notebooks already executed (with --html), do not run them")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per cell")
     args = parser.parse_args(argv)
     if args.demo:
@@ -194,7 +211,12 @@ def main(argv=None) -> int:
         parser.error("give notebooks to run, or --demo OUT")
     status = 0
     for path in args.notebooks:
-        nb = run_notebook(path, timeout=args.timeout, allow_errors=True)
+        if args.no_execute:
+            import nbformat
+
+            nb = nbformat.read(str(path), as_version=4)
+        else:
+            nb = run_notebook(path, timeout=args.timeout, allow_errors=True)
         print(summary(nb, Path(path).name))
         if args.html:
             export_html(nb, args.html)

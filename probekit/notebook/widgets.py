@@ -32,7 +32,8 @@ HELP = {
     "handler_type": "check: record findings; fix: use the improved output "
                     "(improve_precision / to_cpu)",
     "fuzz_stage": "Check the forward outputs or the input gradients (backward)",
-    "fuzz_device": "cpu only with pert_mode to_cpu",
+    "fuzz_device": "Where the re-runs compute: the tensors' own device (msprobe's value 'npu'), "
+                   "or cpu (only with pert_mode to_cpu)",
     "fuzz_level": "msprobe's only level",
     "scope": "Exact API call names, e.g. Torch.matmul.0.forward (empty = all)",
     "list": "API names; every call whose name contains one is checked (empty = all)",
@@ -58,16 +59,48 @@ HELP = {
                   "the raw ones at the end of the last backward pass before it",
     "sample": "Sign bits of at most this many elements per parameter, a fixed sample chosen "
               "by global index (0 = every element; 65536 keeps a 7B model at ~4 MB per step)",
+    "start_step": "First step of this run; empty: resuming a store that holds steps, the "
+                  "optimizer's step count (else after its newest); a new store, 0",
+    "overwrite": "Replace the store's recording (never done otherwise)",
+    "durable": "fsync every commit: the steps survive a power loss, not only the process",
 }
 
 LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "device",
           "fuzz_level": "level", "if_preheat": "preheat", "preheat_step": "preheat steps",
           "max_sample": "max samples", "dump_path": "dump path", "param_list": "params",
           "grad_level": "level", "flush_every": "flush every", "flush_seconds": "flush after s",
-          "grad_point": "gradients",
+          "grad_point": "gradients", "start_step": "start step",
           "pert_mode": "perturbation", "list": "API names", "module": "modules"}
 
 _DESC = {"description_width": "100px"}
+
+
+def own_device() -> str:
+    """The accelerator the tensors of this machine would be on: cuda, npu, or cpu."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    npu = getattr(torch, "npu", None)
+    if npu is not None and getattr(npu, "is_available", lambda: False)():
+        return "npu"
+    return "cpu"
+
+
+def choice_labels(key: str) -> list:
+    """(label, value) pairs of an enumerated key's dropdown. ``fuzz_device`` keeps msprobe's
+    values, but its ``npu`` means "the tensors' own device": it is shown as what that is here,
+    so a machine without an NPU shows no 'npu'."""
+    if key == "fuzz_device":
+        return [(f"tensors' own ({own_device()})" if v == "npu" else v, v) for v in CHOICES[key]]
+    return [(str(v), v) for v in CHOICES[key]]
+
+
+def shown_value(key: str, value) -> str:
+    """A value as the static view shows it (a choice by its label)."""
+    if key in CHOICES:
+        return dict((v, label) for label, v in choice_labels(key)).get(value, repr(value))
+    return repr(value)
 class ConfigPanel(w.VBox):
     """Controls for the common keys and one section of the config (subclasses name it)."""
 
@@ -127,7 +160,8 @@ class ConfigPanel(w.VBox):
         common = dict(description=label, tooltip=HELP.get(key, key), style=_DESC,
                       layout=w.Layout(width="auto"))
         if key in CHOICES:
-            control = w.Dropdown(options=list(CHOICES[key]), value=value, **common)
+            options = choice_labels(key) if key == "fuzz_device" else list(CHOICES[key])
+            control = w.Dropdown(options=options, value=value, **common)
         elif key == "thresholds":
             sub = {k: w.FloatText(value=float(value.get(k, 0.0)), description=k, style=_DESC,
                                   tooltip=f"threshold for calls computing in {k}; 0: from "
@@ -154,6 +188,9 @@ class ConfigPanel(w.VBox):
         elif key == "budget":
             control = w.Text(value="" if value is None else str(value),
                              placeholder="off (every call)", **common)
+        elif key == "start_step":
+            control = w.Text(value="" if value is None else str(value),
+                             placeholder="auto (the optimizer's step)", **common)
         elif key in ("bounds", "rank", "step"):
             control = w.Text(value=", ".join(str(v) for v in value),
                              placeholder="all" if key != "bounds" else "-1, 0, 1", **common)
@@ -175,6 +212,10 @@ class ConfigPanel(w.VBox):
                 out[key] = parse_numbers(f"{self.TASK}.bounds", control.value)
             elif key == "budget":
                 out[key] = _optional_number(f"{self.TASK}.budget", control.value)
+            elif key == "start_step":
+                text = control.value.strip()
+                out[key] = None if not text else (
+                    int(text) if text.lstrip("-").isdigit() else text)  # the config names a bad one
             else:
                 value = control.value
                 out[key] = list(value) if isinstance(control, w.TagsInput) else value
@@ -276,8 +317,10 @@ class ConfigPanel(w.VBox):
             values = {**{k: values[k] for k in ("dump_path", "rank", "step")}, **values[self.TASK]}
         except ConfigError:
             values = {}
-        rows = "".join(f"<tr><td style='padding:1px 8px'>{html.escape(LABELS.get(k, k))}</td>"
-                       f"<td style='padding:1px 8px'><code>{html.escape(repr(v))}</code></td></tr>"
+        cell = "padding:1px 8px;text-align:left"
+        rows = "".join(f"<tr><td style='{cell}'>{html.escape(LABELS.get(k, k))}</td>"
+                       f"<td style='{cell}'><code>{html.escape(shown_value(k, v))}</code>"
+                       "</td></tr>"
                        for k, v in values.items())
         bundle["text/html"] = (f"<div><b>{html.escape(self.TITLE)}</b> (static view)"
                                f"<table>{rows}</table>{self.status.value}</div>")
@@ -338,6 +381,7 @@ class GradProbePanel(ConfigPanel):
                             "sample", "flush_every", "flush_seconds"]),
         ("Which parameters", ["param_list"]),
         ("Where", ["dump_path", "rank", "step"]),
+        ("Restarts", ["start_step", "overwrite", "durable"]),
     )
 
 

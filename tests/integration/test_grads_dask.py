@@ -60,9 +60,9 @@ def test_local_cluster_client_and_address_give_the_local_result(runs, cluster, c
     xr.testing.assert_identical(on_client, local)
     err = capsys.readouterr().err
     assert "[probekit] compare: " in err and "tasks" in err
-    # the whole comparison ran on the workers: 2 tasks opening the runs' rank groups (a batch
-    # each), the plan, then 6 rank pairs x 4 chunks of 2 steps counted
-    assert err.rstrip().split("\r")[-1].startswith("[probekit] compare: 27/27 tasks")
+    # the whole comparison ran on the workers: 2 tasks listing the runs' segments, 2 opening
+    # their rank groups (a batch each), the plan, then 6 rank pairs x 4 chunks of 2 steps
+    assert err.rstrip().split("\r")[-1].startswith("[probekit] compare: 29/29 tasks")
     by_address = compare_grads(runs / "a", runs / "b", scheduler=lc.scheduler_address,
                                progress=False)
     xr.testing.assert_identical(by_address, local)

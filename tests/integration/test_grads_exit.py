@@ -122,6 +122,6 @@ def test_handler_and_timer_removed_when_the_last_writer_closes(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(
-            t.name == "probekit-grad-flush" for t in threading.enumerate()):
+            t.name == "probekit-grad-writer" for t in threading.enumerate()):
         time.sleep(0.01)
-    assert not any(t.name == "probekit-grad-flush" for t in threading.enumerate())
+    assert not any(t.name == "probekit-grad-writer" for t in threading.enumerate())

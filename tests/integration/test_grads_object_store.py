@@ -37,7 +37,11 @@ TRAIN = textwrap.dedent("""
             opt.step()
         if end == "stop":
             probe.stop()
-        elif end == "kill":
+        elif end == "kill":  # once the writing thread committed what was handed over
+            import time
+            deadline = time.monotonic() + 60
+            while probe._writer.committed < steps - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
         # end == "exit": the interpreter ends with the probe open (written at exit)
 """)
@@ -95,8 +99,9 @@ def test_record_read_compare_and_cli_on_s3(s3, tmp_path, monkeypatch, capsys):
 
 
 def test_writer_killed_or_exiting_without_stop_on_s3(s3, tmp_path):
-    """SIGKILL after 5 steps (flush_every=2): steps 0-3 were committed, step 4 was in memory;
-    a process ending without stop(): every step written by the exit handler, over S3."""
+    """SIGKILL after 5 steps (flush_every=2), once the writing thread committed steps 0-3: step
+    4, the newest, was in memory; a process ending without stop(): every step written by the
+    exit handler, over S3."""
     res = run_script("train('s3://probekit-runs/killed', 5, end='kill')", s3.env, tmp_path)
     assert res.returncode == -9
     res = run_script("train('s3://probekit-runs/exited', 5, end='exit')", s3.env, tmp_path)

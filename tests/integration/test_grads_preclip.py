@@ -412,12 +412,11 @@ def test_precision_debugger_reads_grad_point_from_config_json(tmp_path, msprobe_
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         opt.zero_grad()
-    debugger.stop()
+    debugger.close()  # stop() does nothing for grad_probe (as in msprobe); close() ends it
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     steps, pre = total_norms(tmp_path / "dbg")
     assert steps == [0, 1, 2, 3]
     np.testing.assert_allclose(pre, norms, rtol=1e-6)
-    debugger.close()
 
 
 def test_l0_with_a_scaler_is_refused():

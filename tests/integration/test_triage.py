@@ -78,7 +78,7 @@ def test_planted_op_found_in_its_module_and_clean_blocks_clean(runs):
     assert "1. blocks.2 (flagged at step 0" in text
     assert "Tensor.__sub__.0.forward [add_noise]" in text
     assert "2. blocks.0 (flagged at step 0" in text and ": no flagged call\n" in text + "\n"
-    page = report._repr_html_()
+    page = report._repr_html_().replace("<wbr>", "")  # names wrap at their dots
     assert "<code>blocks.2.fc1.weight</code>" in page and "Tensor.__sub__.0.forward" in page
     assert page.count("<tr>") == 2 + 3 + len(f)          # two header rows
 
@@ -135,7 +135,7 @@ def test_plot(runs, tmp_path):
     matplotlib.use("Agg")
     fp32, bf16, model, opt = runs
     report = probekit.triage(model, stepper(model), fp32, bf16, top=2)
-    ax = report.plot()
+    ax = report.plot().axes[0]
     bars = [p for p in ax.patches if str(p.get_gid()).startswith("triage:")]
     assert len(bars) == len(report.findings)
     assert bars[0].get_gid() == "triage:Tensor.__sub__.0.forward"

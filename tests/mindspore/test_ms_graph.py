@@ -73,10 +73,10 @@ def test_pynative_jit_and_graph_mode_record_the_same_values(tmp_path):
     net, opt = new_run()
     grads = []
     probe = GradProbe(opt, grad_level="L2", bounds=BOUNDS, significance=True,
-                      dump_path=tmp_path / "pynative").start()
+                      dump_path=tmp_path / "reference").start()
     train(net, opt, batches, grads)
     probe.stop()
-    ref = probekit.open_grads(tmp_path / "pynative")
+    ref = probekit.open_grads(tmp_path / "reference")
     offsets = ref["offset"].values
     for s, rows in enumerate(numpy_expected(grads)):
         for j, want in enumerate(rows):

@@ -78,12 +78,12 @@ def test_numpy2_beside_mindspore_says_what_to_install(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "2"
-    fix = 'Install numpy 1.x beside it: pip install "numpy<2" (pip install "probekit[mindspore]"'
+    fix = 'Install numpy 1.x beside it: pip install "numpy<2" (probekit\'s "mindspore" extra'
     assert lines[1].startswith("MindSpore 2.10") and fix in lines[1]
     assert lines[2].startswith("ImportError: probekit.mindspore.GradProbe: MindSpore 2.10")
     assert lines[3].startswith("ImportError: probekit.mindspore: MindSpore 2.10")
     assert all(fix in line for line in lines[1:4])
-    # and in this venv (probekit[mindspore]: numpy 1.x) there is no conflict
+    # and in this venv (probekit's mindspore extra: numpy 1.x) there is no conflict
     from probekit.mindspore import numpy_conflict
 
     assert numpy_conflict() is None

@@ -135,6 +135,8 @@ def test_triage_notebook_exports_html_with_report_and_plots(executed, tmp_path):
     page = export_html(nb, tmp_path / "triage.html").read_text()
     assert len(IMG.findall(page)) == 2          # the similarity figures + the triage plot
     assert "<b>probekit triage</b>: runs diverge first at step <b>0</b>" in page
-    # the row of the planted call: kind, ratio, perturbations, dtype, shape, module, call site
-    assert re.search(r"Tensor\.__sub__\.0\.forward</td>(<td[^>]*>[^<]*</td>){5}"
-                     r"<td[^>]*>blocks\.2\.norm</td><td[^>]*>In \[1\] line 16</td>", page)
+    # the row of the planted call: ratio, kind, perturbations, API call, module, call site
+    # (names wrap at their dots: <wbr> after each)
+    assert re.search(r"<td[^>]*>[\d.,]+×</td><td[^>]*>rel_error</td><td[^>]*>add_noise</td>"
+                     r"<td[^>]*>Tensor\.__sub__\.0\.forward</td><td[^>]*>blocks\.2\.norm</td>"
+                     r"<td[^>]*>In \[1\] line 16</td>", re.sub(r"<wbr\s*/?>", "", page))

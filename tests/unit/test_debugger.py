@@ -183,8 +183,10 @@ def test_summary_of_the_free_benchmark(tmp_path):
     a + b  # cancellation: bit_noise flags it
     d.stop()
     d.step()
-    assert d.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1}
-    assert str(d.summary) == "1 call seen · 1 checked · 0 skipped · 1 flagged · 1 step"
+    assert d.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1,
+                         "float_calls": 1, "checked_share": 1.0, "float_skipped": {}}
+    assert str(d.summary) == ("1 call seen · 1 checked (100 % of 1 floating-point call) · "
+                              "0 skipped · 1 flagged · 1 step")
     assert str(d.summary) in repr(d._session)  # the findings view's own line, not a second one
     d.close()
 
@@ -201,12 +203,13 @@ def test_summary_of_the_grad_probe(tmp_path):
         opt.zero_grad()
         model(torch.ones(5, 3)).sum().backward()
         opt.step()
-    d.stop()
+    d.stop()  # nothing for grad_probe (as in msprobe); summary writes the buffered steps
+    summary = d.summary
     store = os.path.join(str(tmp_path), "grads.zarr", "rank0")
     n = sum(os.path.getsize(os.path.join(f, x)) for f, _, xs in os.walk(store) for x in xs)
-    assert d.summary == {"steps": 4, "params": 4, "bytes": n, "store": store}
-    assert str(d.summary) == (f"grad_probe: 4 steps x 4 params recorded, {n / 1024:.1f} KiB "
-                              f"({n:,} bytes) in {store}")
+    assert summary == {"steps": 4, "params": 4, "bytes": n, "store": store, "no_grad": 0}
+    assert str(summary) == (f"grad_probe: 4 steps x 4 params recorded, {n / 1024:.1f} KiB "
+                            f"({n:,} bytes) in {store}")
     d.close()
 
 

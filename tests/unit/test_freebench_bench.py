@@ -171,12 +171,12 @@ def test_exceptions_are_logged_and_never_disable_later_checks(tmp_path, monkeypa
 
 
 def test_broken_comparison_is_isolated(tmp_path, monkeypatch):
-    from probekit.freebench import judging
+    from probekit.freebench import deferred
 
     def broken(o, p, floor, exact=False):
         raise ValueError("comparison exploded")
 
-    monkeypatch.setattr(judging, "device_stats", broken)
+    monkeypatch.setattr(deferred, "device_stats", broken)   # every comparison goes through it
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change")
     x = torch.ones(3)
     with fb:
@@ -241,10 +241,10 @@ def test_perturbation_logged_once_per_api_per_run_and_a_summary_every_n_steps(tm
                     "Tensor.__add__.0.forward."]
     lines = [r.getMessage() for r in caplog.records if "steps " in r.getMessage()]
     assert lines == [
-        "[probekit] Free benchmark: steps 0-1: 8 call(s) checked, 2 finding(s); 2 step(s), "
-        "2 finding(s) in all",
-        "[probekit] Free benchmark: steps 2-3: 8 call(s) checked, 2 finding(s); 4 step(s), "
-        "4 finding(s) in all"]
+        "[probekit] Free benchmark: steps 0-1: 8 call(s) checked (100 % of 8 floating-point "
+        "call(s)), 2 finding(s); 2 step(s), 2 finding(s) in all",
+        "[probekit] Free benchmark: steps 2-3: 8 call(s) checked (100 % of 8 floating-point "
+        "call(s)), 2 finding(s); 4 step(s), 4 finding(s) in all"]
 
 
 def test_cancel_logged_with_reason(tmp_path, caplog):
@@ -263,10 +263,11 @@ def test_summary_and_repr(tmp_path):
     with fb:
         cancellation()
     fb.step()
-    assert fb.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1}
+    assert fb.summary == {"calls": 1, "checked": 1, "skipped": {}, "flagged": 1, "steps": 1,
+                          "float_calls": 1, "checked_share": 1.0, "float_skipped": {}}
     assert repr(fb) == ("FreeBench(pert_mode='bit_noise', handler_type='check', fuzz_stage="
-                        "'forward', stopped; 1 call seen · 1 checked · 0 skipped · 1 flagged · "
-                        "1 step)")
+                        "'forward', stopped; 1 call seen · 1 checked (100 % of 1 floating-point "
+                        "call) · 0 skipped · 1 flagged · 1 step)")
     html = fb._repr_html_()          # the same findings view as the notebook's, one row
     assert "⚠ 1 finding in 1 API call" in html and html.count("<tr class=") == 1
 

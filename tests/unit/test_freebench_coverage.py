@@ -3,8 +3,9 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from probekit.freebench import FreeBench
+from probekit.freebench import FreeBench, rng
 
 X = torch.randn(4, 8)
 W = torch.randn(8, 8)
@@ -68,6 +69,10 @@ def test_step_filter_excluding_everything(tmp_path, caplog):
         fb3.step()
         train_steps(fb3, steps=2)
     assert warnings_of(caplog) == [
+        "[probekit] Free benchmark: step() was called before any start(): step 0 ends with "
+        "nothing checked and the next block is step 1. step() ends a training step whose calls "
+        "ran between start() and stop() (or inside `with fb:`); the step filter [0, 1] leaves "
+        "steps [1] to check",  # issue 28: said at the first step() before any start()
         "[probekit] Free benchmark: the step filter [0, 1] selects no step after step 2; "
         "0 calls checked."]
 
@@ -89,3 +94,99 @@ def test_covered_runs_are_not_warned(tmp_path, caplog, options):
         train_steps(fb, steps=3)
     assert warnings_of(caplog) == []
     assert fb.summary["checked"] > 0
+
+
+# -- what share of the floating-point calls was checked, and why not ------------------------------
+def test_share_of_floating_point_calls_and_a_count_per_skip_reason(tmp_path):
+    """A floating-point call: a float tensor among the arguments, not a metadata query. The
+    summary says how many there were, what share was checked, and a count per skip reason;
+    fb.coverage has one row per such call site with the reason it was not checked."""
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+    x = torch.randn(4, 8)
+    i = torch.arange(4)
+    for _ in range(2):
+        with fb:
+            y = torch.matmul(x, W)           # checked
+            y.t()                            # view
+            y.clone()                        # copy
+            y.relu_()                        # in-place: checked
+            x.size()                         # metadata: not a floating-point call
+            i + i                            # no floating-point input
+            torch._foreach_add([x], 1.0)     # private
+            torch.poisson(x.abs())           # random, its draws depend on the values
+        fb.step()
+    s = fb.summary
+    assert s["float_calls"] == 2 * 7 and s["checked"] == 2 * 3
+    assert s["checked_share"] == 6 / 14
+    assert s["float_skipped"] == {"view": 2, "copy": 2, "private": 2, "random": 2}
+    assert s["skipped"] == {"view": 2, "copy": 2, "private": 2, "random": 2, "metadata": 2,
+                            "no_float_input": 2}
+    rows = {r.api_name: (r.calls, r.checked, r.reason) for r in fb.coverage.itertuples()}
+    assert rows == {"Torch.matmul.0": (2, 2, ""), "Tensor.t.0": (2, 0, "view"),
+                    "Tensor.clone.0": (2, 0, "copy"), "Tensor.relu_.0": (2, 2, ""),
+                    "Torch._foreach_add.0": (2, 0, "private"), "Tensor.abs.0": (2, 2, ""),
+                    "Torch.poisson.0": (2, 0, "random: " + rng.WHY["values"])}
+    assert "6 checked (43 % of 14 floating-point calls)" in str(s)
+
+
+def test_backward_calls_whose_gradient_never_arrives_are_counted(tmp_path):
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change", fuzz_stage="backward")
+    train_steps(fb, steps=1, backward_inside=False)
+    s = fb.summary
+    assert s["float_skipped"] == {"no_gradient": 2} and s["checked_share"] == 0.0
+    assert set(fb.coverage["reason"]) == {"no_gradient"}
+
+
+# -- private calls public APIs make ------------------------------------------------------------
+def _grouped(dtype, stage, mode, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(24, 16, generator=g).to(dtype)
+    w0 = torch.randn(3, 16, 8, generator=g).to(dtype)
+    r = torch.randn(24, 8, generator=g)
+    offs = torch.tensor([5, 13, 24], dtype=torch.int32)
+
+    def run(probe):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        with probe if probe is not None else torch.enable_grad():
+            y = F.grouped_mm(x, w, offs=offs)          # torch._grouped_mm underneath
+            (y.float() * r).sum().backward()
+        return y, x.grad, w.grad
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode=mode, fuzz_stage=stage,
+                   list=["grouped_mm"])
+    got, ref = run(fb), run(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    return fb
+
+
+@pytest.mark.parametrize("dtype, mode", [(torch.bfloat16, "improve_precision"),
+                                         (torch.float32, "bit_noise"),
+                                         (torch.bfloat16, "bit_noise")])
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_grouped_mm_of_moe_experts_is_checked(tmp_path, dtype, mode, stage):
+    """F.grouped_mm (the expert GEMMs of MoE layers) is plain Python over the private
+    torch._grouped_mm, which is all the probe sees: it is checked, forward and backward."""
+    fb = _grouped(dtype, stage, mode, tmp_path)
+    rows = {r.api_name: (r.calls, r.checked, r.reason) for r in fb.coverage.itertuples()}
+    assert rows == {"Torch._grouped_mm.0": (1, 1, "")}
+    assert fb.results.empty, fb.results[["api_name", "output_index", "ratio", "cause"]]
+
+
+def test_fp32_grouped_mm_has_no_float64_kernel_to_upcast_to(tmp_path):
+    fb = _grouped(torch.float32, "forward", "improve_precision", tmp_path)
+    rows = {r.api_name: (r.calls, r.checked, r.reason) for r in fb.coverage.itertuples()}
+    assert rows == {"Torch._grouped_mm.0": (1, 0, "no_float64")}
+
+
+def test_weight_norm_is_checked(tmp_path):
+    """nn.utils.parametrizations.weight_norm computes the weight with torch._weight_norm (a
+    speech model's positional conv): checked."""
+    torch.manual_seed(0)
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 4, 3), dim=2)
+    x = torch.randn(2, 4, 16)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+    with fb:
+        y = conv(x)
+    assert torch.equal(y, conv(x))
+    cov = fb.coverage.set_index("api_name")
+    assert cov.loc["Torch._weight_norm.0", "checked"] == 1 and fb.results.empty

@@ -1,4 +1,5 @@
 """Deferred verdicts: comparisons stay on the device until the step's gather point."""
+import logging
 import math
 
 import pytest
@@ -61,18 +62,33 @@ def test_fast_values_are_inconclusive_for_nan_inf_only():
     assert metric.fast_error(flip) == 0.5
 
 
-def test_inconclusive_fast_verdict_is_rechecked_exactly_at_the_sites_next_run(tmp_path):
-    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+def _overflow_steps(fb, steps=2):
     big = torch.full((4,), 60000.0, dtype=torch.float16)
     small = torch.full((4,), 1.0, dtype=torch.float16)
-    for x in (small, big, big):   # step 1: fp16 overflow appears at a site checked before
+    found = []
+    for x in (small, big, big)[:steps]:   # step 1: fp16 overflow appears at a site checked before
         with fb:
             torch.add(x, x)
+        found.append(fb._engine.flagged)  # after stop(): what this step's gather reported
         fb.step()
+    return found
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["cpu", "held"])
+def test_inconclusive_fast_verdict_is_resolved_in_its_own_step(tmp_path, hold):
+    """Issue 26: a 2-step run ended with its second step's inconclusive fast verdicts never
+    judged (they waited for the site's next run). Step 0 is exact and clean; step 1's fast
+    comparison sees inf - inf: on the CPU it is compared exactly at once; held (the accelerator
+    path, here forced on the CPU) it is redone exactly at stop()'s gather. Either way the nan_inf
+    finding is reported by stop() of step 1, and the site stays exact from then on."""
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+    fb._engine.verdicts.hold = hold or None
+    assert _overflow_steps(fb, 3) == [0, 1, 2]
     df = fb.results
-    # step 0 exact and clean; step 1 fast and inconclusive (not reported); step 2 exact: nan_inf
-    assert df["kind"].tolist() == ["nan_inf"] and df["step"].tolist() == [2]
-    assert fb.summary["inconclusive"] == 1 and fb.summary["checked"] == 3
+    assert df["kind"].tolist() == ["nan_inf", "nan_inf"] and df["step"].tolist() == [1, 2]
+    s = fb.summary
+    assert s["inconclusive"] == 1 and s["checked"] == 3 and "unresolved" not in s
+    assert fb._engine.verdicts.held == [] and fb._engine.verdicts.held_bytes == 0
 
 
 def test_backward_stage_is_deferred_too(tmp_path):
@@ -262,3 +278,97 @@ def test_a_site_flagged_later_is_explained_at_its_next_run(tmp_path):
     assert df["cause"].tolist() == ["ill-conditioned", "ill-conditioned"]
     on_disk = pd.read_csv(fb.csv_path, keep_default_na=False)
     assert on_disk["cause"].tolist() == ["ill-conditioned", "ill-conditioned"]   # never empty
+
+
+def _overwritten_steps(fb):
+    """Step 0 clean; step 1: the fp16 sum overflows (a nan_inf finding), then its output is
+    overwritten in place before the gather."""
+    big = torch.full((4,), 60000.0, dtype=torch.float16)
+    small = torch.full((4,), 1.0, dtype=torch.float16)
+    for x in (small, big):
+        with fb:
+            y = torch.add(x, x)
+            y.mul_(0.5)
+        fb.step()
+
+
+def test_held_check_whose_output_is_overwritten_in_place(tmp_path, caplog):
+    """The accelerator path (held, forced on the CPU): a checked in-place call that overwrites a
+    held check's output first hands it the clone it took, so the verdict is still redone; an
+    in-place call the probe does not check (outside ``list``) leaves it unresolved: counted and
+    named, never silently dropped."""
+    fb = FreeBench(dump_path=str(tmp_path / "a"), pert_mode="improve_precision")
+    fb._engine.verdicts.hold = True
+    _overwritten_steps(fb)
+    assert fb.results["api_name"].tolist() == ["Torch.add.0.forward"]
+    # inf * 0.5 in mul_: inconclusive too, resolved (consistent infinities: no finding)
+    assert "unresolved" not in fb.summary and fb.summary["inconclusive"] == 2
+    fb = FreeBench(dump_path=str(tmp_path / "b"), pert_mode="improve_precision", list=["add"])
+    fb._engine.verdicts.hold = True
+    with caplog.at_level(logging.WARNING, logger="probekit"):
+        _overwritten_steps(fb)
+    assert fb.results.empty and fb.summary["unresolved"] == 1
+    assert any("Torch.add.0.forward was inconclusive" in r.getMessage() for r in caplog.records)
+
+
+def test_held_values_are_read_early_beyond_the_memory_bound(tmp_path, monkeypatch):
+    """Held re-runs are bounded: beyond HOLD_BYTES the held values are read at once (one
+    transfer) and resolved; nothing is held after."""
+    from probekit.freebench import deferred
+
+    monkeypatch.setattr(deferred, "HOLD_BYTES", 0)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+    fb._engine.verdicts.hold = True
+    assert _overflow_steps(fb, 2) == [0, 1]
+    v = fb._engine.verdicts
+    assert v.held == [] and v.inconclusive == 1 and v.syncs == 1 + 2   # site, flush, gather
+
+
+def test_two_step_backward_run_leaves_nothing_unjudged(tmp_path):
+    """The measured case of issue 26: in the backward stage an accumulating API's gradients are
+    judged per element against the same gradient on absolute values, which is 0 where the
+    upstream gradient is 0 (masked rows): 0 / 0 makes every such site's second, fast check
+    inconclusive, and a 2-step run ended with them unjudged. Here step 1's check also holds a
+    real defect -- the fp16 weight and bias gradients of a linear overflow where fp32 ones do
+    not -- which was lost with it; now it is compared exactly at once and found."""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(32, 32).to(torch.float16)
+    x = torch.randn(8, 32, generator=g).to(torch.float16)
+    mask = torch.ones(8, 1, dtype=torch.float16)
+    mask[2:5] = 0                                # masked rows: zero gradient, zero magnitude
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision",
+                   fuzz_stage="backward", list=["linear"])
+    for scale in (1.0, 30000.0):                 # step 1: the gradient reaches fp16's range
+        with fb:
+            xi = x.clone().requires_grad_(True)
+            (lin(xi) * mask).float().mul(scale).sum().backward()
+        fb.step()
+    s = fb.summary
+    assert s["inconclusive"] == 3 and "unresolved" not in s, s   # the three gradients
+    df = fb.results
+    assert df[["api_name", "step", "output_index", "kind"]].to_dict("records") == [
+        {"api_name": "Functional.linear.0.backward", "step": 1, "output_index": i,
+         "kind": "nan_inf"} for i in (1, 2)]                    # weight, bias
+    assert not fb._engine.verdicts.pending
+
+
+def test_pending_verdicts_are_written_at_process_exit(tmp_path):
+    """A run that never calls stop(): its pending (deferred) verdicts are read back and written
+    to the CSV when the process exits."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch
+from probekit.freebench import FreeBench
+fb = FreeBench(dump_path={str(tmp_path)!r}, pert_mode="bit_noise")
+a, b = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
+with fb:
+    a + b          # the site's first check: judged at once
+fb.step()
+fb.start()
+a + b              # a deferred check, never gathered by the script
+"""
+    subprocess.run([sys.executable, "-c", script], check=True)
+    rows = (tmp_path / "free_benchmark.csv").read_text().splitlines()[1:]
+    assert [r.split(",")[3] for r in rows] == ["0", "1"]     # the step column

@@ -95,22 +95,25 @@ def test_call_and_check_counts(fb):
     with fb:
         y = torch.matmul(X, W)   # checked
         y.t()                    # view: skipped
-        y.add_(1)                # in-place: skipped
+        y.add_(1)                # in-place: checked on copies (state.py)
+        y.zero_()                # an in-place fill: exact
         torch.zeros(3)           # creation: skipped
     s = fb.summary
-    assert s["calls"] == 4
-    assert s["checked"] == 1
-    assert s["skipped"] == {"view": 1, "inplace": 1, "creation": 1}
+    assert s["calls"] == 5
+    assert s["checked"] == 2
+    assert s["skipped"] == {"view": 1, "copy": 1, "creation": 1}
+    # the floating-point calls (torch.zeros has no input): 2 of 4 checked
+    assert s["float_calls"] == 4 and s["checked_share"] == 0.5
+    assert s["float_skipped"] == {"view": 1, "copy": 1}
 
 
 @pytest.mark.parametrize("call, reason", [
-    (lambda x: x.add_(1), "inplace"),
-    (lambda x: x.copy_(x), "inplace"),
-    (lambda x: x.mul_(2), "inplace"),
-    (lambda x: x.__iadd__(1), "inplace"),
-    (lambda x: torch.add(x, 1, out=torch.empty_like(x)), "inplace"),
-    (lambda x: F.relu(x, inplace=True), "inplace"),
-    (lambda x: F.relu(x, True), "inplace"),
+    (lambda x: x.copy_(x), "copy"),
+    (lambda x: x.fill_(2), "copy"),
+    (lambda x: x.uniform_(), "creation"),                     # a random fill
+    (lambda x: x.masked_fill_(x > 0, 1.0), "copy"),
+    (lambda x: x.t_(), "view"),
+    (lambda x: x[0].__setitem__(0, 1.0), "copy"),
     (lambda x: F.dropout(x, 0.5, training=False), "copy"),   # eval: the identity
     (lambda x: F.dropout(x, 0.0), "copy"),
     (lambda x: torch.dropout(x, 0.5, False), "copy"),
@@ -135,7 +138,7 @@ def test_call_and_check_counts(fb):
     (lambda x: x.new_zeros(3), "creation"),
     (lambda x: torch._foreach_add([x], 1), "private"),
     (lambda x: torch.index_put(x, (torch.tensor([0, 0]),), x[:2]), "copy"),
-    (lambda x: x.clone().index_put_((torch.tensor([0, 0]),), x[:2]), "inplace"),
+    (lambda x: x.index_put_((torch.tensor([0, 0]),), torch.ones(2, 8)), "copy"),
 ])
 def test_never_rerun_reasons(fb, call, reason):
     x = torch.randn(4, 8)
@@ -179,7 +182,8 @@ def test_skip_reason_logged_once_per_api(fb, caplog):
 
 
 def test_classify_static_tables():
-    assert names.classify(torch.Tensor.add_).skip == "inplace"
+    assert names.classify(torch.Tensor.add_).skip is None          # checked (state.py)
+    assert names.classify(torch.Tensor.add_).inplace
     assert names.classify(torch.matmul).key == "Torch.matmul"
     assert names.classify(torch.matmul).skip is None
     assert names.classify(F.linear).key == "Functional.linear"
@@ -189,8 +193,12 @@ def test_classify_static_tables():
     assert names.classify(len).skip == "other"
     assert names.classify(F.relu).inplace_pos == 1
     assert names.classify(F.gelu).inplace_pos is None
-    assert names.static_skip("zero_") == "inplace"
-    assert names.static_skip("__iadd__") == "inplace"
+    assert names.static_skip("zero_") == "copy"
+    assert names.static_skip("normal_") == "creation"
+    assert names.static_skip("squeeze_") == "view"
+    assert names.static_skip("_foreach_add_") == "private"
+    assert names.static_skip("__iadd__") is None
+    assert names.static_skip("relu_") is None
     assert names.static_skip("__add__") is None
     assert names.static_skip("_softmax") == "private"
 

@@ -65,7 +65,7 @@ def test_index_put_without_accumulate_is_an_exact_copy(tmp_path):
     fb, _ = probe(tmp_path, lambda: (torch.index_put(t, (idx,), vals),
                                      t.clone().index_put_((idx,), vals)))
     assert fb.summary["checked"] == 0
-    assert fb.summary["skipped"] == {"copy": 2, "inplace": 1}  # the clone, index_put, index_put_
+    assert fb.summary["skipped"] == {"copy": 3}  # the clone, index_put, index_put_
 
 
 def _family():
@@ -209,3 +209,158 @@ def test_fix_leaves_state_writing_calls_alone(tmp_path):
     assert acc.tolist() == [2048.0] * BINS   # not replaced: index_add_ must write self
     assert torch.equal(y, F.batch_norm(x, torch.zeros(5), torch.ones(5), training=True))
     assert fb.summary["skipped"] == {"inplace": 1, "side_effect": 1, "creation": 1}
+
+
+# -- in-place calls: the original on the real tensor, the re-runs out of place on its clone -------
+#: in-place calls as models make them: (name, call on a tensor, API name in the results)
+INPLACE = [
+    ("ReLU(inplace)", lambda x: torch.nn.ReLU(inplace=True)(x), "Functional.relu.0"),
+    ("SiLU(inplace)", lambda x: torch.nn.SiLU(inplace=True)(x), "Functional.silu.0"),
+    ("hardswish(inplace)", lambda x: F.hardswish(x, True), "Functional.hardswish.0"),
+    ("relu_", lambda x: torch.relu_(x), "Torch.relu_.0"),
+    ("F.elu_", lambda x: F.elu_(x), "Functional.elu_.0"),
+    ("x += y", lambda x: _iadd(x), "Tensor.__iadd__.0"),
+    ("mul_", lambda x: x.mul_(1.7), "Tensor.mul_.0"),
+    ("addcmul_", lambda x: x.addcmul_(x.detach(), x.detach(), value=0.1), "Tensor.addcmul_.0"),
+    ("sigmoid_", lambda x: x.sigmoid_(), "Tensor.sigmoid_.0"),
+]
+
+
+def _iadd(x):
+    x += x.detach() * 0.5
+    return x
+
+
+def _inplace_run(fn, probe=None, grad=True):
+    """``fn`` on a non-leaf activation (a view of a bigger tensor, as a slice of a conv output
+    is) inside a small graph; returns the tensors, their version counters and the gradient."""
+    g = gen()
+    w = torch.randn(6, 8, generator=g).requires_grad_(grad)
+    base = w * 1.5                      # a non-leaf
+    x = base[1:5]                       # a view: the write goes into base
+    with probe if probe is not None else torch.enable_grad():
+        y = fn(x)
+        loss = (y * torch.arange(8.0)).sum() + base.square().sum()
+        if grad:
+            loss.backward()
+    return y.detach().clone(), base.detach().clone(), (x._version, base._version), \
+        (w.grad if grad else None)
+
+
+@pytest.mark.parametrize("name, fn, api", INPLACE, ids=[c[0] for c in INPLACE])
+@pytest.mark.parametrize("mode, stage", [("improve_precision", "forward"),
+                                         ("bit_noise", "forward"), ("no_change", "forward"),
+                                         ("improve_precision", "backward"),
+                                         ("bit_noise", "backward")])
+def test_inplace_call_is_checked_and_the_training_unchanged(tmp_path, name, fn, api, mode, stage):
+    """The in-place call runs on the real tensor (a view of a non-leaf, inside an autograd graph);
+    its re-runs run the out-of-place form on a clone of the input taken just before it. Outputs,
+    the written base tensor, the version counters and the gradients are those of a run without
+    the probe, bit for bit; the call is checked (forward: its output; backward: the gradients
+    of its inputs) and a healthy one gives no finding."""
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode=mode, fuzz_stage=stage)
+    got, ref = _inplace_run(fn, fb), _inplace_run(fn)
+    for a, b in zip(got, ref):
+        assert a == b if isinstance(a, tuple) else torch.equal(a, b)
+    cov = fb.coverage.set_index("api_name")
+    assert cov.loc[api, "checked"] == 1, fb.coverage
+    assert fb.results.empty, fb.results[["api_name", "output_index", "ratio", "cause"]]
+    assert "inplace" not in fb.summary["skipped"] and "error" not in fb.summary["skipped"]
+
+
+@pytest.mark.parametrize("mode", ["improve_precision", "bit_noise", "no_change"])
+def test_out_calls_are_checked(tmp_path, mode):
+    """``out=`` (autograd refuses it, so no gradients): the real call writes the ``out`` tensor,
+    the re-run drops ``out``; an ``out`` that is also an input is cloned before the call."""
+    def fn(probe):
+        x = torch.randn(4, 8, generator=gen())
+        o = torch.empty(4, 8)
+        with probe if probe is not None else torch.no_grad():
+            a = torch.mul(x, 3.0, out=o)
+            b = torch.add(x, o, out=x)            # out aliases an input
+        return a, b, o, x, (o._version, x._version)
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode=mode)
+    got, ref = fn(fb), fn(None)
+    assert got[4] == ref[4]
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], ref[:4]))
+    assert fb.summary["checked"] == 2 and fb.results.empty, fb.summary
+
+
+@pytest.mark.parametrize("mode", ["no_change", "bit_noise", "improve_precision"])
+def test_inplace_and_out_keep_the_dtype_they_write(tmp_path, mode):
+    """``x_bf16.add_(y_fp32)`` is bf16 and ``torch.mul(a, b, out=c_fp16)`` fp16, where their
+    out-of-place forms are fp32: the re-run's result is cast to the dtype the call writes, so
+    no_change sees no difference."""
+    def fn(probe):
+        g = gen()
+        x = torch.randn(8, 8, generator=g).to(torch.bfloat16)
+        y = torch.randn(8, 8, generator=g)
+        c = torch.empty(8, 8, dtype=fp16)
+        with probe if probe is not None else torch.no_grad():
+            x.add_(y)
+            torch.mul(y, 3.0, out=c)
+        return x, c
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode=mode)
+    got, ref = fn(fb), fn(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert fb.summary["checked"] == 2 and fb.results.empty, fb.results
+
+
+def test_inplace_fp16_overflow_is_found(tmp_path):
+    """A planted defect inside an in-place call: fp16 activations near 20000 multiplied by 4 in
+    place overflow to inf; the float32 re-run (out of place, on the clone of the input) keeps
+    them finite."""
+    x = (torch.rand(64, 64, generator=gen()) * 1000 + 20000).to(fp16)
+    fb, out = probe(tmp_path, lambda: x.mul_(4.0))
+    assert torch.isinf(out).all() and out is x
+    df = fb.results
+    assert df[["api_name", "kind", "cause"]].to_dict("records") == [
+        {"api_name": "Tensor.mul_.0.forward", "kind": "nan_inf", "cause": "inaccurate"}]
+
+
+def test_inplace_on_a_leaf_under_no_grad_and_inplace_dropout(tmp_path):
+    """Outside optimizer.step(): an in-place update of a parameter under no_grad (an EMA, a
+    weight scaling) and an in-place dropout in training (a random and in-place call: replayed on
+    the saved stream) are checked; the parameter, its version and the stream are unchanged."""
+    def fn(probe):
+        w = torch.nn.Parameter(torch.randn(4, 8, generator=gen()))
+        h = torch.randn(4, 8, generator=gen()) + 1
+        torch.manual_seed(5)
+        with probe if probe is not None else torch.enable_grad():
+            with torch.no_grad():
+                w.mul_(0.999).add_(h, alpha=0.001)
+            d = F.dropout(h, 0.3, training=True, inplace=True)
+        return w.detach().clone(), w._version, d, h._version, torch.get_rng_state()
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    got, ref = fn(fb), fn(None)
+    assert all(a == b if isinstance(a, int) else torch.equal(a, b) for a, b in zip(got, ref))
+    s = fb.summary
+    assert s["checked"] == 3 and s["replayed"] == 1 and fb.results.empty, s
+
+
+def test_optimizer_inplace_updates_are_skipped_and_counted(tmp_path):
+    """optimizer.step()'s in-place updates under no_grad are not checked (one rounding per
+    element; a parameter-sized clone each): skipped as ``optimizer``, counted among the
+    floating-point calls."""
+    w = torch.nn.Parameter(torch.randn(8, 8, generator=gen()))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9, foreach=False)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+    with fb:
+        (w @ w).sum().backward()
+        opt.step()
+    s = fb.summary
+    assert s["checked"] == 2                      # matmul and sum
+    assert s["float_skipped"]["optimizer"] == s["skipped"]["optimizer"] >= 1
+    assert s["float_calls"] == 2 + sum(s["float_skipped"].values())
+
+
+def test_fix_leaves_inplace_calls_alone(tmp_path):
+    x = torch.randn(4, 8, generator=gen())
+    y = x.clone()
+    fb, out = probe(tmp_path, lambda: (torch.relu_(y), F.silu(y, inplace=True)),
+                    handler_type="fix")
+    assert torch.equal(y, F.silu(torch.relu(x)))
+    assert fb.summary["skipped"] == {"inplace": 2} and fb.summary["checked"] == 0

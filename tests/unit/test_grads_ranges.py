@@ -7,7 +7,8 @@ import pytest
 import xarray as xr
 
 import sharded_stores as S
-from probekit.grads import GradCompareError, compare_grads, geometry, kernel, open_grads
+from probekit.grads import (GradCompareError, GradStoreError, compare_grads, geometry,
+                            kernel, open_grads)
 
 PARAMS = {"emb": (13, 6), "w": (7, 10), "conv": (6, 3, 2, 2), "b": (5,), "s": (),
           "big": (40, 33), "c5": (4, 3, 2, 2, 2)}
@@ -209,36 +210,150 @@ def test_count_runs_every_path_equals_the_bits_unpacked():
                 kernel.set_path("auto")
 
 
-def test_runs_of_several_layout_segments(tmp_path):
-    """An elastic restart: a run recorded by 4 ranks up to step 2 and by 2 ranks from step 3
-    (two layout segments) against a single process; each segment is compared over its own
-    layout and the counts join along the steps."""
-    from probekit.grads import compare, planner, segments
+def _no_assembly(monkeypatch):
+    """Make any assembly of a sharded run fail (the comparison of stores assembles nothing)."""
+    from probekit.grads import assemble
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a parameter was assembled")
+
+    monkeypatch.setattr(assemble, "assemble_runs", refuse)
+
+
+def _restarted(path, params, garbage):
+    """A store over three runs: 4 ranks record steps 0..4 (2..4 of them ``garbage``'s
+    gradients), killed; resumed at 2 ranks from step 2, dies after step 3; resumed at 4 ranks
+    from step 4 to 6. Segments: 0..1 (the root's groups), 2..3 (a layout folder), 4..6 (the
+    root's groups again, continued: rows 4..6 of groups that also hold superseded rows 2..3).
+    Shards of 3 steps, so a segment's rows start inside a shard."""
+    good = lambda step: S.grads(params, step, 0)  # noqa: E731
+    bad = lambda step: (S.grads(params, step, 0) if step < 2  # noqa: E731
+                        else S.grads(params, step, 9, noise=3.0))
+    run = lambda n, t, start: {"run": n, "time": t, "start": start,  # noqa: E731
+                               "from": start, "scope": "job"}
+    S.write(path, params, S.fsdp(params, 4), range(0, 5), data=bad if garbage else good,
+            flush_every=3, run=run("r1", 1, 0), layout_key="four")
+    S.write(path, params, S.fsdp(params, 2), range(2, 4), data=good, flush_every=3,
+            run=run("r2", 2, 2), layout_key="two")
+    S.write(path, params, S.fsdp(params, 4), range(4, 7), data=good, flush_every=3,
+            run=run("r3", 3, 4), layout_key="four")
+
+
+def test_a_restarted_store_compares_shard_by_shard_as_assembled(tmp_path, monkeypatch):
+    """An elastic restart (4 -> 2 -> 4 ranks) against uninterrupted runs: the planner takes the
+    store's segments (``restarts.segments``), reads only each segment's rows of its groups (the
+    superseded steps the first run wrote are never read) and gives the assembled path's
+    counts, without assembling anything."""
+    from probekit.grads import compare, segments
+    from probekit.grads.chunks import bits_meta
     from probekit.grads.engine import Session
+    from probekit.grads.opening import store_of
+
+    params = {"w": (9, 6), "b": (7,), "e": (5, 3, 2)}
+    _restarted(tmp_path / "restarted", params, garbage=True)
+    S.write(tmp_path / "same", params, S.fsdp(params, 4), 7, seed=0, flush_every=3)
+    S.write(tmp_path / "other", params, S.single(params), 7, seed=1, noise=0.5)
+    segs = segments(tmp_path / "restarted")
+    assert [(s.first_step, s.last_step, s.ranks) for s in segs] == [
+        (0, 1, [0, 1, 2, 3]), (2, 3, [0, 1]), (4, 6, [0, 1, 2, 3])]
+    root = tmp_path / "restarted" / "grads.zarr" / "rank0"
+    assert bits_meta(str(root / "direction"))["kind"] == "sharded"
+    assert open_grads(tmp_path / "restarted", shards=True, rank=0, segment=2)[
+        "step"].values.tolist() == [4, 5, 6]
+    want_same = assembled(tmp_path / "restarted", tmp_path / "same")
+    want_other = assembled(tmp_path / "restarted", tmp_path / "other")
+    back = assembled(tmp_path / "other", tmp_path / "restarted")
+    assert np.all(want_same["differ"].values == 0)  # the superseded steps are not read
+    assert 0.0 < float(want_other["similarity"].min()) < 1.0
+    with Session(progress=False) as session:
+        plan = compare.plan_stage(store_of(tmp_path / "restarted"),
+                                  store_of(tmp_path / "other"), session=session)
+    assert [(q["label"], q["steps"].tolist()) for q in plan["pairs"]] == [
+        (0, [0, 1]), (0, [2, 3]), (0, [4, 5, 6])]
+    _no_assembly(monkeypatch)
+    for block in (1, 8 << 20):
+        got = compare_grads(tmp_path / "restarted", tmp_path / "same", block_bytes=block,
+                            task_bytes=3 * block, progress=False)
+        xr.testing.assert_identical(got, want_same)
+        got = compare_grads(tmp_path / "restarted", tmp_path / "other", block_bytes=block,
+                            task_bytes=3 * block, progress=False)
+        xr.testing.assert_identical(got, want_other)
+        got = compare_grads(tmp_path / "other", tmp_path / "restarted", block_bytes=block,
+                            task_bytes=3 * block, progress=False)
+        xr.testing.assert_identical(got, back)
+    # both runs restarted, each with its own segments (pairs of segments over shared steps)
+    _restarted(tmp_path / "again", params, garbage=False)
+    monkeypatch.undo()
+    want = assembled(tmp_path / "again", tmp_path / "restarted")
+    _no_assembly(monkeypatch)
+    got = compare_grads(tmp_path / "again", tmp_path / "restarted", progress=False)
+    xr.testing.assert_identical(got, want)
+    assert np.all(got["differ"].values == 0)
+
+
+def test_plain_and_sharded_bits_count_the_same(tmp_path, monkeypatch):
+    """Bits in plain chunk files of one step (``flush_every=1``) and in shards of steps (a
+    shard of 2 or 5 steps, its last one short), compared with one another shard by shard:
+    the assembled path's counts."""
+    from probekit.grads.chunks import bits_meta
 
     params = {"w": (9, 6), "b": (7,)}
-    S.write(tmp_path / "four", params, S.fsdp(params, 4), range(0, 3))
-    S.write(tmp_path / "two", params, S.fsdp(params, 2), range(3, 6))
-    S.write(tmp_path / "single", params, S.single(params), 6, seed=1, noise=0.5)
+    kinds = {}
+    for name, every in (("plain", 1), ("shard2", 2), ("shard5", 5)):
+        for seed in (0, 1):
+            S.write(tmp_path / f"{name}{seed}", params, S.fsdp(params, 3), 7, seed=seed,
+                    noise=0.5 * seed, flush_every=every)
+        meta = bits_meta(str(tmp_path / f"{name}0" / "grads.zarr" / "rank1" / "significant"))
+        kinds[name] = (meta["kind"], meta["chunk"][0])
+    assert kinds == {"plain": ("plain", 1), "shard2": ("sharded", 2),
+                     "shard5": ("sharded", 5)}
+    want = {}
+    for a, b in itertools.permutations(kinds, 2):
+        want[a, b] = assembled(tmp_path / f"{a}0", tmp_path / f"{b}1")
+    _no_assembly(monkeypatch)
+    for (a, b), w in want.items():
+        got = compare_grads(tmp_path / f"{a}0", tmp_path / f"{b}1", progress=False)
+        xr.testing.assert_identical(got, w)
 
-    def groups(path):
-        fs, store, ranks = segments.store_of(path)
-        return [segments.open_group(fs, store, r) for r in ranks]
 
-    plan = planner.plan([{"steps": (0, 2), "groups": groups(tmp_path / "four")},
-                         {"steps": (3, 5), "groups": groups(tmp_path / "two")}],
-                        [{"steps": None, "groups": groups(tmp_path / "single")}])
-    assert [(q["label"], q["steps"].tolist()) for q in plan["pairs"]] == [(0, [0, 1, 2]),
-                                                                          (0, [3, 4, 5])]
-    with Session(progress=False) as session:
-        got = compare._combine(compare.count_stage(plan, session=session), 0.97, 0.03)
-    assert got["step"].values.tolist() == list(range(6))
-    first = compare_grads(tmp_path / "four", tmp_path / "single", progress=False)
-    second = compare_grads(tmp_path / "two", tmp_path / "single", progress=False)
-    for var in ("differ", "significant", "similarity"):
-        np.testing.assert_array_equal(got[var].values[:, :3], first[var].values)
-        np.testing.assert_array_equal(got[var].values[:, 3:], second[var].values)
-    assert float(got["similarity"].min()) < 1.0
+def test_only_committed_rows_are_read_or_mapped(tmp_path, monkeypatch):
+    """Rows a writer wrote but did not commit (a killed process) are neither read nor mapped:
+    asking for them is refused; a shard shorter than its index says is an error, not a crash
+    of the process (a mapping past a file's end)."""
+    import json
+
+    from probekit.grads import chunks
+
+    params = {"w": (9, 6), "b": (7,)}
+    S.write(tmp_path / "a", params, S.fsdp(params, 2), 6, flush_every=3)
+    S.write(tmp_path / "b", params, S.single(params), 6, seed=1, noise=0.5)
+    for r in (0, 1):  # commit.json says 4 steps: rows 4 and 5 are in the shard, not committed
+        commit = tmp_path / "a" / "grads.zarr" / f"rank{r}" / "commit.json"
+        info = json.loads(commit.read_text())
+        info["steps"] = 4
+        info["runs"][0].update(rows=[0, 4], steps=[0, 3])
+        commit.write_text(json.dumps(info))
+    want = assembled(tmp_path / "a", tmp_path / "b")
+    assert want["step"].values.tolist() == [0, 1, 2, 3]
+    raw = chunks.RawChunks.open(str(tmp_path / "a" / "grads.zarr" / "rank0" / "direction"), 4)
+    assert raw.kind == "sharded" and raw.shape[0] == 4
+    assert chunks.map_rows(raw, np.arange(3, 4), 0, 4).shape == (1, 4)
+    with pytest.raises(GradStoreError, match="rows 3..4 asked of 4 committed"):
+        chunks.map_rows(raw, np.arange(3, 5), 0, 4)
+    with pytest.raises(GradStoreError, match="rows 4..4 asked of 4 committed"):
+        chunks.read_rows(raw, np.array([4]), 0, 4, np.empty((1, 4), np.uint8))
+    _no_assembly(monkeypatch)
+    xr.testing.assert_identical(compare_grads(tmp_path / "a", tmp_path / "b", progress=False),
+                                want)
+    # a shard cut short (its index kept): an error naming it, whether mapped or copied
+    shard = tmp_path / "a" / "grads.zarr" / "rank0" / "direction" / "c" / "0" / "0"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:raw.shape[1]] + data[-16 * 3:])  # one step's bytes, 3 indexed
+    for mapped in (True, False):
+        if not mapped:
+            monkeypatch.setattr("probekit.grads.counting.map_rows", lambda *args: None)
+        with pytest.raises(GradStoreError, match="shorter than its index says"):
+            compare_grads(tmp_path / "a", tmp_path / "b", progress=False)
 
 
 def test_copied_and_mapped_reads_count_the_same(stores, monkeypatch):

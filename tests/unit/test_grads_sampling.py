@@ -145,3 +145,50 @@ def test_sampled_runs_refuse_what_needs_every_element(tmp_path):
     ported = ds.assign_coords(shape=("param", ["(20, 30)", "(20,)"]))
     with pytest.raises(AlignError, match=r"\['w'\]: transposed, and the run recorded a sample"):
         align_rank(ds, ported)
+
+
+def test_a_store_holds_one_sample_across_restarts(tmp_path):
+    """A restart continues a sampled store only with the same ``grad_probe.sample``: another
+    sample (or every element) is refused, whether its groups would continue the store's
+    (``sample`` is a layout attribute of a group) or go to a layout folder of their own (a
+    restart at another world size: ``plan_run`` reads the store's segments); ``overwrite=True``
+    replaces the recording."""
+    from probekit.grads import GradProbe, GradStoreError
+    from probekit.grads.restarts import plan_run
+
+    def run(sample, start=None, overwrite=False, steps=3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        probe = GradProbe(model, optimizer=opt, grad_level="L1", dump_path=str(tmp_path),
+                          sample=sample, start_step=start, overwrite=overwrite).start()
+        try:
+            for _ in range(steps):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).square().sum().backward()
+                opt.step()
+        finally:
+            probe.stop()
+
+    run(16)
+    run(16, start=3)  # the same sample: continued
+    ds = open_grads(tmp_path)
+    assert ds["step"].values.tolist() == list(range(6)) and ds.attrs["sample"] == 16
+    assert ds["nbits"].values.tolist() == [16, 6, 12, 2]
+    for other in (32, 0):
+        with pytest.raises(GradStoreError, match="differs in: sample"):
+            run(other, start=6)
+    assert open_grads(tmp_path)["step"].values.tolist() == list(range(6))  # untouched
+    # a restart at another world size records into a layout folder of its own: plan_run
+    # refuses it before a step is recorded
+    with pytest.raises(GradStoreError, match=r"holds steps 0\.\.5 recorded with "
+                                             r"grad_probe\.sample 16, and this run records "
+                                             r"grad_probe\.sample 32: one store holds one"):
+        plan_run(str(tmp_path), start=6, sample=32)
+    with pytest.raises(GradStoreError, match="every element's bits"):
+        plan_run(str(tmp_path), start=6, sample=0)
+    assert plan_run(str(tmp_path), start=6, sample=16)["start"] == 6
+    assert plan_run(str(tmp_path), sample=32, overwrite=True)["from"] is None
+    run(32, overwrite=True, steps=2)  # replaced, as asked
+    ds = open_grads(tmp_path)
+    assert ds["step"].values.tolist() == [0, 1] and ds.attrs["sample"] == 32

@@ -37,7 +37,7 @@ def test_stop_logs_the_one_line_summary(tmp_path, caplog):
     store = os.path.join(str(tmp_path), "grads.zarr", "rank0")
     n = group_bytes(store)
     assert 1024 <= n < 1 << 20
-    assert probe.summary == {"steps": 2, "params": 4, "bytes": n, "store": store}
+    assert probe.summary == {"steps": 2, "params": 4, "bytes": n, "store": store, "no_grad": 0}
     line = f"grad_probe: 2 steps x 4 params recorded, {n / 1024:.1f} KiB ({n:,} bytes) in {store}"
     assert str(probe.summary) == line
     assert [r.getMessage() for r in caplog.records if "recorded," in r.getMessage()] == [
@@ -87,5 +87,5 @@ def test_bytes_of_a_store_behind_a_url():
     n = sum(v["size"] for v in fs.find(group, detail=True).values())
     assert n > 0
     assert probe.summary == {"steps": 2, "params": 4, "bytes": n,
-                             "store": f"memory:///{group}"}
+                             "store": f"memory:///{group}", "no_grad": 0}
     fs.rm(url[len("memory://"):], recursive=True)

@@ -49,7 +49,7 @@ def results():
 
 
 def test_similarity_lines_threshold_and_flags(grads_cmp):
-    ax = plot.similarity(grads_cmp)
+    ax = plot.similarity(grads_cmp).axes[0]
     lines = by_gid(ax, "similarity:")
     assert [l.get_gid() for l in lines] == [f"similarity:{p}" for p in grads_cmp.param.values]
     diverging = next(l for l in lines if l.get_gid().endswith(GRAD_PARAMS_DIVERGING))
@@ -64,8 +64,8 @@ def test_similarity_lines_threshold_and_flags(grads_cmp):
     assert len(threshold) == 1 and threshold[0].get_ydata()[0] == pytest.approx(0.97)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "flagged (4)" in labels and "step-0 threshold 0.97" in labels
-    # long names are shortened in the middle, at most 36 characters
-    assert "encoder.layers.0.…ttn.in_proj_weight" in labels
+    # long names are shortened from the left (at a dot), at most 36 characters
+    assert "…layers.0.self_attn.in_proj_weight" in labels
     assert max(len(t) for t in labels) <= 36
     assert ax.get_title() == "Gradient direction similarity per parameter (rank 0)"
     assert ax.get_xlabel() == "optimizer step"
@@ -75,7 +75,7 @@ def test_similarity_lines_threshold_and_flags(grads_cmp):
 def test_similarity_selected_param_and_existing_axes(grads_cmp):
     fig, ax = plt.subplots()
     out = plot.similarity(grads_cmp, "head.weight", ax=ax)
-    assert out is ax
+    assert out is fig  # the Figure of the Axes given
     assert [l.get_gid() for l in by_gid(ax, "similarity:")] == ["similarity:head.weight"]
     assert by_gid(ax, "flags") == []      # head.weight is never flagged
     with pytest.raises(ValueError, match="'nope' is not in this dataset; accepted: embed.weight"):
@@ -85,7 +85,7 @@ def test_similarity_selected_param_and_existing_axes(grads_cmp):
 
 
 def test_similarity_limits_lines_to_flagged_and_worst(grads_cmp):
-    ax = plot.similarity(grads_cmp, max_lines=1)
+    ax = plot.similarity(grads_cmp, max_lines=1).axes[0]
     assert [l.get_gid() for l in by_gid(ax, "similarity:")] == [
         f"similarity:{GRAD_PARAMS_DIVERGING}"]
 
@@ -93,7 +93,7 @@ def test_similarity_limits_lines_to_flagged_and_worst(grads_cmp):
 def test_total_similarity_per_rank_with_flags(grads_pair):
     a, b = grads_pair
     cmp = compare_synthetic([a, a], [b, a])
-    ax = plot.total_similarity(cmp)
+    ax = plot.total_similarity(cmp).axes[0]
     totals = by_gid(ax, "total:")
     assert [l.get_label() for l in totals] == ["rank 0", "rank 1"]
     np.testing.assert_allclose(totals[0].get_ydata(), cmp.total.sel(rank=0))
@@ -108,7 +108,7 @@ def test_total_similarity_per_rank_with_flags(grads_pair):
 
 def test_interval_distribution_heatmap(grads_l2):
     param = "head.weight"
-    ax = plot.interval_distribution(grads_l2, param, flag_steps=[2, 5, 99])
+    ax = plot.interval_distribution(grads_l2, param, flag_steps=[2, 5, 99]).axes[0]
     (image,) = by_gid(ax, "dist")
     data = np.asarray(image.get_array())
     assert data.shape == (4, 8)                        # interval x step
@@ -127,18 +127,18 @@ def test_interval_distribution_needs_l2():
 
 
 def test_grad_stats_lines(grads_l2):
-    ax = plot.grad_stats(grads_l2, "embed.weight", flag_steps=[3])
+    ax = plot.grad_stats(grads_l2, "embed.weight", flag_steps=[3]).axes[0]
     for name in ("max", "min", "norm"):
         (line,) = by_gid(ax, f"stat:{name}")
         np.testing.assert_allclose(line.get_ydata(), grads_l2[name].sel(param="embed.weight"))
     assert [p.get_gid() for p in by_gid(ax, "flagstep:")] == ["flagstep:3"]
     assert ax.get_title() == "Gradient statistics: embed.weight (16, 8)"
-    ax = plot.grad_stats(grads_l2, "embed.weight", stats=("norm",))
+    ax = plot.grad_stats(grads_l2, "embed.weight", stats=("norm",)).axes[0]
     assert [l.get_gid() for l in by_gid(ax, "stat:")] == ["stat:norm"]
 
 
 def test_findings_bars_ranked_and_merged(results):
-    ax = plot.findings(results)
+    ax = plot.findings(results).axes[0]
     bars = by_gid(ax, "finding:")
     assert [b.get_gid() for b in bars] == [
         "finding:Functional.softmax.0.forward", "finding:Torch.sub.1.forward",
@@ -181,10 +181,10 @@ def test_step_ranges():
 
 
 def test_findings_top_and_empty(results):
-    ax = plot.findings(results, top=2)
+    ax = plot.findings(results, top=2).axes[0]
     assert len(by_gid(ax, "finding:")) == 2
     assert ax.get_title() == "Free benchmark findings by severity (top 2 of 5)"
-    ax = plot.findings(results.iloc[:0])
+    ax = plot.findings(results.iloc[:0]).axes[0]
     assert by_gid(ax, "finding:") == []
     assert ax.texts[0].get_text().startswith("No findings")
     with pytest.raises(TypeError, match="expected a FreeBench or its results DataFrame"):
@@ -193,8 +193,49 @@ def test_findings_top_and_empty(results):
 
 def test_short_name():
     assert plot.short_name("abc", 5) == "abc"
-    assert plot.short_name("abcdefghij", 5) == "ab…ij"
+    assert plot.short_name("abcdefghij", 5) == "…ghij"
     assert len(plot.short_name("x" * 100)) == 36
+    assert plot.short_name("transformer.h.11.attn.c_proj.weight", 20) == "…attn.c_proj.weight"
+
+
+DISTILBERT = ["distilbert.embeddings.LayerNorm.weight",
+              "distilbert.transformer.layer.0.attention.q_lin.weight",
+              "distilbert.transformer.layer.0.output_layer_norm.weight",
+              "distilbert.transformer.layer.1.output_layer_norm.weight",
+              "distilbert.transformer.layer.5.output_layer_norm.weight",
+              "distilbert.transformer.layer.5.sa_layer_norm.weight"]
+
+
+def test_legend_names_drop_the_common_prefix_and_stay_unique():
+    """Issue 28: names cut in the middle read alike (three `distilbert.transf..._layer_norm.
+    weight`); the shared prefix goes, long names keep their end, and no two labels are equal."""
+    assert plot.legend_names(DISTILBERT) == [
+        "embeddings.LayerNorm.weight", "…layer.0.attention.q_lin.weight",
+        "…layer.0.output_layer_norm.weight", "…layer.1.output_layer_norm.weight",
+        "…layer.5.output_layer_norm.weight", "…layer.5.sa_layer_norm.weight"]
+    narrow = plot.legend_names(DISTILBERT, 20)
+    assert len(set(narrow)) == len(narrow)  # lengthened where 20 characters would collide
+    assert narrow[2:5] == ["…0.output_layer_norm.weight", "…1.output_layer_norm.weight",
+                           "…5.output_layer_norm.weight"]
+    assert plot.legend_names(["a.x.weight", "a.y.weight"]) == ["x.weight", "y.weight"]
+    assert plot.legend_names(["h.0.w"]) == ["h.0.w"]  # one name: nothing to drop
+    assert plot.legend_names(["blocks.2", "blocks.0"]) == ["blocks.2", "blocks.0"]  # not "2"
+
+
+def test_similarity_legend_of_long_names_is_readable():
+    ds = make_grads()
+    ds = ds.assign_coords(param=[f"distilbert.transformer.layer.{i}.output_layer_norm.weight"
+                                 for i in range(ds.sizes["param"])])
+    cmp = compare_synthetic([ds], [ds])
+    ax = plot.similarity(cmp).axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()][:4]
+    assert labels == [f"{i}.output_layer_norm.weight" for i in range(4)]
+
+
+def test_plot_functions_return_the_figure():
+    fig = plot.similarity(compare_synthetic([make_grads()], [make_grads()]))
+    assert isinstance(fig, matplotlib.figure.Figure) and len(fig.axes) == 1
+    assert type(fig).__name__ == "PlotFigure"
 
 
 def test_plot_imports_no_ipython():
