@@ -9,6 +9,10 @@ store's own writer (``tests/sharded_stores.py``):
 * ``--layout plain``: ``--ranks`` unsharded rank groups each (``--params`` elements per rank),
   rank r against rank r.
 
+``--flush-every`` (the writer's, 50 by default) chooses how the bits are stored: a rank's row
+under 1 MiB in shards of several steps (the store's form for small rows since issue 29's
+restarts), ``1``: plain chunk files of one step; several values: one measurement each.
+
 ``compare_grads`` runs on the default local threads (``--threads``), and on a
 ``distributed.LocalCluster`` of 1 and of 2 worker processes (one thread each); wall time =
 median of ``--repeats``. Throughput = bits read (both runs, sign and significance) per second,
@@ -36,7 +40,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 
-def write_runs(base: str, layout: str, ranks: int, params: int, steps: int) -> int:
+def write_runs(base: str, layout: str, ranks: int, params: int, steps: int,
+               flush_every: int = 50) -> int:
     """The two runs under ``base``/a and /b; returns the elements of one run."""
     import sharded_stores as S
 
@@ -46,14 +51,15 @@ def write_runs(base: str, layout: str, ranks: int, params: int, steps: int) -> i
         for run, seed in (("a", 1), ("b", 2)):
             for r in range(ranks):  # every rank its own data: each group written
                 S.write_random(os.path.join(base, run), model, {r: S.single(model)[0]},
-                               steps, seed=seed * 1000 + r)
+                               steps, seed=seed * 1000 + r, flush_every=flush_every)
         return ranks * params
     cols = 1024
     rows = ranks * params // (8 * cols)
     model = {f"layer{i}.weight": (rows, cols) for i in range(8)}
-    S.write_random(os.path.join(base, "a"), model, S.fsdp(model, ranks), steps, seed=1)
+    S.write_random(os.path.join(base, "a"), model, S.fsdp(model, ranks), steps, seed=1,
+                   flush_every=flush_every)
     S.write_random(os.path.join(base, "b"), model, S.fsdp(model, max(1, ranks // 2)), steps,
-                   seed=2)
+                   seed=2, flush_every=flush_every)
     return 8 * rows * cols
 
 
@@ -113,6 +119,9 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[64])
     p.add_argument("--params", type=int, default=1 << 20, help="elements per rank")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--flush-every", type=int, nargs="+", default=[50],
+                   help="the writer's flush_every: 1 stores the bits as plain one-step chunk "
+                        "files, more as shards of steps (rows under 1 MiB)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--no-cluster", action="store_true")
@@ -122,16 +131,19 @@ def main(argv=None) -> None:
     import dask
 
     from probekit.grads import compare_grads
+    from probekit.grads.chunks import bits_meta
 
     results = []
-    for ranks in args.ranks:
+    for ranks, flush in [(r, f) for r in args.ranks for f in args.flush_every]:
         base = tempfile.mkdtemp(prefix="probekit_cmp_")
         try:
-            elements = write_runs(base, args.layout, ranks, args.params, args.steps)
+            elements = write_runs(base, args.layout, ranks, args.params, args.steps, flush)
             bits = 2 * 2 * elements * args.steps  # two runs, sign + significance bits
-            row = {"layout": args.layout, "ranks": ranks, "elements_per_run": elements,
-                   "steps": args.steps, "bits_read": bits}
             a, b = os.path.join(base, "a"), os.path.join(base, "b")
+            meta = bits_meta(os.path.join(a, "grads.zarr", "rank0", "direction"))
+            row = {"layout": args.layout, "ranks": ranks, "elements_per_run": elements,
+                   "steps": args.steps, "bits_read": bits, "flush_every": flush,
+                   "bits_stored": f"{meta['kind']}, {meta['chunk'][0]} step(s) per file"}
             compare_grads(a, b, progress=False)  # page cache warm
             for threads in args.threads:
                 rss0 = _maxrss()

@@ -437,29 +437,43 @@ def read_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int, out: np.ndarra
                                      "chunk file is shorter than its chunk")
 
 
-def _shard_offsets(fd: int, path: str, cr: int, cc: int, local: np.ndarray) -> np.ndarray:
-    """The byte offset in shard file ``fd`` of each of its steps ``local`` (its index read from
-    the file's end), -1 for a step not stored (the fill value); an error when the index points
-    past the steps' bytes (a shard shorter than its index says)."""
-    size = os.fstat(fd).st_size
+#: shard indexes read (offsets per step, validated), by the file's path and identity: a shard
+#: replaced by its writer (more steps: a new file, renamed over) is another entry
+_SHARD_TABLES: dict = {}
+
+
+def _shard_table(fd: int, path: str, cr: int, cc: int) -> np.ndarray:
+    """The byte offset in shard file ``fd`` of each of its ``cr`` steps, -1 for a step not
+    stored (the fill value): its index, read from the file's end once per file (cached by path,
+    inode, size and modification time); an error when the index points past the steps' bytes
+    (a shard shorter than its index says) or holds a step of another size."""
+    st = os.fstat(fd)
+    key = (path, st.st_ino, st.st_size, st.st_mtime_ns, cr, cc)
+    table = _SHARD_TABLES.get(key)
+    if table is not None:
+        return table
+    size = st.st_size
     index = _shard_index(os.pread(fd, 16 * cr, max(0, size - 16 * cr)), cr, path, size)
-    offs, nbs = index[local, 0], index[local, 1]
-    missing = offs == _MISSING
-    there = ~missing
+    offs, nbs = index[:, 0], index[:, 1]
+    there = offs != _MISSING
     if np.any(nbs[there] != cc):
         raise GradStoreError(f"{path}: an inner chunk of {int(nbs[there][nbs[there] != cc][0])} "
                              f"bytes, expected {cc}")
     if np.any(offs[there] + np.uint64(cc) > np.uint64(size - 16 * cr)):
         raise GradStoreError(f"{path}: shorter than its index says")
-    out = offs.astype(np.int64)
-    out[missing] = -1
-    return out
+    table = np.where(there, offs, 0).astype(np.int64)
+    table[~there] = -1
+    table.setflags(write=False)
+    if len(_SHARD_TABLES) >= 4096:
+        _SHARD_TABLES.clear()
+    _SHARD_TABLES[key] = table
+    return table
 
 
 def _read_shard_rows(fd, path, cr, cc, local, lo, hi, out, col, fill) -> None:
     """Steps ``local`` of a shard, bytes ``lo:hi`` of each, into ``out[:, col:col + hi - lo]``;
     steps stored one after the other in one read when whole rows are asked for."""
-    offs = _shard_offsets(fd, path, cr, cc, local)
+    offs = _shard_table(fd, path, cr, cc)[local]
     dest = out[:, col:col + hi - lo]
     whole = lo == 0 and hi == cc and out.shape[1] == cc
     k, n = 0, len(offs)
@@ -519,13 +533,19 @@ def map_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int):
         return np.broadcast_to(np.full(c1 - c0, raw.fill, np.uint8), (n, c1 - c0))
     try:
         if raw.kind == "sharded":
-            offs = _shard_offsets(fd, path, cr, cc, np.arange(r0 - i * cr, r0 - i * cr + n))
-            if np.all(offs < 0):
+            k = r0 - i * cr
+            offs = _shard_table(fd, path, cr, cc)[k:k + n]
+            o0, o1 = int(offs[0]), int(offs[-1])
+            if n == 1 or (o1 - o0 == (n - 1) * cc and o0 >= 0
+                          and (n == 2 or bool(np.all(np.diff(offs) == cc)))):
+                if o0 < 0:  # one step, not stored
+                    return np.broadcast_to(np.full(c1 - c0, raw.fill, np.uint8), (1, c1 - c0))
+            elif np.all(offs < 0):
                 return np.broadcast_to(np.full(c1 - c0, raw.fill, np.uint8), (n, c1 - c0))
-            if np.any(offs < 0) or np.any(np.diff(offs) != cc):
+            else:
                 return None  # steps not one after the other: copied
-            first = int(offs[0]) + c0 - j * cc
-            last = int(offs[-1]) + c1 - j * cc
+            first = o0 + c0 - j * cc
+            last = o1 + c1 - j * cc
         else:
             size = os.fstat(fd).st_size
             if size != cr * cc:

@@ -82,3 +82,29 @@ def test_mindspore_samples_the_elements_pytorch_samples(tmp_path, where, mode):
         assert (np.asarray(res["similarity"].values) == 1.0).all(), pt
         assert res["sampled"].values.tolist() == [40, 16, 40, 8, 24, 3]
         assert (np.asarray(res["similarity_low"].values) < 1.0).any()  # an interval, sampled
+
+
+def test_a_restart_with_another_sample_is_refused(tmp_path):
+    """One store holds one sample (as for PyTorch): a restart with the same sample continues
+    the store, another one (or every element) is refused before any step is recorded: by the
+    rank group it would continue, or (its bits laid out otherwise: another layout folder) by
+    the store's segments."""
+    from probekit.grads import GradStoreError
+
+    record(tmp_path)
+    ms.set_seed(11)
+
+    def again(sample):
+        net = MLP()
+        opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.05)
+        probe = GradProbe(opt, dump_path=tmp_path, sample=sample, start_step=STEPS).start()
+        train(net, opt, data(2, seed=5))
+        probe.stop()
+
+    for other in (24, 0):
+        with pytest.raises(GradStoreError, match="differs in: .*sample|one store holds one "
+                                                 "sample"):
+            again(other)
+    again(SAMPLE)
+    ds = probekit.open_grads(tmp_path)
+    assert ds["step"].values.tolist() == list(range(STEPS + 2)) and ds.attrs["sample"] == SAMPLE

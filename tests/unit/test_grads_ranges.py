@@ -1,6 +1,7 @@
 """The comparison over shared element ranges (planner.py, counting.py, geometry.py): the same
 result as comparing the assembled parameters, on every layout pair, without assembling them."""
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -294,26 +295,46 @@ def test_a_restarted_store_compares_shard_by_shard_as_assembled(tmp_path, monkey
 def test_plain_and_sharded_bits_count_the_same(tmp_path, monkeypatch):
     """Bits in plain chunk files of one step (``flush_every=1``) and in shards of steps (a
     shard of 2 or 5 steps, its last one short), compared with one another shard by shard:
-    the assembled path's counts."""
-    from probekit.grads.chunks import bits_meta
+    the assembled path's counts, mapped or copied. Steps 1, 5 and 6 of the first runs are
+    significant everywhere: their significance rows are all fill value, not stored (a shard
+    with a gap between its steps, a shard of none: no file)."""
+    from probekit.grads import counting
+    from probekit.grads.chunks import RawChunks, bits_meta
 
     params = {"w": (9, 6), "b": (7,)}
+
+    def data(seed):
+        def grads(step):
+            if seed == 0 and step in (1, 5, 6):
+                return {n: np.full(shape, 1.0, np.float32) for n, shape in params.items()}
+            return S.grads(params, step, seed, 0.5 * seed)
+        return grads
+
     kinds = {}
     for name, every in (("plain", 1), ("shard2", 2), ("shard5", 5)):
         for seed in (0, 1):
-            S.write(tmp_path / f"{name}{seed}", params, S.fsdp(params, 3), 7, seed=seed,
-                    noise=0.5 * seed, flush_every=every)
+            S.write(tmp_path / f"{name}{seed}", params, S.fsdp(params, 3), 7, data=data(seed),
+                    flush_every=every)
         meta = bits_meta(str(tmp_path / f"{name}0" / "grads.zarr" / "rank1" / "significant"))
         kinds[name] = (meta["kind"], meta["chunk"][0])
     assert kinds == {"plain": ("plain", 1), "shard2": ("sharded", 2),
                      "shard5": ("sharded", 5)}
+    sig = str(tmp_path / "shard50" / "grads.zarr" / "rank0" / "significant")
+    assert not os.path.exists(os.path.join(sig, "c", "1", "0"))  # steps 5, 6: no shard
+    assert np.all(RawChunks.open(sig, 7).read(0, 7)[[1, 5, 6]] == 255)
     want = {}
     for a, b in itertools.permutations(kinds, 2):
         want[a, b] = assembled(tmp_path / f"{a}0", tmp_path / f"{b}1")
+    assert float(want["plain", "shard2"]["similarity"].min()) < 1.0
     _no_assembly(monkeypatch)
-    for (a, b), w in want.items():
-        got = compare_grads(tmp_path / f"{a}0", tmp_path / f"{b}1", progress=False)
-        xr.testing.assert_identical(got, w)
+    for mapped in (True, False):
+        if not mapped:
+            monkeypatch.setattr(counting, "map_rows", lambda *args: None)
+        for (a, b), w in want.items():
+            for block in (1, 8 << 20):  # a step per block; all steps in one
+                got = compare_grads(tmp_path / f"{a}0", tmp_path / f"{b}1", progress=False,
+                                    block_bytes=block, task_bytes=8 << 20)
+                xr.testing.assert_identical(got, w)
 
 
 def test_only_committed_rows_are_read_or_mapped(tmp_path, monkeypatch):
