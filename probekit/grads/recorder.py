@@ -539,7 +539,7 @@ class GradProbe:
                       "(zero_grad) before optimizer.step()")
 
     def _begin_run(self, optimizer) -> None:
-        """This recording's first step and what it supersedes in the store (``segments.
+        """This recording's first step and what it supersedes in the store (``restarts.
         plan_run``), decided once for the job: by the first rank to get here, the others take
         its decision from torch.distributed's store (one key, no collective)."""
         section = self.config.grad_probe
