@@ -25,6 +25,7 @@ _LAZY = {
     "GradProbe": "probekit.grads",
     "open_grads": "probekit.grads",
     "compare_grads": "probekit.grads",
+    "perturb": "probekit.grads",         # a control run's rounding, without a probe
     "GradComparator": "probekit.grads",
     "suspects": "probekit.grads",
     "triage": "probekit.triaging",       # a module named probekit.triage would shadow the function

@@ -42,6 +42,10 @@ GRAD_LEVELS = ("L0", "L1", "L2")
 #: the raw ones at the end of the last backward pass before the step (before clipping)
 GRAD_POINTS = ("step", "backward")
 HASH_ALGORITHMS = ("md5", "xxh3")
+#: a control run (``grads/control.py``): the precision under test, and how the test runs in it
+#: (under autocast, the model cast to it, or as the reference does); ``"bf16"`` = bf16:autocast
+CONTROL_DTYPES = ("bf16", "fp16", "fp32")
+CONTROL_RECIPES = ("autocast", "cast", "none")
 THRESHOLD_KEYS = ("float16", "bfloat16", "float32", "other")
 #: no override: every threshold comes from the unit roundoff of the dtype a call computes in
 #: (``probekit/freebench/scales.py``); ``free_benchmark.thresholds`` overrides it per dtype
@@ -235,6 +239,11 @@ class GradProbeConfig:
     start_step: int | None = None
     overwrite: bool = False
     durable: bool = False
+    #: record this run as a control for a test at that precision (``CONTROL_DTYPES``, optionally
+    #: ``:recipe``): every low-precision op of the test's recipe computed wider and rounded at
+    #: random by a generator of its own, seeded by ``control_seed`` (``grads/control.py``)
+    control: str | None = None
+    control_seed: int = 0
 
     def __post_init__(self) -> None:
         s = "grad_probe."
@@ -256,6 +265,15 @@ class GradProbeConfig:
                   "store: the optimizer's step count, else the step after its newest)")
         _bool(s + "overwrite", self.overwrite)
         _bool(s + "durable", self.durable)
+        if self.control is not None:
+            name, _, recipe = (self.control.partition(":") if isinstance(self.control, str)
+                               else (None, "", ""))
+            if name not in CONTROL_DTYPES or (recipe and recipe not in CONTROL_RECIPES):
+                _fail(s + "control", self.control,
+                      f"null (a plain run), or one of {', '.join(CONTROL_DTYPES)}, optionally "
+                      f"followed by :{', :'.join(CONTROL_RECIPES)} (e.g. bf16, bf16:cast)")
+        if not _is_int(self.control_seed) or self.control_seed < 0:
+            _fail(s + "control_seed", self.control_seed, "an integer >= 0")
 
 
 def _bounds(key: str, value: Any) -> tuple:

@@ -167,43 +167,100 @@ def _step0_threshold(cmp) -> float:
     return float(cmp.attrs.get("step0_threshold", STEP0_THRESHOLD))
 
 
+def _judged(cmp):
+    """(the similarity variable flags are judged on, its axis label): the one number shown."""
+    from .grads.verdict import judged_name
+
+    name = judged_name(cmp)
+    label = ("share of equal gradient signs (significant elements)"
+             if name == "similarity_significant" else "share of equal gradient signs")
+    return name, label
+
+
+def _ylim(ax, lo, lows, thr, calibrated) -> None:
+    """Down to the threshold (uncalibrated), or to the lowest of the data and ``lows`` (the
+    total's band) with a margin of a tenth of the shown range (calibrated: data near 1 stay
+    readable; a parameter's band reaching further down is cut)."""
+    if not calibrated:
+        ax.set_ylim(min(lo, thr) - 0.02, 1.005)
+        return
+    floor = min([lo, *lows])
+    span = max(1.0 - floor, 1e-4)
+    ax.set_ylim(floor - 0.1 * span, 1.0 + 0.05 * span)
+
+
+def _control_label(cmp) -> str:
+    """"the bf16 control" or "the control" (a control run recorded without its name)."""
+    name = str(cmp.attrs.get("control", ""))
+    return f"{name} control" if name else "control"
+
+
 def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
                legend: str = "outside"):
-    """Direction similarity of each parameter over steps for one rank of a comparison.
+    """Direction similarity of each parameter over steps for one rank of a comparison: the
+    similarity the flags are judged on (significant signs when the comparison is noise-aware).
 
-    A dashed line marks the comparison's ``step0_threshold``, red crosses mark flagged
-    (step, param) points. With more than ``max_lines`` parameters (and ``params`` not given), the
-    flagged ones and the lowest ones are drawn, up to ``max_lines``.
+    Calibrated by a control run (``compare_grads(..., control=)``), each line's shaded band is
+    what the control allows (down to ``similarity_band``, dotted); red markers say why a point
+    is flagged (a cross: its signs; a diamond: its scale, the norm or max - min, whatever its
+    similarity; a plus: NaN/Inf). Otherwise a dashed line marks the comparison's
+    ``step0_threshold`` and red crosses the flagged (step, param) points. With more
+    than ``max_lines`` parameters (and ``params`` not given), the flagged ones and the lowest
+    ones are drawn, up to ``max_lines``.
     """
     ds, rank = _one_rank(cmp, rank)
     ax = _axes(ax, (9, 4.2))
     names = _params(ds, params)
-    sim = ds["similarity"]
+    name, ylabel = _judged(cmp)
+    sim = ds[name]
     flag = ds["flag"]
+    calibrated = bool(cmp.attrs.get("calibrated")) and "similarity_band" in ds
     if params is None and len(names) > max_lines:
         worst = sim.min("step").to_series()
         flagged = flag.any("step").to_series()
         order = sorted(names, key=lambda p: (not flagged[p], worst[p]))
         names = [p for p in ds["param"].values if p in set(order[:max_lines])]
     steps = ds["step"].values
-    for p, label in zip(names, legend_names(names)):
-        ax.plot(steps, sim.sel(param=p).values, marker="o", markersize=3, linewidth=1.5,
-                label=label, gid=f"similarity:{p}")
-    fx, fy = [], []
+    lows = []
+    for i, (p, label) in enumerate(zip(names, legend_names(names))):
+        (line,) = ax.plot(steps, sim.sel(param=p).values, marker="o", markersize=3,
+                          linewidth=1.5, label=label, gid=f"similarity:{p}")
+        if calibrated:   # what the control allows: shaded, its lower edge dashed
+            band = ds["similarity_band"].sel(param=p).values
+            ax.fill_between(steps, band, 1.0, color=line.get_color(), alpha=0.07, linewidth=0,
+                            label=f"{_control_label(cmp)} allows" if i == 0 else None,
+                            gid=f"band:{p}")
+            ax.plot(steps, band, color=line.get_color(), linestyle=":", linewidth=1,
+                    gid=f"band_edge:{p}")
+    fx, fy, fk = [], [], []
+    kinds = ds["flag_kind"] if calibrated and "flag_kind" in ds else None
     for p in names:
         f = flag.sel(param=p).values
         fx.extend(steps[f])
         fy.extend(sim.sel(param=p).values[f])
+        fk.extend(kinds.sel(param=p).values[f] if kinds is not None else [1] * int(f.sum()))
     thr = _step0_threshold(cmp)
-    _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
+    if not calibrated:
+        _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
     if fx:
-        ax.scatter(fx, fy, marker="X", s=70, color=FLAG_COLOR, zorder=5,
-                   label=f"flagged ({len(fx)})", gid="flags")
+        fx, fy, fk = np.asarray(fx), np.asarray(fy, np.float64), np.asarray(fk)
+        if kinds is None:
+            ax.scatter(fx, fy, marker="X", s=70, color=FLAG_COLOR, zorder=5,
+                       label=f"flagged ({len(fx)})", gid="flags")
+        else:   # the kind of flag: its signs (X), its scale (diamond: norm or max - min)
+            for code, marker, what in ((1, "X", "signs"), (2, "D", "scale"),
+                                       (3, "P", "NaN/Inf")):
+                sel = fk == code
+                if sel.any():
+                    ax.scatter(fx[sel], np.nan_to_num(fy[sel], nan=1.0), marker=marker,
+                               s=70 if code != 2 else 40, color=FLAG_COLOR, zorder=5,
+                               label=f"flagged: {what} ({int(sel.sum())})",
+                               gid=f"flags:{what}")
     lo = float(np.nanmin(sim.sel(param=names).values)) if names else thr
-    ax.set_ylim(min(lo, thr) - 0.02, 1.005)
+    _ylim(ax, lo, lows, thr, calibrated)
     _step_ticks(ax, steps)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("share of equal gradient signs")
+    ax.set_ylabel(ylabel)
     title = "Gradient direction similarity per parameter"
     ax.set_title(title + (f" (rank {rank})" if rank is not None else ""))
     first = _first_flag(ds)
@@ -225,28 +282,45 @@ def _first_flag(ds) -> str:
 
 
 def total_similarity(cmp, *, rank=None, ax=None):
-    """Element-weighted direction similarity over steps, one line per rank, flags marked."""
+    """Element-weighted direction similarity over steps (the one the flags are judged on), one
+    line per rank, flags marked; calibrated by a control run, the control's own total is drawn
+    dashed and the band it allows shaded."""
+    from .grads.verdict import judged_total_name
+
     ax = _axes(ax, (8, 3.6))
     ranks = [rank] if rank is not None else [int(r) for r in cmp["rank"].values]
     steps = cmp["step"].values
+    name = judged_total_name(cmp)
+    calibrated = bool(cmp.attrs.get("calibrated")) and "total_band" in cmp
     flagged = 0
+    lows = []
     for r in ranks:
         ds, _ = _one_rank(cmp, r)
-        total = ds["total"].values
-        ax.plot(steps, total, marker="o", markersize=3, linewidth=1.8, label=f"rank {r}",
-                gid=f"total:{r}")
+        total = ds[name].values
+        (line,) = ax.plot(steps, total, marker="o", markersize=3, linewidth=1.8,
+                          label=f"rank {r}", gid=f"total:{r}")
+        if calibrated:
+            band = ds["total_band"].values
+            ctrl = _control_label(cmp)
+            ax.plot(steps, ds["total_control"].values, color=line.get_color(), linestyle="--",
+                    linewidth=1, label=ctrl, gid=f"control:{r}")
+            ax.fill_between(steps, band, 1.0, color=line.get_color(), alpha=0.12, linewidth=0,
+                            label=f"{ctrl} allows", gid=f"band:{r}")
+            lows.append(np.nanmin(band) if np.isfinite(band).any() else 1.0)
         f = ds["flag_total"].values
         if f.any():
             ax.scatter(steps[f], total[f], marker="X", s=70, color=FLAG_COLOR, zorder=5,
                        label="flagged" if not flagged else None, gid=f"flags:{r}")
             flagged += int(f.sum())
     thr = _step0_threshold(cmp)
-    _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
-    lo = float(np.nanmin(cmp["total"].sel(rank=ranks).values))
-    ax.set_ylim(min(lo, thr) - 0.02, 1.005)
+    if not calibrated:
+        _threshold_line(ax, thr, f"step-0 threshold {thr:g}")
+    lo = float(np.nanmin(cmp[name].sel(rank=ranks).values))
+    _ylim(ax, lo, lows, thr, calibrated)
     _step_ticks(ax, steps)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("similarity (element-weighted)")
+    ax.set_ylabel("similarity (element-weighted)" if name == "total" else
+                  "similarity (significant, element-weighted)")
     ax.set_title("Total gradient direction similarity")
     ax.grid(True, alpha=0.3)
     _legend(ax, len(ranks))

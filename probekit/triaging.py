@@ -5,7 +5,12 @@
     print(report)          # the same as text
     report.findings        # DataFrame, one row per flagged call, most severe first
 
-1. ``compare_grads(run_a, run_b)`` (or ``comparison=``) gives the first divergence;
+1. ``compare_grads(run_a, run_b, control=control)`` (or ``comparison=``) gives the first
+   divergence and the verdict; the free benchmark runs only when the test departs from the
+   reference beyond rounding noise (``grads/verdict.py``): a calibrated comparison within what
+   the control explains stops here, saying why, and so does an uncalibrated one whose first
+   flag comes after step 0 (where rounding drift alone parts two runs; step 0 is judged on the
+   significant signs, which keep rounding noise out); the report says how to calibrate;
 2. ``suspects(cmp, model)`` ranks the modules owning the first diverging parameters; each is
    widened ``up`` levels (default 1: ``h.2.attn.c_attn`` -> ``h.2.attn``, where the op feeding the
    parameter's layer usually lives) and the first ``top`` distinct ones are kept;
@@ -179,13 +184,36 @@ class TriageReport:
     runs: list
     comparison: object
     min_ratio: float = MIN_RATIO
+    #: why the free benchmark did not run ("" when it ran, or when nothing diverges)
+    stopped: str = ""
+    #: the comparison's verdict in words (``grads.verdict.verdict_line``) or a caveat
+    verdict: str = ""
+
+    @property
+    def calibrated(self) -> bool:
+        """Was the comparison judged against a control run?"""
+        return bool(getattr(self.comparison, "attrs", {}).get("calibrated"))
+
+    def _headline(self) -> list:
+        d = self.divergence
+        if self.calibrated:
+            return [f"Triage: {self.verdict}"]
+        lines = [f"Triage: runs diverge first at step {d['step']}, parameter {d['param']!r} "
+                 f"(similarity {d['similarity']:.3f}, rank {d['rank']})."]
+        if self.verdict:
+            lines.append(self.verdict)
+        return lines
 
     def summary(self, top: int = 5) -> str:
         d = self.divergence
         if d["step"] < 0:
+            if self.calibrated:
+                return f"Triage: {self.verdict} {self.stopped}".rstrip()
             return "Triage: the runs do not diverge (no parameter flagged); nothing to check."
-        lines = [f"Triage: runs diverge first at step {d['step']}, parameter {d['param']!r} "
-                 f"(similarity {d['similarity']:.3f}, rank {d['rank']})."]
+        lines = self._headline()
+        if self.stopped:
+            lines.append(self.stopped)
+            return "\n".join(lines)
         if self.suspects.empty:
             lines.append("No module to check.")
             return "\n".join(lines)
@@ -228,10 +256,19 @@ class TriageReport:
         name = td + ";font-family:monospace"  # names wrap after their dots (_wrap)
         sites = _cell_sites()
         if d["step"] < 0:
-            return f"<p><b>probekit triage</b>: {esc(self.summary())}</p>"
-        out = [f"<div class='probekit-triage'><p><b>probekit triage</b>: runs diverge first at "
-               f"step <b>{d['step']}</b>, parameter <code>{esc(d['param'])}</code> (similarity "
-               f"{d['similarity']:.3f}, rank {d['rank']}).</p>"]
+            return (f"<p><b>probekit triage</b>: "
+                    f"{esc(self.summary().removeprefix('Triage: '))}</p>")
+        if self.calibrated:
+            out = [f"<div class='probekit-triage'><p><b>probekit triage</b>: "
+                   f"{esc(self.verdict)}</p>"]
+        else:
+            out = [f"<div class='probekit-triage'><p><b>probekit triage</b>: runs diverge first "
+                   f"at step <b>{d['step']}</b>, parameter <code>{esc(d['param'])}</code> "
+                   f"(similarity {d['similarity']:.3f}, rank {d['rank']}).</p>"]
+            if self.verdict:
+                out.append(f"<p>{esc(self.verdict)}</p>")
+        if self.stopped:
+            return "".join(out) + f"<p>{esc(self.stopped)}</p></div>"
         if self.suspects.empty:
             return "".join(out) + "<p>No module to check.</p></div>"
         table = "<table style='table-layout:auto;max-width:100%'>"
@@ -327,14 +364,18 @@ def _ratio(v) -> str:
 
 
 # -- triage ----------------------------------------------------------------------------------------
-def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int = 3, up: int = 1,
+def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=None,
+           top: int = 3, up: int = 1,
            pert_modes=None, stages=STAGES, min_ratio: float = MIN_RATIO, optimizer=None,
            dump_path=None, rank=None, verbose: bool = False) -> TriageReport:
     """Compare two runs, check their top suspect modules with the free benchmark, report.
 
     ``model``: the ``nn.Module`` to check (as in the run under suspicion); ``step_fn()``: runs
     one training step (forward + backward) of it; ``run_a``, ``run_b``: grad-probe runs (paths or
-    Datasets, as ``compare_grads`` takes them) or ``comparison=`` an existing comparison.
+    Datasets, as ``compare_grads`` takes them) and ``control``: a control run of ``run_a`` (or a
+    list; ``GradProbe(..., control="bf16")``), or ``comparison=`` an existing comparison. The
+    free benchmark runs only when the comparison is beyond rounding noise (or, uncalibrated,
+    flags step 0); otherwise the report says why it stopped (``report.stopped``).
     ``top``: suspect modules checked; ``up``: levels each suspect is widened by;
     ``pert_modes``: default ``pert_modes_for`` the suspects' dtype; ``stages``: forward,
     backward; ``min_ratio``: findings listed from this ``max_rel / threshold`` on (default 1: all;
@@ -370,10 +411,11 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
             raise TypeError("run_a, run_b: two grad-probe runs are needed (or comparison=)")
         from .grads.compare import compare_grads
 
-        comparison = compare_grads(run_a, run_b)
+        comparison = compare_grads(run_a, run_b, control=control)
     divergence = _divergence(comparison, rank)
+    verdict, stopped = _plan(comparison, divergence)
     sus = scoped_suspects(comparison, model, top, up)
-    modules = list(sus["module"])
+    modules = list(sus["module"]) if not stopped else []
     if pert_modes is None:
         pert_modes = pert_modes_for(model, modules) if modules else ()
     pert_modes = (pert_modes,) if isinstance(pert_modes, str) else tuple(pert_modes)
@@ -410,9 +452,36 @@ def triage(model, step_fn, run_a=None, run_b=None, *, comparison=None, top: int 
     results = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
         columns=list(COLUMNS))
     findings, counts = _findings(results, modules, min_ratio)
-    sus["findings"] = [counts.get(m, (0, 0))[0] for m in modules]
-    sus["minor"] = [counts.get(m, (0, 0))[1] for m in modules]
-    return TriageReport(divergence, sus, findings, runs, comparison, float(min_ratio))
+    sus["findings"] = [counts.get(m, (0, 0))[0] for m in sus["module"]]
+    sus["minor"] = [counts.get(m, (0, 0))[1] for m in sus["module"]]
+    return TriageReport(divergence, sus, findings, runs, comparison, float(min_ratio), stopped,
+                        verdict)
+
+
+def _plan(cmp, divergence) -> tuple:
+    """(the verdict line or an uncalibrated caveat, why the free benchmark stops or "")."""
+    from .grads.verdict import verdict_line
+
+    r = divergence["rank"]
+    sub = cmp.sel(rank=r) if "rank" in cmp.dims else cmp
+    line = verdict_line(sub)
+    if cmp.attrs.get("calibrated"):
+        if divergence["step"] >= 0:
+            return line, ""
+        return line, ("Nothing to check: the free benchmark was not run (the test departs from "
+                      "the reference no further than rounding at the control's precision "
+                      "does).")
+    if divergence["step"] < 0:
+        return "", ""
+    if divergence["step"] == 0 and cmp.attrs.get("noise_aware"):
+        return ("Uncalibrated (no control run): a flag at step 0 is judged on the significant "
+                "signs, which keep rounding noise out; after step 0 a control is needed."), ""
+    how = line[line.index("To calibrate:"):] if "To calibrate:" in line else ""
+    why = (f"the first flag is at step {divergence['step']}, after step 0, where rounding "
+           "drift alone parts two runs" if cmp.attrs.get("noise_aware") else
+           "the comparison is judged on plain signs, which rounding noise flips")
+    return "", (f"Stopped before the free benchmark: the comparison is uncalibrated and {why}. "
+                + how)
 
 
 def _divergence(cmp, rank) -> dict:
@@ -421,14 +490,18 @@ def _divergence(cmp, rank) -> dict:
         from .config import ConfigError
 
         raise ConfigError(f"rank: {rank!r} is not valid; accepted: {ranks}")
+    from .grads.verdict import judged_name, judged_total_name
+
     order = [rank] if rank is not None else ranks
     for r in order:
         sub = cmp.sel(rank=r) if "rank" in cmp.dims else cmp
         step = int(sub["first_step"]) if "first_step" in sub else -1
         if step >= 0:
             param = str(sub["first_param"].item())
-            sim = float(sub["similarity"].sel(step=step, param=param)) if param else \
-                float(sub["total"].sel(step=step))
+            # the judged similarity: the number behind the flag (significant signs when the
+            # comparison is noise-aware)
+            sim = float(sub[judged_name(cmp)].sel(step=step, param=param)) if param else \
+                float(sub[judged_total_name(cmp)].sel(step=step))
             return {"rank": r, "step": step, "param": param, "similarity": sim}
     return {"rank": order[0], "step": -1, "param": "", "similarity": float("nan")}
 

@@ -18,6 +18,11 @@ def _declare_compare(p):
     p.add_argument("-o", "--output", required=True, help="output folder (msprobe's layout)")
     p.add_argument("--plots", choices=PLOTS, default="summary",
                    help="PNGs to render: every parameter (msprobe), summary only, or none")
+    p.add_argument("--control", metavar="RUN", action="append", default=None,
+                   help="a control run of run_a (GradProbe(..., control='bf16'): the "
+                        "reference's code trained again with its rounding drawn at random at "
+                        "the precision under test); flags then mean 'beyond rounding noise'. "
+                        "Repeat for several (their envelope)")
     p.add_argument("--step0-threshold", type=float, default=STEP0_THRESHOLD)
     p.add_argument("--drop-threshold", type=float, default=DROP_THRESHOLD)
     p.add_argument("--scheduler", metavar="ADDR", default=None,
@@ -79,19 +84,24 @@ def compare(args) -> int:
     result = GradComparator.compare_distributed(
         args.run_a, args.run_b, args.output, plots=args.plots,
         step0_threshold=args.step0_threshold, drop_threshold=args.drop_threshold,
-        scheduler=args.scheduler, storage_options=args.storage_options)
+        scheduler=args.scheduler, storage_options=args.storage_options, control=args.control)
+    from .verdict import judged_total_name, verdict_line
+
+    name = judged_total_name(result)     # the similarity the flags are judged on
+    label = " (significant signs)" if name == "total_significant" else ""
     for rank in result["rank"].values:
         r = result.sel(rank=rank)
         step, param = int(r["first_step"].item()), str(r["first_param"].item())
-        total = np.asarray(r["total"].values)
+        total = np.asarray(r[name].values)
         steps = np.asarray(r["step"].values)
         print(f"rank {int(rank)}: {r.sizes['step']} steps x {r.sizes['param']} params compared; "
-              f"total similarity {np.nanmin(total):.4f}..{np.nanmax(total):.4f}")
+              f"total similarity{label} {np.nanmin(total):.4f}..{np.nanmax(total):.4f}")
         if step >= 0:
             print(f"rank {int(rank)}: first flagged at step {step}"
                   + (f", parameter {param}" if param else " (total similarity)"))
         else:
             print(f"rank {int(rank)}: no step flagged (steps {steps.min()}..{steps.max()})")
+        print(verdict_line(r, int(rank)))
     print(f"written to {args.output}")
     return report_unmatched(result, args.allow_unmatched)
 

@@ -391,7 +391,7 @@ def pair_runs(runs_a: dict, runs_b: dict, ranks=None) -> list:
     return [(ra, runs_a[ra], runs_b[rb]) for ra, rb in pair_labels(runs_a, runs_b, ranks)]
 
 
-def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
+def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOLD,
                   drop_threshold: float = DROP_THRESHOLD, ranks=None, noise_aware: bool = True,
                   client=None, scheduler=None, progress=None, storage_options=None,
                   block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES):
@@ -409,6 +409,21 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     bits in both runs also ``similarity_significant``, ``significant`` (elements significant in
     both) and ``total_significant``; ``noise_aware`` (default) judges flags and the first
     divergence on them, ``noise_aware=False`` on msprobe's plain ``similarity``.
+
+    ``control``: a control run of ``a`` (``GradProbe(..., control="bf16")``: the reference's
+    code trained again with its rounding drawn at random at the precision under test), or a
+    list of them. Then a (step, param) is flagged only where ``b`` departs from ``a`` further
+    than the control does (``verdict.py``: a count test on the judged similarity's sign flips
+    against the control's share with a margin of 2, and a test of the norms and max - min
+    ranges), and the result holds ``flag_kind`` (0 none, 1 signs, 2 scale, 3 NaN/Inf),
+    ``excess`` (how many times what the control allows), ``similarity_control`` and
+    ``similarity_band`` (the lowest similarity the control allows), ``total_control``,
+    ``total_band``, ``norm_ratio`` and ``norm_ratio_control`` (each run's norm over the
+    reference's), ``range_ratio``, ``norm_dev``/``range_dev`` (``|ln|`` of those ratios) and
+    ``norm_allowed``/``range_allowed``; the fixed-threshold flags stay as
+    ``flag_threshold`` and ``flag_total_threshold``; ``first_param`` is the flagged parameter
+    departing most at the first flagged step. Without it the flags are the fixed thresholds
+    (uncalibrated). Either way the result's ``str`` and HTML begin with the verdict in words.
 
     Runs of one Dataset each (single process, DDP, a sharded run assembled) pair parameter by
     parameter whatever rank recorded them; runs of several ranks pair rank r with rank r.
@@ -434,6 +449,29 @@ def compare_grads(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
     """
     from .engine import Session
 
+    if control is not None:   # the comparisons with the test and each control, then judged
+        from .opening import store_of
+        from .sources import load_runs
+        from .verdict import calibrate
+
+        controls = list(control) if isinstance(control, (list, tuple)) else [control]
+        given = [a, b, *controls]
+        # each run's statistics read once for the judgement ({rank: Dataset} passes through
+        # load_runs as it is); the comparisons take the stores themselves where they are stores
+        # (shard by shard: no bit assembled), the Datasets otherwise; one after the other in
+        # this thread, whose dask pool and read buffers stay warm (measured: two at once from
+        # threads of their own cost 1.2-1.8x as much, each thread a fresh pool)
+        runs = [load_runs(x, storage_options=storage_options) for x in given]
+        sources = [x if store_of(x, storage_options) is not None else r
+                   for x, r in zip(given, runs)]
+        options = dict(step0_threshold=step0_threshold, drop_threshold=drop_threshold,
+                       ranks=ranks, noise_aware=noise_aware, client=client,
+                       scheduler=scheduler, progress=progress,
+                       storage_options=storage_options, block_bytes=block_bytes,
+                       task_bytes=task_bytes)
+        results = [compare_grads(sources[0], x, **options) for x in sources[1:]]
+        return calibrate(results[0], results[1:], runs[0], runs[1], runs[2:],
+                         storage_options=storage_options)
     with Session(client=client, scheduler=scheduler, progress=progress,
                  label="compare") as session:
         results = None
@@ -689,4 +727,6 @@ def _combine(results: list, step0_threshold: float, drop_threshold: float):
                 "total_significant": np.nan, "only_in_first": "", "only_in_second": ""},
                 coords="different", compat="equals")
     out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
-    return out
+    from .verdict import GradComparison
+
+    return GradComparison.wrap(out)

@@ -62,6 +62,12 @@ class GradProbe:
     with ``grad_point="backward"`` also to unscale the raw (scaled) gradients' statistics.
     ``storage_options``: for a ``dump_path`` that is an fsspec URL (``s3://bucket/run``): passed
     to the filesystem (endpoint, credentials; the ``AWS_*`` variables work without it).
+    ``control``: record this run as a control for a test at that precision (``"bf16"``,
+    ``"fp16"``, ``"fp32"``, optionally ``":autocast"``/``":cast"``; ``control.py``): between
+    ``start()`` and ``stop()`` the model runs under the test's precision recipe with every
+    low-precision operation computed in the wider dtype and rounded at random (its own
+    generator, seeded by ``control_seed``); run it on the reference's code and pass it to
+    ``compare_grads(ref, test, control=...)``.
 
     Distributed runs write one copy of every gradient: under DTensor sharding (FSDP2, tensor
     parallel, HSDP) each rank records its own shard with its placement, no gather, and
@@ -85,15 +91,27 @@ class GradProbe:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, *, config=None, scaler=None,
-                 storage_options: dict | None = None, **options):
+                 storage_options: dict | None = None, control=None, control_seed=None,
+                 **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
+        if isinstance(control, torch.dtype):  # the config holds its name
+            from .control import parse_control
+
+            control = parse_control(control).name
+        options.update(control=control, control_seed=control_seed)
         self.config = config_for("grad_probe", config, **grad_probe_options(options))
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
         self.storage_options = dict(storage_options or {})
+        self._control = None
+        section = self.config.grad_probe
+        if section.control is not None:
+            from .control import Perturbation
+
+            self._control = Perturbation(model, section.control, section.control_seed)
         self.steps_seen = 0  # training iterations begun (the step axis)
         self.hook_seconds: list[float] = []
         self._handles = []
@@ -250,6 +268,9 @@ class GradProbe:
             section = self.config.grad_probe
             attrs = {"recorded_params": list(self.recorded_names),
                      "grad_point": section.grad_point}
+            if self._control is not None:
+                attrs.update(control=self._control.spec.name,
+                             control_seed=self._control.spec.seed)
             if self._sharded:
                 attrs["placement"] = list(self._placement)
             if self._sample is not None:  # sampled sign bits (sampling.py)
@@ -282,6 +303,8 @@ class GradProbe:
             self._handles.append(register_optimizer_step_post_hook(self._post_step))
         if self.scaler is not None:
             self._handles.append(_count_calls(self.scaler, "update", self._on_update))
+        if self._control is not None:  # its forward pre-hook enters autocast before ours reads it
+            self._handles.append(self._control.start())
         self._handles.append(self.model.register_forward_pre_hook(_autocast_hook(self)))
         if self.config.grad_probe.grad_point == "backward":
             synced = None
@@ -573,7 +596,7 @@ class GradProbe:
         section = self.config.grad_probe
         reduce = (self._reduce_amax if section.significance and section.grad_level != "L0"
                   else None)
-        with torch.no_grad():
+        with torch.no_grad(), _paused():
             return _stats.compute(part, self.layout, section.grad_level,
                                   section.bounds if bounds is None else bounds, section.hash,
                                   self._scratch, section.significance, reduce,
@@ -662,6 +685,13 @@ def _sample_plan(section, places, params, numels):
     if all(x is None for x in sample):
         return None, None
     return sample, tuple(nbits)
+
+
+def _paused():
+    """The control's rounding stays out of the probe's own statistics."""
+    from .control import paused
+
+    return paused()
 
 
 def _autocast_hook(probe):

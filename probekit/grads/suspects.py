@@ -2,9 +2,13 @@
 
 ``suspects(cmp, model=None)`` takes what ``compare_grads`` returns and gives one row per module
 that owns a flagged parameter: the module's earliest flagged step (over its parameters and the
-ranks), the module's similarity at that step (element-weighted over its parameters) and its
-parameters flagged then. Rows are ranked by that step (earliest first), then by that similarity
-(lowest first). The same
+ranks), its parameters flagged then and the similarity of the first of them: the judged
+similarity (``verdict.judged``: significant signs when the comparison is noise-aware), the same
+number the flag, the headline and the plots use; ``module_similarity`` is the module's own,
+over all its parameters (counted over the elements the flag compares). Rows are ranked by that
+step (earliest first), then, calibrated by a control, by how far beyond what the control
+allows its first parameter's flag is (``excess``, as ``first_param`` is chosen), else by that
+similarity (lowest first). The same
 is reachable as ``cmp.probekit.suspects()`` (an xarray Dataset accessor registered on import).
 
 A parameter's module is its name without the last dotted component
@@ -20,7 +24,10 @@ import xarray as xr
 
 #: wrapper prefixes dropped from parameter names when the model has no such module
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-COLUMNS = ("module", "step", "similarity", "params", "rank")
+COLUMNS = ("module", "step", "similarity", "params", "rank", "module_similarity", "kind")
+#: ``kind`` of a suspect's first flag: by the fixed threshold (uncalibrated) or, with a control,
+#: by its signs, its scale (norm, max - min) or a NaN/Inf gradient
+KIND_NAMES = {0: "threshold", 1: "sign", 2: "scale", 3: "nonfinite"}
 
 
 def param_module(name: str, modules=None) -> str:
@@ -48,12 +55,16 @@ def suspects(cmp, model=None, top: int | None = None):
 
     ``cmp``: a ``compare_grads`` result; ``model``: optional ``nn.Module`` to check names against.
     Returns a pandas DataFrame with ``COLUMNS``: ``module``, ``step`` (its earliest flagged step,
-    over its parameters and the ranks), ``similarity`` (the module's sign similarity at that step:
-    over all its parameters, element-weighted, so a 4-element bias does not outweigh its
-    weight matrix), ``params`` (its parameters flagged at that step, lowest similarity first)
-    and ``rank``; ``top`` keeps the first rows.
+    over its parameters and the ranks), ``similarity`` (the judged similarity of its first
+    flagged parameter at that step: the number behind the flag), ``params`` (its parameters
+    flagged at that step, lowest similarity first), ``rank``, ``module_similarity`` (over all
+    its parameters, element-weighted, so a 4-element bias does not outweigh its weight matrix)
+    and ``kind`` (``KIND_NAMES``); ``top`` keeps the first rows. Calibrated comparisons rank
+    parameters and modules by ``excess`` (furthest beyond the control first) after the step.
     """
     import pandas as pd
+
+    from .verdict import counts, judged_name
 
     modules = dict(model.named_modules()) if model is not None else None
     if "rank" not in cmp.dims:
@@ -64,29 +75,56 @@ def suspects(cmp, model=None, top: int | None = None):
              else np.ones(len(params)))
     if numel.ndim > 1:   # concatenated ranks carry numel per rank; the sizes are the same
         numel = numel.max(axis=0)
+    name = judged_name(cmp)
+    calibrated = bool(cmp.attrs.get("calibrated")) and "excess" in cmp
+    have_counts = "differ" in cmp or "significant" in cmp
     steps = np.asarray(cmp["step"].values)
     rows = []
     for r in cmp["rank"].values:
         sub = cmp.sel(rank=r)
         flag = np.asarray(sub["flag"].transpose("step", "param").values, bool)
-        sim = np.asarray(sub["similarity"].transpose("step", "param").values, np.float64)
+        sim = np.asarray(sub[name].transpose("step", "param").values, np.float64)
+        excess = (np.asarray(sub["excess"].transpose("step", "param").values, np.float64)
+                  if "excess" in sub else np.zeros(sim.shape))
+        kinds = (np.asarray(sub["flag_kind"].transpose("step", "param").values)
+                 if "flag_kind" in sub else np.zeros(sim.shape, np.int8))
+        if have_counts:
+            d, n = counts(sub, ("step", "param"))
+        else:   # a bare similarity: weighted by the parameters' sizes
+            n = np.where(np.isnan(sim), np.nan, numel)
+            d = (1.0 - sim) * n
         for mod in dict.fromkeys(owner[flag.any(axis=0)]):
             cols = np.flatnonzero(owner == mod)
             i = int(np.flatnonzero(flag[:, cols].any(axis=1))[0])
-            s, n = sim[i, cols], numel[cols]
-            ok = ~np.isnan(s)
-            msim = float((s[ok] * n[ok]).sum() / n[ok].sum()) if ok.any() and n[ok].sum() else \
-                np.nan
-            hit = [(_nan_high(s[k]), params[c]) for k, c in enumerate(cols) if flag[i, c]]
-            rows.append({"module": mod, "step": int(steps[i]), "similarity": msim,
-                         "params": tuple(p for _, p in sorted(hit)), "rank": int(r)})
-    df = pd.DataFrame(rows, columns=list(COLUMNS))
-    if not df.empty:   # one row per module: its earliest step, then its lowest similarity
+            nn_, dd = n[i, cols], d[i, cols]
+            ok = ~np.isnan(nn_) & ~np.isnan(dd)
+            msim = float(1.0 - dd[ok].sum() / nn_[ok].sum()) if ok.any() and nn_[ok].sum() \
+                else np.nan
+            # calibrated: furthest beyond the control first; else the lowest similarity
+            key = ((lambda c: (-int(kinds[i, c]), -_nan_low(excess[i, c]), params[c]))
+                   if calibrated else (lambda c: (_nan_high(sim[i, c]), params[c])))
+            hit = sorted((c for c in cols if flag[i, c]), key=key)
+            lead = hit[0]
+            rows.append({"module": mod, "step": int(steps[i]), "similarity": float(sim[i, lead]),
+                         "params": tuple(params[c] for c in hit), "rank": int(r),
+                         "module_similarity": msim,
+                         "kind": KIND_NAMES.get(int(kinds[i, lead]), "threshold"),
+                         "_e": (-int(kinds[i, lead]), -_nan_low(excess[i, lead]))})
+    df = pd.DataFrame(rows, columns=[*COLUMNS, "_e"])
+    if not df.empty:   # one row per module: its earliest step, then its lead's order
+        order = ["step", "_e", "_s"] if calibrated else ["step", "_s"]
         df = (df.assign(_s=df["similarity"].fillna(np.inf))
-              .sort_values(["step", "_s", "module", "rank"], kind="stable")
+              .sort_values([*order, "module", "rank"], kind="stable")
               .drop_duplicates("module").drop(columns="_s").reset_index(drop=True))
-    df = df.astype({"module": object, "step": "int64", "similarity": "float64", "rank": "int64"})
+    df = df.drop(columns="_e").astype({"module": object, "step": "int64", "similarity": "float64",
+                                       "rank": "int64", "module_similarity": "float64",
+                                       "kind": object})
     return df.head(top) if top is not None else df
+
+
+def _nan_low(v) -> float:
+    v = float(v)
+    return -np.inf if np.isnan(v) else v
 
 
 def _nan_high(v) -> float:

@@ -155,8 +155,10 @@ class GradExplorer(w.VBox):
         steps = [int(s) for s in ds["step"].values]
         cols = {}
         cmp = self._cmp()
-        if cmp is not None:
-            sim = cmp["similarity"].sel(param=param).reindex(step=steps)
+        if cmp is not None:   # the similarity the flags are judged on, as the plot shows it
+            from ..grads.verdict import judged_name
+
+            sim = cmp[judged_name(cmp)].sel(param=param).reindex(step=steps)
             cols["similarity"] = sim.values
         for name in ("max", "min", "norm", "zeros"):
             if name in ds:

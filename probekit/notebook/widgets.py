@@ -17,7 +17,7 @@ from typing import Callable
 
 import ipywidgets as w
 
-from ..config import (FUZZ_DEVICES, FUZZ_LEVELS, FUZZ_STAGES, GRAD_LEVELS, GRAD_POINTS,
+from ..config import (CONTROL_DTYPES, FUZZ_DEVICES, FUZZ_LEVELS, FUZZ_STAGES, GRAD_LEVELS, GRAD_POINTS,
                       HANDLER_TYPES, HASH_ALGORITHMS, PERT_MODES, THRESHOLD_KEYS, Config,
                       ConfigError, config_for)
 from .forms import describe, parse_ints, parse_numbers
@@ -25,7 +25,8 @@ from .forms import describe, parse_ints, parse_numbers
 #: enumerated keys -> accepted values (the config module's own tuples)
 CHOICES = {"pert_mode": PERT_MODES, "handler_type": HANDLER_TYPES, "fuzz_stage": FUZZ_STAGES,
            "fuzz_device": FUZZ_DEVICES, "fuzz_level": FUZZ_LEVELS, "grad_level": GRAD_LEVELS,
-           "hash": HASH_ALGORITHMS, "grad_point": GRAD_POINTS}
+           "hash": HASH_ALGORITHMS, "grad_point": GRAD_POINTS,
+           "control": (None, *(f"{d}{r}" for d in CONTROL_DTYPES for r in ("", ":cast")))}
 
 HELP = {
     "pert_mode": "How inputs are perturbed before the API is re-run",
@@ -63,13 +64,17 @@ HELP = {
                   "optimizer's step count (else after its newest); a new store, 0",
     "overwrite": "Replace the store's recording (never done otherwise)",
     "durable": "fsync every commit: the steps survive a power loss, not only the process",
+    "control": "Record this run as a control for a test at that precision: the reference's code "
+               "with each low-precision op rounded at random (compare_grads(..., control=)); "
+               "off: a plain run",
+    "control_seed": "Seed of the control's own rounding generator (two controls: 0 and 1)",
 }
 
 LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "device",
           "fuzz_level": "level", "if_preheat": "preheat", "preheat_step": "preheat steps",
           "max_sample": "max samples", "dump_path": "dump path", "param_list": "params",
           "grad_level": "level", "flush_every": "flush every", "flush_seconds": "flush after s",
-          "grad_point": "gradients", "start_step": "start step",
+          "grad_point": "gradients", "start_step": "start step", "control_seed": "control seed",
           "pert_mode": "perturbation", "list": "API names", "module": "modules"}
 
 _DESC = {"description_width": "100px"}
@@ -93,7 +98,7 @@ def choice_labels(key: str) -> list:
     so a machine without an NPU shows no 'npu'."""
     if key == "fuzz_device":
         return [(f"tensors' own ({own_device()})" if v == "npu" else v, v) for v in CHOICES[key]]
-    return [(str(v), v) for v in CHOICES[key]]
+    return [("off" if v is None else str(v), v) for v in CHOICES[key]]
 
 
 def shown_value(key: str, value) -> str:
@@ -160,7 +165,8 @@ class ConfigPanel(w.VBox):
         common = dict(description=label, tooltip=HELP.get(key, key), style=_DESC,
                       layout=w.Layout(width="auto"))
         if key in CHOICES:
-            options = choice_labels(key) if key == "fuzz_device" else list(CHOICES[key])
+            options = (choice_labels(key) if key in ("fuzz_device", "control")
+                       else list(CHOICES[key]))
             control = w.Dropdown(options=options, value=value, **common)
         elif key == "thresholds":
             sub = {k: w.FloatText(value=float(value.get(k, 0.0)), description=k, style=_DESC,
@@ -382,6 +388,7 @@ class GradProbePanel(ConfigPanel):
         ("Which parameters", ["param_list"]),
         ("Where", ["dump_path", "rank", "step"]),
         ("Restarts", ["start_step", "overwrite", "durable"]),
+        ("Control run", ["control", "control_seed"]),
     )
 
 

@@ -79,12 +79,17 @@ def test_noise_aware_first_divergence(tmp_path):
     assert float(aware["similarity_significant"].min()) > 0.99
     assert np.array_equal(aware["similarity"].values, plain["similarity"].values,
                           equal_nan=True)  # msprobe's similarity is unchanged
-    # fp32 vs bf16: the first parameter whose significant signs part, not the key bias
+    # fp32 vs bf16: msprobe's plain similarity blames the key bias at once; by significant signs
+    # it is never flagged. (Whether some other parameter is flagged after step 0 without a
+    # control is chance -- 1 of a 32-element LayerNorm weight's signs flips or not with the
+    # thread count -- which is why a verdict needs a control run: tests/unit/test_grads_verdict.py)
     low = compare_grads(tmp_path / "f32", tmp_path / "bf16").isel(rank=0)
-    step, first = int(low["first_step"]), str(low["first_param"].item())
-    assert step >= 0 and first and "c_attn.bias" not in first
-    assert bool(low["flag"].sel(step=step, param=first))
+    biases = [p for p in low["param"].values if "c_attn.bias" in str(p)]
+    assert biases and not bool(low["flag"].sel(param=biases).any())
+    assert float(low["similarity_significant"].sel(param=biases).min()) == 1.0
+    assert str(low).startswith("uncalibrated") or "uncalibrated" in str(low).splitlines()[0]
     plain_low = compare_grads(tmp_path / "f32", tmp_path / "bf16", noise_aware=False)
+    assert int(plain_low["first_step"].isel(rank=0)) == 0
     assert "c_attn.bias" in str(plain_low["first_param"].isel(rank=0).item())
 
 

@@ -1,5 +1,7 @@
 """suspects(): modules owning the first diverging parameters, ranked by earliest flagged step,
-then lowest similarity; the cmp.probekit accessor; names checked against a model."""
+then lowest similarity; the similarity shown is the flagged parameter's (the number behind the
+flag), the module's own labelled module_similarity; the cmp.probekit accessor; names checked
+against a model."""
 import numpy as np
 import pytest
 import xarray as xr
@@ -35,16 +37,21 @@ FLAGGED = {(0, 2, "h.1.attn.c_attn.weight"): 0.90, (0, 2, "h.0.attn.c_attn.weigh
 
 def test_ranked_by_earliest_step_then_lowest_similarity():
     df = suspects(comparison(FLAGGED))
-    assert list(df.columns) == ["module", "step", "similarity", "params", "rank"]
+    assert list(df.columns) == ["module", "step", "similarity", "params", "rank",
+                                "module_similarity", "kind"]
     assert df.to_dict("records") == [
-        {"module": "embed", "step": 1, "similarity": 0.95, "params": ("embed.weight",), "rank": 0},
-        # element-weighted over the module's parameters: (0.75 * 30 + 0.875 * 10) / 40
-        {"module": "h.0.attn.c_attn", "step": 2, "similarity": 0.78125,
-         "params": ("h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias"), "rank": 0},
+        {"module": "embed", "step": 1, "similarity": 0.95, "params": ("embed.weight",), "rank": 0,
+         "module_similarity": 0.95, "kind": "threshold"},
+        # the similarity of its lowest flagged parameter, the one behind the flag; the module's
+        # own element-weighted over its parameters: (0.75 * 30 + 0.875 * 10) / 40
+        {"module": "h.0.attn.c_attn", "step": 2, "similarity": 0.75,
+         "params": ("h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias"), "rank": 0,
+         "module_similarity": 0.78125, "kind": "threshold"},
         {"module": "h.1.attn.c_attn", "step": 2, "similarity": 0.90,
-         "params": ("h.1.attn.c_attn.weight",), "rank": 0},
+         "params": ("h.1.attn.c_attn.weight",), "rank": 0, "module_similarity": 0.90,
+         "kind": "threshold"},
         {"module": "h.0.mlp.fc", "step": 3, "similarity": 0.50, "params": ("h.0.mlp.fc.weight",),
-         "rank": 0}]
+         "rank": 0, "module_similarity": 0.50, "kind": "threshold"}]
     assert list(suspects(comparison(FLAGGED), top=2)["module"]) == ["embed", "h.0.attn.c_attn"]
     cmp = comparison(FLAGGED)
     assert cmp.probekit.suspects(top=1)["module"].tolist() == ["embed"]
@@ -58,7 +65,7 @@ def test_ranks_and_root_parameters_and_nothing_flagged():
         ["h.1.attn.c_attn", 2, 0]]
     empty = suspects(comparison({}))
     assert empty.empty and list(empty.columns) == ["module", "step", "similarity", "params",
-                                                   "rank"]
+                                                   "rank", "module_similarity", "kind"]
 
 
 class Attn(nn.Module):
@@ -86,6 +93,7 @@ def test_on_a_real_comparison(grads_cmp):
     assert df["module"].tolist() == ["encoder.layers.0.self_attn"]
     assert df.loc[0, "step"] == 4 and df.loc[0, "params"] == (
         "encoder.layers.0.self_attn.in_proj_weight",)
-    assert df.loc[0, "similarity"] == float(grads_cmp["similarity"].sel(
+    judged = "similarity_significant" if grads_cmp.attrs.get("noise_aware") else "similarity"
+    assert df.loc[0, "similarity"] == float(grads_cmp[judged].sel(
         rank=0, step=4, param="encoder.layers.0.self_attn.in_proj_weight"))
     assert probekit.suspects is suspects

@@ -82,7 +82,8 @@ def test_cli_names_them_and_exits_0_when_at_most_half_is_unmatched(tmp_path, cap
     assert code == 0, out.err
     lines = out.out.splitlines()
     assert lines[0].startswith(f"rank 0: {STEPS} steps x 4 params compared; total similarity ")
-    assert lines[2:] == [f"written to {tmp_path / 'cmp'}",
+    assert lines[2].startswith("rank 0: uncalibrated: ")     # the verdict (no control run)
+    assert lines[3:] == [f"written to {tmp_path / 'cmp'}",
                          "rank 0: 2 parameters in one run only, not compared: second run only "
                          "(2 of 6): 4.weight, 4.bias"]
 

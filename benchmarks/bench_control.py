@@ -1,0 +1,307 @@
+"""Grad comparison verdicts with a control run (issue 27): validation on real models, the line
+where a planted bf16 accumulation becomes visible, and the cost.
+
+    python benchmarks/bench_control.py validate --out control.json [--models gpt2,...]
+    python benchmarks/bench_control.py line --out line.json
+    python benchmarks/bench_control.py cost --out cost.json
+
+``validate``: per model (tiny random-init Hugging Face configs, ``tests/_control_models.py``;
+AdamW, 20 steps, 4 x 32 tokens) a reference run in fp32, test runs that are healthy (bf16
+autocast, the model cast to bf16, SDPA's math path instead of the fused kernel, every linear
+layer's reduction in another order) or carry a bug planted in block 1 from step 5 (a matmul
+accumulating in bf16, an fp16 overflow in one activation, one parameter's gradient divided by
+2, a LayerNorm scaled by sqrt(128/96)), and control runs of the reference (``GradProbe(...,
+control=...)``: bf16 autocast seeds 0 and 1, bf16 cast seeds 0 and 1, fp32 seeds 0 and 1, and a
+third bf16 seed as a healthy test); then ``compare_grads(ref, test, control=...)`` with two
+controls (their envelope) and with one. ``line``: the bf16-accumulation bug at 128 and 1024
+tokens per step, sequential or in fp32 chunks. ``cost``: a control run's step time and a
+comparison with a control against a plain comparison (medians of repeats, same process).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+import _control_models as cm  # noqa: E402
+
+from probekit.grads import GradProbe, compare_grads  # noqa: E402
+from probekit.grads.verdict import verdict_kind  # noqa: E402
+
+ONSET = 5
+#: the planted bugs; overflow_inf: the activation overflows to inf instead of saturating
+BUGS = (*cm.BUGS, "overflow_inf")
+HEALTHY = ("autocast", "bf16", "sdpa_math", "reorder")
+#: the controls each test is judged with: two (their envelope), and the first alone
+CONTROLS = {"autocast": ("c_bf16_0", "c_bf16_1"), "bf16": ("c_cast_0", "c_cast_1"),
+            "sdpa_math": ("c_fp32_0", "c_fp32_1"), "reorder": ("c_fp32_0", "c_fp32_1"),
+            "c_bf16_2": ("c_bf16_0", "c_bf16_1")}
+CONTROL_RUNS = {"c_bf16_0": "bf16", "c_bf16_1": "bf16", "c_bf16_2": "bf16",
+                "c_cast_0": "bf16:cast", "c_cast_1": "bf16:cast", "c_fp32_0": "fp32",
+                "c_fp32_1": "fp32"}
+
+
+def record(root, kind, name, setting="fp32", control=None, seed=0, bug=None, steps=20,
+           size=4, seq=32, folder=None, **options) -> tuple:
+    path = os.path.join(root, folder or kind, name)
+    shutil.rmtree(path, ignore_errors=True)
+    model = cm.build(kind)
+    clock = cm.Clock()
+    if bug:
+        cm.plant(model, kind, bug, clock, ONSET, **options)
+    t0 = time.perf_counter()
+    with GradProbe(model, dump_path=path, control=control, control_seed=seed):
+        cm.train(model, kind, setting, steps, clock=clock, size=size, seq=seq)
+    return path, time.perf_counter() - t0
+
+
+def where(param: str, target: str) -> str:
+    """Where the reported parameter lies relative to the planted module."""
+    module = target.rsplit(".", 1)[0] if target.endswith((".weight", ".bias")) else target
+    if param.startswith(module + ".") or param == target:
+        return "planted module"
+    parent = module.rsplit(".", 1)[0]
+    if param.startswith(parent + "."):
+        return "its parent"
+    block = _block(module)
+    if block and param.startswith(block + "."):
+        return "same block"
+    if block and _block(param) == _next_block(block):
+        return "next block"
+    return "elsewhere"
+
+
+def _block(name: str) -> str:
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ""
+
+
+def _next_block(block: str) -> str:
+    head, _, index = block.rpartition(".")
+    return f"{head}.{int(index) + 1}"
+
+
+def judge(ref, test, controls) -> dict:
+    cmp = compare_grads(ref, test, control=list(controls), progress=False)
+    r = cmp.isel(rank=0)
+    kinds = np.asarray(r["flag_kind"].values)
+    return {"verdict": verdict_kind(cmp), "step": int(r["first_step"]),
+            "param": str(r["first_param"].item()), "sign": int((kinds == 1).sum()),
+            "scale": int((kinds == 2).sum()), "nonfinite": int((kinds == 3).sum()),
+            "total": int(np.asarray(r["flag_total"].values).sum()),
+            "suspects": list(cmp.probekit.suspects().head(3)["module"]),
+            "text": str(cmp).split("\n")[0]}
+
+
+def validate(args) -> dict:
+    root = args.dir or tempfile.mkdtemp(prefix="probekit-control-")
+    rows, seconds = [], {}
+    for kind in args.models.split(","):
+        if args.judge_only:     # the runs an earlier ``--dir`` run recorded, judged again
+            names = ["ref", *CONTROL_RUNS, *HEALTHY, *("bug_" + b for b in BUGS)]
+            runs = {n: (os.path.join(root, kind, n), 0.0) for n in names}
+            seconds[kind] = {}
+            path = {k: v[0] for k, v in runs.items()}
+            rows += _judge_all(kind, path)
+            continue
+        runs = {"ref": record(root, kind, "ref", steps=args.steps)}
+        for name, spec in CONTROL_RUNS.items():
+            runs[name] = record(root, kind, name, control=spec, seed=int(name[-1]),
+                                steps=args.steps)
+        for setting in HEALTHY:
+            runs[setting] = record(root, kind, setting, setting, steps=args.steps)
+        for bug in BUGS:
+            plant, _, variant = bug.partition("_inf")
+            runs["bug_" + bug] = record(root, kind, "bug_" + bug, "autocast", bug=plant,
+                                        steps=args.steps,
+                                        **({"saturate": False} if bug == "overflow_inf" else {}))
+        seconds[kind] = {k: round(v[1], 2) for k, v in runs.items()}
+        rows += _judge_all(kind, {k: v[0] for k, v in runs.items()})
+    return {"rows": rows, "seconds": seconds, "steps": args.steps, "onset": ONSET}
+
+
+def _judge_all(kind, path) -> list:
+    """Every test of ``kind`` judged with two controls and with the first alone."""
+    rows = []
+    tests = [*HEALTHY, "c_bf16_2"] + ["bug_" + b for b in BUGS]
+    for test in tests:
+        ctrls = CONTROLS.get(test, ("c_bf16_0", "c_bf16_1"))
+        two = judge(path["ref"], path[test], [path[c] for c in ctrls])
+        one = judge(path["ref"], path[test], [path[ctrls[0]]])
+        bug = test[4:].replace("_inf", "") if test.startswith("bug_") else ""
+        row = {"model": kind, "test": test, "controls": list(ctrls), "two": two, "one": one,
+               "expected": "beyond" if bug else "within"}
+        if bug:
+            target = cm.TARGETS[kind][bug]
+            row.update(target=target, where_two=where(two["param"], target),
+                       where_one=where(one["param"], target))
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("model", "test", "expected")}),
+              two["verdict"], two["step"], two["param"], "| one:", one["verdict"],
+              one["step"], one["param"], flush=True)
+    return rows
+
+
+def _gradient_error(root, tag, name):
+    """The planted parameter's recorded gradient against the reference's at the onset step:
+    significant-sign flips, norm and range ratios."""
+    from probekit.grads import open_grads
+
+    param = cm.TARGETS["gpt2"]["accumulate"] + ".weight"
+    ref = open_grads(os.path.join(root, tag, "ref"))
+    run = open_grads(os.path.join(root, tag, name))
+    j = [str(p) for p in ref["param"].values].index(param)
+    s = list(ref["step"].values).index(ONSET)
+    rng = lambda ds: float(ds["max"].values[s, j] - ds["min"].values[s, j])  # noqa: E731
+    return {"norm_ratio": float(run["norm"].values[s, j] / ref["norm"].values[s, j]),
+            "range_ratio": rng(run) / rng(ref)}
+
+
+def line(args) -> dict:
+    """The bf16-accumulation bug (GPT-2's block-1 MLP down projection: K = 1024 in its forward,
+    K = the tokens of a step in its weight gradient) at 128, 1024 and 4096 tokens per step,
+    sequential or in fp32 chunks of 16: where it becomes beyond noise."""
+    root = args.dir or tempfile.mkdtemp(prefix="probekit-line-")
+    out = []
+    for size, seq in ((4, 32), (8, 128), (16, 256)):
+        tag = f"{size}x{seq}"
+        kw = {"steps": args.steps, "size": size, "seq": seq}
+        kw = {**kw, "folder": tag}
+        ref = record(root, "gpt2", "ref", **kw)[0]
+        ctrls = [record(root, "gpt2", f"c{s}", control="bf16", seed=s, **kw)[0] for s in (0, 1)]
+        for chunk in (1, 16):
+            test = record(root, "gpt2", f"acc{chunk}", "autocast", bug="accumulate", chunk=chunk,
+                          **kw)[0]
+            res = judge(ref, test, ctrls)
+            res.update(tokens=size * seq, chunk=chunk,
+                       **_gradient_error(root, tag, f"acc{chunk}"))
+            out.append(res)
+            print(json.dumps({k: res[k] for k in ("tokens", "chunk", "verdict", "step",
+                                                   "param")}), flush=True)
+    return {"line": out, "steps": args.steps}
+
+
+def _median_time(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def cost(args) -> dict:
+    """Step time of a control run against a plain fp32 run and a bf16-autocast run (GPT-2 of
+    the validation); a comparison with one control against a plain comparison (wall and CPU
+    time, alternating, medians), on those runs and on larger recordings (MLPs of 16.8M and 67M
+    parameters, 20 steps)."""
+    root = args.dir or tempfile.mkdtemp(prefix="probekit-cost-")
+    res = {}
+    for name, setting, control in (("plain", "fp32", None), ("autocast", "autocast", None),
+                                   ("control bf16", "fp32", "bf16"),
+                                   ("control bf16:cast", "fp32", "bf16:cast"),
+                                   ("control fp32", "fp32", "fp32")):
+        model = cm.build("gpt2")
+        control_probe = None
+        if control:
+            from probekit.grads.control import perturb
+
+            control_probe = perturb(model, control)
+            control_probe.start()
+        try:
+            cm.train(model, "gpt2", setting, 2)          # warm-up
+            t, _ = _median_time(lambda: cm.train(model, "gpt2", setting, 1), args.repeats)
+        finally:
+            if control_probe is not None:
+                control_probe.stop()
+        res[f"step {name} ms"] = round(t * 1e3, 1)
+    for key in list(res):
+        res[key.replace(" ms", " / plain")] = round(res[key] / res["step plain ms"], 2)
+    # comparisons: the validation's GPT-2 runs, and larger recordings
+    small = {n: record(root, "gpt2", n, s, control=c, steps=20)[0] for n, s, c in (
+        ("ref", "fp32", None), ("test", "autocast", None), ("ctrl", "fp32", "bf16"))}
+    sets = [("gpt2 0.2M x 20 steps", small)]
+    for width, label in ((2048, "mlp 16.8M x 20 steps"), (4096, "mlp 67M x 20 steps")):
+        sets.append((label, {n: _mlp_run(root, n, c, width=width) for n, c in (
+            ("ref", None), ("test", None), ("ctrl", "bf16"))}))
+    for label, runs in sets:
+        def plain():
+            compare_grads(runs["ref"], runs["test"], progress=False)
+
+        def with_control():
+            compare_grads(runs["ref"], runs["test"], control=runs["ctrl"], progress=False)
+
+        plain(), with_control()          # the page cache warm for both
+        times = {"plain": [], "control": []}
+        for i in range(args.repeats):    # alternating, wall and CPU time of this process
+            for name, fn in (("plain", plain), ("control", with_control))[::1 if i % 2 else -1]:
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+        for what, k in (("wall", 0), ("cpu", 1)):
+            p = statistics.median(t[k] for t in times["plain"])
+            c = statistics.median(t[k] for t in times["control"])
+            res[f"compare {label} {what} plain s"] = round(p, 3)
+            res[f"compare {label} {what} with control s"] = round(c, 3)
+            res[f"compare {label} {what} ratio"] = round(c / p, 2)
+    return res
+
+
+def _mlp_run(root, name, control, steps=20, width=2048):
+    """An MLP of 4 layers of ``width`` x ``width`` (16.8M parameters at 2048, 67M at 4096), fp32
+    weights, recorded over ``steps``; ``name`` "test" under bf16 autocast; with ``control`` its
+    bf16-autocast control."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    path = os.path.join(root, f"mlp{width}", name)
+    if os.path.exists(os.path.join(path, "grads.zarr", "rank0", "commit.json")):
+        return path                     # recorded by an earlier run of this benchmark (--dir)
+    shutil.rmtree(path, ignore_errors=True)
+    gen = torch.Generator().manual_seed(1)
+    with GradProbe(model, dump_path=path, control=control):
+        for _ in range(steps):
+            x = torch.randn(8, width, generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "test"):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("validate", "line", "cost"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", default="gpt2,llama,bert,resnet,vit,distilbert")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", default=None, help="keep the recorded runs here")
+    p.add_argument("--judge-only", action="store_true",
+                   help="validate: judge the runs already recorded in --dir again")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.getLogger("probekit").setLevel(logging.WARNING)
+    res = {"validate": validate, "line": line, "cost": cost}[args.what](args)
+    with open(args.out, "w") as fh:
+        json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

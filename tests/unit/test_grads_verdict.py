@@ -1,0 +1,289 @@
+"""Verdicts with a null (issue 27): the count test, the scale test, calibrated comparisons of
+synthetic runs with exactly known flips, and the verdict in words."""
+import math
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from probekit.grads import compare_grads
+from probekit.grads.verdict import (ALPHA, CONTROL_LEVEL, MARGIN, RANGE_MARGIN, SCALE_FLOOR,
+                                    UNIT, GradComparison, allowed_share, exceeds, kl, log_dev,
+                                    upper_share, verdict_kind, verdict_text)
+
+
+# -- the statistics ----------------------------------------------------------------------------
+def test_kl_and_upper_share_closed_forms():
+    assert kl(0.0, 0.5) == pytest.approx(math.log(2), rel=1e-15)
+    assert kl(0.25, 0.25) == 0.0
+    # no flip among n: n KL(0 || p) = -n ln(1 - p) = ln(1/level)  =>  p = 1 - level^(1/n)
+    for n in (64, 4096, 4_000_000):
+        assert upper_share(0, n, 0.01) == pytest.approx(1 - 0.01 ** (1 / n), rel=1e-9)
+    # the bound lies above the share and shrinks with n at a fixed share
+    b_small, b_big = upper_share([3, 187_500], [64, 4_000_000], 0.01)
+    assert 3 / 64 < b_small and 187_500 / 4e6 < b_big < b_small
+    assert upper_share(5, 0, 0.01) == 1.0            # nothing compared: no bound
+
+
+def test_three_flips_of_a_bias_are_not_a_weight():
+    """The same share of flipped signs (3 in 64) against a control that flipped none: within
+    the null for a 64-element bias, far beyond it for a 4M-element weight."""
+    p0 = allowed_share([0, 0], [64, 4_000_000])
+    assert p0[0] == pytest.approx(MARGIN * (1 - CONTROL_LEVEL ** (1 / 64)), rel=1e-9)  # 0.14
+    flag, excess = exceeds([3, 187_500], [64, 4_000_000], p0, cells=2)
+    assert flag.tolist() == [False, True]
+    assert excess[0] == pytest.approx((3 / 64) / p0[0], rel=1e-12)
+    # the control's own share sets the null: 1 % flipped in the control, 1.5 % in the test is
+    # within twice the control; 3 % is beyond it
+    p0 = allowed_share([40_000], [4_000_000])
+    assert exceeds([60_000, 120_000], [4_000_000] * 2, np.repeat(p0, 2), cells=2)[0].tolist() \
+        == [False, True]
+
+
+def test_exceeds_needs_the_chernoff_budget():
+    """q above p0 is not enough: n KL(q || p0) must exceed ln(cells / alpha)."""
+    p0 = np.array([0.01])
+    budget = math.log(100 / ALPHA)
+    # the smallest flip count over 1000 elements that clears the budget at 100 cells
+    d = next(d for d in range(11, 1000) if 1000 * kl(d / 1000, 0.01) > budget)
+    assert not exceeds([d - 1], [1000], p0, cells=100)[0][0]
+    assert exceeds([d], [1000], p0, cells=100)[0][0]
+    assert not exceeds([d], [1000], np.array([np.nan]), cells=100)[0][0]   # no control there
+
+
+def test_scale_statistic():
+    assert log_dev(0.5, 1.0) == pytest.approx(math.log(2), rel=1e-15)
+    assert log_dev(0.0, 0.0) == 0.0 and log_dev(0.0, 1.0) == np.inf
+    assert log_dev(-3.0, 1.0) == pytest.approx(math.log(3), rel=1e-15)   # magnitudes
+    assert RANGE_MARGIN == MARGIN ** 2
+
+
+# -- synthetic runs with known flips -------------------------------------------------------------
+SIZES = {"enc.weight": 4096, "enc.bias": 64, "head.weight": 1024, "head.bias": 16}
+STEPS = 5
+
+
+def _run(grads, control=None):
+    """An ``open_grads``-shaped Dataset (L1, sign bits only) of ``grads[step][param]``."""
+    names = list(SIZES)
+    numel = np.array([SIZES[n] for n in names], np.int64)
+    nbytes = (numel + 63) // 64 * 8
+    offset = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
+    direction = np.zeros((len(grads), int(nbytes.sum())), np.uint8)
+    stats = {k: np.zeros((len(grads), len(names))) for k in ("max", "min", "norm")}
+    for s, step in enumerate(grads):
+        for p, name in enumerate(names):
+            g = step[name]
+            bits = np.packbits(g > 0)
+            direction[s, offset[p]:offset[p] + bits.size] = bits
+            stats["max"][s, p], stats["min"][s, p] = g.max(), g.min()
+            stats["norm"][s, p] = np.sqrt(np.sum(g.astype(np.float64) ** 2))
+    data = {k: (("step", "param"), v) for k, v in stats.items()}
+    data["direction"] = (("step", "byte"), direction)
+    attrs = {"level": "L1", "rank": 0}
+    if control:
+        attrs["control"] = control
+    return xr.Dataset(data, coords={"step": np.arange(len(grads)), "param": names,
+                                    "numel": ("param", numel), "offset": ("param", offset)},
+                      attrs=attrs)
+
+
+def _grads(seed=0):
+    rng = np.random.default_rng(seed)
+    return [{n: rng.normal(0, 1, k) for n, k in SIZES.items()} for _ in range(STEPS)]
+
+
+def _flip(g, share, rng):
+    """``share`` of ``g``'s signs flipped, among its smaller half (as rounding flips elements
+    near zero, never the extremes)."""
+    g = g.copy()
+    small = np.argsort(np.abs(g))[:g.size // 2]
+    idx = rng.choice(small, int(round(share * g.size)), replace=False)
+    g[idx] = -g[idx]
+    return g
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """ref; control: 1 % of enc.weight's signs flip at every step, nothing else; test: 1.5 % of
+    enc.weight's (within twice the control) at steps 0-1, 8 % from step 2; 3 signs of the
+    64-element bias at every step; head.weight's gradient halved from step 3 (signs alike);
+    head.bias NaN at step 4."""
+    ref = _grads()
+    rng = np.random.default_rng(1)
+    ctrl, test = [], []
+    for s, step in enumerate(ref):
+        c = dict(step)
+        c["enc.weight"] = _flip(step["enc.weight"], 0.01, rng)
+        # the control's rounding moves the norms a little: its band
+        c["head.weight"] = step["head.weight"] * (1 + 0.002 * (-1) ** s)
+        ctrl.append(c)
+        t = dict(step)
+        t["enc.weight"] = _flip(step["enc.weight"], 0.015 if s < 2 else 0.08, rng)
+        t["enc.bias"] = _flip(step["enc.bias"], 3 / 64, rng)
+        if s >= 3:
+            t["head.weight"] = step["head.weight"] * 0.5
+        if s == 4:
+            t["head.bias"] = np.full(SIZES["head.bias"], np.nan)
+        test.append(t)
+    return _run(ref), _run(test), _run(ctrl, control="bf16")
+
+
+def test_calibrated_flags_where_the_test_departs_further(runs):
+    ref, test, ctrl = runs
+    cmp = compare_grads(ref, test, control=ctrl, progress=False)
+    assert isinstance(cmp, GradComparison) and cmp.attrs["calibrated"] == 1
+    assert cmp.attrs["control"] == "bf16" and cmp.attrs["similarity"] == "similarity"
+    r = cmp.isel(rank=0)
+    flag = r["flag"].to_pandas()
+    kind = r["flag_kind"].to_pandas()
+    # enc.weight: 1.5 % vs the control's 1 %: within; 8 % from step 2: beyond, by its signs
+    assert flag["enc.weight"].tolist() == [False, False, True, True, True]
+    assert kind["enc.weight"].tolist() == [0, 0, 1, 1, 1]
+    assert not flag["enc.bias"].any()          # 3 flips of 64: within the null
+    # head.weight halved from step 3: no sign moved, the scale test flags it
+    assert flag["head.weight"].tolist() == [False, False, False, True, True]
+    assert kind["head.weight"].tolist()[3:] == [2, 2]
+    assert r["norm_ratio"].sel(param="head.weight").values[3] == pytest.approx(0.5, rel=1e-12)
+    assert r["similarity"].sel(param="head.weight").values.tolist() == [1.0] * 5
+    # head.bias NaN at step 4 where the reference and the control are finite
+    assert flag["head.bias"].tolist() == [False] * 4 + [True]
+    assert kind["head.bias"].tolist()[4] == 3 and r["excess"].sel(param="head.bias")[4] == np.inf
+    assert int(r["first_step"]) == 2 and str(r["first_param"].item()) == "enc.weight"
+    # the numbers behind it: the control's similarity and the band it allows
+    sim_c = r["similarity_control"].sel(param="enc.weight").values
+    assert sim_c.tolist() == [1 - 41 / 4096] * 5        # round(0.01 * 4096) = 41 flips
+    band = 1 - MARGIN * upper_share(41, 4096, CONTROL_LEVEL)
+    assert r["similarity_band"].sel(param="enc.weight").values[0] == pytest.approx(band, rel=1e-9)
+    # the fixed-threshold flags are kept under their own name
+    assert "flag_threshold" in r and "flag_total_threshold" in r
+    # scale: the control's band at head.weight is its largest deviation, ln(1.002), below
+    # the floor of 4 bf16 units; the range's is the same with one bit more
+    allowed = MARGIN * max(math.log(1.002), SCALE_FLOOR * UNIT["bf16"])
+    assert r["norm_allowed"].sel(param="head.weight").values[0] == pytest.approx(allowed,
+                                                                                  rel=1e-12)
+    assert r["range_allowed"].sel(param="head.weight").values[0] == pytest.approx(
+        RANGE_MARGIN * SCALE_FLOOR * UNIT["bf16"], rel=1e-12)
+    assert r["norm_dev"].sel(param="head.weight").values[3] == pytest.approx(math.log(2),
+                                                                              rel=1e-12)
+
+
+def test_verdict_words_beyond_within_uncalibrated(runs):
+    ref, test, ctrl = runs
+    cmp = compare_grads(ref, test, control=ctrl, progress=False)
+    sim = float(cmp["similarity"].sel(rank=0, step=2, param="enc.weight"))
+    text = verdict_text(cmp)
+    assert text.startswith(f"beyond rounding noise from step 2 at enc.weight (sign similarity "
+                           f"{sim:.4f}; the bf16 control keeps {1 - 41 / 4096:.4f}, noise allows "
+                           "down to ")
+    assert str(cmp).startswith(text + "\n\n<xarray.GradComparison>")
+    html = cmp._repr_html_()
+    assert html.startswith("<p class='probekit-verdict' style='color:#b71c1c'><b>probekit "
+                           "grads</b>: beyond rounding noise from step 2 at enc.weight")
+    assert verdict_kind(cmp) == "beyond"
+    # the control against itself is within
+    same = compare_grads(ref, ctrl, control=ctrl, progress=False)
+    assert verdict_kind(same) == "within"
+    assert verdict_text(same).startswith("within what bf16 rounding explains over 5 steps: no "
+                                         "parameter departs from the reference further than "
+                                         "the bf16 control does (lowest sign similarity")
+    # without a control: uncalibrated, and how to calibrate
+    plain = compare_grads(ref, test, progress=False)
+    assert verdict_kind(plain) == "uncalibrated" and not plain.attrs.get("calibrated")
+    text = verdict_text(plain)
+    assert text.startswith("uncalibrated: the fixed threshold flags step 0, parameter ")
+    assert "GradProbe(model, dump_path=..., control='bf16')" in text
+    assert "compare_grads(ref, test, control=that_run) or --control PATH" in text
+    assert "#8a6d00" in plain._repr_html_()
+
+
+def test_scale_only_verdict_names_the_norm(runs):
+    """Only the halved gradient: the signs agree everywhere, the words say the norm."""
+    ref, test, ctrl = runs
+    only = [dict(step) for step in ref.pipe(lambda _: _grads())]
+    for s in range(3, STEPS):
+        only[s]["head.weight"] = only[s]["head.weight"] * 0.5
+    cmp = compare_grads(ref, _run(only), control=ctrl, progress=False)
+    assert int(cmp["first_step"].item()) == 3
+    assert str(cmp["first_param"].item()) == "head.weight"
+    assert verdict_text(cmp).startswith(
+        "beyond rounding noise from step 3 at head.weight (gradient norm 0.5x the reference's, "
+        "the bf16 control's 0.998x; sign similarity 1.0000); 2 flagged (step, parameter) "
+        "pairs in 1 parameter.")
+
+
+def test_several_controls_envelope(runs):
+    """Two controls: the band is the wider of the two, cell by cell."""
+    ref, test, ctrl = runs
+    rng = np.random.default_rng(5)
+    wide = [dict(step) for step in _grads()]
+    for s in range(STEPS):
+        wide[s]["enc.weight"] = _flip(wide[s]["enc.weight"], 0.06, rng)
+    one = compare_grads(ref, test, control=ctrl, progress=False)
+    two = compare_grads(ref, test, control=[ctrl, _run(wide, control="bf16")], progress=False)
+    assert one["flag"].sel(param="enc.weight").values.any()
+    assert not two["flag"].sel(param="enc.weight").values.any()    # 8 % < 2 x 6 %
+    assert (two["similarity_band"].sel(param="enc.weight").values
+            < one["similarity_band"].sel(param="enc.weight").values).all()
+
+
+def test_triage_stops_unless_beyond_noise(runs):
+    """Uncalibrated with a flag after step 0 (plain signs here): the free benchmark is not run
+    and the report says how to calibrate; calibrated within noise: not run either."""
+    import torch
+
+    import probekit
+
+    ref, test, ctrl = runs
+    model = torch.nn.Module()
+    model.enc, model.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 16)
+
+    def never():
+        raise AssertionError("step_fn must not run")
+
+    rng = np.random.default_rng(7)
+    later = [dict(step) for step in _grads()]
+    for s in range(2, STEPS):
+        later[s]["enc.weight"] = _flip(later[s]["enc.weight"], 0.08, rng)
+    late = compare_grads(ref, _run(later), progress=False)
+    assert int(late["first_step"].item()) == 2
+    report = probekit.triage(model, never, comparison=late)
+    assert report.runs == [] and report.stopped.startswith(
+        "Stopped before the free benchmark: the comparison is uncalibrated and the comparison "
+        "is judged on plain signs, which rounding noise flips. To calibrate:")
+    assert str(report).splitlines()[0].startswith("Triage: runs diverge first at step 2, "
+                                                  "parameter 'enc.weight'")
+    within = probekit.triage(model, never, ref, ctrl, control=ctrl)
+    assert within.runs == [] and within.stopped.startswith("Nothing to check")
+    assert "<b>probekit triage</b>: within what bf16 rounding explains" in within._repr_html_()
+
+
+def test_ranks_steps_without_control_and_a_control_without_significance(runs):
+    """Two ranks get a verdict each; steps a control does not cover are not judged, and said;
+    a control judged on other bits than the test is refused."""
+    from probekit.errors import GradCompareError
+
+    ref, test, ctrl = runs
+    two = lambda ds: {0: ds, 1: ds.assign_attrs(rank=1)}  # noqa: E731
+    cmp = compare_grads(two(ref), two(test), control=two(ctrl), progress=False)
+    lines = verdict_text(cmp).splitlines()
+    assert len(lines) == 2
+    for r, line in enumerate(lines):
+        assert line.startswith(f"rank {r}: beyond rounding noise from step 2 at enc.weight")
+    short = compare_grads(ref, ctrl.isel(step=slice(0, 3)), control=ctrl.isel(step=slice(0, 3)),
+                          progress=False)
+    assert verdict_text(short).endswith("over 3 steps: no parameter departs from the "
+                                        "reference further than the bf16 control does "
+                                        f"(lowest sign similarity {_low(short)}; the control's "
+                                        f"lowest {_low(short)}).")
+    part = compare_grads(ref, ctrl, control=ctrl.isel(step=slice(0, 3)), progress=False)
+    assert part["controlled"].values.tolist() == [[True] * 3 + [False] * 2]
+    assert verdict_text(part).endswith(" 2 compared steps without a control run there, not "
+                                       "judged.")
+    sig = ref.assign(significant=ref["direction"])     # a run with significance bits
+    with pytest.raises(GradCompareError, match="a control run needs the significance bits"):
+        compare_grads(sig.assign_attrs(), sig, control=ctrl, progress=False)
+
+
+def _low(cmp) -> str:
+    return f"{float(cmp['similarity'].min()):.4f}"
