@@ -75,7 +75,7 @@ def _wrap_msprobe_hook(timings: list) -> None:
 
 
 def run_steps(tool: str, model, level: str, steps: int, dump: str, seed: int = 0,
-              hash_name: str = "md5", durable: bool = False) -> dict:
+              hash_name: str = "md5", sample: int = 0, durable: bool = False) -> dict:
     """Record ``steps`` optimizer steps. Returns the cost per step: the mean over the steps of
     the hook time plus the writes (probekit hands each step to its writing thread and waits for
     the last ones at ``stop()``; msprobe writes inside its hook), and the bytes the steps added
@@ -85,7 +85,8 @@ def run_steps(tool: str, model, level: str, steps: int, dump: str, seed: int = 0
         from probekit import GradProbe
 
         probe = GradProbe(model, optimizer=opt, grad_level=level, dump_path=dump,
-                          hash=hash_name, **({"durable": True} if durable else {})).start()
+                          hash=hash_name, sample=sample,
+                          **({"durable": True} if durable else {})).start()
         empty = du(dump)  # the store's fixed part (metadata), written once per run
         for s in range(steps):
             set_grads(model, seed + s)
@@ -131,8 +132,9 @@ def cmd_hook(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="bench_grads_")
     try:
         res = run_steps(args.tool, model, args.level, args.steps, os.path.join(tmp, "dump"),
-                        hash_name=args.hash, durable=args.durable)
+                        hash_name=args.hash, sample=args.sample, durable=args.durable)
         return {"tool": args.tool, "level": args.level, "hash": args.hash, "params": nparams,
+                "sample": args.sample,
                 "n_tensors": len(list(model.parameters())), "read_s": read,
                 "hook_s": res["per_step_s"], "hook_over_read": res["per_step_s"] / read,
                 "compute_s": statistics.median(res["hook_s"]),
@@ -206,6 +208,8 @@ def main(argv=None) -> None:
         p.add_argument("--level", default="L2")
         p.add_argument("--steps", type=int, default=10)
         p.add_argument("--hash", default="md5", choices=("md5", "xxh3"))
+        p.add_argument("--sample", type=int, default=0,
+                       help="grad_probe.sample: sign bits of this many elements per tensor")
         p.add_argument("--repeats", type=int, default=5)
         p.add_argument("--workdir", default=None)
         p.add_argument("--durable", action="store_true",

@@ -229,6 +229,9 @@ class GradProbeConfig:
     #: where the gradients are taken (``GRAD_POINTS``): at the optimizer's step, after the loop
     #: clipped them, or at the end of the last backward pass before it, before clipping
     grad_point: str = "step"
+    #: sign and significance bits of at most this many elements per parameter, a fixed
+    #: pseudo-random sample chosen by global index (``grads/sampling.py``; 0: every element)
+    sample: int = 0
     #: a restarted run continues the store: the step it starts at (None: in a store that holds
     #: steps, the optimizer's step count where it keeps one, else the step after the newest; in
     #: a new store 0), whether it may replace the whole recording, and whether each commit is
@@ -254,6 +257,9 @@ class GradProbeConfig:
             _fail(s + "flush_seconds", self.flush_seconds, "a finite number of seconds > 0")
         _bool(s + "significance", self.significance)
         _choice(s + "grad_point", self.grad_point, GRAD_POINTS)
+        if not _is_int(self.sample) or self.sample < 0:
+            _fail(s + "sample", self.sample, "an integer >= 0 (elements sampled per parameter; "
+                  "0 records every element)")
         if self.start_step is not None and (not _is_int(self.start_step) or self.start_step < 0):
             _fail(s + "start_step", self.start_step, "an integer >= 0, or null (resuming a "
                   "store: the optimizer's step count, else the step after its newest)")

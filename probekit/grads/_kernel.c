@@ -589,6 +589,195 @@ void pk_chunk_f64(const double *x, int64_t n, double unit, double hint, uint8_t 
 PK_FIX(pk_fix_f32, float)
 PK_FIX(pk_fix_f64, double)
 
+/* ------------------------------------------------------------------ comparison: bit counts
+ *
+ * pk_count_runs counts, for two runs' packed bits (numpy.packbits order: most significant bit
+ * first), the elements whose sign bits differ, and with significance bits those differing and
+ * significant in both, and those significant in both, over *run sets*: runs of equal length at
+ * any bit offset in rows of bytes read from the two stores (probekit/grads/geometry.py makes
+ * them; the numpy twin kernel.count_runs is tested against this, count for count).
+ *
+ * ta, tb: per read range of each run, PK_RT int64: sign rows' address, their row stride in
+ *         bytes, significance rows' address, row stride (0: one row for all), bytes per row.
+ * rs:     per run set, PK_RS int64: output column, range in ta, range in tb, first bit in each,
+ *         run length in bits, then three (count, bit step in a, bit step in b) leading loops.
+ * out:    (3, nrows, ncols) int64, added to: differ, differ and significant, significant.
+ * Nothing is read outside a range's rows: the last word of a row is read byte by byte. */
+#define PK_RS 15
+#define PK_RT 5
+
+static inline uint64_t pk_load_be(const uint8_t *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return __builtin_bswap64(w);
+}
+
+/* the 64 bits from bit `bit` of a row of n bytes (bits past its end read as 0) */
+static inline uint64_t pk_bits(const uint8_t *p, int64_t n, int64_t bit) {
+    int64_t i = bit >> 3;
+    int s = (int)(bit & 7);
+    if (i + 9 <= n) {
+        uint64_t w = pk_load_be(p + i);
+        return s ? (w << s) | (uint64_t)(p[i + 8] >> (8 - s)) : w;
+    }
+    uint64_t w = 0;
+    for (int k = 0; k < 8; k++) w = (w << 8) | (uint64_t)(i + k < n ? p[i + k] : 0);
+    if (s) w = (w << s) | (uint64_t)((i + 8 < n ? p[i + 8] : 0) >> (8 - s));
+    return w;
+}
+
+static inline uint64_t pk_load_le(const uint8_t *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
+/* One run of len bits at bit ab of row a (na bytes) and bb of row b; sa/sb: significance rows
+ * (NULL: none). When both start at the same bit within a byte, whole words are compared as
+ * they lie in memory (the count of a word does not depend on its bit order); otherwise each
+ * word is shifted into place. POPCNT: the popcount of the compiler's target. */
+#define PK_COUNT_RUN(NAME, ATTR, RAW)                                                          \
+    ATTR static void NAME(const uint8_t *a, const uint8_t *sa, int64_t na, int64_t ab,         \
+                          const uint8_t *b, const uint8_t *sb, int64_t nb, int64_t bb,         \
+                          int64_t len, int64_t *acc) {                                         \
+        int64_t d = 0, ds = 0, cs = 0, k = 0;                                                  \
+        if (((ab ^ bb) & 7) == 0 && len >= 128) {                                              \
+            int64_t head = (8 - (ab & 7)) & 7; /* bits up to the next byte of both */          \
+            if (head) {                                                                        \
+                uint64_t mask = ~(uint64_t)0 << (64 - head);                                   \
+                uint64_t x = (pk_bits(a, na, ab) ^ pk_bits(b, nb, bb)) & mask;                 \
+                d += __builtin_popcountll(x);                                                  \
+                if (sa) {                                                                      \
+                    uint64_t m = pk_bits(sa, na, ab) & pk_bits(sb, nb, bb) & mask;             \
+                    cs += __builtin_popcountll(m);                                             \
+                    ds += __builtin_popcountll(x & m);                                         \
+                }                                                                              \
+                k = head;                                                                      \
+            }                                                                                  \
+            int64_t words = (len - k) >> 6;                                                    \
+            const uint8_t *pa = a + ((ab + k) >> 3), *pb = b + ((bb + k) >> 3);                \
+            const uint8_t *psa = sa ? sa + ((ab + k) >> 3) : NULL;                             \
+            const uint8_t *psb = sb ? sb + ((bb + k) >> 3) : NULL;                             \
+            int64_t got[3] = {0, 0, 0};                                                        \
+            RAW(pa, pb, psa, psb, words, got);                                                 \
+            d += got[0]; ds += got[1]; cs += got[2];                                           \
+            k += words << 6;                                                                   \
+        }                                                                                      \
+        for (; k + 64 <= len; k += 64) {                                                       \
+            uint64_t x = pk_bits(a, na, ab + k) ^ pk_bits(b, nb, bb + k);                      \
+            d += __builtin_popcountll(x);                                                      \
+            if (sa) {                                                                          \
+                uint64_t m = pk_bits(sa, na, ab + k) & pk_bits(sb, nb, bb + k);                \
+                cs += __builtin_popcountll(m);                                                 \
+                ds += __builtin_popcountll(x & m);                                             \
+            }                                                                                  \
+        }                                                                                      \
+        if (k < len) {                                                                         \
+            uint64_t mask = ~(uint64_t)0 << (64 - (len - k));                                  \
+            uint64_t x = (pk_bits(a, na, ab + k) ^ pk_bits(b, nb, bb + k)) & mask;             \
+            d += __builtin_popcountll(x);                                                      \
+            if (sa) {                                                                          \
+                uint64_t m = pk_bits(sa, na, ab + k) & pk_bits(sb, nb, bb + k) & mask;         \
+                cs += __builtin_popcountll(m);                                                 \
+                ds += __builtin_popcountll(x & m);                                             \
+            }                                                                                  \
+        }                                                                                      \
+        acc[0] += d; acc[1] += ds; acc[2] += cs;                                               \
+    }
+
+/* whole 64-bit words of both rows as they lie in memory */
+#define PK_RAW(NAME, ATTR)                                                                     \
+    ATTR static void NAME(const uint8_t *a, const uint8_t *b, const uint8_t *sa,               \
+                          const uint8_t *sb, int64_t words, int64_t *got) {                    \
+        int64_t d = 0, ds = 0, cs = 0;                                                         \
+        if (sa) {                                                                              \
+            for (int64_t w = 0; w < words; w++) {                                              \
+                uint64_t x = pk_load_le(a + 8 * w) ^ pk_load_le(b + 8 * w);                    \
+                uint64_t m = pk_load_le(sa + 8 * w) & pk_load_le(sb + 8 * w);                  \
+                d += __builtin_popcountll(x);                                                  \
+                cs += __builtin_popcountll(m);                                                 \
+                ds += __builtin_popcountll(x & m);                                             \
+            }                                                                                  \
+        } else {                                                                               \
+            for (int64_t w = 0; w < words; w++)                                                \
+                d += __builtin_popcountll(pk_load_le(a + 8 * w) ^ pk_load_le(b + 8 * w));      \
+        }                                                                                      \
+        got[0] = d; got[1] = ds; got[2] = cs;                                                  \
+    }
+
+PK_RAW(raw_c, )
+PK_COUNT_RUN(run_c, , raw_c)
+
+#ifdef PK_HAVE_AVX2_CODE
+PK_RAW(raw_popcnt, __attribute__((target("popcnt"))))
+PK_COUNT_RUN(run_popcnt, __attribute__((target("popcnt"))), raw_popcnt)
+
+#if (defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && __GNUC__ >= 8)
+#define PK_HAVE_VPOPCNT 1
+/* AVX-512 with VPOPCNTQ: eight words a step */
+__attribute__((target("avx512f,avx512vpopcntdq,popcnt")))
+static void raw_avx512(const uint8_t *a, const uint8_t *b, const uint8_t *sa, const uint8_t *sb,
+                       int64_t words, int64_t *got) {
+    __m512i vd = _mm512_setzero_si512(), vds = _mm512_setzero_si512();
+    __m512i vcs = _mm512_setzero_si512();
+    int64_t w = 0;
+    for (; w + 8 <= words; w += 8) {
+        __m512i x = _mm512_xor_si512(_mm512_loadu_si512((const void *)(a + 8 * w)),
+                                     _mm512_loadu_si512((const void *)(b + 8 * w)));
+        vd = _mm512_add_epi64(vd, _mm512_popcnt_epi64(x));
+        if (sa) {
+            __m512i m = _mm512_and_si512(_mm512_loadu_si512((const void *)(sa + 8 * w)),
+                                         _mm512_loadu_si512((const void *)(sb + 8 * w)));
+            vcs = _mm512_add_epi64(vcs, _mm512_popcnt_epi64(m));
+            vds = _mm512_add_epi64(vds, _mm512_popcnt_epi64(_mm512_and_si512(x, m)));
+        }
+    }
+    int64_t rest[3] = {0, 0, 0};
+    raw_popcnt(a + 8 * w, b + 8 * w, sa ? sa + 8 * w : NULL, sb ? sb + 8 * w : NULL, words - w,
+               rest);
+    got[0] = _mm512_reduce_add_epi64(vd) + rest[0];
+    got[1] = _mm512_reduce_add_epi64(vds) + rest[1];
+    got[2] = _mm512_reduce_add_epi64(vcs) + rest[2];
+}
+PK_COUNT_RUN(run_avx512, __attribute__((target("avx512f,avx512vpopcntdq,popcnt"))), raw_avx512)
+#endif
+#endif
+
+typedef void (*pk_run_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, const uint8_t *,
+                          const uint8_t *, int64_t, int64_t, int64_t, int64_t *);
+
+void pk_count_runs(const int64_t *ta, const int64_t *tb, const int64_t *rs, int64_t nrs,
+                   int64_t nrows, int32_t use_sig, int64_t *out, int64_t ncols) {
+    pk_run_fn run = run_c;
+#ifdef PK_HAVE_AVX2_CODE
+    if (level >= 1 && __builtin_cpu_supports("popcnt")) run = run_popcnt;
+#ifdef PK_HAVE_VPOPCNT
+    if (level == 2 && __builtin_cpu_supports("avx512vpopcntdq")) run = run_avx512;
+#endif
+#endif
+    int64_t plane = nrows * ncols;
+    for (int64_t r = 0; r < nrows; r++) {
+        for (int64_t q = 0; q < nrs; q++) {
+            const int64_t *R = rs + PK_RS * q;
+            const int64_t *A = ta + PK_RT * R[1], *B = tb + PK_RT * R[2];
+            const uint8_t *a = (const uint8_t *)(intptr_t)A[0] + r * A[1];
+            const uint8_t *b = (const uint8_t *)(intptr_t)B[0] + r * B[1];
+            const uint8_t *sa = use_sig ? (const uint8_t *)(intptr_t)A[2] + r * A[3] : NULL;
+            const uint8_t *sb = use_sig ? (const uint8_t *)(intptr_t)B[2] + r * B[3] : NULL;
+            int64_t acc[3] = {0, 0, 0};
+            for (int64_t i0 = 0; i0 < R[6]; i0++)
+                for (int64_t i1 = 0; i1 < R[9]; i1++)
+                    for (int64_t i2 = 0; i2 < R[12]; i2++)
+                        run(a, sa, A[4], R[3] + i0 * R[7] + i1 * R[10] + i2 * R[13], b, sb, B[4],
+                            R[4] + i0 * R[8] + i1 * R[11] + i2 * R[14], R[5], acc);
+            int64_t *o = out + r * ncols + R[0];
+            o[0] += acc[0];
+            o[plane] += acc[1];
+            o[2 * plane] += acc[2];
+        }
+    }
+}
+
 static struct PyModuleDef pk_module = {PyModuleDef_HEAD_INIT, "_kernel",
                                        "probekit's fused gradient-statistics kernel (ctypes)",
                                        -1, NULL, NULL, NULL, NULL, NULL};

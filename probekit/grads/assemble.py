@@ -36,6 +36,7 @@ import numpy as np
 
 from ..log import get_logger
 from .chunks import bit_reader, bits_variable
+from .sampling import sample_size, samples_in_box
 from .stats import padded_nbytes
 
 log = get_logger(__name__)
@@ -192,15 +193,19 @@ def _assemble(runs: dict, names: list, pieces: dict, label: int):
     if "interval" in first.coords:
         coords["interval"] = first["interval"].values
     if "direction" in first:
-        offsets = np.concatenate([[0], np.cumsum([padded_nbytes(int(n)) for n in numels])[:-1]]
+        k = int(first.attrs.get("sample", 0) or 0)  # sampled sign bits (sampling.py)
+        nbits = np.array([sample_size(int(n), k) for n in numels], np.int64)
+        offsets = np.concatenate([[0], np.cumsum([padded_nbytes(int(n)) for n in nbits])[:-1]]
                                  ).astype(np.int64) if n_params else np.zeros(0, np.int64)
         coords["offset"] = ("param", offsets)
+        if k:
+            coords["nbits"] = ("param", nbits)
         for var in _BITS:
             if var in first and all(var in runs[r] for r in used):
                 bits = AssembledBits(
                     {r: bit_reader(runs[r], var) for r in used}, rows,
-                    [(int(o), int(n), [_piece(runs, r, j, p) for r, j, p in pieces[name]])
-                     for name, o, n in zip(names, offsets, numels)],
+                    [(int(o), int(n), [_piece(runs, r, j, p, k) for r, j, p in pieces[name]])
+                     for name, o, n in zip(names, offsets, nbits)],
                     fill=255 if var == "significant" else 0)
                 data[var] = bits_variable(("step", "byte"), bits, steps)
     attrs = {k: v for k, v in first.attrs.items() if k != "placement"}
@@ -210,14 +215,21 @@ def _assemble(runs: dict, names: list, pieces: dict, label: int):
     return xr.Dataset(data, coords=coords, attrs=attrs)
 
 
-def _piece(runs, r, j, place):
+def _piece(runs, r, j, place, sample: int = 0):
+    """(rank, byte offset in its rows, bits it recorded, local shape, offset, global shape,
+    sample numbers): where a shard's bits go in the whole parameter's (the sample numbers of a
+    sampled shard of a parameter larger than the sample, else None: placed by its box)."""
     ds = runs[r]
     offset = int(ds["offset"].values[j])
-    numel = int(ds["numel"].values[j])
+    nbits = int((ds["nbits"] if "nbits" in ds.coords else ds["numel"]).values[j])
     if place is None:
-        return (r, offset, numel, None, None, None)
-    return (r, offset, numel, tuple(place["local_shape"]), tuple(place["offset"]),
-            tuple(place["global_shape"]))
+        return (r, offset, nbits, None, None, None, None)
+    gshape = tuple(place["global_shape"])
+    idx = None
+    if sample and sample < int(np.prod(gshape, dtype=np.int64)):
+        idx = samples_in_box(gshape, sample, place["offset"], place["local_shape"])[0]
+    return (r, offset, nbits, tuple(place["local_shape"]), tuple(place["offset"]), gshape,
+            idx)
 
 
 class AssembledBits:
@@ -265,15 +277,20 @@ class AssembledBits:
                 continue
             size = padded_nbytes(numel)
             if len(parts) == 1 and parts[0][2] == numel:  # one piece: the bytes as they are
-                r, lo, _, _, _, _ = parts[0]
+                r, lo = parts[0][:2]
                 full[:, offset:offset + size] = local[r][:, lo:lo + size]
                 continue
-            glob_shape = parts[0][5]
-            dense = np.zeros((rows, *glob_shape), bool)
-            for r, lo, n, lshape, goff, _ in parts:
+            if parts[0][6] is not None:  # a sample: each shard's bits at its sample numbers
+                dense = np.zeros((rows, numel), bool)
+            else:
+                dense = np.zeros((rows, *parts[0][5]), bool)
+            for r, lo, n, lshape, goff, _, idx in parts:
                 if n == 0:
                     continue
                 bits = np.unpackbits(local[r][:, lo:lo + -(-n // 8)], axis=1, count=n)
+                if idx is not None:
+                    dense[:, idx] = bits.astype(bool)
+                    continue
                 region = (slice(None),) + tuple(slice(o, o + s) for o, s in zip(goff, lshape))
                 dense[region] = bits.reshape(rows, *lshape).astype(bool)
             packed = np.packbits(dense.reshape(rows, numel), axis=1)

@@ -13,6 +13,7 @@ anything else goes through Zarr. Every file is replaced with ``probekit.atomic.a
 from __future__ import annotations
 
 import json
+import mmap
 import os
 
 import numpy as np
@@ -370,6 +371,198 @@ def _index_runs(index: np.ndarray, k0: int, k1: int, cc: int, path):
             m += 1
         yield k, m, off
         k = m
+
+
+def _stored_rows(raw: RawChunks, rows) -> np.ndarray:
+    """The stored rows of ``raw``'s rows ``rows`` (its ``window`` shifts them); rows it does not
+    hold (past the committed ones it was opened with) are refused, so nothing past them is read
+    or mapped."""
+    rows = np.asarray(rows, np.int64)
+    if rows.size and (int(rows[0]) < 0 or int(rows[-1]) >= raw.shape[0]):
+        raise GradStoreError(f"{raw.path}: rows {int(rows[0])}..{int(rows[-1])} asked of "
+                             f"{raw.shape[0]} committed")
+    return rows + raw.row0
+
+
+def read_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int, out: np.ndarray) -> None:
+    """Rows ``rows`` (sorted indices) and columns ``c0:c1`` of ``raw`` into ``out`` ((len(rows),
+    c1 - c0) uint8, C-contiguous): exactly those bytes of each chunk file or shard, read into
+    place with ``os.preadv`` (whole rows at once where they are contiguous in the file and in
+    ``out``); a missing chunk file, shard or step of a shard is its fill value. From an object
+    store: the chunk objects (``RawChunks.read``)."""
+    if not len(rows) or c1 <= c0:
+        return
+    if raw.fs.remote:
+        _stored_rows(raw, rows)
+        rows = np.asarray(rows, np.int64)
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        block = raw.read(lo, hi, c0, c1)
+        out[...] = block if hi - lo == rows.size else block[rows - lo]
+        return
+    rows = _stored_rows(raw, rows)
+    cr, cc = raw.chunk_shape
+    which = rows // cr
+    starts = np.flatnonzero(np.concatenate([[True], which[1:] != which[:-1]]))
+    stops = np.append(starts[1:], rows.size)
+    for a, z in zip(starts, stops):
+        i = int(which[a])
+        local = rows[a:z] - i * cr
+        together = z - a == 1 or bool(np.all(np.diff(local) == 1))
+        for j in range(c0 // cc, (c1 - 1) // cc + 1):
+            lo, hi = max(c0, j * cc), min(c1, (j + 1) * cc)
+            path = os.path.join(raw.path, "c", str(i), str(j))
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                out[a:z, lo - c0:hi - c0] = raw.fill
+                continue
+            try:
+                if raw.kind == "sharded":
+                    _read_shard_rows(fd, path, cr, cc, local, lo - j * cc, hi - j * cc,
+                                     out[a:z], lo - c0, raw.fill)
+                    continue
+                if together and hi - lo == cc and out.shape[1] == cc:  # whole rows, one read
+                    want = (z - a) * cc
+                    got = _pread(fd, out[a:z].reshape(-1), int(local[0]) * cc)
+                else:
+                    want = (z - a) * (hi - lo)
+                    got = 0
+                    for k in range(a, z):
+                        got += _pread(fd, out[k, lo - c0:hi - c0],
+                                      int(local[k - a]) * cc + lo - j * cc)
+            finally:
+                os.close(fd)
+            if got != want:
+                raise GradStoreError(f"{path}: {got} bytes where {want} were expected; the "
+                                     "chunk file is shorter than its chunk")
+
+
+#: shard indexes read (offsets per step, validated), by the file's path and identity: a shard
+#: replaced by its writer (more steps: a new file, renamed over) is another entry
+_SHARD_TABLES: dict = {}
+
+
+def _shard_table(fd: int, path: str, cr: int, cc: int) -> np.ndarray:
+    """The byte offset in shard file ``fd`` of each of its ``cr`` steps, -1 for a step not
+    stored (the fill value): its index, read from the file's end once per file (cached by path,
+    inode, size and modification time); an error when the index points past the steps' bytes
+    (a shard shorter than its index says) or holds a step of another size."""
+    st = os.fstat(fd)
+    key = (path, st.st_ino, st.st_size, st.st_mtime_ns, cr, cc)
+    table = _SHARD_TABLES.get(key)
+    if table is not None:
+        return table
+    size = st.st_size
+    index = _shard_index(os.pread(fd, 16 * cr, max(0, size - 16 * cr)), cr, path, size)
+    offs, nbs = index[:, 0], index[:, 1]
+    there = offs != _MISSING
+    if np.any(nbs[there] != cc):
+        raise GradStoreError(f"{path}: an inner chunk of {int(nbs[there][nbs[there] != cc][0])} "
+                             f"bytes, expected {cc}")
+    if np.any(offs[there] + np.uint64(cc) > np.uint64(size - 16 * cr)):
+        raise GradStoreError(f"{path}: shorter than its index says")
+    table = np.where(there, offs, 0).astype(np.int64)
+    table[~there] = -1
+    table.setflags(write=False)
+    if len(_SHARD_TABLES) >= 4096:
+        _SHARD_TABLES.clear()
+    _SHARD_TABLES[key] = table
+    return table
+
+
+def _read_shard_rows(fd, path, cr, cc, local, lo, hi, out, col, fill) -> None:
+    """Steps ``local`` of a shard, bytes ``lo:hi`` of each, into ``out[:, col:col + hi - lo]``;
+    steps stored one after the other in one read when whole rows are asked for."""
+    offs = _shard_table(fd, path, cr, cc)[local]
+    dest = out[:, col:col + hi - lo]
+    whole = lo == 0 and hi == cc and out.shape[1] == cc
+    k, n = 0, len(offs)
+    while k < n:
+        if offs[k] < 0:
+            dest[k] = fill
+            k += 1
+            continue
+        m = k + 1
+        if whole:
+            while m < n and offs[m] == offs[m - 1] + cc:
+                m += 1
+            got, want = _pread(fd, dest[k:m].reshape(-1), int(offs[k])), (m - k) * cc
+        else:
+            got, want = _pread(fd, dest[k], int(offs[k]) + lo), hi - lo
+        if got != want:
+            raise GradStoreError(f"{path}: {got} bytes where {want} were expected; the shard "
+                                 "is shorter than its index says")
+        k = m
+
+
+def _pread(fd: int, dest: np.ndarray, offset: int) -> int:
+    """Bytes of file ``fd`` from ``offset`` read into ``dest`` (contiguous); how many."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [dest], offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # no preadv here (Windows): seek, then read into place
+    with os.fdopen(os.dup(fd), "rb", buffering=0) as fh:
+        return fh.readinto(dest) or 0
+
+
+_PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+def map_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int):
+    """Rows ``rows`` and columns ``c0:c1`` of ``raw`` as a read-only (len(rows), c1 - c0) view
+    of the page cache (``mmap`` of the one chunk file or shard holding them all: no copy; rows
+    keep the file's row stride), a row of the fill value repeated (a chunk or a shard's steps
+    never written), or None when they span several files, lie in an object store, are not
+    consecutive, or are not one after the other in their shard (then ``read_rows`` copies
+    them). Only the bytes of the rows asked for are mapped, and only rows the array holds (its
+    committed ones) can be asked for: never bytes past the committed steps, nor past a shard's
+    steps (its index's end is checked against the file's)."""
+    n = len(rows)
+    if raw.fs.remote or not n or c1 <= c0 or not hasattr(mmap, "PROT_READ"):
+        return None
+    rows = _stored_rows(raw, rows)
+    cr, cc = raw.chunk_shape
+    r0 = int(rows[0])
+    i, j = r0 // cr, c0 // cc
+    if (int(rows[-1]) // cr != i or (c1 - 1) // cc != j
+            or (n > 1 and int(rows[-1]) - r0 != n - 1)):
+        return None
+    path = os.path.join(raw.path, "c", str(i), str(j))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return np.broadcast_to(np.full(c1 - c0, raw.fill, np.uint8), (n, c1 - c0))
+    try:
+        if raw.kind == "sharded":
+            k = r0 - i * cr
+            offs = _shard_table(fd, path, cr, cc)[k:k + n]
+            o0, o1 = int(offs[0]), int(offs[-1])
+            if n == 1 or (o1 - o0 == (n - 1) * cc and o0 >= 0
+                          and (n == 2 or bool(np.all(np.diff(offs) == cc)))):
+                if o0 < 0:  # one step, not stored
+                    return np.broadcast_to(np.full(c1 - c0, raw.fill, np.uint8), (1, c1 - c0))
+            elif np.all(offs < 0):
+                return np.broadcast_to(np.full(c1 - c0, raw.fill, np.uint8), (n, c1 - c0))
+            else:
+                return None  # steps not one after the other: copied
+            first = o0 + c0 - j * cc
+            last = o1 + c1 - j * cc
+        else:
+            size = os.fstat(fd).st_size
+            if size != cr * cc:
+                raise GradStoreError(f"{path}: {size} bytes, expected {cr * cc}")
+            first = (r0 - i * cr) * cc + (c0 - j * cc)
+            last = (r0 + n - 1 - i * cr) * cc + (c1 - j * cc)
+        start = first - first % _PAGE
+        m = mmap.mmap(fd, last - start, flags=mmap.MAP_SHARED | _POPULATE,
+                      prot=mmap.PROT_READ, offset=start)
+    finally:
+        os.close(fd)
+    buf = np.frombuffer(m, np.uint8)
+    return np.lib.stride_tricks.as_strided(buf[first - start:], (n, c1 - c0), (cc, 1),
+                                           writeable=False)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def read_plain(array_path: str, n: int, fs=LOCAL):

@@ -7,11 +7,13 @@ A parameter is flagged at the first compared step if its similarity is below ``s
 previous compared step; ``flag_total`` applies the same rule to ``total``. Parameters are paired
 by name (without wrapper prefixes); those of one run only are named in the result and logged.
 
-The sign bits are read in blocks of steps as 64-bit words, XOR-ed, counted with
-``np.bitwise_count`` and summed per parameter with ``np.add.reduceat``: no loop over files,
-steps or parameters in Python. ``compare_grads`` runs the blocks of every rank pair as a dask
-graph (``plan_pair`` -> ``count_block`` per block -> ``finish_pair``), on local threads or a
-``dask.distributed`` cluster (``engine.py``).
+``compare_grads`` runs a dask graph on local threads or a ``dask.distributed`` cluster
+(``engine.py``). Two stores are compared shard by shard, segment by segment (``plan_stage``:
+the stores' segments, their rank groups opened, the plan of ``planner.py``; ``count_stage``:
+``counting.count_task`` per slab set and chunk of steps, summed; ``finish_arrays``). Datasets
+(and what the planner declines) block by block (``plan_pair``, ``count_block`` per block of
+steps: the sign bits read as 64-bit words, XOR-ed, counted with ``np.bitwise_count`` and summed
+per parameter; ``finish_pair``). Both give the same counts.
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ import numpy as np
 
 from ..errors import GradCompareError
 from ..log import get_logger
-from .names import canonical_names
 from .chunks import bit_reader
-from .unmatched import unmatched_text, unmatched_vars
+from .planner import check_sizes, match_params, pair_labels, ranges_text
+from .sampling import CONFIDENCE, stratified_interval, wilson
+from .unmatched import unmatched_vars
 
 log = get_logger(__name__)
 
@@ -46,19 +49,15 @@ def _popcount_table(words: np.ndarray) -> np.ndarray:
 _bitwise_count = getattr(np, "bitwise_count", _popcount_table)
 
 
-def _ranges(values) -> str:
-    v = np.asarray(values)
-    if v.size == 0:
-        return "none"
-    if v.size <= 6:
-        return ", ".join(str(x) for x in v)
-    return f"{v[0]}..{v[-1]} ({v.size} values)"
+def _bits(ds) -> np.ndarray:
+    """Sign bits recorded per parameter: one per element, or its sample (``nbits``)."""
+    return np.asarray((ds["nbits"] if "nbits" in ds.coords else ds["numel"]).values, np.int64)
 
 
 def _word_index(ds, pos: np.ndarray) -> np.ndarray:
     """64-bit word indices (into one step's sign bits) of the parameters at positions ``pos``."""
     offsets = np.asarray(ds["offset"].values, np.int64)[pos] // 8
-    words = -(-np.asarray(ds["numel"].values, np.int64)[pos] // 64)
+    words = -(-_bits(ds)[pos] // 64)
     return np.concatenate([np.arange(o, o + w) for o, w in zip(offsets, words)]) if len(
         pos) else np.zeros(0, np.int64)
 
@@ -75,10 +74,25 @@ def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
 
     In this process, block after block; ``compare_grads`` runs the same blocks as a dask
     graph."""
+    a, b = match_samples(a, b)
     plan = plan_pair(a, b, block_bytes)
     src = bit_sources(a, b, plan)
     parts = [count_block(src, plan, s0, s1) for s0, s1 in plan["blocks"]]
     return finish_pair(plan, parts, step0_threshold, drop_threshold, noise_aware)
+
+
+def match_samples(a, b) -> tuple:
+    """Two Datasets on the same elements: a run that recorded every element's bits, compared
+    with a sampled one (``grad_probe.sample``), is sampled the same way (``sampling.subsample``);
+    anything else as it is."""
+    from .sampling import subsample
+
+    ka, kb = int(a.attrs.get("sample", 0) or 0), int(b.attrs.get("sample", 0) or 0)
+    if ka and not kb and "direction" in b:
+        b = subsample(b, ka)
+    elif kb and not ka and "direction" in a:
+        a = subsample(a, kb)
+    return a, b
 
 
 def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES, *,
@@ -92,47 +106,38 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
             raise GradCompareError(
                 f"the {name} run was recorded at grad_level {ds.attrs.get('level', '?')!r}, "
                 "which keeps no direction data; accepted: runs recorded at L1 or L2")
-    # names matched without wrapper prefixes (an msprobe dump of a DDP run has "module.*")
+    # names matched without wrapper prefixes (an msprobe dump of a DDP run has "module.*");
+    # parameters of one run only by the names the run holds, and those a step before the
+    # comparison left out (``left_out``: mindspore.align, a name mapping to no reference one)
     raw_a = [str(x) for x in a["param"].values]
     raw_b = [str(x) for x in b["param"].values]
-    names_a, names_b = list(canonical_names(raw_a)), list(canonical_names(raw_b))
-    index_a = {n: i for i, n in enumerate(names_a)}
-    index_b = {n: i for i, n in enumerate(names_b)}
-    common = [n for n in names_a if n in index_b]
-    # parameters of one run only, by the names the run holds, and those a step before the
-    # comparison left out (``left_out``: mindspore.align, a name mapping to no reference one)
-    only_a = [r for r, n in zip(raw_a, names_a) if n not in index_b] + _left_out(a)
-    only_b = [r for r, n in zip(raw_b, names_b) if n not in index_a] + _left_out(b)
-    n_a, n_b = len(names_a) + len(_left_out(a)), len(names_b) + len(_left_out(b))
-    if not common:
-        raise GradCompareError(f"the runs share no parameter (first: {names_a[:3]}..., second: "
-                               f"{names_b[:3]}...)")
-    if only_a or only_b:
-        log.warning("%s%s", label, unmatched_text(only_a, only_b, n_a, n_b))
-    pos_a = np.array([index_a[n] for n in common])
-    pos_b = np.array([index_b[n] for n in common])
+    common, pos_a, pos_b, only_a, only_b, n_a, n_b = match_params(
+        raw_a, raw_b, _left_out(a), _left_out(b), label)
     numel_a = np.asarray(a["numel"].values, np.int64)[pos_a]
     numel_b = np.asarray(b["numel"].values, np.int64)[pos_b]
-    if np.any(numel_a != numel_b):
-        bad = [(common[i], int(numel_a[i]), int(numel_b[i])) for i in
-               np.flatnonzero(numel_a != numel_b)[:5]]
-        raise GradCompareError("parameter sizes differ between the runs (name, first, second): "
-                               + "; ".join(f"{n}: {x} vs {y}" for n, x, y in bad))
+    check_sizes(common, numel_a, numel_b)
+    bits_a, bits_b = _bits(a)[pos_a], _bits(b)[pos_b]
+    if a.attrs.get("sample", 0) != b.attrs.get("sample", 0) or np.any(bits_a != bits_b):
+        raise GradCompareError(
+            f"the runs sampled their sign bits differently (grad_probe.sample "
+            f"{a.attrs.get('sample', 0)} vs {b.attrs.get('sample', 0)}); accepted: runs "
+            "recording the same sample, or one recording every element (compare_grads "
+            "samples it)")
     steps_a = np.asarray(a["step"].values, np.int64)
     steps_b = np.asarray(b["step"].values, np.int64)
     steps, rows_a, rows_b = np.intersect1d(steps_a, steps_b, assume_unique=True,
                                            return_indices=True)
     if steps.size == 0:
-        raise GradCompareError(f"the runs share no step (first: {_ranges(steps_a)}; second: "
-                               f"{_ranges(steps_b)})")
+        raise GradCompareError(f"the runs share no step (first: {ranges_text(steps_a)}; "
+                               f"second: {ranges_text(steps_b)})")
     nbytes_a, nbytes_b = a.sizes["byte"], b.sizes["byte"]
     off_a = np.asarray(a["offset"].values, np.int64)
     off_b = np.asarray(b["offset"].values, np.int64)
     # Same layout (the usual case: same model, same config): XOR whole rows, no gather.
-    same_layout = bool(len(common) == len(names_a) == len(names_b)
+    same_layout = bool(len(common) == len(raw_a) == len(raw_b)
                        and np.array_equal(pos_b, pos_a) and np.array_equal(off_a, off_b)
                        and nbytes_a == nbytes_b)
-    nwords = -(-numel_a // 64)
+    nwords = -(-bits_a // 64)
     word0 = np.concatenate([[0], np.cumsum(nwords)[:-1]]).astype(np.int64)
     # Per-parameter sums of the per-word bit counts: a large parameter sums its own columns
     # (numpy's reduce is far faster than reduceat over long segments); the small ones are
@@ -145,7 +150,8 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
     return {
         "common": common, "only_a": only_a, "only_b": only_b, "n_a": n_a, "n_b": n_b,
         "steps": steps, "rows_a": rows_a, "rows_b": rows_b,
-        "numel": numel_a, "nwords": nwords, "word0": word0, "same_layout": same_layout,
+        "numel": numel_a, "nbits": bits_a, "sample": int(a.attrs.get("sample", 0)),
+        "nwords": nwords, "word0": word0, "same_layout": same_layout,
         "words_a": None if same_layout else _word_index(a, pos_a),
         "words_b": None if same_layout else _word_index(b, pos_b),
         "big": np.flatnonzero(nwords >= 1024), "small": small,
@@ -225,6 +231,8 @@ def _count(sources, plan, s0: int, s1: int) -> tuple:
         _per_param(np.bitwise_and(x, both, out=sb if plan["same_layout"] else None),
                    differ_sig, plan)
     _per_param(x, differ, plan)
+    if count_sig is not None:  # padding bits are ones in both runs: not elements
+        count_sig -= plan["nwords"] * 64 - plan["nbits"]
     return differ, differ_sig, count_sig
 
 
@@ -241,43 +249,98 @@ def _per_param(words, target, plan) -> None:
 
 def finish_pair(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
                 drop_threshold: float = DROP_THRESHOLD, noise_aware: bool = True):
-    """The comparison Dataset of one pair from its blocks' counts."""
+    """The comparison Dataset of one pair from its blocks' counts (exact element counts:
+    differ, differ and significant in both, significant in both)."""
     import xarray as xr
 
+    data, coords, attrs = finish_arrays(plan, parts, step0_threshold, drop_threshold,
+                                        noise_aware)
+    out = xr.Dataset(data, coords=coords)
+    out.attrs.update(attrs)
+    return out
+
+
+def finish_arrays(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
+                  drop_threshold: float = DROP_THRESHOLD, noise_aware: bool = True) -> tuple:
+    """``finish_pair``'s variables, coordinates and attributes as numpy arrays (many pairs are
+    stacked into one Dataset without building one each)."""
     differ = np.concatenate([p[0] for p in parts])
-    present, numel_a, nwords = plan["present"], plan["numel"], plan["nwords"]
+    present, numel_a = plan["present"], plan["numel"]
     use_sig = plan["use_sig"]
     numel = numel_a.astype(np.float64)
+    bits = np.asarray(plan.get("nbits", numel_a), np.int64)
+    sampled = bool(np.any(bits != numel_a))
+    n = bits.astype(np.float64)  # elements compared per parameter (all, or the sample)
     with np.errstate(invalid="ignore", divide="ignore"):
-        similarity = np.where(present & (numel > 0), 1.0 - differ / numel, np.nan)
+        similarity = np.where(present & (numel > 0), 1.0 - differ / n, np.nan)
         weight = np.where(present, numel, 0.0)
-        total = 1.0 - (np.where(present, differ, 0).sum(1) / weight.sum(1))
+        if sampled:  # each parameter's share estimated from its sample, weighted by its size
+            total = 1.0 - ((np.where(present, differ, 0) * (numel / n)).sum(1)
+                           / weight.sum(1))
+        else:
+            total = 1.0 - (np.where(present, differ, 0).sum(1) / weight.sum(1))
     data = {"similarity": (("step", "param"), similarity),
             "differ": (("step", "param"), np.where(present, differ, -1)),
             "total": (("step",), total)}
+    if sampled:  # the population's share within its confidence interval (sampling.py)
+        low, high = wilson(n - differ, n, numel)
+        data["similarity_low"] = (("step", "param"), np.where(present, low, np.nan))
+        data["similarity_high"] = (("step", "param"), np.where(present, high, np.nan))
+        low, high = stratified_interval(similarity, weight, n, numel)
+        data["total_low"], data["total_high"] = (("step",), low), (("step",), high)
     judged, judged_total = similarity, total
     if use_sig:
         differ_sig = np.concatenate([p[1] for p in parts])
         count_sig = np.concatenate([p[2] for p in parts])
-        count_sig -= nwords * 64 - numel_a  # padding bits are ones in both runs
         with np.errstate(invalid="ignore", divide="ignore"):
             sim_sig = np.where(present & (count_sig > 0), 1.0 - differ_sig / count_sig, np.nan)
-            total_sig = 1.0 - (np.where(present, differ_sig, 0).sum(1)
-                               / np.where(present, count_sig, 0).sum(1))
+            scale = numel / n if sampled else 1.0  # significant elements of the population
+            total_sig = 1.0 - ((np.where(present, differ_sig, 0) * scale).sum(1)
+                               / (np.where(present, count_sig, 0) * scale).sum(1))
         data["similarity_significant"] = (("step", "param"), sim_sig)
         data["significant"] = (("step", "param"), np.where(present, count_sig, -1))
         data["total_significant"] = (("step",), total_sig)
+        if sampled:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                both = count_sig * (numel / n)  # significant in both, over all elements
+            low, high = wilson(count_sig - differ_sig, count_sig, np.maximum(both, count_sig))
+            data["similarity_significant_low"] = (("step", "param"),
+                                                  np.where(present, low, np.nan))
+            data["similarity_significant_high"] = (("step", "param"),
+                                                   np.where(present, high, np.nan))
+            low, high = stratified_interval(sim_sig, np.where(present, both, 0.0), count_sig,
+                                            np.maximum(both, count_sig))
+            data["total_significant_low"] = (("step",), low)
+            data["total_significant_high"] = (("step",), high)
         if noise_aware:
             judged, judged_total = sim_sig, total_sig
     data["flag"] = (("step", "param"), flags(judged, step0_threshold, drop_threshold))
     data["flag_total"] = (("step",), flags(judged_total[:, None], step0_threshold,
                                            drop_threshold)[:, 0])
     data.update(unmatched_vars(plan["only_a"], plan["only_b"], plan["n_a"], plan["n_b"]))
-    out = xr.Dataset(data, coords={"step": plan["steps"],
-                                   "param": np.array(plan["common"], dtype=str),
-                                   "numel": ("param", numel_a)})
-    out.attrs["noise_aware"] = int(bool(use_sig and noise_aware))
-    return out
+    coords = {"step": plan["steps"], "param": np.array(plan["common"], dtype=str),
+              "numel": ("param", numel_a)}
+    attrs = {"noise_aware": int(bool(use_sig and noise_aware))}
+    if sampled:
+        coords["sampled"] = ("param", bits)
+        attrs.update(sample=int(plan.get("sample", 0)), confidence=CONFIDENCE)
+    return data, coords, attrs
+
+
+def _first_divergence_arrays(data, coords, attrs) -> tuple[int, str]:
+    """``first_divergence`` on ``finish_arrays``' output."""
+    flag, flag_total = data["flag"][1], data["flag_total"][1]
+    hits = np.flatnonzero(flag.any(axis=1) | flag_total)
+    if hits.size == 0:
+        return -1, ""
+    i = int(hits[0])
+    steps = np.asarray(coords["step"])
+    if not flag[i].any():
+        return int(steps[i]), ""
+    name = ("similarity_significant" if attrs.get("noise_aware")
+            and "similarity_significant" in data else "similarity")
+    sims = np.where(flag[i], np.nan_to_num(data[name][1][i], nan=np.inf), np.inf)
+    return int(steps[i]), str(coords["param"][int(np.argmin(sims))])
 
 
 def _left_out(ds) -> list:
@@ -325,18 +388,7 @@ def pair_runs(runs_a: dict, runs_b: dict, ranks=None) -> list:
     process, a DDP run written by one rank, a sharded run assembled) pair whatever rank recorded
     them: FSDP2 at 2 or 4 ranks, DDP and a single process line up parameter by parameter.
     Otherwise (one Dataset per rank: pipeline stages, independent ranks) rank r pairs with r."""
-    if len(runs_a) == 1 and len(runs_b) == 1 and (ranks is None or set(runs_a) & set(ranks)):
-        (ra, a), = runs_a.items()
-        (_, b), = runs_b.items()
-        return [(ra, a, b)]
-    common = sorted(set(runs_a) & set(runs_b))
-    if ranks is not None:
-        common = [r for r in common if r in set(ranks)]
-    if not common:
-        raise GradCompareError(f"the runs share no rank (first: {sorted(runs_a)}, second: "
-                               f"{sorted(runs_b)}" + (f", asked: {list(ranks)}" if ranks else "")
-                               + ")")
-    return [(r, runs_a[r], runs_b[r]) for r in common]
+    return [(ra, runs_a[ra], runs_b[rb]) for ra, rb in pair_labels(runs_a, runs_b, ranks)]
 
 
 def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOLD,
@@ -376,69 +428,304 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
     Runs of one Dataset each (single process, DDP, a sharded run assembled) pair parameter by
     parameter whatever rank recorded them; runs of several ranks pair rank r with rank r.
 
-    Where it runs: a dask graph, one task per block of steps of each rank pair (the counts of
-    differing bits; the similarities are computed from them here), on the local
-    cores (dask's threads) by default, or on a ``dask.distributed`` cluster: ``client=`` (a
-    ``distributed.Client``) or ``scheduler=`` (its address, ``"tcp://host:8786"``); the
-    workers read the stores themselves (the same paths or URLs must reach them).
-    ``progress``: None shows progress on stderr once a comparison runs for 2 s, True at once,
+    Two probekit stores (paths or URLs) are compared shard by shard: the counts are taken
+    over the element ranges the two runs' rank groups share (``planner.py``), segment by
+    segment of a restarted store (``restarts.segments``: 4 ranks for some steps, 2 for the
+    next), so a sharded run is never assembled, and listing the segments, opening the rank
+    groups and planning are tasks of the graph too. Datasets, msprobe dumps and layouts the
+    planner does not handle are compared as Datasets (a sharded store assembled by
+    ``open_grads``). Both give the same result.
+
+    Where it runs: a dask graph (each store's segments, their rank groups opened in batches,
+    the plan, then one
+    task per slab set and chunk of steps, summed per chunk; for Datasets one task per block of
+    steps of each rank pair), on the local cores (dask's threads) by default, or on a
+    ``dask.distributed`` cluster: ``client=`` (a ``distributed.Client``) or ``scheduler=`` (its
+    address, ``"tcp://host:8786"``); the workers read the stores themselves (the same paths or
+    URLs must reach them). ``progress``: None shows progress (finished tasks / all, the total
+    growing as the stages are planned) on stderr once a comparison runs for 2 s, True at once,
     False never. ``storage_options``: for URLs (credentials, endpoint). ``block_bytes`` (8 MiB)
     and ``task_bytes`` (64 MiB): sign bytes of one run read at once, and per task.
     """
-    import xarray as xr
-
-    from .engine import run_graph
-    from .sources import load_runs
+    from .engine import Session
 
     if control is not None:   # the comparisons with the test and each control, then judged
+        from .opening import store_of
+        from .sources import load_runs
         from .verdict import calibrate
 
         controls = list(control) if isinstance(control, (list, tuple)) else [control]
-        # each run read once ({rank: Dataset} passes through load_runs as it is); one after the
-        # other in this thread, whose dask pool and read buffers stay warm (measured: two at
-        # once from threads of their own cost 1.2-1.8x as much, each thread a fresh pool)
-        a, b, *controls = [load_runs(x, storage_options=storage_options)
-                           for x in (a, b, *controls)]
+        given = [a, b, *controls]
+        # each run's statistics read once for the judgement ({rank: Dataset} passes through
+        # load_runs as it is); the comparisons take the stores themselves where they are stores
+        # (shard by shard: no bit assembled), the Datasets otherwise; one after the other in
+        # this thread, whose dask pool and read buffers stay warm (measured: two at once from
+        # threads of their own cost 1.2-1.8x as much, each thread a fresh pool)
+        runs = [load_runs(x, storage_options=storage_options) for x in given]
+        sources = [x if store_of(x, storage_options) is not None else r
+                   for x, r in zip(given, runs)]
         options = dict(step0_threshold=step0_threshold, drop_threshold=drop_threshold,
                        ranks=ranks, noise_aware=noise_aware, client=client,
                        scheduler=scheduler, progress=progress,
                        storage_options=storage_options, block_bytes=block_bytes,
                        task_bytes=task_bytes)
-        results = [compare_grads(a, x, **options) for x in [b, *controls]]
-        return calibrate(results[0], results[1:], a, b, controls,
+        results = [compare_grads(sources[0], x, **options) for x in sources[1:]]
+        return calibrate(results[0], results[1:], runs[0], runs[1], runs[2:],
                          storage_options=storage_options)
+    with Session(client=client, scheduler=scheduler, progress=progress,
+                 label="compare") as session:
+        results = None
+        stores = _stores(a, b, storage_options)
+        if stores is not None:
+            results = _compare_stores(*stores, session=session, ranks=ranks,
+                                      block_bytes=block_bytes, task_bytes=task_bytes,
+                                      thresholds=(step0_threshold, drop_threshold),
+                                      noise_aware=noise_aware)
+        if results is None:
+            results = _compare_datasets(a, b, session=session, ranks=ranks,
+                                        block_bytes=block_bytes, task_bytes=task_bytes,
+                                        thresholds=(step0_threshold, drop_threshold),
+                                        noise_aware=noise_aware,
+                                        storage_options=storage_options)
+    return _combine(results, step0_threshold, drop_threshold)
+
+
+def _stores(a, b, storage_options):
+    from .opening import store_of
+
+    sa = store_of(a, storage_options)
+    if sa is None:
+        return None
+    sb = store_of(b, storage_options)
+    return None if sb is None else (sa, sb)
+
+
+def _plan_task(segs_a, segs_b, n_a: int, ranks, block_bytes, task_bytes, *batches) -> dict:
+    """The comparison's plan from both runs' segments (``restarts.Segment``) and their opened
+    rank groups (``opening.open_batch`` of each segment's ranks in order; a task of the
+    graph)."""
+    from .opening import gc_held
+    from .planner import plan
+
+    def runs(segs, opened):
+        groups = iter(g for batch in opened for g in batch)
+        return [(seg, [next(groups) for _ in seg.ranks]) for seg in segs]
+
+    with gc_held():  # many small containers: no collection of everything alive meanwhile
+        return plan(runs(segs_a, batches[:n_a]), runs(segs_b, batches[n_a:]), ranks=ranks,
+                    block_bytes=block_bytes, task_bytes=task_bytes)
+
+
+def _plan_shape(plan: dict):
+    """What the caller needs to build the counting stage: per pair (slab sets, step chunks);
+    or the reason the planner declined."""
+    if "unsupported" in plan:
+        return plan["unsupported"]
+    return [(len(p["sets"]), p["chunks"]) for p in plan["pairs"]]
+
+
+def _plan_finish(plan: dict) -> list:
+    """The small part of each pair's plan that ``finish_pair`` needs."""
+    keep = ("label", "common", "only_a", "only_b", "n_a", "n_b", "steps", "numel", "nbits",
+            "sample", "present", "use_sig")
+    return [{k: p[k] for k in keep} for p in plan["pairs"]]
+
+
+def _tree_add(parts: list, fan: int = 32):
+    """(a task summing ``parts``, the summing tasks below it): a tree of fan-in ``fan``; one
+    part is its own sum."""
+    import dask
+
+    from .counting import add
+
+    below, level = [], list(parts)
+    while len(level) > fan:
+        level = [dask.delayed(add, pure=False)(*level[i:i + fan])
+                 for i in range(0, len(level), fan)]
+        below += level
+    if len(level) == 1:
+        top = level[0]
+        return top, [t for t in below if t is not top]
+    return dask.delayed(add, pure=False)(*level), below
+
+
+def plan_stage(sa, sb, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
+               task_bytes: int = _TASK_BYTES):
+    """The first stages of a comparison of two stores (``opening.store_of``), as tasks of
+    ``session``'s graph: each store's layout segments (``restarts.segments``), then their rank
+    groups opened in batches, then the plan; the plan (on a cluster: its future)."""
+    import dask
+
+    from .opening import batches, open_batch, shape, store_segments
+
+    listed = session.run([dask.delayed(store_segments, pure=False)(fs, store)
+                          for fs, store in (sa, sb)], keep=True)
+    segs = [h if session.on_cluster else dask.delayed(h, pure=False, traverse=False)
+            for h in listed]
+    opened = []
+    for (fs, _), handle, lazy in zip((sa, sb), listed, segs):
+        opened.append([dask.delayed(open_batch, pure=False)(fs, lazy, i, batch)
+                       for i, (_, _, rks) in enumerate(session.value(shape, handle))
+                       for batch in batches(rks)])
+    planned = dask.delayed(_plan_task, pure=False)(segs[0], segs[1], len(opened[0]), ranks,
+                                                   block_bytes, task_bytes, *opened[0],
+                                                   *opened[1])
+    handle, = session.run([planned], keep=True, inner=opened[0] + opened[1])
+    return handle
+
+
+def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,
+                    noise_aware):
+    """The range comparison of two stores (``planner.py``, ``counting.py``): [(rank, result)]
+    or None when the planner declines (the Dataset path then)."""
+    handle = plan_stage(sa, sb, session=session, ranks=ranks, block_bytes=block_bytes,
+                        task_bytes=task_bytes)
+    return count_stage(handle, session=session, thresholds=thresholds, noise_aware=noise_aware)
+
+
+def count_stage(handle, *, session, thresholds=(STEP0_THRESHOLD, DROP_THRESHOLD),
+                noise_aware: bool = True):
+    """The comparison's counting from its plan (``plan_stage``'s, or ``planner.plan``'s for
+    runs given as layout segments): one task per slab set and chunk of steps, summed per chunk;
+    [(rank, (variables, coordinates, attributes))] for ``_combine``, or None when the planner
+    declined."""
+    import dask
+
+    from .counting import count_task
+
+    shape = session.value(_plan_shape, handle)
+    if isinstance(shape, str):
+        log.info("compare: %s; the runs are compared as Datasets", shape)
+        return None
+    finish = session.value(_plan_finish, handle)
+    lazy = handle if session.on_cluster else dask.delayed(handle, pure=False, traverse=False)
+    outputs, inner, where = [], [], []
+    for p, (nsets, chunks) in enumerate(shape):
+        for s0, s1 in chunks:
+            parts = [dask.delayed(count_task, pure=False)(lazy, p, s, s0, s1)
+                     for s in range(nsets)]
+            if not parts:
+                continue
+            top, more = _tree_add(parts)
+            outputs.append(top)
+            inner += [t for t in parts if t is not top] + more
+            where.append(p)
+    counts = session.run(outputs, inner=inner)
+    per_pair = []
+    for p, info in enumerate(finish):
+        mine = [c for c, q in zip(counts, where) if q == p]
+        if mine:
+            per_pair.append(np.concatenate(mine, axis=1))
+        else:  # no parameter with elements in both runs
+            per_pair.append(np.zeros((3, info["steps"].size, len(info["common"])), np.int64))
+    results = []
+    for info, total in _by_label(finish, per_pair):
+        parts = [(total[0], total[1] if info["use_sig"] else None,
+                  total[2] if info["use_sig"] else None)]
+        results.append((info["label"], _finished(info, parts, thresholds, noise_aware)))
+    return results
+
+
+def _by_label(finish: list, counts: list) -> list:
+    """[(plan, counts)] with the pair plans of one rank label (one per layout segment, in step
+    order) joined along the steps."""
+    out = []
+    for info, total in zip(finish, counts):
+        if out and out[-1][0]["label"] == info["label"]:
+            prev, ptotal = out[-1]
+            if prev["common"] != info["common"] or not np.array_equal(prev["numel"],
+                                                                      info["numel"]):
+                raise GradCompareError(
+                    f"rank {info['label']}: the parameters differ between layout segments of "
+                    "the runs; accepted: runs whose layouts change, not their parameters")
+            merged = dict(prev, steps=np.concatenate([prev["steps"], info["steps"]]),
+                          present=np.concatenate([prev["present"], info["present"]]),
+                          use_sig=prev["use_sig"] and info["use_sig"])
+            out[-1] = (merged, np.concatenate([ptotal, total], axis=1))
+        else:
+            out.append((info, total))
+    return out
+
+
+def _finished(plan, parts, thresholds, noise_aware) -> tuple:
+    """(variables, coordinates, attributes) of one pair, its first divergence included."""
+    data, coords, attrs = finish_arrays(plan, parts, thresholds[0], thresholds[1], noise_aware)
+    step, param = _first_divergence_arrays(data, coords, attrs)
+    data["first_step"] = ((), step)
+    data["first_param"] = ((), param)
+    return data, coords, attrs
+
+
+def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, thresholds,
+                      noise_aware, storage_options):
+    """Datasets (or stores read as Datasets: ``load_runs``): per rank pair ``plan_pair`` here,
+    then one task per block of steps."""
+    import dask
+
+    from .sources import load_runs
+
     runs_a = load_runs(a, storage_options=storage_options)
     runs_b = load_runs(b, storage_options=storage_options)
     pairs = pair_runs(runs_a, runs_b, ranks)
-    import dask
-
     plans, tasks = [], []
     for r, ds_a, ds_b in pairs:
+        ds_a, ds_b = match_samples(ds_a, ds_b)
         plan = plan_pair(ds_a, ds_b, block_bytes, task_bytes, label=f"rank {r}: ")
         src = dask.delayed(bit_sources(ds_a, ds_b, plan), pure=False, traverse=False)
         lazy_plan = dask.delayed(plan, pure=False, traverse=False)
         plans.append(plan)
         tasks += [dask.delayed(count_block, pure=True)(src, lazy_plan, s0, s1)
                   for s0, s1 in plan["blocks"]]
-    counts = iter(run_graph(tasks, client=client, scheduler=scheduler, progress=progress,
-                            label="compare"))
-    results = []
-    for plan in plans:  # cheap: per-parameter arithmetic on the counts
-        res = finish_pair(plan, [next(counts) for _ in plan["blocks"]], step0_threshold,
-                          drop_threshold, noise_aware)
-        step, param = first_divergence(res)
-        res["first_step"] = ((), step)
-        res["first_param"] = ((), param)
-        results.append(res)
-    parts = [res.expand_dims(rank=[r]) for (r, _, _), res in zip(pairs, results)]
-    if len(parts) == 1:
-        out = parts[0]
+    counts = iter(session.run(tasks))
+    return [(r, _finished(plan, [next(counts) for _ in plan["blocks"]], thresholds,
+                          noise_aware)) for (r, _, _), plan in zip(pairs, plans)]
+
+
+def _combine(results: list, step0_threshold: float, drop_threshold: float):
+    """One Dataset with a ``rank`` dimension from [(rank, (variables, coordinates, attributes))]:
+    stacked straight when every pair has the same steps and parameters (a run of many ranks),
+    else one Dataset each, concatenated with an outer join."""
+    import xarray as xr
+
+    first = results[0][1]
+    def value(c):
+        return np.asarray(c[1] if isinstance(c, tuple) else c)
+
+    same = len(results) > 1 and all(
+        c.keys() == first[1].keys()
+        and all(np.array_equal(value(c[key]), value(first[1][key])) for key in c)
+        and d.keys() == first[0].keys() and a == first[2] for _, (d, c, a) in results)
+    if same:
+        data = {}
+        for name, (dims, _) in first[0].items():
+            values = [d[name][1] for _, (d, _, _) in results]
+            if name in ("only_in_first", "only_in_second"):
+                width = max(len(v) for v in values)
+                values = [np.concatenate([v, np.full(width - len(v), "", dtype=v.dtype)])
+                          for v in values]
+            elif name in ("first_only", "second_only"):
+                continue
+            data[name] = (("rank", *dims), np.stack([np.asarray(v) for v in values]))
+        coords = dict(first[1])
+        coords["rank"] = [r for r, _ in results]
+        for dim, var in (("first_only", "only_in_first"), ("second_only", "only_in_second")):
+            coords[dim] = (dim, np.arange(data[var][1].shape[1]))
+        out = xr.Dataset(data, coords=coords)
+        out.attrs.update(first[2])
     else:
-        out = xr.concat(parts, dim="rank", join="outer", fill_value={
-            "similarity": np.nan, "total": np.nan, "flag": False, "flag_total": False,
-            "differ": -1, "numel": 0, "similarity_significant": np.nan, "significant": -1,
-            "total_significant": np.nan, "only_in_first": "", "only_in_second": ""},
-            coords="different", compat="equals")
+        parts = []
+        for r, (data, coords, attrs) in results:
+            ds = xr.Dataset(data, coords=coords)
+            ds.attrs.update(attrs)
+            parts.append(ds.expand_dims(rank=[r]))
+        if len(parts) == 1:
+            out = parts[0]
+        else:
+            out = xr.concat(parts, dim="rank", join="outer", fill_value={
+                "similarity": np.nan, "total": np.nan, "flag": False, "flag_total": False,
+                "differ": -1, "numel": 0, "similarity_significant": np.nan, "significant": -1,
+                "total_significant": np.nan, "only_in_first": "", "only_in_second": ""},
+                coords="different", compat="equals")
     out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
     from .verdict import GradComparison
 

@@ -9,7 +9,10 @@ Functions on a contiguous 1-D float32 or float64 numpy array (a chunk of a gradi
   packed as ``numpy.packbits`` packs them, and with ``want_counts`` an int64 array of the counts
   of ``a <= b`` for each bound, then of zeros, then of NaNs (else None);
 * ``chunk(...)``: both in one read, the significance bits against a provisional threshold and
-  the elements near it listed; ``fix(...)`` sets the listed bits again against the real one.
+  the elements near it listed; ``fix(...)`` sets the listed bits again against the real one;
+* ``count_runs(...)``: the comparison's counts (bits that differ between two runs, and with
+  significance bits those differing and significant in both, and those significant in both)
+  over run sets of bits at any offsets (``geometry.py``).
 
 Comparisons are made in the array's own dtype (a float32 array against ``float32(thr)``,
 ``float32(b)``), as numpy and torch compare an array with a Python float.
@@ -66,6 +69,10 @@ def _load():
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, u8_p]
         fn.restype = None
+    lib.pk_count_runs.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
+                                  ctypes.c_void_p, ctypes.c_int64]
+    lib.pk_count_runs.restype = None
     lib.pk_set_path.argtypes = [ctypes.c_int32]
     lib.pk_set_path.restype = ctypes.c_int32
     _lib = lib
@@ -159,6 +166,122 @@ def fix(a: np.ndarray, cand: np.ndarray, thr: float, sig) -> None:
     byte, bit = cand >> 3, (0x80 >> (cand & 7)).astype(np.uint8)
     np.bitwise_or.at(sig, byte[on], bit[on])
     np.bitwise_and.at(sig, byte[~on], ~bit[~on])
+
+
+#: columns of a kernel run set: output column, range of side a, range of side b, first bit in
+#: each range's row, run length (bits), then (count, bit step in a, bit step in b) per leading
+#: loop (``geometry.PREFIX`` of them)
+RUN_FIELDS = 15
+
+
+def count_runs(side_a: list, side_b: list, runs: np.ndarray, nrows: int,
+               out: np.ndarray) -> None:
+    """Add to ``out`` ((3, nrows, ncols) int64: differ, differ and significant in both,
+    significant in both) the counts of the run sets ``runs`` ((n, RUN_FIELDS) int64) between
+    the ranges ``side_a`` and ``side_b``: lists of (sign rows, significance rows or None), 2-D
+    uint8 arrays of at least ``nrows`` rows, each row contiguous (any row stride, 0 included).
+    Significance is counted when every range has it."""
+    use_sig = all(s is not None for _, s in side_a) and all(s is not None for _, s in side_b)
+    runs = np.ascontiguousarray(runs, np.int64)
+    if not len(runs) or not nrows:
+        return
+    if out.dtype != np.int64 or not out.flags.c_contiguous or out.shape[:2] != (3, nrows):
+        raise ValueError(f"out: {out.dtype} {out.shape}; expected C-contiguous int64 "
+                         f"(3, {nrows}, ncols)")
+    if path != "numpy":
+        ta, tb = _table(side_a, use_sig), _table(side_b, use_sig)
+        _lib.pk_count_runs(_ptr(ta), _ptr(tb), _ptr(runs), len(runs), nrows, int(use_sig),
+                           _ptr(out), out.shape[2])
+        return
+    _count_runs_numpy(side_a, side_b, runs, nrows, out, use_sig)
+
+
+def _table(side: list, use_sig: bool) -> np.ndarray:
+    t = np.zeros((max(1, len(side)), 5), np.int64)
+    for k, (d, s) in enumerate(side):
+        if d.ndim != 2 or (d.shape[1] > 1 and d.strides[1] != 1):
+            raise ValueError("count_runs: each range is a 2-D uint8 array, rows contiguous")
+        t[k] = (_ptr(d), d.strides[0], _ptr(s) if use_sig else 0,
+                s.strides[0] if use_sig else 0, d.shape[1])
+        if use_sig and (s.shape[1] != d.shape[1] or (s.shape[1] > 1 and s.strides[1] != 1)):
+            raise ValueError("count_runs: a range's significance rows differ from its signs'")
+    return t
+
+
+_POP8 = np.array([bin(i).count("1") for i in range(256)], np.uint8)
+
+
+def _popcount_rows(x: np.ndarray) -> np.ndarray:
+    """Set bits per row of an (nrows, ...) uint8 array (int64)."""
+    x = x.reshape(x.shape[0], -1)
+    if hasattr(np, "bitwise_count"):  # numpy >= 2
+        return np.bitwise_count(x).sum(axis=1, dtype=np.int64)
+    return _POP8[x].sum(axis=1, dtype=np.int64)  # numpy 1 (the MindSpore venv)
+
+
+def _take_bits(rows: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+    """(nrows, len(starts), ceil(length / 8)) uint8: the ``length`` bits from each start (bits,
+    MSB-first) of every row, moved to bit 0, bits past ``length`` cleared; bytes past a row's
+    end read as 0."""
+    nb = -(-length // 8)
+    first = starts >> 3
+    shift = (starts & 7).astype(np.uint16)[None, :, None]
+    if starts.size == 1:  # one run: a slice (and a zero byte past the row's end)
+        f = int(first[0])
+        g = np.zeros((rows.shape[0], 1, nb + 1), np.uint16)
+        part = rows[:, f:f + nb + 1]
+        g[:, 0, :part.shape[1]] = part
+    else:
+        idx = first[:, None] + np.arange(nb + 1)[None, :]
+        inside = idx < rows.shape[1]
+        g = rows[:, np.where(inside, idx, 0)].astype(np.uint16)
+        g[:, ~inside] = 0
+    out = (((g[:, :, :-1] << shift) | (g[:, :, 1:] >> (8 - shift))) & 0xFF).astype(np.uint8)
+    if length % 8:
+        out[:, :, -1] &= np.uint8((0xFF << (8 - length % 8)) & 0xFF)
+    return out
+
+
+def _same_phase(rows_a, rows_b, a0: int, b0: int, length: int):
+    """The bytes of one run starting at the same bit of a byte in both rows, XOR-ready: (bytes
+    of a, bytes of b, mask of the bits that belong to the run) as (nrows, nbytes) arrays."""
+    head = a0 & 7
+    nbytes = (head + length + 7) // 8
+    mask = np.full(nbytes, 0xFF, np.uint8)
+    mask[0] &= np.uint8(0xFF >> head)
+    tail = (head + length) % 8
+    if tail:
+        mask[-1] &= np.uint8((0xFF << (8 - tail)) & 0xFF)
+    return (rows_a[:, a0 >> 3:(a0 >> 3) + nbytes], rows_b[:, b0 >> 3:(b0 >> 3) + nbytes], mask)
+
+
+def _count_runs_numpy(side_a, side_b, runs, nrows, out, use_sig) -> None:
+    from .geometry import expand
+
+    for row in runs:  # one run set at a time, its runs and the rows vectorised
+        col, ra, rb = int(row[0]), int(row[1]), int(row[2])
+        one = row[[0, 3, 4, 5, *range(6, RUN_FIELDS)]][None, :]  # the geometry.FIELDS layout
+        _, sa, sb, lengths = expand(one)
+        if not lengths.size:
+            continue
+        length = int(lengths[0])
+        da, sga = side_a[ra]
+        db, sgb = side_b[rb]
+        if sa.size == 1 and (sa[0] & 7) == (sb[0] & 7):  # one run, same phase: no shifting
+            xa, xb, mask = _same_phase(da[:nrows], db[:nrows], int(sa[0]), int(sb[0]), length)
+            x = (xa ^ xb) & mask
+            if use_sig:
+                ma, mb, _ = _same_phase(sga[:nrows], sgb[:nrows], int(sa[0]), int(sb[0]),
+                                        length)
+                m = ma & mb & mask
+        else:
+            x = _take_bits(da[:nrows], sa, length) ^ _take_bits(db[:nrows], sb, length)
+            if use_sig:
+                m = _take_bits(sga[:nrows], sa, length) & _take_bits(sgb[:nrows], sb, length)
+        out[0, :, col] += _popcount_rows(x)
+        if use_sig:
+            out[2, :, col] += _popcount_rows(m)
+            out[1, :, col] += _popcount_rows(x & m)
 
 
 def _minmax_numpy(a: np.ndarray) -> tuple:

@@ -169,6 +169,11 @@ def _fmt_float(x: float) -> str:
 
 def write_rank(ds, rank_dir: str) -> list[str]:
     """One rank's Dataset in msprobe's layout under ``rank_dir``; returns the files written."""
+    if ds.attrs.get("sample"):  # msprobe's .npy holds every element's sign
+        raise MsprobeDumpError(
+            f"the run recorded the sign bits of a sample of each parameter (grad_probe.sample "
+            f"{ds.attrs['sample']}); msprobe's layout holds every element's: accepted: a run "
+            "recorded without grad_probe.sample")
     os.makedirs(rank_dir, exist_ok=True)
     level = ds.attrs.get("level", "L1")
     bounds = ds.attrs.get("bounds", [-1, 0, 1])

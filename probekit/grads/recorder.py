@@ -183,12 +183,13 @@ class GradProbe:
         self._reduce_amax = (amax_reducer(self._params, self._placement)
                              if self._sharded and self._all_ranks_record() else None)
         local = (self._placement or [None] * len(named))
+        numels = tuple(int(torch.Size(pl["local_shape"]).numel()) if pl else p.numel()
+                       for pl, p in zip(local, self._params))
+        self._sample, nbits = _sample_plan(section, local, self._params, numels)
         self.layout = _stats.Layout(
-            self.param_names,
-            tuple(int(torch.Size(pl["local_shape"]).numel()) if pl else p.numel()
-                  for pl, p in zip(local, self._params)),
+            self.param_names, numels,
             tuple(tuple(pl["local_shape"]) if pl else tuple(p.shape)
-                  for pl, p in zip(local, self._params)))
+                  for pl, p in zip(local, self._params)), nbits)
 
     def _describe(self, named) -> dict:
         """What every rank of the run records, computed alike on each (the layout key of
@@ -272,6 +273,8 @@ class GradProbe:
                              control_seed=self._control.spec.seed)
             if self._sharded:
                 attrs["placement"] = list(self._placement)
+            if self._sample is not None:  # sampled sign bits (sampling.py)
+                attrs.update(sample=int(section.sample), sample_bits=list(self.layout.bits))
             self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
                                       section.grad_level, section.bounds, section.hash,
                                       section.flush_every, section.flush_seconds,
@@ -559,7 +562,7 @@ class GradProbe:
                       "(zero_grad) before optimizer.step()")
 
     def _begin_run(self, optimizer) -> None:
-        """This recording's first step and what it supersedes in the store (``segments.
+        """This recording's first step and what it supersedes in the store (``restarts.
         plan_run``), decided once for the job: by the first rank to get here, the others take
         its decision from torch.distributed's store (one key, no collective)."""
         section = self.config.grad_probe
@@ -569,7 +572,8 @@ class GradProbe:
             return plan_run(self.dump_path, start=section.start_step, inferred=inferred,
                             why=f"the step count of {type(optimizer).__name__}'s state",
                             overwrite=section.overwrite, scope=scope, rank=get_rank(),
-                            storage_options=self.storage_options or None)
+                            storage_options=self.storage_options or None,
+                            sample=int(section.sample) if self._sample is not None else 0)
 
         run = _agree(self._writer.url.rsplit("/rank", 1)[0], decide)
         self._run = run
@@ -596,7 +600,7 @@ class GradProbe:
             return _stats.compute(part, self.layout, section.grad_level,
                                   section.bounds if bounds is None else bounds, section.hash,
                                   self._scratch, section.significance, reduce,
-                                  self._compute_dtype)
+                                  self._compute_dtype, sample=self._sample)
 
     def _backward_stats(self, idx):
         """``grad_point="backward"``: the statistics of parameters ``idx`` as the backward pass
@@ -655,6 +659,32 @@ class GradProbe:
         return (f"GradProbe({len(self.param_names)} params, level="
                 f"{self.config.grad_probe.grad_level}, steps seen={self.steps_seen}, "
                 f"dump_path={self.dump_path!r}, {state})")
+
+
+def _sample_plan(section, places, params, numels):
+    """(per parameter the positions of its sampled elements in the recorded tensor or None for
+    all of them, bits recorded per parameter) for ``grad_probe.sample`` (``sampling.py``:
+    chosen by global index, so a shard records its part of the whole parameter's sample);
+    (None, None) when every element is recorded."""
+    k = section.sample if section.grad_level != "L0" else 0
+    if not k:
+        return None, None
+    from .sampling import samples_in_box
+
+    sample, nbits = [], []
+    for place, p, n in zip(places, params, numels):
+        if place:
+            gshape, off, ext = place["global_shape"], place["offset"], place["local_shape"]
+        else:
+            gshape = tuple(p.shape)
+            off, ext = (0,) * len(gshape), gshape
+        _, pos = samples_in_box(gshape, k, off, ext)
+        whole = pos.size == n
+        sample.append(None if whole else pos)
+        nbits.append(n if whole else int(pos.size))
+    if all(x is None for x in sample):
+        return None, None
+    return sample, tuple(nbits)
 
 
 def _paused():

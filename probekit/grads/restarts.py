@@ -327,7 +327,7 @@ def step_rows(steps: np.ndarray, first: int, last: int) -> tuple[int, int]:
 
 def plan_run(dump_path, *, start=None, inferred=None, why: str = "",
              overwrite: bool = False, scope: str = "job", rank: int | None = None,
-             storage_options=None) -> dict:
+             storage_options=None, sample: int = 0) -> dict:
     """The record of a new run into ``dump_path``'s store (``GradWriter.begin``): its first
     step and from which step it supersedes what earlier runs recorded.
 
@@ -339,7 +339,13 @@ def plan_run(dump_path, *, start=None, inferred=None, why: str = "",
     run that would supersede every step the store holds (it starts at or before the first one)
     needs ``overwrite=True``: otherwise ``GradStoreError`` names the choices. ``scope="rank"``:
     a process recording alone (no job to agree with): only ``rank``'s steps count and are
-    superseded."""
+    superseded.
+
+    ``sample``: the run's ``grad_probe.sample`` as its groups record it (0: every element). A
+    store holds one sample: a run of another one into a store holding steps is refused
+    (``GradStoreError`` naming both) unless it replaces the recording (``overwrite=True``), since
+    its bits would be of other elements than the earlier steps' (a comparison over the store's
+    steps would mix them), whichever layout folder it records into."""
     import time
     import uuid
 
@@ -361,6 +367,17 @@ def plan_run(dump_path, *, start=None, inferred=None, why: str = "",
         begin, how = int(last) + 1, "the step after the newest one recorded: the optimizer " \
                                     "keeps no step count; pass start_step= when resuming"
     url = fs.url(fs.join(root, STORE_NAME))
+    held = sorted({int((s.attrs.get(r) or {}).get("sample") or 0) for s in segs
+                   for r in s.groups} - {int(sample or 0)})
+    if held and not overwrite:
+        def what(k):
+            return f"grad_probe.sample {k}" if k else "every element's bits (sample 0)"
+
+        raise GradStoreError(
+            f"grad_probe: {url} holds steps {first}..{last} recorded with {what(held[0])}, and "
+            f"this run records {what(int(sample or 0))}: one store holds one sample. Record "
+            f"with sample={held[0]} to continue it, pass overwrite=True to replace the "
+            "recording, or record into another dump_path")
     if not overwrite and first is not None and begin <= first:
         raise GradStoreError(
             f"grad_probe: {url} already holds steps {first}..{last}, and this run starts at step "

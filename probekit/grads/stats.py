@@ -56,20 +56,27 @@ def padded_nbytes(numel: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Fixed order and byte layout of the monitored parameters."""
+    """Fixed order and byte layout of the monitored parameters. ``nbits``: the bits recorded
+    per parameter when they are not one per element (``sampling.py``: a sample of each)."""
 
     names: tuple
     numels: tuple
     shapes: tuple
+    nbits: tuple | None = None
+
+    @property
+    def bits(self) -> tuple:
+        """Sign bits recorded per parameter (its elements, or its sample)."""
+        return self.numels if self.nbits is None else self.nbits
 
     @property
     def offsets(self) -> np.ndarray:
-        sizes = np.array([padded_nbytes(n) for n in self.numels], dtype=np.int64)
+        sizes = np.array([padded_nbytes(n) for n in self.bits], dtype=np.int64)
         return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else sizes
 
     @property
     def nbytes(self) -> int:
-        return int(sum(padded_nbytes(n) for n in self.numels))
+        return int(sum(padded_nbytes(n) for n in self.bits))
 
     @functools.cached_property
     def modules(self) -> np.ndarray:
@@ -120,7 +127,7 @@ def merge(parts, layout: Layout) -> StepStats:
     which it is present): the gradients of one training iteration taken at the ``step()`` of
     each optimizer that owns some of the parameters."""
     out = copy.deepcopy(parts[0])
-    offsets, numels = layout.offsets, layout.numels
+    offsets, numels = layout.offsets, layout.bits
     for part in parts[1:]:
         for i in np.flatnonzero(part.present):
             for name in ("present", "max", "min", "norm", "hash", "zeros", "dist"):
@@ -147,6 +154,7 @@ class Workspace:
         self.pool = None
         self.bit_weights: dict = {}  # device -> the packbits weights on it
         self.hints: dict = {}  # layout -> the last step's significance scales (provisional)
+        self.sample_index: dict = {}  # (sample positions, device) -> them as a device tensor
 
     def executor(self):
         if self.pool is None:
@@ -162,13 +170,20 @@ class Workspace:
             pool.shutdown(wait=True)
         self.bit_weights.clear()
         self.hints.clear()
+        self.sample_index.clear()
 
 
 
 def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
             scratch: Workspace | None = None, significance: bool = True,
-            reduce_amax=None, compute_dtype=None, _device_path: bool = False) -> StepStats:
+            reduce_amax=None, compute_dtype=None, _device_path: bool = False,
+            sample=None) -> StepStats:
     """Statistics of ``grads`` (one tensor or None per parameter of ``layout``) at ``level``.
+
+    ``sample`` (L1/L2): per parameter None (a bit per element) or the sorted positions (int64,
+    in the gradient's C order) of the elements whose bits are recorded (``sampling.py``;
+    ``layout.nbits`` gives their number): max, min, norm and the counts stay over every element;
+    the sampled elements' values are gathered and their bits taken against the same threshold.
 
     Significance (``significance``, L1/L2): an element is significant when ``|g| >
     significance_unit(dtype) * M``, ``M`` the largest finite ``|g|`` over the gradients of its
@@ -191,9 +206,9 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
     if want_dist:
         out.zeros = np.full(p, np.nan)
         out.dist = np.full((p, len(bounds) + 1), np.nan)
-    offsets = layout.offsets
+    offsets, nbits = layout.offsets, layout.bits
     bounds_arr = np.asarray(bounds, dtype=np.float64)
-    device_jobs, cpu_jobs = [], []
+    device_jobs, cpu_jobs, sampled = [], [], []
     for i, g in enumerate(grads):
         if g is None:
             continue
@@ -206,9 +221,13 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         out.present[i] = True
         if g.numel() == 0:
             continue
-        span = slice(offsets[i], offsets[i] + padded_nbytes(layout.numels[i]))
+        span = slice(offsets[i], offsets[i] + padded_nbytes(nbits[i]))
         dir_view = ((out.direction[span], out.significant[span] if significance else None)
                     if want_dir else None)
+        idx = sample[i] if sample is not None and want_dir else None
+        if idx is not None:  # the bits of the sampled elements only, once the thresholds are
+            sampled.append((i, g, idx, dir_view))  # known; the statistics over every element
+            dir_view = None
         if g.device.type == "cpu" and not _device_path:  # (_device_path: the tests' switch)
             cpu_jobs.append((i, g.detach().reshape(-1), dir_view))
         else:
@@ -242,9 +261,33 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         cpu.finish()
     if dev is not None:
         dev.second_pass(thresholds)
+    for i, g, idx, views in sampled:
+        _sampled_bits(g, idx, thresholds[i], views, scratch)
     if want_dir and significance:
         pad_significance(out, layout)
     return out
+
+
+def _sampled_bits(g, idx: np.ndarray, thr: float, views, scratch) -> None:
+    """Sign and significance bits of the elements ``idx`` of gradient ``g`` (gathered on its
+    device; compared as the chunk kernel compares: 16-bit values widened to float32)."""
+    if not idx.size:
+        return
+    flat = g.detach().reshape(-1)
+    key = (id(idx), str(flat.device))
+    cache = scratch.sample_index if scratch is not None else {}
+    pos = cache.get(key)
+    if pos is None or pos[0] is not idx:
+        pos = cache[key] = (idx, torch.from_numpy(idx).to(flat.device))
+    v = flat.index_select(0, pos[1])
+    if v.dtype not in (torch.float32, torch.float64):
+        v = v.float()
+    a = v.cpu().numpy()
+    k = -(-idx.size // 8)
+    views[0][:k] = np.packbits(a > 0)
+    if views[1] is not None:
+        t = a.dtype.type(thr)
+        views[1][:k] = np.packbits((a > t) | (a < -t))
 
 
 def pad_significance(out: StepStats, layout: Layout) -> None:
@@ -252,7 +295,7 @@ def pad_significance(out: StepStats, layout: Layout) -> None:
     the fill value, and are not written)."""
     offsets = layout.offsets
     for i in np.flatnonzero(out.present):
-        n = layout.numels[i]
+        n = layout.bits[i]
         out.significant[offsets[i] + -(-n // 8):offsets[i] + padded_nbytes(n)] = 255
         if n % 8:
             out.significant[offsets[i] + n // 8] |= 0xFF >> (n % 8)

@@ -74,9 +74,14 @@ HASH_DESCRIPTION = {
 _TARGET_CHUNK_BYTES = 1 << 20
 _MAX_BUFFER_BYTES = 256 << 20
 #: group attributes that define what a rank group records: a group is continued only by a
-#: writer whose attributes equal these
+#: writer whose attributes equal these (``sample``, ``sample_bits``: the sampled sign bits of
+#: ``grad_probe.sample``, whose elements and row width depend on it)
 _LAYOUT_ATTRS = ("format", "level", "bounds", "hash_algorithm", "params", "numels", "shapes",
-                 "offsets", "intervals", "placement", "grad_point", "layout_key")
+                 "offsets", "intervals", "placement", "grad_point", "layout_key", "sample",
+                 "sample_bits")
+#: layout attributes that do not choose the layout folder (a run of another sample is refused,
+#: not given a folder of its own: ``restarts.plan_run``)
+_UNKEYED = ("format", "layout_key", "sample", "sample_bits")
 
 
 def direction_chunks(nbytes: int, flush_every: int) -> tuple[int, int, int]:
@@ -674,7 +679,7 @@ def _default_key(attrs: dict, significance: bool) -> str:
     to rank: its key is what they share (level, bounds, the mesh), and a group is continued
     only when its attributes equal the writer's anyway (``recorder.py`` passes the key of the
     whole model's layout)."""
-    keys = [k for k in _LAYOUT_ATTRS if k not in ("format", "layout_key")]
+    keys = [k for k in _LAYOUT_ATTRS if k not in _UNKEYED]
     desc = {k: attrs.get(k) for k in keys}
     places = attrs.get("placement")
     if places:
@@ -757,6 +762,8 @@ def open_group(group_path: str, chunks=None, fs=LOCAL, *, rank=None, steps=None)
             if data.dtype.kind in "UTO":
                 data = np.array(data.tolist(), dtype=str).reshape(data.shape)
             coords[name] = (dims, data)
+    if attrs.get("sample_bits") is not None:  # sampled sign bits: the bits per parameter
+        coords["nbits"] = ("param", np.asarray(attrs.pop("sample_bits"), np.int64))
     data_vars = {k: arrays[k] for k in names if k not in coords and k != "hash"}
     if "hash" in arrays:
         data_vars["hash"] = (("step", "param"), _hex(arrays["hash"][1]))

@@ -114,6 +114,12 @@ def align_rank(reference, other, mapping=None, transpose="auto"):
     new_shapes = [str(shapes[j][::-1] if j in flip else shapes[j]) for j in keep]
     ds = ds.assign_coords(param=("param", np.array(new_names, dtype=str)),
                           shape=("param", np.array(new_shapes, dtype=str)))
+    if flip and "direction" in ds and "nbits" in other.coords and any(
+            int(other["nbits"].values[j]) != int(other["numel"].values[j]) for j in flip):
+        raise AlignError(  # a sample of a transposed weight holds other elements than its own
+            f"{[names[j] for j in flip]}: transposed, and the run recorded a sample of their "
+            "sign bits (grad_probe.sample), chosen in its own layout; accepted: the same "
+            "layout in both runs, or runs recorded without grad_probe.sample")
     if flip and "direction" in ds:
         bits = np.array(other["direction"].values, np.uint8)  # a copy: the source stays intact
         offsets = np.asarray(other["offset"].values, np.int64)

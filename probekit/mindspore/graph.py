@@ -148,14 +148,14 @@ class DeviceTap(Tap):
     kind = "device"
 
     def __init__(self, optimizer, original, index, level: str, bounds, significance: bool,
-                 modules=None):
+                 modules=None, sample=None, sample_size: int = 0):
         super().__init__(optimizer, original)
         params = optimizer.parameters
         self.index = tuple(index)
-        self.signature = (self.index, level, tuple(bounds), bool(significance))
+        self.signature = (self.index, level, tuple(bounds), bool(significance), sample_size)
         self.stats = DeviceStats([params[i].size for i in self.index],
                                  [params[i].dtype for i in self.index], level, bounds,
-                                 significance, modules=modules)
+                                 significance, modules=modules, sample=sample)
         # statistics, then the sign bits (L1/L2; and the significance bits) or the L0 bytes
         self.nout = 3 if significance and level != "L0" else 2
         self.sink = _pyfunc(self._callback())

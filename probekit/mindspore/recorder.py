@@ -32,6 +32,7 @@ import mindspore as ms  # noqa: E402
 
 from ..config import ConfigError, config_for, grad_probe_options
 from ..grads import stats as host_stats
+from ..grads.sampling import whole_sample
 from ..grads.stats import Layout, StepStats, padded_nbytes
 from ..grads.restarts import plan_run
 from ..grads.store import GradWriter
@@ -158,10 +159,16 @@ class GradProbe:
         self._slot = {i: k for k, i in enumerate(index)}  # optimizer index -> layout position
         self._dtypes = [p.dtype for p in params]
         self.param_names = tuple(names[i] for i in index)
-        self.layout = Layout(self.param_names, tuple(int(p.size) for p in params),
-                             tuple(tuple(int(d) for d in p.shape) for p in params))
-        self._single = [Layout((n,), (c,), (s,)) for n, c, s in
-                        zip(self.layout.names, self.layout.numels, self.layout.shapes)]
+        shapes = tuple(tuple(int(d) for d in p.shape) for p in params)
+        section = self.config.grad_probe
+        # sampled sign bits: the elements PyTorch's probe samples (grads/sampling.py)
+        self._sample, nbits = whole_sample(shapes, section.sample
+                                           if section.grad_level != "L0" else 0)
+        self.layout = Layout(self.param_names, tuple(int(p.size) for p in params), shapes,
+                             nbits)
+        self._single = [Layout((n,), (c,), (s,), None if nbits is None else (b,))
+                        for n, c, s, b in zip(self.layout.names, self.layout.numels,
+                                              self.layout.shapes, self.layout.bits)]
 
     @property
     def dump_path(self) -> str:
@@ -209,7 +216,7 @@ class GradProbe:
             self._writer = GradWriter(self.dump_path, rank, self.layout, section.grad_level,
                                       section.bounds, section.hash, section.flush_every,
                                       section.flush_seconds, significance=section.significance,
-                                      attrs={"framework": "mindspore"},
+                                      attrs=self._store_attrs(),
                                       durable=section.durable, overwrite=section.overwrite)
             # a restarted run continues the store: from start_step, else the optimizer's
             # global_step (restored with a checkpoint), else after the store's newest step
@@ -218,7 +225,8 @@ class GradProbe:
             try:
                 run = plan_run(self.dump_path, start=section.start_step, inferred=gs,
                                why="the optimizer's global_step", overwrite=section.overwrite,
-                               scope="job" if alone else "rank", rank=rank)
+                               scope="job" if alone else "rank", rank=rank,
+                               sample=int(self._store_attrs().get("sample", 0)))
             except Exception:
                 self._writer.close()
                 self._writer = None
@@ -238,6 +246,13 @@ class GradProbe:
                  self.dump_path)
         return self
 
+    def _store_attrs(self) -> dict:
+        attrs = {"framework": "mindspore"}
+        if self._sample is not None:  # sampled sign bits (grads/sampling.py)
+            attrs.update(sample=int(self.config.grad_probe.sample),
+                         sample_bits=list(self.layout.bits))
+        return attrs
+
     def _make_tap(self, where: str):
         """The optimizer's tap for ``where``: its existing one when that fits (graphs compiled
         with it keep working), else a new one."""
@@ -252,12 +267,13 @@ class GradProbe:
                 return tap
             return _graph.HostTap(self.optimizer, original)
         signature = (tuple(self._index), section.grad_level, tuple(section.bounds),
-                     bool(section.significance))
+                     bool(section.significance), section.sample)
         if isinstance(tap, _graph.DeviceTap) and tap.signature == signature:
             return tap
         return _graph.DeviceTap(self.optimizer, original, self._index, section.grad_level,
                                 section.bounds, section.significance,
-                                modules=self.layout.modules)
+                                modules=self.layout.modules, sample=self._sample,
+                                sample_size=section.sample)
 
     def stop(self) -> None:
         """Detach from the optimizer and write every buffered step.
@@ -351,7 +367,8 @@ class GradProbe:
             section = self.config.grad_probe
             result = _stats.compute([grads[i] for i in self._index], self._plan,
                                     section.grad_level, section.bounds, section.hash,
-                                    self.mode or "auto", section.significance)
+                                    self.mode or "auto", section.significance,
+                                    sample=self._sample)
             self._writer.append(step, result)
             self.hook_seconds.append(time.perf_counter() - t0)
 
@@ -405,7 +422,8 @@ class GradProbe:
         part = host_stats.compute([_stats.host_view(array, self._dtypes[k])], self._single[k],
                                   section.grad_level, section.bounds, section.hash,
                                   self._scratch(), section.significance,
-                                  reduce_amax=lambda local: torch.full_like(local, scale))
+                                  reduce_amax=lambda local: torch.full_like(local, scale),
+                                  sample=None if self._sample is None else [self._sample[k]])
         _place(self._current, k, part, self.layout)
 
     def _finish_step(self) -> None:
@@ -484,7 +502,7 @@ def _place(out: StepStats, k: int, part: StepStats, layout: Layout) -> None:
         arr = getattr(out, name)
         if arr is not None:
             arr[k] = getattr(part, name)[0]
-    nb = padded_nbytes(layout.numels[k])
+    nb = padded_nbytes(layout.bits[k])
     off = int(layout.offsets[k])
     if out.direction is not None:
         out.direction[off:off + nb] = part.direction[:nb]

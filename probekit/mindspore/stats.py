@@ -91,19 +91,21 @@ def resolve_where(where: str) -> str:
 
 
 def compute(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
-            where: str = "auto", significance: bool = False) -> StepStats:
+            where: str = "auto", significance: bool = False, sample=None) -> StepStats:
     """Statistics of ``grads`` (one MindSpore Tensor or None per parameter of the plan's layout).
 
     ``where``: ``"device"`` = ``DeviceStats`` on the gradients' device; ``"host"`` = the
     gradients' host memory read by probekit's chunked CPU path; ``"auto"`` = host when MindSpore
     runs on the CPU (the gradients are already in host memory, and the cache-resident chunked
     pass is several times faster there than MindSpore's CPU kernels), else device.
+    ``sample``: per parameter the positions of the elements whose bits are recorded, or None
+    for all (``probekit.grads.sampling``: the elements PyTorch's probe records too).
     """
     where = resolve_where(where)
     _check(grads, plan.layout)
     if where == "host":
-        return compute_host(grads, plan, level, bounds, hash_name, significance)
-    return compute_device(grads, plan, level, bounds, hash_name, significance)
+        return compute_host(grads, plan, level, bounds, hash_name, significance, sample)
+    return compute_device(grads, plan, level, bounds, hash_name, significance, sample)
 
 
 def _check(grads, layout: Layout) -> None:
@@ -128,7 +130,7 @@ def host_view(array: np.ndarray, dtype):
 
 
 def compute_host(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
-                 significance: bool = False) -> StepStats:
+                 significance: bool = False, sample=None) -> StepStats:
     """The gradients as host arrays (no copy for CPU tensors), through probekit's CPU path."""
     from ..grads import stats as host_stats
 
@@ -144,21 +146,22 @@ def compute_host(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
             g = g.astype(ms.float32)
         views.append(host_view(g.asnumpy(), dtype))
     return host_stats.compute(views, plan.layout, level, bounds, hash_name, plan.scratch,
-                              significance)
+                              significance, sample=sample)
 
 
 def compute_device(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
-                   significance: bool = False) -> StepStats:
+                   significance: bool = False, sample=None) -> StepStats:
     """Every statistic with MindSpore's ops on the gradients' device (``DeviceStats``, compiled
     once per dtypes and options); the results come back in at most three transfers."""
     layout = plan.layout
     present = np.array([g is not None for g in grads], bool)
     dtypes = tuple(g.dtype if g is not None else ms.float32 for g in grads)
-    key = (dtypes, level, tuple(bounds), bool(significance))
+    key = (dtypes, level, tuple(bounds), bool(significance), id(sample))
     cell = plan.cells.get(key)
     if cell is None:
         cell = plan.cells[key] = DeviceStats(layout.numels, dtypes, level, bounds, significance,
-                                             modules=layout.modules, compiled=True)
+                                             modules=layout.modules, compiled=True,
+                                             sample=sample)
     filled = tuple(g if g is not None else ops.zeros(int(n), ms.float32)
                    for g, n in zip(grads, layout.numels))
     outs = cell(filled)
@@ -177,7 +180,7 @@ class DeviceStats(nn.Cell):
     """
 
     def __init__(self, numels, dtypes, level: str, bounds, significance: bool = False, *,
-                 modules=None, compiled: bool = False) -> None:
+                 modules=None, compiled: bool = False, sample=None) -> None:
         super().__init__()
         from ..grads.stats import SIGNIFICANCE
 
@@ -194,7 +197,13 @@ class DeviceStats(nn.Cell):
         self.widen = tuple(dt in (ms.float16, ms.bfloat16) for dt in dtypes)  # to float32
         self.unit = tuple(SIGNIFICANCE[_BITS[dt]] * eps(dt) for dt in dtypes)  # threshold unit
         self.nrow = tuple(n // ROW * ROW for n in numels)  # elements summed in float32 rows
-        self.pad = tuple(padded_nbytes(n) * 8 - n for n in numels)
+        # sampled bits (probekit.grads.sampling): the sampled elements gathered first
+        sample = sample if sample is not None else (None,) * len(numels)
+        self.sampled = tuple(p is not None for p in sample)
+        self.sidx = tuple(ms.Tensor(np.asarray(p, np.int32)) if p is not None
+                          else ms.Tensor(np.zeros(1, np.int32)) for p in sample)
+        bits = tuple(len(p) if p is not None else n for p, n in zip(sample, numels))
+        self.pad = tuple(padded_nbytes(b) * 8 - b for b in bits)
         self.level = level
         self.bounds = tuple(float(b) for b in bounds)
         self.want_bits = level in ("L1", "L2")
@@ -240,12 +249,14 @@ class DeviceStats(nn.Cell):
                 vals.append((w == 0).astype(ms.int32).sum().astype(ms.float64))
             rows.append(ops.stack(vals))
             if self.want_bits:
-                signs.append(self._pack(w > 0, self.pad[j], False))
+                ws = ops.gather(w, self.sidx[j], 0) if self.sampled[j] else w
+                signs.append(self._pack(ws > 0, self.pad[j], False))
                 if self.want_sig:
                     top = amax[j]
                     for k in self.members[j]:
                         top = ops.maximum(top, amax[k])
-                    sigs.append(self._pack(mags[j] > top * self.unit[j], self.pad[j], True))
+                    mag = ops.abs(ws) if self.sampled[j] else mags[j]
+                    sigs.append(self._pack(mag > top * self.unit[j], self.pad[j], True))
             if self.want_raw:
                 raws.append(w.astype(ms.float32))
         out = [ops.stack(rows)]
@@ -344,5 +355,5 @@ def _absent_bytes(layout: Layout, present) -> np.ndarray:
     mask = np.zeros(layout.nbytes, bool)
     for i, off in enumerate(layout.offsets):
         if not present[i]:
-            mask[off:off + padded_nbytes(layout.numels[i])] = True
+            mask[off:off + padded_nbytes(layout.bits[i])] = True
     return mask

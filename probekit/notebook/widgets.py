@@ -58,6 +58,8 @@ HELP = {
                     "(noise-aware comparison; costs ~1.3x per step)",
     "grad_point": "step: the gradients optimizer.step() is handed (after clipping); backward: "
                   "the raw ones at the end of the last backward pass before it",
+    "sample": "Sign bits of at most this many elements per parameter, a fixed sample chosen "
+              "by global index (0 = every element; 65536 keeps a 7B model at ~4 MB per step)",
     "start_step": "First step of this run; empty: resuming a store that holds steps, the "
                   "optimizer's step count (else after its newest); a new store, 0",
     "overwrite": "Replace the store's recording (never done otherwise)",
@@ -382,7 +384,7 @@ class GradProbePanel(ConfigPanel):
     TITLE = "Grad probe settings"
     GROUPS = (
         ("What to record", ["grad_level", "grad_point", "bounds", "hash", "significance",
-                            "flush_every", "flush_seconds"]),
+                            "sample", "flush_every", "flush_seconds"]),
         ("Which parameters", ["param_list"]),
         ("Where", ["dump_path", "rank", "step"]),
         ("Restarts", ["start_step", "overwrite", "durable"]),

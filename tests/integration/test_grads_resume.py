@@ -15,8 +15,9 @@ import time
 import numpy as np
 import pytest
 import torch
+import xarray as xr
 
-from probekit.grads import compare_grads, open_grads
+from probekit.grads import assemble, compare_grads, open_grads
 from probekit.grads.restarts import segments
 from probekit.grads.stats import Layout, compute
 
@@ -38,7 +39,7 @@ def torchrun(nproc, dump, ckpt, mode):
                           capture_output=True, text=True, env=env, timeout=300)
 
 
-def assert_same_run(path, ref):
+def assert_same_run(path, ref, monkeypatch):
     ds, want = open_grads(path), open_grads(ref)
     assert ds["step"].values.tolist() == want["step"].values.tolist() == list(range(6))
     assert ds["param"].values.tolist() == want["param"].values.tolist()
@@ -46,13 +47,24 @@ def assert_same_run(path, ref):
         np.testing.assert_allclose(ds[var].values, want[var].values, rtol=1e-5, atol=1e-7)
     for var in ("present", "direction", "significant"):
         assert np.array_equal(ds[var].values, want[var].values), var
-    cmp = compare_grads(path, ref, progress=False).isel(rank=0)
+    assembled = compare_grads(ds, want, progress=False)
+    # the stores compared shard by shard, segment by segment: nothing assembled, same result
+    with monkeypatch.context() as m:
+        m.setattr(assemble, "assemble_runs", _refuse)
+        cmp = compare_grads(path, ref, progress=False)
+    xr.testing.assert_identical(cmp, assembled)
+    cmp = cmp.isel(rank=0)
     assert np.all(cmp["similarity"].values == 1.0) and int(cmp["first_step"]) == -1
     return ds
 
 
+def _refuse(*args, **kwargs):
+    raise AssertionError("a parameter was assembled")
+
+
 @pytest.mark.slow
-def test_fsdp2_killed_at_4_ranks_resumes_at_2_or_4_into_the_same_store(tmp_path):
+def test_fsdp2_killed_at_4_ranks_resumes_at_2_or_4_into_the_same_store(tmp_path,
+                                                                       monkeypatch):
     ckpt = tmp_path / "ckpt"
     res = torchrun(4, tmp_path / "ref", tmp_path / "ckpt_ref", "full")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -70,7 +82,8 @@ def test_fsdp2_killed_at_4_ranks_resumes_at_2_or_4_into_the_same_store(tmp_path)
     assert [(s.first_step, s.last_step, s.ranks, s.sharded) for s in segs] == [
         (0, 2, [0, 1, 2, 3], True), (3, 5, [0, 1], True)]
     assert os.path.basename(segs[1].folder).startswith("layout-")
-    ds = assert_same_run(tmp_path / "run", tmp_path / "ref")  # no "holds ranks [0, 1, 2, 3]"
+    # no "holds ranks [0, 1, 2, 3]"
+    ds = assert_same_run(tmp_path / "run", tmp_path / "ref", monkeypatch)
     assert ds.attrs["rank"] == 0
 
     res = torchrun(4, tmp_path / "same", ckpt, "resume")  # the same layout: the same groups
@@ -78,7 +91,7 @@ def test_fsdp2_killed_at_4_ranks_resumes_at_2_or_4_into_the_same_store(tmp_path)
     assert sorted(os.listdir(tmp_path / "same" / "grads.zarr")) == [
         "rank0", "rank1", "rank2", "rank3", "zarr.json"]
     assert [(s.first_step, s.last_step) for s in segments(tmp_path / "same")] == [(0, 5)]
-    assert_same_run(tmp_path / "same", tmp_path / "ref")
+    assert_same_run(tmp_path / "same", tmp_path / "ref", monkeypatch)
 
 
 SHAPES = [(300, 400), (1000,), (64, 64, 5)]
