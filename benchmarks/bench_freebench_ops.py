@@ -2,6 +2,7 @@
 accelerator, where each is a kernel launch, whatever the CPU).
 
     python benchmarks/bench_freebench_ops.py [--calls 20] [--out FILE.json]
+        [--models gpt2:bf16,llama:fp32,...]
 
 For each pert_mode and op (64x64 fp32 unless named otherwise), a step of ``--calls`` calls (as
 many call sites) is checked twice first (a site's first, exact check and its cause analysis are
@@ -45,6 +46,8 @@ def ops():
         "log_softmax": lambda: F.log_softmax(a, -1),
         "layer_norm bf16": lambda: F.layer_norm(h, (64,)),
         "sum": lambda: torch.sum(a, -1),
+        "matmul bf16": lambda: torch.matmul(h, h),
+        "gelu bf16": lambda: F.gelu(h),
         # in-place: the input cloned before the real call, the out-of-place re-run on the clone
         "relu_ (in-place)": lambda: torch.relu_(c),
         "ReLU(inplace=True)": lambda: F.relu(c, inplace=True),
@@ -97,13 +100,67 @@ def count(mode: str, fn, calls: int) -> dict:
             "ops": {k: v / calls for k, v in sorted(names.items()) if v}}
 
 
+def model_average(kind: str, setting: str, mode: str) -> dict:
+    """Dispatched operators per checked call averaged over one step of a zoo model
+    (``tests/_hf_models.py``), forward stage: two steps check every call site once, then a step
+    is profiled with the probe and one without."""
+    import probekit
+
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from _hf_models import zoo_batch, zoo_model
+
+    model = zoo_model(kind, setting)
+    dtype = next(model.parameters()).dtype
+    fb = probekit.FreeBench(dump_path=tempfile.mkdtemp(prefix="bench_ops_"), pert_mode=mode)
+    batch = zoo_batch(kind, torch.Generator().manual_seed(1))
+    batch = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in batch.items()}
+
+    def forward():
+        import contextlib
+
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if setting == "autocast" \
+            else contextlib.nullcontext()
+        with torch.no_grad(), amp:
+            model(**batch)
+
+    for _ in range(2):
+        with fb:
+            forward()
+        fb.step()
+    before = fb.summary["checked"]
+    fb.start()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward()
+    probed = top_level(prof)
+    fb.stop()
+    checked = fb.summary["checked"] - before
+    fb.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward()
+    plain = top_level(prof)
+    return {"model": kind, "dtype": setting, "mode": mode, "checked": checked,
+            "per_call": (len(probed) - len(plain)) / max(1, checked)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out")
+    ap.add_argument("--models", default="",
+                    help="also the average over a zoo model's step, e.g. gpt2:bf16,llama:fp32")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("probekit").setLevel(logging.ERROR)
+    if a.models:
+        lines = ["| model | dtype | pert_mode | checked calls | operators per checked call |",
+                 "|---|---|---|---:|---:|"]
+        for item in a.models.split(","):
+            kind, setting = item.split(":")
+            for mode in ("improve_precision", "bit_noise"):
+                r = model_average(kind, setting, mode)
+                lines.append(f"| {kind} | {setting} | {mode} | {r['checked']} | "
+                             f"{r['per_call']:.2f} |")
+        print("\n".join(lines))
     table = ops()
     res = []
     for mode in MODES:

@@ -71,5 +71,10 @@ class UnsafePathError(ProbekitError, ValueError):
     """A file name taken from model data would land outside the dump folder."""
 
 
+class ReproError(ProbekitError, ValueError):
+    """A free-benchmark finding cannot be written as a standalone repro (no record of its call,
+    an argument a script cannot spell, a row that names no finding)."""
+
+
 __all__ = ["ProbekitError", "ConfigError", "GradStoreError", "GradCompareError",
-           "MsprobeDumpError", "UnsafePathError", "MISSING"]
+           "MsprobeDumpError", "UnsafePathError", "ReproError", "MISSING"]

@@ -7,7 +7,9 @@ Modules: ``modes`` (what each pert_mode means; torch-free), ``names`` (API namin
 checks), ``guards`` (modes off, autocast off), ``results`` (CSV, DataFrame), ``view`` (the
 findings view), ``bench`` (``FreeBench``), ``state`` (calls that write state), ``compiled``
 (torch.compile refused), ``coverage`` (zero coverage reported), ``autocast`` (autocast-aware
-noise and fix), ``cause`` (why a finding: inaccurate / ill-conditioned).
+noise and fix), ``cause`` (why a finding: inaccurate / ill-conditioned), ``repro`` (a finding as
+a standalone script needing only torch; ``repro_record``, ``repro_script``, ``repro_helpers``,
+``repro_shrink``).
 
 The public names load on first access, so ``probekit.freebench.modes`` can be read without
 importing torch (``probekit.config`` does).

@@ -15,8 +15,9 @@ from this call. In the real backward pass:
    a time;
 3. the gradients are compared input by input (``output_index`` = the input's position in the
    call's flattened arguments) relative to the reference gradient's scale (``grad_stats``), with
-   the threshold of the dtype the forward call computed in (under autocast the gradients of a
-   bf16 op arrive as fp32 tensors but were computed in bf16), on the device;
+   the error model of ``scales.py`` with the dtype the forward call computed in (under autocast the
+   gradients of a bf16 op arrive as fp32 tensors but were computed in bf16) and each gradient's
+   own ``S`` (the backward on absolute values with ``|g|``, or a family's formula), on the device;
    the verdict is read back at the step's gather point (``deferred.py``). Every hook returns
    ``None``, so the gradient flowing on is the real one.
 
@@ -47,11 +48,15 @@ def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None, verd
                whole: bool = True) -> tuple:
     """``metric.device_stats`` of a reference gradient (or a block of it) and the perturbed one:
     the deviation relative to the gradient tensor's own scale (``max|gr|``; blocks combine to the
-    whole tensor's), or to ``scale`` element by element (an accumulating API's gradient in the
-    accuracy modes: the same gradient computed on absolute values, ``sum |g||b|``)."""
-    if verdicts is not None:   # never left inconclusive (deferred.py)
-        return verdicts.stats(gr.detach(), gq.detach(), scale, exact, whole)
-    return device_stats(gr.detach(), gq.detach(), scale, exact)
+    whole tensor's), or to ``scale`` element by element (the error model's, ``scales.py``: the
+    gradient's magnitude ``S``, or ``(S, lam)`` for the two terms ``|gq| + lam S``). With
+    ``verdicts``, through ``Verdicts.stats`` (never left inconclusive, ``deferred.py``)."""
+    lam = 0.0
+    if isinstance(scale, tuple):
+        scale, lam = scale
+    if verdicts is not None:
+        return verdicts.stats(gr.detach(), gq.detach(), scale, exact, whole, lam)
+    return device_stats(gr.detach(), gq.detach(), scale, exact, lam)
 
 
 #: APIs whose gradient goes to the elements they select (a maximum, a pooling window's largest
@@ -78,7 +83,8 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
     mark = realgrad.marker()
     if call.replay is not None:  # a random call (or one watched: rng.py): the re-runs in the
         call.replay.save()       # backward pass replay this stream, the forward call's mask
-    out = func(*call.args, **call.kwargs)
+    out, call.compute = autocast.run(engine.inner_dtypes, call.info.name, func, call.args,
+                                     call.kwargs, leaves)
     try:
         with modes_off():
             base = call.rerun or func   # an in-place call: re-run out of place (state.py)
@@ -99,10 +105,14 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
             sel = with_grad[0]
             check = _BackwardCheck(engine, call, key, n, name, rerun, leaves, spec, diff, sel[0],
                                    call_site(frame), engine.step)
+            check.call_func = func
             x = autocast.first_tensor(leaves)
             check.autocast = (x.device.type, autocast.enabled_dtype(x.device))
             check.module = engine.current_module()  # the module running at the forward call
             check.out_dtype = sel[1].dtype
+            #: the dtype its gradients are judged in (autocast's for a call with fp32 outputs
+            #: that computed in it: ``autocast.run``)
+            check.compute_dtype = call.compute or check.out_dtype
             check.n_outs = len(outs)
             engine.watching.append(check)   # counted as no_gradient if it never runs
             # the real input gradients only when no other output carries gradients into them
@@ -132,6 +142,9 @@ class _BackwardCheck:
         self.n = n
         self.name = name
         self.func = func
+        #: the API itself (``func`` may be its replay-bound wrapper): its argument names
+        self.call_func = func
+        self.call_name = ""
         self.leaves = leaves
         self.spec = spec
         self.diff = diff
@@ -143,14 +156,14 @@ class _BackwardCheck:
         self.autocast = None
         self.module = ""
         self.out_dtype = None
+        self.compute_dtype = None
         self.n_outs = 0
         #: with ``realgrad``: the upstream gradient, kept until the real input gradients arrive
         self.g = None
-        #: how the gradients are scaled (``scales.scale_kind``: an accumulating API's gradients
-        #: against their magnitudes in the accuracy modes, else the tensor's own scale)
-        self.kind = scales.scale_kind(engine.mode_name, call.info.name)
-        if self.kind == scales.ELEMENT:
-            self.kind = scales.TENSOR
+        #: each compared input's error-model family, reduction length and whether its family's
+        #: formula applies (``scales.py``), and its ``Judge`` for the scales (set per check)
+        self.plan = None
+        self.judges = None
 
     def __call__(self, grad):
         """The hook on the output (reference recomputed): the upstream gradient arrives."""
@@ -236,22 +249,29 @@ class _BackwardCheck:
         # backward run while it is on: an upcast re-run's gradients would be bf16 again)
         with no_autocast(True):
             grads = list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True))
-            mags = self._magnitudes(p_leaves, gp_out) if self.kind == scales.MAGNITUDE else None
+            mags = self._magnitudes(p_leaves, gp_out)
         return grads, mags, pert
 
-    def _magnitudes(self, p_leaves, gp_out) -> list:
-        """The input gradients of the call on absolute values with upstream ``|g|``: for an
-        accumulating (multilinear) API, ``sum |g||b|``, the scale its gradients' rounding is
-        bounded by (``scales.py``)."""
-        a_leaves = scales.magnitude_leaves([x.detach() if isinstance(x, torch.Tensor) else x
-                                            for x in p_leaves])
-        a_in = []
-        for i in self.diff:
-            a_leaves[i] = a_leaves[i].requires_grad_(True)
-            a_in.append(a_leaves[i])
-        a, kw = perturb.unflatten(a_leaves, self.spec)
-        ya = self._output(self.func(*a, **scales.magnitude_kwargs(kw)))
-        return list(torch.autograd.grad(ya, a_in, gp_out.abs(), allow_unused=True))
+    def _magnitudes(self, p_leaves, gp_out):
+        """``S`` of each compared gradient (None: the tensor's scale) where its ``Judge`` needs
+        one (accuracy modes): the backward on absolute values with ``|g|`` for the multilinear
+        and arithmetic families (``sum |g||b|``), a formula for softmax, normalisations and
+        attention (``magnitudes.py``)."""
+        if not any(j.kind != scales.TENSOR for j in self.judges.values()):
+            return None
+        got = cause.backward_magnitudes(self.func, self.call.info.name, p_leaves, self.spec,
+                                        self.diff, self.out_index, gp_out.detach(), self.judges)
+        return [got.get(i) for i in self.diff]
+
+    def _scale(self, i, gq, mag):
+        """The per-element scale of input ``i``'s gradient: ``S``, or ``(S, lam)`` for a 16-bit
+        call's ``|gq| + lam S`` (``scales.Judge``); None when it is judged against the tensor's
+        scale."""
+        j = self.judges.get(i)
+        if j is None or j.kind == scales.TENSOR or mag is None:
+            return None
+        # the two terms |gq| + lam S are made chunk by chunk by the comparison (grad_stats)
+        return mag if not j.lam else (mag, j.lam)
 
     def _whole(self, plain, g, g_ref, exact):
         """(values, [(input position, reference gradient)], dtype computed in) of one re-run."""
@@ -268,10 +288,12 @@ class _BackwardCheck:
                     continue
                 if e.mode.swap_back and i in replaced and gq.dim() >= 1:
                     gq = perturb.swap_last(gq)
-                values.append(grad_stats(gr, gq, exact, None if mags is None else mags[k],
-                                         e.verdicts))
+                sc = self._scale(i, gq, None if mags is None else mags[k])
+                if sc is None:
+                    self.plan[i] = ("other",) + self.plan[i][1:]
+                values.append(grad_stats(gr, gq, exact, sc, e.verdicts))
                 originals.append((i, gr))
-                del gq
+                del gq, sc
         return values, originals, in_dtype
 
     def _blocked(self, plan, plain, g, g_ref, exact):
@@ -296,8 +318,11 @@ class _BackwardCheck:
                     if gr is None or gq is None:
                         continue
                     if i in sliced:
+                        sc = self._scale(i, gq, mag)
+                        if sc is None:
+                            self.plan[i] = ("other",) + self.plan[i][1:]
                         parts[i].append(grad_stats(gr.narrow(sliced[i], start, length), gq,
-                                                   exact, mag, self.engine.verdicts, False))
+                                                   exact, sc, self.engine.verdicts, False))
                     elif i in acc:
                         acc[i].add_(gq)
                         if mag is not None:
@@ -316,8 +341,11 @@ class _BackwardCheck:
                 if i in sliced and parts[i]:
                     values.append(combine(parts[i]))
                 elif i in acc:
-                    values.append(grad_stats(gr, acc.pop(i), exact, acc_mag.pop(i, None),
-                                             self.engine.verdicts))
+                    gq = acc.pop(i)
+                    sc = self._scale(i, gq, acc_mag.pop(i, None))
+                    if sc is None:
+                        self.plan[i] = ("other",) + self.plan[i][1:]
+                    values.append(grad_stats(gr, gq, exact, sc, self.engine.verdicts))
                 else:
                     continue
                 originals.append((i, gr))
@@ -357,7 +385,8 @@ class _BackwardCheck:
             if x is not None:
                 plain = autocast.cast_like(plain, autocast.enabled_dtype(x.device),
                                            self.out_dtype)
-            exact = e.verdicts.want_exact(("backward", self.key, self.n))
+            exact = e.verdicts.want_exact(e.site_of("backward", self.key, self.n))
+            self._judge(plain, g, g_ref)
             plan = self._plan(plain, g) if not snap else None
             if plan is not None:
                 values, originals, in_dtype = self._blocked(plan, plain, g, g_ref, exact)
@@ -372,10 +401,34 @@ class _BackwardCheck:
 
         def explain(items):  # only for flagged gradients: float64 recomputations
             return cause.analyse_backward(self.func, fresh, self.spec, self.diff,
-                                          self.out_index, g, items)
+                                          self.out_index, g, items, api=self.call_name)
+        explain.repro = {"stage": "backward", "func": self.func, "call": self.call,   # issue 30
+                         "spec": self.spec, "fresh": fresh, "plan": dict(self.plan), "g": g,
+                         "diff": self.diff, "out_index": self.out_index, "autocast": ac_dtype,
+                         "api": self.call_func}
 
+        self.call_name = self.call.info.name
         with torch.no_grad():
             e.defer(self.key, self.n, self.name, "backward", self.step, self.site, in_dtype,
                     [(i, gr, None) for i, gr in originals], values=values, exact=exact,
                     module=self.module, explain=explain, originals=[gr for _, gr in originals],
-                    compute=[self.out_dtype] * len(values), kinds=[self.kind] * len(values))
+                    compute=[self.compute_dtype] * len(values),
+                    plan=[self.plan[i] for i, _ in originals])
+
+    def _judge(self, plain, g, g_ref) -> None:
+        """Each compared input's family, reduction length (``scales.backward_length``) and
+        ``Judge`` for the scales of this check."""
+        e = self.engine
+        name = self.call.info.name
+        fam = scales.family(name)
+        a = scales.Args(self.call_func, name, *perturb.unflatten(plain, self.spec))
+        k_fwd = scales.forward_length(name, a, plain, g)
+        formula_ok = not (fam == "attention" and (a.get("dropout_p", 4) or 0.0))
+        self.plan, self.judges = {}, {}
+        for i, gr in zip(self.diff, g_ref):
+            if gr is None:
+                continue
+            k = scales.backward_length(name, a, plain, i, g, k_fwd)
+            self.plan[i] = (fam, k, formula_ok)
+            self.judges[i] = e.judge_of(fam, k, self.compute_dtype, gr.dtype, None, "backward",
+                                        formula_ok)

@@ -28,6 +28,7 @@ from .compiled import MESSAGE as COMPILED_MESSAGE
 from .compiled import CompileGuard, CompiledModelError, is_compiled_module
 from .intercept import Engine, make_mode
 from .modules import ModuleScope
+from .repro_record import Recorder
 from .view import Findings, Summary, summary_line
 
 log = get_logger("probekit.freebench")
@@ -61,6 +62,8 @@ class FreeBench:
         self._rows: list[dict] = []
         self._sink = _results.CsvSink(self.config.dump_path)
         self._engine = Engine(self.config, self._emit, get_rank())
+        # a confirmed finding's call is saved for fb.repro (repro_record.py)
+        self._engine.repro_capture = Recorder(self._engine, self.config.dump_path)
         self._mode = None
         self._opt_handles: list = []
         self._compile_guard = CompileGuard()
@@ -254,6 +257,21 @@ class FreeBench:
         if self._compile_guard.refused:
             s["compiled_refused"] = self._compile_guard.refused
         return Summary(s)
+
+    def repro(self, row, out=None, *, shrink: bool = False, check: bool = False):
+        """Write a standalone repro folder of a finding and return it (``repro.Repro``: its
+        path, the command to run, what the script measures): ``repro.py`` (needs only torch;
+        exits 1 while the defect is present), ``inputs.pt``, ``REPORT.md``. ``row``: a row of
+        ``results``, its position there, or its ``api_name``; ``out``: the folder (default
+        ``{dump_path}/repro/{api_name}.rank{r}``); ``shrink``: make the inputs smaller while
+        the finding still reproduces; ``check``: also run the script in a fresh Python.
+        Uses the record the session saved when it confirmed the finding (``repro_record.py``),
+        so ``probekit freebench repro DUMP ROW`` does the same from the dump folder alone."""
+        from . import repro
+
+        self._gather()
+        return repro.for_row(self.config.dump_path, row, out, results=self.results,
+                             shrink=shrink, check=check)
 
     @property
     def hotspots(self):

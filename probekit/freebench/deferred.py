@@ -75,13 +75,14 @@ class Held(tuple):
 
     o = p = scale = exact = None
     version = nbytes = 0
+    lam = 0.0
 
     def redo(self):
         """The exact form, or None when the original was overwritten since."""
         o = self.o
         if o is None or o._version != self.version:
             return None
-        return device_stats(o, self.p, self.scale, True)
+        return device_stats(o, self.p, self.scale, True, self.lam)
 
     def release(self) -> int:
         n = self.nbytes
@@ -127,8 +128,8 @@ class Pending:
         self.step = step
         self.call_site = call_site
         self.in_dtype = in_dtype
-        #: (output_index, dtype, shape, scale kind, threshold, hot-spot level, compute dtype)
-        #: of each compared output
+        #: (output_index, dtype, shape, scale kind, threshold, hot-spot level, judged dtype,
+        #: ``scales.Judge``) of each compared output
         self.outputs = outputs
         #: per output, the tuple of 0-dim tensors of ``metric.device_stats``
         self.values = [] if values is None else values
@@ -160,10 +161,12 @@ class Verdicts:
         self.held: list = []              # Held values not read back yet
         self.held_bytes = 0
 
-    def stats(self, o, p, scale=None, exact: bool = False, whole: bool = True) -> tuple:
+    def stats(self, o, p, scale=None, exact: bool = False, whole: bool = True,
+              lam: float = 0.0) -> tuple:
         """``metric.device_stats`` of one comparison, its verdict never left inconclusive (module
-        doc). ``whole``: the check's own output (False: one block of a blocked check)."""
-        vals = device_stats(o, p, scale, exact)
+        doc). ``whole``: the check's own output (False: one block of a blocked check). ``lam``:
+        the error model's two-term scale ``|p| + lam * scale`` (``scales.Judge``)."""
+        vals = device_stats(o, p, scale, exact, lam)
         if exact:
             return vals
         hold = self.hold if self.hold is not None else not vals[0].is_cpu
@@ -171,11 +174,11 @@ class Verdicts:
             if _finite(vals):
                 return vals
             self.inconclusive += 1
-            return device_stats(o, p, scale, True)
+            return device_stats(o, p, scale, True, lam)
         if not whole:       # a block: its re-run is freed before the next one
-            return device_stats(o, p, scale, True)
+            return device_stats(o, p, scale, True, lam)
         held = Held(vals)
-        held.o, held.version, held.p, held.scale = o, o._version, p, scale
+        held.o, held.version, held.p, held.scale, held.lam = o, o._version, p, scale, lam
         held.nbytes = _nbytes(p) + (_nbytes(scale) if scale is not o else 0)
         self.held.append(held)
         self.held_bytes += held.nbytes

@@ -1,9 +1,9 @@
 """Turning comparisons into findings (check) and perturbed outputs into replacements (fix).
 
-Thresholds (``threshold``): from the unit roundoff of the dtype a call computes in, per mode
-(``scales.threshold``: ``16 u`` of the call's scale for the accuracy modes, ``sqrt(u)`` of the
-output's scale for the sensitivity modes, 0 for no_change), unless ``free_benchmark.thresholds``
-overrides the dtype's. A row is reported (``judge``) when a NaN/Inf appears, disappears or
+Thresholds: from the error model of ``scales.py`` (``scales.judge``: ``C (u_out + gamma_k)`` of
+the call's scale, or ``C u_out`` of a two-term per-element scale, in the accuracy modes;
+``sqrt(u)`` of the output's scale in the sensitivity modes; 0 for no_change), unless
+``free_benchmark.thresholds`` overrides the dtype's. A row is reported (``judge``) when a NaN/Inf appears, disappears or
 changes (kind ``nan_inf``), or ``max_rel > threshold`` (``rel_error``).
 
 fix (improve_precision / to_cpu): the API is run on the upcast (or CPU) inputs *with autograd*, and
@@ -28,9 +28,11 @@ def dtype_key(dtype: torch.dtype) -> str:
 
 
 def threshold(fb_config, pert_mode: str, compute_dtype: torch.dtype) -> float:
-    """The finding threshold of ``pert_mode`` for a call computing in ``compute_dtype``."""
-    return scales.threshold(pert_mode, compute_dtype,
-                            fb_config.threshold_for(dtype_key(compute_dtype)))
+    """The base threshold of ``pert_mode`` for a call computing in ``compute_dtype`` (an exact,
+    per-element call: ``C u`` in the accuracy modes, ``sqrt(u)`` in the sensitivity modes, 0 for
+    no_change); a call's own adds its accumulation term (``scales.judge``)."""
+    return scales.judge(pert_mode, "step", 0, compute_dtype,
+                        override=fb_config.threshold_for(dtype_key(compute_dtype))).thr
 
 
 def judge(stats: Stats, thr: float) -> str | None:

@@ -46,6 +46,9 @@ EXTRA_REASONS = {
     "dtype_arg": "fix: the call fixes its output dtype explicitly",
     "meta": "meta tensors hold no values",
     "budget": "the overhead budget leaves this call to a later step (call sites rotate)",
+    "step": "a step function (piecewise constant in its floating inputs): a one-ulp move only "
+            "says on which side of a discontinuity an input lies (checked exactly in the "
+            "accuracy modes)",
     "selection": "its gradient goes to the elements it selects: a one-ulp tie break moves it "
                  "elsewhere, a choice rather than a precision loss (sensitivity modes, backward)",
     "no_gradient": "no gradient reached it before stop() (the backward ran outside the block, "
@@ -143,6 +146,12 @@ class Engine(Judging):
         self.fix = fb.handler_type == "fix"
         self.mode = MODES[fb.pert_mode]
         self.upcast_mode = self.mode.upcast
+        #: the sensitivity modes do not perturb step functions (scales.STEP)
+        self.step_skip = not (self.mode.upcast or self.mode.exact)
+        #: a combined mode's modes, one per step (``modes.py``; ``Judging.set_mode``)
+        self.schedule = self.mode.schedule
+        if self.schedule:
+            self.set_mode(self.schedule[0])
         classifier = Classifier()
         self.classify = classifier
         self.cache = classifier.cache
@@ -173,6 +182,9 @@ class Engine(Judging):
         #: call signature -> does it draw (``rng.signature``): False, True, or the ``rng.WHY``
         #: key of a random call that cannot be replayed; learned at its first checked call
         self.draws: dict = {}
+        #: call signature under autocast -> did it run ATen calls in autocast's dtype
+        #: (``autocast.run``); learned at its first checked call
+        self.inner_dtypes: dict = {}
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
@@ -218,6 +230,8 @@ class Engine(Judging):
         self.counts.clear()
         self.once_step.clear()
         self.step += 1
+        if self.schedule:
+            self.set_mode(self.schedule[self.step % len(self.schedule)])
         if self.summary_every and self.step % self.summary_every == 0:
             self.log_summary()
         self.enabled = self._step_selected(self.step)
@@ -400,6 +414,7 @@ class Engine(Judging):
                     return "inplace"   # an in-place op on a leaf requiring grad: no re-run
                 if w.rerun is not None:
                     call.rerun = w.rerun
+                    call.called = (func, call.info)   # (a repro record names the real call)
                     if call.info.inplace:   # perturbations, scales, blocks: the out-of-place API
                         call.info = self.classify(w.rerun)
                 return w
@@ -419,6 +434,8 @@ class Engine(Judging):
                 reason, draw = draw, None
         if reason is None and self.in_optimizer and not torch.is_grad_enabled():
             reason = "optimizer"
+        if reason is None and self.step_skip and scales.is_step(info.name):
+            reason = "step"
         if reason is not None:
             return reason
         leaves, spec = perturb.flatten(args, kwargs)
@@ -485,7 +502,9 @@ class Engine(Judging):
     def _check_forward(self, call, key, n, name, func, leaves, spec, frame):
         if call.replay is not None:  # the generators' states the re-runs replay
             call.replay.save()
-        out = func(*call.args, **call.kwargs)
+        call.autocast = autocast.in_force(leaves)   # (a repro record needs it; guards turn it off)
+        out, call.compute = autocast.run(self.inner_dtypes, call.info.name, func, call.args,
+                                         call.kwargs, leaves)
         func = call.rerun or func   # an in-place call: re-run out of place (state.py)
         if call.replay is not None:
             try:
@@ -521,10 +540,13 @@ class Engine(Judging):
         if call.snap:
             leaves = state.restore(leaves, call.snap)
         # the inputs as the op computed with them (autocast's casts included): every mode
-        # measures the op at the precision it computes in
-        leaves = autocast.compute_leaves(leaves, outs)
+        # measures the op at the precision it computes in. An in-place / out= call's output has
+        # the dtype of the tensor it writes, not the one it computed in (x_bf16.add_(y_fp32)
+        # adds in fp32 and rounds once; autocast casts no such call): its inputs as given
+        if call.rerun is None:
+            leaves = autocast.compute_leaves(leaves, outs)
         base = leaves
-        kind = scales.scale_kind(self.mode_name, call.info.name)
+        judged = self.forward_plan(call.info, func, call.args, call.kwargs, leaves, outs)
         if len(outs) == 1 and outs[0][1].numel() > blocks.BLOCK and \
                 (not call.snap or not call.snap.fresh) and \
                 call.replay is None:  # a random call's mask is drawn whole; a re-run that
@@ -532,7 +554,7 @@ class Engine(Judging):
             plan = blocks.plan(self.mode_name, call.info, call.args, call.kwargs, leaves, outs)
             if plan is not None:
                 return self._compare_blocks(call, key, n, name, func, leaves, spec, frame, outs,
-                                            plan, kind)
+                                            plan, judged)
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
@@ -545,37 +567,29 @@ class Engine(Judging):
                                     for (_, o), (_, p) in zip(outs, p_outs)):
             # e.g. bincount: fp16 weights sum into float64, fp32 ones into float32
             raise perturb.Cancel("the upcast re-run computes in a narrower dtype than the call")
-        scales_ = self._scales(kind, func, pert.new, spec, p_outs, outs)
+        compute = None if call.compute is None else [call.compute] * len(outs)
+        scales_ = self.forward_scales(judged, func, pert.new, spec, p_outs, outs, compute)
 
         def explain(items):  # only for flagged calls: float64 re-runs
-            return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items)
+            return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items,
+                                 api=call.info.name)
+        explain.repro = (func, call, spec, base)   # issue 30: repro_record.Recorder reads it
 
         self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
                    [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain,
-                   kinds=[kind] * len(outs), scales_=scales_)
-
-    def _scales(self, kind, func, p_leaves, spec, p_outs, outs) -> list:
-        """The per-element scale of each output (None: the tensor's own scale); ``outs``: the
-        original outputs (their dtypes are the compute dtypes)."""
-        if kind == scales.MAGNITUDE:
-            a, kw = perturb.unflatten(scales.magnitude_leaves(p_leaves), spec)
-            got = dict(handlers.float_outputs(scales.magnitude_run(func, a, kw)))
-            return [got.get(i) for i, _ in p_outs]
-        if kind == scales.ELEMENT:
-            return [p.abs().add_(scales.element_offset(o.dtype)) for (_, p), (_, o) in
-                    zip(p_outs, outs)]
-        return [None] * len(p_outs)
+                   plan=judged, scales_=scales_, compute=compute)
 
     def current_module(self) -> str:
         """The innermost running named module under module scope ("" without module scope)."""
         return self.modules.current if self.modules is not None else ""
 
     def _compare_blocks(self, call, key, n, name, func, leaves, spec, frame, outs, plan,
-                        kind) -> None:
+                        judged) -> None:
         """A call with a large output (``blocks.plan``): perturbed, re-run and compared block by
         block, so only one block's perturbed inputs and output exist at a time."""
         (i, o), = outs
-        exact = self.verdicts.want_exact((self.stage, key, n))
+        exact = self.verdicts.want_exact(self.site_of(self.stage, key, n))
+        compute = None if call.compute is None else [call.compute]
         parts, in_dtype = [], None
         for start, length in plan.parts:
             b_leaves = plan.leaves(leaves, start, length)
@@ -585,17 +599,20 @@ class Engine(Judging):
             in_dtype = pert.in_dtype
             p = func(*pert.args, **pert.kwargs)
             (_, p), = handlers.float_outputs(p)
-            (sc,) = self._scales(kind, func, pert.new, spec, [(i, p)], outs)
+            (sc,) = self.forward_scales(judged, func, pert.new, spec, [(i, p)], outs, compute)
             parts.append(self.verdicts.stats(plan.output(o, start, length), p, sc, exact,
                                              whole=False))
             del pert, p, sc  # free this block's re-run before the next one
         self.applied(key, name)
 
         def explain(items):  # only for flagged calls: float64 re-runs, block by block
-            return cause.analyse(func, lambda: leaves, spec, items, blocks=plan)
+            return cause.analyse(func, lambda: leaves, spec, items, blocks=plan,
+                                 api=call.info.name)
+        explain.repro = (func, call, spec, leaves)   # issue 30: repro_record.Recorder reads it
 
         self.defer(key, n, name, self.stage, self.step, frame, in_dtype, [(i, o, None)],
-                   values=[combine(parts)], exact=exact, explain=explain, kinds=[kind])
+                   values=[combine(parts)], exact=exact, explain=explain, plan=judged,
+                   compute=compute)
 
     def _fix(self, call, key, name, func, leaves, spec):
         if any(isinstance(x, torch.dtype) for x in leaves):

@@ -6,23 +6,23 @@ judges it at once so a finding can be explained while the call's inputs exist; `
 the pending verdicts back once per step; ``record`` turns them into rows (thresholds per mode and
 compute dtype, ``scales.py``; preheat calibration; the ``module`` and ``cause`` columns).
 
-A compared output above its threshold is a **finding** (a row of ``fb.results`` and the CSV) when
-the measurement alone shows a defect or a loss of most significant bits: a NaN/Inf mismatch; a
-no_change difference; a sensitivity mode (the output lost more than half its bits under a
-one-ulp input change); an accuracy mode judged against a per-element scale (``sum |a||b|``: no
-correct kernel exceeds it); an accuracy mode whose error exceeds ``sqrt(u)`` of the output's
-scale. The remaining case -- an accuracy-mode error between ``16 u`` and ``sqrt(u)`` of the
-output tensor's scale -- is a finding only when the float64 analysis (``cause.py``) calls the
-kernel ``inaccurate``; when the inputs' own conditioning explains it, it is a **hot spot**
-(``fb.hotspots``: what the dtype predicts, never in the results or the CSV), as is a sensitivity
-check that moved by more than ``16 u`` but kept most of its bits.
+A compared output above its threshold (``scales.py``'s error model: ``c (u_out |p| + gamma_k
+S)`` per element in the accuracy modes, ``sqrt(u)`` of the tensor's scale in the sensitivity
+modes) is **flagged**. It is a **finding** (a row of ``fb.results`` and the CSV) when the float64
+analysis (``cause.py``) confirms it: cause ``inaccurate`` (the kernel's error exceeds the bound
+and what one-ulp input nudges explain), or, in the sensitivity modes, ``ill-conditioned`` (the
+exact result moves by more than half its bits). A NaN/Inf mismatch and a no_change difference
+need no confirmation. A flagged output the analysis does not confirm is a **hot spot**
+(``fb.hotspots``: never in the results or the CSV), as is a sensitivity check that moved by more
+than a correct kernel's rounding but kept most of its bits.
 
-Causes: a call site is analysed once, at its first flagged exact check (while its inputs exist).
-A row of a site flagged first by a deferred verdict takes a provisional cause (``inaccurate`` for
-the accuracy modes, ``ill-conditioned`` for the sensitivity modes: what the measurement shows)
-and the site is analysed at its next run, which refines the cause in ``fb.results`` (the CSV
-keeps the row as written); a row that needs the analysis to be a finding at all waits in
-``fb.hotspots`` with cause ``pending`` until then (logged once per API).
+Causes: a call site is analysed once, at its first flagged exact check (while its inputs exist);
+its later flags take that cause. A row of a site flagged first by a deferred verdict (its inputs
+are gone) waits in ``fb.hotspots`` with cause ``pending`` until the site's next run, which is
+compared exactly and analysed (logged once per API); a NaN/Inf row of such a site is reported at
+once with the cause the measurement shows (``inaccurate`` in the accuracy modes,
+``ill-conditioned`` in the sensitivity modes), refined in ``fb.results`` by the analysis (the
+CSV keeps the row as written).
 
 Uses these attributes of the engine: ``fb``, ``mode``, ``mode_name``, ``stage``, ``step``,
 ``rank``, ``preheat``, ``verdicts``, ``coverage``, ``checked``, ``flagged``, ``emit``, ``once``,
@@ -36,7 +36,7 @@ import math
 import torch
 
 from ..log import get_logger
-from . import cause, handlers, scales
+from . import cause, handlers, perturb, scales
 from .deferred import OutMeta, Pending
 from .guards import modes_off
 from .names import call_site
@@ -47,29 +47,43 @@ log = get_logger("probekit.freebench")
 PENDING = "pending"
 
 
+_CONSTANTS: dict = {}
+
+
+def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A cached 0-dim tensor of ``value`` with ``like``'s dtype and device."""
+    key = (value, like.dtype, like.device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return t
+
+
 class Judging:
     def defer(self, key, n, name, stage, step, frame_or_site, in_dtype, triples, values=None,
-              exact=None, module=None, explain=None, kinds=None, scales_=None, originals=None,
+              exact=None, module=None, explain=None, plan=None, scales_=None, originals=None,
               compute=None) -> None:
         """Compare ``(output_index, original, perturbed)`` on the device; the verdict is read
         back at the next gather (``gather``), nothing here waits for the device.
 
-        ``values``: comparisons already made (blocked re-runs), one per triple. ``kinds``: the
-        scale kind of each (``scales.py``; default tensor) and ``scales_`` its per-element scale
-        tensor (None: the tensor's own). ``compute``: the dtype each compared tensor was computed
+        ``values``: comparisons already made (blocked re-runs), one per triple. ``plan``: the
+        error-model family and reduction length ``(family, k, formula_ok)`` of each (``scales.py``;
+        default: judged against the tensor's scale) and ``scales_`` its per-element scale tensor
+        (None: the tensor's own), made for the ``Judge`` that ``judge_of`` gives. ``compute``: the dtype each compared tensor was computed
         in (default: its own; the backward stage passes the forward call's). ``module``: the
         innermost scoped module of the call (default: the one running now). ``originals``: the
         tensor a row describes, per triple, when the compared tensors are not the original ones.
         ``explain``: the call's cause analysis (``cause.py``); it needs the call's inputs, so an
         exact check of a site whose cause is not known yet is judged at once (one read-back) and
         explained while the inputs exist; every other check waits for the gather."""
-        site = (stage, key, n)
+        site = self.site_of(stage, key, n)
         if exact is None:
             exact = self.verdicts.want_exact(site)
         if originals is None:
             originals = [o for _, o, _ in triples]
-        if kinds is None:
-            kinds = [TENSOR] * len(triples)
+        if plan is None:
+            plan = [("other", scales.TENSOR_MIN_K, True)] * len(triples)
+        given = values is not None     # compared by the caller with each Judge's own scale
         if scales_ is None:
             scales_ = [None] * len(triples)
         if compute is None:
@@ -78,11 +92,13 @@ class Judging:
             values = [self.verdicts.stats(o, p, s, exact) for (_, o, p), s in
                       zip(triples, scales_)]
         outputs = []
-        for (i, _, _), o, kind, cdt in zip(triples, originals, kinds, compute):
-            cdt = self.judged_dtype(cdt, o.dtype, in_dtype)
-            thr = self.threshold_of(cdt)
-            outputs.append((i, o.dtype, tuple(o.shape), kind, thr,
-                            scales.hot_level(self.mode_name, cdt, thr), cdt))
+        for (i, _, _), o, (fam, k, formula_ok), cdt, sc in zip(triples, originals, plan, compute,
+                                                             scales_):
+            j = self.judge_of(fam, k, cdt, o.dtype, in_dtype, stage, formula_ok)
+            if sc is None and j.kind != TENSOR and not given:   # no scale: the tensor's own
+                j = self.judge_of("other", k, cdt, o.dtype, in_dtype, stage, False)
+            outputs.append((i, o.dtype, tuple(o.shape), j.kind, j.thr, j.hot,
+                            self.judged_dtype(cdt, o.dtype, in_dtype), j))
         if not isinstance(frame_or_site, str):
             frame_or_site = call_site(frame_or_site)
         self.checked += 1
@@ -91,9 +107,16 @@ class Judging:
             module = self.modules.current if self.modules is not None else ""
         entry = Pending(site, key, name, stage, step, frame_or_site, in_dtype, outputs, values,
                         module)
-        if not exact or explain is None or self.mode.exact or site in self.site_causes:
+        # a fast comparison found inconclusive as it was made (the CPU: deferred.py) was redone
+        # exactly while the inputs exist: judged and, when flagged, explained now like an exact
+        # check, rather than waiting in fb.hotspots for the site's next run
+        redone = not exact and any(len(v) == 5 for v in values)
+        if not (exact or redone) or explain is None or self.mode.exact or \
+                site in self.site_causes:
             self.verdicts.add(entry, exact)   # judged at the gather (no cause analysis needed)
             return
+        if redone:
+            self.verdicts.unstable.add(site)   # exact from its next run on (deferred.py)
         with torch.no_grad():
             stats = self.verdicts.judge_now(entry)
         if stats is None:
@@ -109,22 +132,79 @@ class Judging:
             self._explain(site, name, explain,
                           [(i, o, out) for i, o, _, out in items if i in held])
 
+    def set_mode(self, name: str) -> None:
+        """Run ``name``'s perturbation from now on (a combined mode's schedule, one mode per
+        step: ``Engine.next_step``, after the step's verdicts were gathered)."""
+        from .modes import MODES
+
+        self.mode_name, self.mode = name, MODES[name]
+        self.upcast_mode = self.mode.upcast
+        self.step_skip = not (self.mode.upcast or self.mode.exact)
+
+    def site_of(self, stage, key, n) -> tuple:
+        """A call site's identity for its verdicts and cause (``deferred.py``): ``(stage, API,
+        counter)``, and the mode under a combined mode (each mode explains its own findings)."""
+        return (stage, key, n, self.mode_name) if self.schedule else (stage, key, n)
+
     def judged_dtype(self, compute_dtype, tensor_dtype, in_dtype):
         """``scales.effective_dtype`` for this mode (cached)."""
-        key = (compute_dtype, tensor_dtype, in_dtype)
+        key = (self.mode_name, compute_dtype, tensor_dtype, in_dtype)
         d = self._judged.get(key)
         if d is None:
             d = self._judged[key] = scales.effective_dtype(self.mode_name, compute_dtype,
                                                            tensor_dtype, in_dtype)
         return d
 
-    def threshold_of(self, compute_dtype) -> float:
-        """The threshold of this mode for a call computing in ``compute_dtype`` (cached)."""
-        thr = self._thresholds.get(compute_dtype)
-        if thr is None:
-            thr = self._thresholds[compute_dtype] = handlers.threshold(
-                self.fb, self.mode_name, compute_dtype)
-        return thr
+    def judge_of(self, fam, k, compute_dtype, tensor_dtype=None, in_dtype=None,
+                 stage="forward", formula_ok=True) -> scales.Judge:
+        """How an output of family ``fam`` and reduction length ``k`` is judged in this mode
+        (``scales.judge``, with the configured threshold of its dtype; cached)."""
+        key = (self.mode_name, fam, k, compute_dtype, tensor_dtype, in_dtype, stage, formula_ok)
+        j = self._thresholds.get(key)
+        if j is None:
+            cdt = self.judged_dtype(compute_dtype, tensor_dtype, in_dtype)
+            j = self._thresholds[key] = scales.judge(
+                self.mode_name, fam, k, cdt, stage=stage, in_dtype=in_dtype,
+                override=self.fb.threshold_for(handlers.dtype_key(cdt)), formula_ok=formula_ok)
+        return j
+
+    # -- the forward check's plan and scales (intercept.py runs the re-runs) --------------------
+    def forward_plan(self, info, func, args, kwargs, leaves, outs) -> list:
+        """``(family, k, formula_ok)`` of each compared output of a forward call."""
+        fam = scales.family(info.name)
+        a = scales.Args(func, info.name, args, kwargs)
+        return [(fam, scales.forward_length(info.name, a, leaves, o), True) for _, o in outs]
+
+    def forward_scales(self, plan, func, p_leaves, spec, p_outs, outs, compute=None) -> list:
+        """The per-element scale of each compared output (None: the tensor's own), for the
+        ``Judge`` of its family (``scales.py``): ``|p| + beta``, or the call on absolute values
+        ``S`` (float32/float64) or ``|p| + gamma_k / u_out * S`` (16-bit) -- that re-run only
+        where a ``Judge`` needs it. ``compute``: the dtype each output was computed in (default:
+        its own)."""
+        compute = compute or [o.dtype for _, o in outs]
+        judges = [self.judge_of(fam, k, cdt, o.dtype, None, "forward", ok)
+                  for (fam, k, ok), (_, o), cdt in zip(plan, outs, compute)]
+        got = None
+        if any(j.source == "abs" for j in judges):
+            a, kw = perturb.unflatten(scales.magnitude_leaves(p_leaves), spec)
+            got = dict(handlers.float_outputs(scales.magnitude_run(func, a, kw)))
+        out = []
+        for j, (i, p) in zip(judges, p_outs):
+            if j.source == "element":   # |p| + beta
+                if j.fam == "softmax":          # its outputs are >= 0
+                    out.append(torch.add(p, j.beta))
+                elif j.fam == "log_softmax":    # its outputs are <= 0
+                    out.append(torch.rsub(p, j.beta))
+                else:   # beta is the underflow floor: hypot is |p| but below it (within sqrt 2)
+                    out.append(torch.hypot(p, _constant(j.beta, p)))
+            elif j.source == "abs" and got is not None and got.get(i) is not None:
+                out.append(got[i] if not j.lam else torch.add(p.abs(), got[i], alpha=j.lam))
+            elif j.source == "input":       # S = |x| of the first floating input (gelu)
+                x = next(t for t in p_leaves if perturb.is_float(t))
+                out.append(x.abs() if not j.lam else torch.add(p.abs(), x.abs(), alpha=j.lam))
+            else:
+                out.append(None)
+        return out
 
     def gather(self) -> None:
         """Read back every pending verdict (one transfer per device) and record the findings."""
@@ -142,10 +222,19 @@ class Judging:
             self.emit(rows)  # one CSV append per gather
 
     def _decisive(self, kind_found, st, out) -> bool:
-        """Is a flagged output a finding by its measurement alone (module doc)?"""
-        _, _, _, kind, _, _, cdt = out
-        return (kind_found == "nan_inf" or self.mode.exact or not self.mode.upcast
-                or kind != TENSOR or st.max_rel > scales.lost_bits_level(cdt))
+        """Is a flagged output a finding by its measurement alone (module doc)? A NaN/Inf
+        mismatch and a no_change difference are; every other flag is a finding only when the
+        float64 analysis confirms it (``confirmed``)."""
+        return kind_found == "nan_inf" or self.mode.exact
+
+    @staticmethod
+    def confirmed(why: str) -> bool:
+        """Does the analysis' cause make a flagged output a finding? ``inaccurate``, or
+        ``ill-conditioned`` with more than half the result's bits lost under a one-ulp input
+        change; an accuracy-mode error the inputs' conditioning explains while the result keeps
+        half its bits (``cause.MILD``) is a hot spot, as is ``unconfirmed``."""
+        return why == cause.INACCURATE or (why == cause.ILL_CONDITIONED
+                                           and not getattr(why, "mild", False))
 
     def record(self, key, name, items, frame_or_site, stage=None, step=None, out=None,
                module=None, explain=None, site=None) -> bool:
@@ -193,7 +282,7 @@ class Judging:
                                  "fb.hotspots as 'pending').", name)
                 continue
             row["cause"] = causes.get(index) or self._provisional(row)
-            if decisive or row["cause"] == cause.INACCURATE:
+            if decisive or self.confirmed(row["cause"]):
                 rows.append(row)
             else:
                 self._hotspot(row)
@@ -249,12 +338,15 @@ class Judging:
         if site is None:
             return causes
         self.site_causes[site] = causes
+        capture = getattr(self, "repro_capture", None)   # issue 30: the call's repro record
+        if capture is not None and causes:
+            capture(name, explain, items, causes)
         for row in self._uncaused.pop(site, ()):
             row["cause"] = causes.get(row["output_index"]) or row["cause"]
         settled = []
         for row in self._held.pop(site, ()):
             row["cause"] = causes.get(row["output_index"]) or cause.UNCONFIRMED
-            if row["cause"] == cause.INACCURATE:
+            if self.confirmed(row["cause"]):
                 settled.append(row)
             else:
                 self._hotspot(row)

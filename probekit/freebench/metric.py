@@ -99,11 +99,25 @@ def combine(parts: list) -> tuple:
     return tuple(out)
 
 
-def device_stats(o: torch.Tensor, p: torch.Tensor, scale=None, exact: bool = False) -> tuple:
+def device_stats(o: torch.Tensor, p: torch.Tensor, scale=None, exact: bool = False,
+                 lam: float = 0.0) -> tuple:
     """The comparison of one pair as 0-dim tensors on ``p``'s device; nothing is read back.
 
     ``scale``: None for the tensor scale, else a tensor shaped like ``o`` (per-element scale).
-    ``exact``: the exact form (NaN/Inf mismatches counted). See the module doc."""
+    ``exact``: the exact form (NaN/Inf mismatches counted). ``lam``: the per-element scale is
+    ``|p| + lam * scale`` (``scales.py``'s two terms), made chunk by chunk (no tensor of ``o``'s
+    size). See the module doc."""
+    if lam and scale is not None:
+        fn = _exact if exact else _fast
+
+        def two(a, b, s):
+            return fn(a, b, torch.add(b.abs(), s, alpha=lam))
+
+        return _compare_pieces(o, p, scale, exact, two)
+    return _compare_pieces(o, p, scale, exact, None)
+
+
+def _compare_pieces(o, p, scale, exact, fn) -> tuple:
     if o.shape != p.shape:
         raise ValueError(f"output shapes differ: {tuple(o.shape)} vs {tuple(p.shape)}")
     if o.device != p.device:
@@ -113,7 +127,8 @@ def device_stats(o: torch.Tensor, p: torch.Tensor, scale=None, exact: bool = Fal
     if o.numel() == 0:
         zero = torch.zeros((), dtype=torch.float64, device=p.device)
         return (zero,) * (5 if exact else (4 if scale is None else 2))
-    fn = _exact if exact else _fast
+    if fn is None:
+        fn = _exact if exact else _fast
     if o.numel() <= CHUNK:
         return fn(o, p, scale)
     scales = _chunks(scale, CHUNK) if scale is not None else iter(lambda: None, 0)

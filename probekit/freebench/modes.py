@@ -6,16 +6,17 @@ the same names in ``perturb.py`` (which refuses a name that has no entry here); 
 threshold rule, the fix handler, the backward stage and the config validation read the traits
 below instead of naming modes.
 
-==================  =====  ======  =====  =========  ============
-mode                noise  upcast  exact  swap_back  fuzz_device
-==================  =====  ======  =====  =========  ============
+==================  =====  ======  =====  =========  ============  ==============================
+mode                noise  upcast  exact  swap_back  fuzz_device   schedule
+==================  =====  ======  =====  =========  ============  ==============================
 improve_precision          yes                       npu
 bit_noise           yes                              npu
 add_noise           yes                              npu
 change_value                              yes        npu
 no_change                          yes               npu
 to_cpu                     yes                       cpu
-==================  =====  ======  =====  =========  ============
+combined                                             npu           improve_precision, bit_noise
+==================  =====  ======  =====  =========  ============  ==============================
 
 * ``noise``: moves an input by one ulp: a sensitivity mode, judged against ``sqrt(u)`` of the
   output's scale (``scales.py``), as are the other modes that are neither upcast nor exact.
@@ -27,6 +28,10 @@ to_cpu                     yes                       cpu
   back before comparing.
 * ``fuzz_device``: the ``fuzz_device`` the mode needs ("cpu" for to_cpu; the others run where the
   call ran, msprobe's "npu").
+* ``schedule``: the modes a combined mode runs, one per step in turn (step ``s`` uses
+  ``schedule[s % len(schedule)]``): ``combined`` finds an inaccurate kernel (improve_precision)
+  and an ill-conditioned computation (bit_noise) within two steps, each step costing what one
+  mode costs. Its own traits are none of the above (it is never applied itself).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ class Mode:
     exact: bool = False
     swap_back: bool = False
     fuzz_device: str = "npu"
+    schedule: tuple = ()
 
 
 MODES: dict[str, Mode] = {}
@@ -54,7 +60,8 @@ def register(mode: Mode) -> Mode:
 
 for _mode in (Mode("improve_precision", upcast=True), Mode("bit_noise", noise=True),
               Mode("add_noise", noise=True), Mode("change_value", swap_back=True),
-              Mode("no_change", exact=True), Mode("to_cpu", upcast=True, fuzz_device="cpu")):
+              Mode("no_change", exact=True), Mode("to_cpu", upcast=True, fuzz_device="cpu"),
+              Mode("combined", schedule=("improve_precision", "bit_noise"))):
     register(_mode)
 
 #: every pert_mode, in the registry's order (config's accepted values)

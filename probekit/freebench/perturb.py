@@ -261,6 +261,15 @@ class Call:
     #: an in-place / ``out=`` call: the callable its re-runs use (its out-of-place form,
     #: ``state.out_of_place``), else None (the API itself)
     rerun: object = None
+    #: such a call's own API and ``ApiInfo`` (``info`` is then its out-of-place form's), for
+    #: what must name the call the user made (a repro record), else None
+    called: tuple | None = None
+    #: the dtype the call computed in when its outputs do not say it (autocast's, for a call
+    #: with fp32 outputs that ran ATen calls in it: ``autocast.run``), else None
+    compute: object = None
+    #: the autocast dtype in force at the real call (``autocast.in_force``), else None: the
+    #: forward check's guards turn autocast off, a repro record (``repro_record.py``) needs it
+    autocast: object = None
 
 
 @dataclass
@@ -340,6 +349,13 @@ def _to_cpu(call: Call, leaves: list):
     # in_dtype: the dtype the CPU computes in when it differs from the inputs' (fix casts back)
     low = all(x.dtype in LOW_PRECISION for x in leaves if is_float(x))
     return new, (torch.float32 if low else None), None
+
+
+@perturbation("combined")
+def _combined(call: Call, leaves: list):
+    """Never applied itself: the engine runs the modes of its schedule (``modes.py``), one per
+    step; asked directly, it is its schedule's first."""
+    return PERTURBATIONS[MODES["combined"].schedule[0]](call, leaves)
 
 
 @perturbation("bit_noise")

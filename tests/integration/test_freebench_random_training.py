@@ -162,11 +162,6 @@ RANDOM_SITES = {"encoder": ["Functional.multi_head_attention_forward.0", "Functi
 OTHER_SITES = {"conv": ["Functional.relu.0", "Functional.silu.0", "Tensor.__iadd__.0"],
                "moe": ["Torch._grouped_mm.0", "Torch._grouped_mm.1"]}
 
-#: settings whose training is unchanged but where a healthy call is flagged by the current
-#: error model (issue 26, point 1, another branch): an fp32 linear input gradient of GPT-2 at
-#: 1.0-1.1x its threshold (flagged on the base commit 2165914 too)
-ERROR_MODEL = {("gpt2", "fp32", "improve_precision", "backward")}
-
 SETTINGS = [
     ("encoder", "fp32", dict(pert_mode="improve_precision")),
     ("encoder", "fp32", dict(pert_mode="bit_noise")),
@@ -229,8 +224,12 @@ def test_dropout_training_is_bitwise_unchanged_and_its_random_calls_checked(tmp_
         assert cov.loc[site, "calls"] == steps
         if "budget" not in options:
             assert cov.loc[site, "checked"] == steps, cov.loc[site]
-    # healthy: nothing found, dropout on (no_change: the replayed masks are equal bit for bit)
-    if (kind, dtype, options.get("pert_mode"), options.get("fuzz_stage")) in ERROR_MODEL:
-        return
-    assert fb.results.empty, fb.results[["api_name", "output_index", "ratio", "cause"]]
+    # healthy: nothing found, dropout on (no_change: the replayed masks are equal bit for bit);
+    # in bf16, PyTorch's CPU layer_norm backward accumulating in bf16 is real (issue 26:
+    # tests/unit/test_freebench_backward_model.py)
+    rows = fb.results
+    if dtype != "fp32":
+        rows = rows[~(rows["api_name"].str.startswith("Functional.layer_norm.")
+                      & (rows["cause"] == "inaccurate"))]
+    assert rows.empty, rows[["api_name", "output_index", "ratio", "cause"]]
     assert fb._engine.handles == []

@@ -1,9 +1,20 @@
-"""The healthy zoo (issue 19): five architectures nobody here wrote -- GPT-2, LLaMA, BERT, a
-ResNet with BatchNorm and a ViT, from transformers configs, random weights -- trained 2 steps in
-fp32, bf16 and bf16 autocast, forward and backward stage, improve_precision, bit_noise and
-add_noise: no findings at all. Before, the same sweep gave 2252 finding rows over 9918 checked
-calls, 18 of 90 configurations clean (benchmarks/RESULTS.md); the real-bug and synthetic zoos
-(tests/unit/test_freebench_detection.py, _cause.py, _state.py) are still caught."""
+"""The healthy zoo (issues 19 and 26): thirteen models nobody here tuned the verdicts to -- GPT-2,
+LLaMA, BERT, a ResNet with BatchNorm, a ViT (issue 19); Mixtral on its default (``histc`` +
+``torch._grouped_mm``) and eager (``one_hot`` + ``index_add_``) expert paths, T5, Wav2Vec2,
+ConvNeXt, an efficient CNN with squeeze-excite and in-place activations, an LSTM/GRU language
+model (its dropout on: drawn inside torch.lstm / torch.gru, replayed, the training bit for bit
+unchanged) and Qwen2 with grouped-query attention (issue 26) -- from configs with random weights,
+trained 2 steps in fp32, bf16 and bf16 autocast, forward and backward stage, improve_precision,
+bit_noise and add_noise.
+
+No false finding: every fp32 configuration and every sensitivity-mode configuration gives no row.
+What remains is real and named (``REAL_BF16``): PyTorch's CPU bf16 backward kernels of
+layer_norm, batch_norm and the GRU round or accumulate in bf16 what a correct kernel keeps in
+fp32 (the issue's layer_norm weight/bias gradients among them); each is shown to break the
+bound where a round-once fp32 kernel does not (``tests/unit/test_freebench_backward_model.py``).
+Before -> after per architecture: benchmarks/RESULTS.md (``benchmarks/bench_zoo.py``). The
+real-bug zoos (``test_freebench_detection.py``, ``_cause.py``, ``_state.py``,
+``_backward_model.py``) are still caught."""
 import os
 import sys
 
@@ -20,6 +31,14 @@ pytest.importorskip("transformers")
 MODES = [("improve_precision", "forward"), ("bit_noise", "forward"), ("add_noise", "forward"),
          ("improve_precision", "backward"), ("bit_noise", "backward"),
          ("add_noise", "backward")]
+#: real defects of PyTorch's CPU bf16 backward kernels (see the module doc): the only rows a
+#: healthy model may give, in the accuracy modes' backward stage with bf16 computation
+REAL_BF16 = frozenset({"Functional.layer_norm", "Functional.batch_norm", "Torch.gru",
+                       "Torch.lstm"})
+#: zoo models swept with their dropout on: the RNN LM's inter-layer dropout is drawn inside
+#: ``torch.lstm`` / ``torch.gru`` (found by watching the generators, replayed: issue 26 point 3),
+#: and its training must stay bit for bit what it is without the probe
+DROPOUT_ON = ("rnnlm",)
 
 
 @pytest.fixture(autouse=True)
@@ -30,27 +49,51 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def false_findings(fb, setting: str, mode: str, stage: str) -> list:
+    """The rows of a run that are not one of the named real defects."""
+    df = fb.results
+    if df.empty:
+        return []
+    api = df["api_name"].str.rsplit(".", n=2).str[0]
+    real = (api.isin(REAL_BF16) & (df["cause"] == "inaccurate")) if (
+        setting != "fp32" and mode == "improve_precision" and stage == "backward") else \
+        api.isin(())
+    return df[~real][["api_name", "output_index", "ratio", "cause"]].to_dict("records")
+
+
 @pytest.mark.parametrize("kind", ZOO)
-def test_healthy_models_give_no_findings(tmp_path, kind):
-    found = []
+def test_healthy_models_give_no_false_findings(tmp_path, kind):
+    found, real = [], 0
+    dropout = kind in DROPOUT_ON
     for setting in ZOO_DTYPES:
+        if dropout:   # the unprobed run (zoo_model seeds the global generator)
+            plain = zoo_train(zoo_model(kind, setting, dropout=True), kind, setting)
+            plain_rng = torch.get_rng_state()
         for mode, stage in MODES:
             fb = probekit.FreeBench(dump_path=str(tmp_path / f"{setting}_{mode}_{stage}"),
                                     pert_mode=mode, fuzz_stage=stage)
-            losses = zoo_train(zoo_model(kind, setting), kind, setting, probe=fb)
+            losses = zoo_train(zoo_model(kind, setting, dropout=dropout), kind, setting, probe=fb)
             assert all(torch.isfinite(torch.tensor(losses)))
+            if dropout:   # check mode changes nothing, the random stream included
+                assert losses == plain and torch.equal(torch.get_rng_state(), plain_rng), \
+                    (setting, mode, stage)
+                assert "random" not in fb.summary["skipped"], fb.summary
+                assert fb.summary["replayed"] >= 2 * 2, fb.summary   # lstm + gru, 2 steps
             s = fb.summary
-            assert s["checked"] > 40 and "error" not in s["skipped"], (setting, mode, stage, s)
-            if not fb.results.empty:
-                found.append((setting, mode, stage,
-                              fb.results[["api_name", "ratio", "cause"]].to_dict("records")))
+            assert s["checked"] >= 8 and "error" not in s["skipped"], (setting, mode, stage, s)
+            bad = false_findings(fb, setting, mode, stage)
+            if bad:
+                found.append((setting, mode, stage, bad))
+            real += len(fb.results) - len(bad)
+            if setting == "fp32":
+                assert fb.results.empty, (mode, stage, fb.results)
     assert found == []
 
 
 @pytest.mark.parametrize("kind", ZOO_DROPOUT)
 def test_healthy_models_with_dropout_on_give_no_findings(tmp_path, kind):
     """The same sweep with dropout 0.1: the dropouts and the attention with dropout are checked
-    on the replayed random stream (rng.py), every one of them, and nothing is found."""
+    on the replayed random stream (rng.py), every one of them, and nothing false is found."""
     found = []
     for setting in ZOO_DTYPES:
         for mode, stage in MODES:
@@ -62,7 +105,7 @@ def test_healthy_models_with_dropout_on_give_no_findings(tmp_path, kind):
             rnd = cov[cov["api_name"].str.contains("dropout|attention")]
             assert len(rnd) >= 3 and (rnd["checked"] == rnd["calls"]).all(), rnd
             assert s["replayed"] == int(rnd["calls"].sum())     # each one on its own stream
-            if not fb.results.empty:
-                found.append((setting, mode, stage,
-                              fb.results[["api_name", "ratio", "cause"]].to_dict("records")))
+            bad = false_findings(fb, setting, mode, stage)
+            if bad:
+                found.append((setting, mode, stage, bad))
     assert found == []

@@ -1,5 +1,6 @@
 """%%freebench and %freebench_config in a real in-process IPython shell."""
 import json
+import os
 import re
 
 import pytest
@@ -378,3 +379,18 @@ def test_module_option_scopes_the_cell_to_a_module(ip):
         run(ip, "--module 1.fc --model net", cell)
     with pytest.raises(UsageError, match=r"--model: 'nope' is not valid"):
         run(ip, "--module 1 --model nope", cell)
+
+
+def test_findings_table_gives_each_recorded_finding_its_repro_command(ip):
+    # issue 30: the subtraction of energy() cancels (ill-conditioned); the session recorded its
+    # call, so the table shows the command writing its standalone repro, and it works
+    cap = run(ip, "--pert-mode bit_noise -o fb")
+    html = cap.outputs[0].data["text/html"]
+    assert ">repro<" in html and "fb.repro(&#x27;Tensor.__sub__.0.forward&#x27;)" in html
+    ip.run_cell("r = fb.repro('Tensor.__sub__.0.forward')")
+    r = ip.user_ns["r"]
+    assert r.defect and r.results[0]["verdict"] == "ill-conditioned"
+    assert os.path.isfile(r.script) and r.path == os.path.realpath(os.path.join(
+        ip.user_ns["fb"].config.dump_path, "repro", "Tensor.__sub__.0.forward.rank0"))
+    assert "repro (a script needing only torch): fb.repro('Tensor.__sub__.0.forward')" in repr(
+        Findings.of(ip.user_ns["fb"], cells={}, name="fb"))

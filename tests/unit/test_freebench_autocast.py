@@ -99,3 +99,27 @@ def test_fix_under_autocast_keeps_the_callers_dtype(tmp_path):
     exact = F.linear(x.double(), lin.weight.double(), lin.bias.double()).to(bf16)
     assert torch.equal(y, exact)                # computed in fp64, rounded to bf16
     assert fb.summary["checked"] == 1
+
+
+def test_call_with_fp32_outputs_that_computed_in_bf16_is_judged_in_bf16(tmp_path):
+    """``torch.gru`` has no autocast rule of its own: on fp32 inputs under bf16 autocast its gate
+    GEMMs run in bf16 (autocast's linear) while its recurrence adds fp32 state, so its outputs
+    are fp32 with bf16 errors. Judged against an fp32 bound it was flagged at ~5000x (issue 26,
+    i26b's leftover); its ATen calls are watched at the signature's first call
+    (``autocast.run``), it is judged in bf16 and nothing is found. A call that does compute in
+    fp32 under autocast (softmax) is still judged in fp32."""
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(32, 32, num_layers=2, batch_first=True)
+    x = torch.randn(2, 12, 32, generator=gen())
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")
+    for _ in range(2):
+        with fb, torch.autocast("cpu", dtype=bf16):
+            y, _ = gru(x)
+            torch.softmax(y, -1)
+        fb.step()
+    assert y.dtype == torch.float32
+    assert fb.results.empty, fb.results[["api_name", "ratio", "cause"]]
+    assert fb.summary["checked"] == 4
+    seen = fb._engine.inner_dtypes
+    assert {k[0]: v for k, v in seen.items()} == {"gru": True, "softmax": False}
+    assert all(k[2] == bf16 for k in seen)

@@ -372,3 +372,30 @@ a + b              # a deferred check, never gathered by the script
     subprocess.run([sys.executable, "-c", script], check=True)
     rows = (tmp_path / "free_benchmark.csv").read_text().splitlines()[1:]
     assert [r.split(",")[3] for r in rows] == ["0", "1"]     # the step column
+
+
+def test_inconclusive_verdict_redone_at_once_is_confirmed_and_explained_in_its_step(tmp_path):
+    """A resolved verdict is judged like any other -- a row only once the float64 analysis
+    confirms it -- and on the CPU it is resolved while the call's inputs exist, so it is explained
+    then, not left in fb.hotspots as 'pending' for a next run that may never come. Step 0: a clean
+    fp32 layer_norm backward (the site's exact check, no cause needed). Step 1, the same site in
+    bf16 with masked rows (input gradient and its S both 0: the fast check's 0/0 is
+    inconclusive): redone exactly at once, and the bf16-accumulated weight and bias gradients
+    (PyTorch's CPU kernel) are confirmed inaccurate in that step."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.rand(64, generator=g) + 0.5, torch.randn(64, generator=g)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision",
+                   fuzz_stage="backward", list=["layer_norm"])
+    for dt, rows in ((torch.float32, 8), (torch.bfloat16, 4096)):
+        x = torch.randn(rows, 64, generator=g).to(dt).requires_grad_(True)
+        go = torch.randn(rows, 64, generator=g)
+        go[: rows // 4] = 0
+        ww, bb = w.to(dt).requires_grad_(True), b.to(dt).requires_grad_(True)
+        with fb:
+            torch.nn.functional.layer_norm(x, (64,), ww, bb).backward(go.to(dt))
+        fb.step()
+    df = fb.results
+    assert df[["step", "output_index", "cause"]].to_dict("records") == [
+        {"step": 1, "output_index": i, "cause": "inaccurate"} for i in (2, 3)]
+    assert fb.summary["inconclusive"] >= 1
+    assert "pending" not in set(fb.hotspots["cause"]), fb.hotspots

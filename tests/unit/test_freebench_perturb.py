@@ -195,7 +195,8 @@ def test_change_value_rules():
 
 def test_registry_rejects_duplicates():
     assert set(perturb.PERTURBATIONS) == {"improve_precision", "bit_noise", "add_noise",
-                                          "change_value", "no_change", "to_cpu"}
+                                          "change_value", "no_change", "to_cpu",
+                                          "combined"}
     with pytest.raises(ValueError, match="registered twice"):
         perturb.perturbation("bit_noise")(lambda call, leaves: None)
 
@@ -208,7 +209,7 @@ def test_every_mode_leaves_inputs_and_rng_alone(mode, dtype):
     before_x, before_w = x.clone(), w.detach().clone()
     rng = torch.get_rng_state()
     call = perturb.Call(names.classify(torch.exp), (x,), {})
-    if mode == "improve_precision" and dtype == torch.float64:
+    if mode in ("improve_precision", "combined") and dtype == torch.float64:
         with pytest.raises(perturb.Cancel):
             perturb.apply(mode, call)
     else:
@@ -231,11 +232,12 @@ def test_every_mode_has_traits_and_a_perturbation():
     assert config.PERT_MODES == modes.PERT_MODES == tuple(modes.MODES)
     assert modes.FIX_PERT_MODES == ("improve_precision", "to_cpu")
     assert [m for m, t in modes.MODES.items() if t.noise] == ["bit_noise", "add_noise"]
-    # the threshold rule reads the traits: exact -> 0, upcast -> 16 u, the others -> sqrt(u)
+    # the threshold rule reads the traits: exact -> 0, upcast -> c u (c = 2, plus the call's
+    # accumulation term), the others -> sqrt(u)
     fb = config.FreeBenchmarkConfig()
     assert handlers.threshold(fb, "no_change", torch.float32) == 0.0
     assert handlers.threshold(fb, "bit_noise", torch.float16) == 2.0 ** -5.5
-    assert handlers.threshold(fb, "improve_precision", torch.float16) == 16 * 2.0 ** -11
+    assert handlers.threshold(fb, "improve_precision", torch.float16) == 2 * 2.0 ** -11
     with pytest.raises(ValueError, match="no entry in modes.MODES"):
         perturb.perturbation("made_up")(lambda call, leaves: (leaves, None, None))
     with pytest.raises(ValueError, match="registered twice"):
