@@ -60,15 +60,16 @@ def _figure_class():
             def _ipython_display_(self):
                 import io
 
-                from IPython.display import Image, display
                 from matplotlib import pyplot as plt
                 from matplotlib._pylab_helpers import Gcf
+
+                from .notebook.display import show_png
 
                 if any(m.canvas.figure is self for m in Gcf.get_all_fig_managers()):
                     plt.close(self)
                 buf = io.BytesIO()
                 self.savefig(buf, format="png", bbox_inches="tight")
-                display(Image(data=buf.getvalue(), format="png"))
+                show_png(buf.getvalue())
 
         _FIGURE_CLASS = PlotFigure
     return _FIGURE_CLASS
@@ -397,7 +398,7 @@ def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_st
 # -- free benchmark ---------------------------------------------------------------------------
 
 def _steps_label(steps) -> str:
-    from .freebench.view import step_ranges
+    from .freebench.report.view import step_ranges
 
     if list(steps) == [0]:
         return ""
@@ -410,7 +411,7 @@ def findings(results, *, ax=None, top: int = 15):
     Rows of the same API call over several steps are merged (``merged_findings``: the worst is
     drawn, its steps named). NaN/Inf findings are drawn as hatched bars at the right edge.
     """
-    from .freebench.view import merged_findings
+    from .freebench.report.view import merged_findings
 
     merged = merged_findings(results)
     n_all = len(merged)

@@ -342,11 +342,7 @@ def _cell_sites() -> dict:
     if "IPython" not in sys.modules:
         return {}
     try:
-        from IPython import get_ipython
-
-        if get_ipython() is None:
-            return {}
-        from .notebook.display import cell_sites
+        from .notebook.display import cell_sites  # {} when no IPython shell is running
 
         return cell_sites()
     except Exception:  # a display nicety: never fail the report over it
@@ -387,9 +383,9 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
     import pandas as pd
 
     from .config import FUZZ_STAGES, PERT_MODES, ConfigError
-    from .freebench.modes import MODES
+    from .freebench.perturb.modes import MODES
     from .freebench import FreeBench
-    from .freebench.results import COLUMNS
+    from .freebench.report.results import COLUMNS
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "

@@ -35,11 +35,12 @@ import math
 
 import torch
 
-from ..log import get_logger
-from . import cause, handlers, perturb, scales
+from ...log import get_logger
+from . import cause, handlers, scales
+from ..perturb import perturb
 from .deferred import OutMeta, Pending
 from .guards import modes_off
-from .names import call_site
+from ..names import call_site
 from .scales import TENSOR
 
 log = get_logger("probekit.freebench")
@@ -135,7 +136,7 @@ class Judging:
     def set_mode(self, name: str) -> None:
         """Run ``name``'s perturbation from now on (a combined mode's schedule, one mode per
         step: ``Engine.next_step``, after the step's verdicts were gathered)."""
-        from .modes import MODES
+        from ..perturb.modes import MODES
 
         self.mode_name, self.mode = name, MODES[name]
         self.upcast_mode = self.mode.upcast

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from .metric import combine as _combine
-from .modes import MODES
-from .names import ELEMENTWISE
+from ..judge.metric import combine as _combine
+from ..perturb.modes import MODES
+from ..names import ELEMENTWISE
 
 #: output elements per block (4 MiB of float64)
 BLOCK = 1 << 19

@@ -19,17 +19,17 @@ import weakref
 
 import torch
 
-from ..config import Config, ConfigError, config_for
-from ..dist import get_rank, rank_selected
-from ..log import Once, ensure_handler, get_logger
+from ...config import Config, ConfigError, config_for
+from ...dist import get_rank, rank_selected
+from ...log import Once, ensure_handler, get_logger
 from . import coverage
-from . import results as _results
+from ..report import results as _results
 from .compiled import MESSAGE as COMPILED_MESSAGE
 from .compiled import CompileGuard, CompiledModelError, is_compiled_module
-from .intercept import Engine, make_mode
+from ..engine.intercept import Engine, make_mode
 from .modules import ModuleScope
-from .repro_record import Recorder
-from .view import Findings, Summary, summary_line
+from ..repro.record import Recorder
+from ..report.view import Findings, Summary, summary_line
 
 log = get_logger("probekit.freebench")
 
@@ -62,7 +62,7 @@ class FreeBench:
         self._rows: list[dict] = []
         self._sink = _results.CsvSink(self.config.dump_path)
         self._engine = Engine(self.config, self._emit, get_rank())
-        # a confirmed finding's call is saved for fb.repro (repro_record.py)
+        # a confirmed finding's call is saved for fb.repro (repro/record.py)
         self._engine.repro_capture = Recorder(self._engine, self.config.dump_path)
         self._mode = None
         self._opt_handles: list = []
@@ -265,9 +265,9 @@ class FreeBench:
         ``results``, its position there, or its ``api_name``; ``out``: the folder (default
         ``{dump_path}/repro/{api_name}.rank{r}``); ``shrink``: make the inputs smaller while
         the finding still reproduces; ``check``: also run the script in a fresh Python.
-        Uses the record the session saved when it confirmed the finding (``repro_record.py``),
+        Uses the record the session saved when it confirmed the finding (``repro/record.py``),
         so ``probekit freebench repro DUMP ROW`` does the same from the dump folder alone."""
-        from . import repro
+        from ..repro import folder as repro
 
         self._gather()
         return repro.for_row(self.config.dump_path, row, out, results=self.results,

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..log import get_logger
+from ...log import get_logger
 from .metric import combine as _combine
 from .metric import device_stats, fast_error, stats_from
 

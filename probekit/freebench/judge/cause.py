@@ -41,7 +41,8 @@ import math
 
 import torch
 
-from . import handlers, magnitudes, perturb, scales
+from . import handlers, magnitudes, scales
+from ..perturb import perturb
 from .metric import CHUNK, _chunks
 
 INACCURATE = "inaccurate"

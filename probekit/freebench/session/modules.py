@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 
-from ..config import ConfigError
+from ...config import ConfigError
 
 
 def close_names(name: str, names, n: int = 5) -> list[str]:

@@ -31,8 +31,8 @@ import math
 
 import torch
 
-from .modes import MODES
-from .names import ELEMENTWISE, MISSING, parameters
+from ..perturb.modes import MODES
+from ..names import ELEMENTWISE, MISSING, parameters
 
 #: the model's margin: one bound for the kernel, one for the re-run (the fp32 re-run of a 16-bit
 #: call is itself a correct fp32 computation)

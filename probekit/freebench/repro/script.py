@@ -2,7 +2,7 @@
 
 A script is constants (the case: stage, the judged outputs and their bounds, the inputs' layout
 and how each is obtained), the call written as the training made it (``call_source``), the
-measuring functions copied from ``repro_helpers.py`` (the code probekit itself runs to check
+measuring functions copied from ``repro/helpers.py`` (the code probekit itself runs to check
 it), and a ``main`` that loads ``inputs.pt`` beside it, measures, prints the kernel's error against
 a float64 recomputation in units of the dtype's ``u`` and against the bound the free benchmark
 judged with, and exits 1 while the defect is present (0 when not, 2 when it cannot run).
@@ -14,13 +14,13 @@ import os
 import pprint
 import textwrap
 
-from . import repro_helpers
+from . import helpers as repro_helpers
 
 MARKER = "# -- standalone"
 
 
 def helpers_source() -> str:
-    """``repro_helpers.py`` from its standalone marker on (imports and functions)."""
+    """``repro/helpers.py`` from its standalone marker on (imports and functions)."""
     path = os.path.splitext(repro_helpers.__file__)[0] + ".py"
     with open(path, encoding="utf-8") as fh:
         text = fh.read()

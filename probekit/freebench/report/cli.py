@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..commands import command
+from ...commands import command
 from . import results
 
 
@@ -50,7 +50,7 @@ def report(args) -> int:
     print(ranked[cols].head(args.top).to_string(index=False))
     dump = args.path if os.path.isdir(args.path) else os.path.dirname(args.path) or "."
     if "rank" in df.columns and os.path.isdir(os.path.join(dump, "repro", "records")):
-        from .repro_record import record_path
+        from ..repro.record import record_path
 
         first = next((r for _, r in ranked.iterrows()
                       if os.path.isfile(record_path(dump, r["api_name"], int(r["rank"])))), None)
@@ -78,7 +78,7 @@ def _repro_args(p) -> None:
 @command("freebench", "repro", "write a finding as a standalone repro folder (repro.py needs only "
          "torch; REPORT.md)")
 def repro(args) -> int:
-    from . import repro as _repro
+    from ..repro import folder as _repro
 
     df = load(args.path)
     dump = args.path if os.path.isdir(args.path) else os.path.dirname(args.path) or "."

@@ -17,14 +17,14 @@ folder holding
 * ``REPORT.md``: the issue text: versions, the minimal script, expected vs actual.
 
 Both read the call from the **repro record** the session saved when it confirmed the finding
-(``repro_record.py``: ``{dump_path}/repro/records/``), so a dump folder on disk is enough. A
+(``repro/record.py``: ``{dump_path}/repro/records/``), so a dump folder on disk is enough. A
 record holds a call site's first confirmed finding; the rows of later steps at the same call site
 share it.
 
 Writing a folder: the record's inputs are rebuilt (saved or generated), the bound is rebuilt
 with ``scales.judge`` for their shapes and the finding is checked to reproduce with the session's
 own analysis (``cause.analyse``); with ``shrink=True`` the inputs are made smaller while it still
-reproduces (``repro_shrink.py``); ``S`` and the bound's coefficients come from ``cause``'s
+reproduces (``repro/shrink.py``); ``S`` and the bound's coefficients come from ``cause``'s
 functions (the coefficients read off ``cause.Score.bound`` itself); then the script is written,
 and run in-process (its own code) for the numbers of ``REPORT.md``. ``check=True`` also runs it in
 a fresh, isolated Python (``-I``: no probekit on its path).
@@ -44,12 +44,15 @@ import sys
 
 import torch
 
-from ..atomic import atomic_write
-from ..errors import ReproError
-from ..paths import safe_join
-from . import cause, perturb, repro_helpers, repro_record, repro_script, repro_shrink, scales
-from .guards import modes_off, no_autocast
-from .judging import Judging
+from ...atomic import atomic_write
+from ...errors import ReproError
+from ...paths import safe_join
+from ..judge import cause, scales
+from ..judge.guards import modes_off, no_autocast
+from ..judge.judging import Judging
+from ..perturb import perturb
+from . import helpers as repro_helpers, record as repro_record
+from . import script as repro_script, shrink as repro_shrink
 
 SCRIPT, DATA, REPORT = "repro.py", "inputs.pt", "REPORT.md"
 
@@ -499,8 +502,8 @@ def of_call(func, *args, out, stage: str = "forward", grad=None, judged=None,
     floating inputs that require grad, with upstream gradient ``grad`` (default: ones) through
     the first floating output; ``judged``: the output indices (forward; default: every floating
     output) or input positions (backward) to judge. Judged as ``pert_mode`` judges."""
-    from ..config import make_config
-    from .names import classify
+    from ...config import make_config
+    from ..names import classify
 
     if stage not in ("forward", "backward"):
         raise ReproError(f"stage: {stage!r} is not valid; accepted: 'forward', 'backward'")

@@ -35,7 +35,8 @@ import sys
 
 import torch
 
-from . import names, perturb
+from .. import names
+from ..perturb import perturb
 
 
 class Writes:

@@ -1,5 +1,5 @@
 """The measuring part of a repro script, standalone: it imports nothing but torch and the standard
-library, and ``repro_script.py`` copies this file's source (from ``# -- standalone``) into every
+library, and ``repro/script.py`` copies this file's source (from ``# -- standalone``) into every
 script it writes. probekit imports the same functions to build a script's inputs and to run a
 script's checks in-process, so a script measures with the code probekit checked it with.
 
@@ -91,7 +91,7 @@ def generate(spec: dict):
     return flat.to(dtype)
 
 
-# -- the one-ulp nudges (probekit.freebench.perturb's, applied as cause.py applies them) -------
+# -- the one-ulp nudges (probekit.freebench.perturb.perturb's, applied as cause.py applies them)
 def add_noise(t):
     """Every element with ``|x|`` >= the smallest normal moved one ulp towards +inf."""
     c = 1.0 - torch.finfo(t.dtype).eps / 2

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .guards import modes_off
+from ..judge.guards import modes_off
 
 LOW = (torch.float16, torch.bfloat16)
 
@@ -77,7 +77,7 @@ def run(seen: dict, name: str, func, args: tuple, kwargs: dict, leaves: list):
         out = func(*args, **kwargs)
     if not inner:
         return out, None
-    from .handlers import float_outputs
+    from ..judge.handlers import float_outputs
 
     with modes_off():
         outs = float_outputs(out)
@@ -160,7 +160,7 @@ def fix_dtype(func, args: tuple, kwargs: dict, leaves: list):
         return None
     with torch.no_grad():
         out = func(*args, **kwargs)
-    from .handlers import float_outputs
+    from ..judge.handlers import float_outputs
 
     outs = float_outputs(out)
     return outs[0][1].dtype if outs else None

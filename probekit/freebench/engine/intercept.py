@@ -21,17 +21,18 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..log import Once, get_logger
-from . import autocast, blocks, cause, handlers, perturb, rng, scales, state
+from ...log import Once, get_logger
+from . import autocast, blocks, rng, state
+from ..judge import cause, handlers, scales
+from ..perturb import perturb
 from .backward import watch
 from .budget import Budget, Coverage
-from .deferred import Verdicts, combine
-from .guards import modes_off, no_autocast, quiet
-from .judging import Judging
-from .modes import MODES
-from . import names
-from .names import (PROPERTY, REASONS, Classifier, dynamic_skip, operator_key,
-                    random_draw)
+from ..judge.deferred import Verdicts, combine
+from ..judge.guards import modes_off, no_autocast, quiet
+from ..judge.judging import Judging
+from ..perturb.modes import MODES
+from .. import names
+from ..names import PROPERTY, REASONS, Classifier, dynamic_skip, operator_key, random_draw
 from .preheat import Preheat
 
 log = get_logger("probekit.freebench")

@@ -2,7 +2,7 @@
 
 The session saves one when the float64 analysis (``cause.py``) confirms a finding while the
 call's inputs exist -- once per call site (a site is analysed once), from the engine's
-``_explain`` (``Recorder``). ``repro.py`` turns a record into a standalone folder, in the session
+``_explain`` (``Recorder``). ``folder.py`` turns a record into a standalone folder, in the session
 (``fb.repro(row)``) or later from the dump folder alone (``probekit freebench repro DUMP ROW``).
 
 What a record holds (``capture``):
@@ -20,7 +20,7 @@ What a record holds (``capture``):
   reproduce with the generated inputs (the same ``cause`` analysis); if not, the inputs are
   saved after all up to ``FALLBACK_LIMIT``, else the record says it did not reproduce;
 * each confirmed output's cause, dtype, shape and the ``Judge`` it was judged with (family,
-  reduction length, the dtype, the configured threshold), from which ``repro.py`` rebuilds the
+  reduction length, the dtype, the configured threshold), from which ``folder.py`` rebuilds the
   bound with ``scales.judge``; the outputs the run computed, when small (``EXPECTED_LIMIT``);
 * the environment where it was found (torch version and build, CPU capability, device,
   threads, Python, platform).
@@ -41,13 +41,17 @@ import platform
 
 import torch
 
-from ..atomic import atomic_write
-from ..errors import ReproError
-from ..log import Once, get_logger
-from ..paths import safe_join, safe_name
-from . import cause, handlers, names, perturb, repro_helpers, state
-from .guards import modes_off, no_autocast
-from .judging import Judging
+from ...atomic import atomic_write
+from ...errors import ReproError
+from ...log import Once, get_logger
+from ...paths import safe_join, safe_name
+from ..judge import cause, handlers
+from .. import names
+from ..perturb import perturb
+from . import helpers as repro_helpers
+from ..engine import state
+from ..judge.guards import modes_off, no_autocast
+from ..judge.judging import Judging
 
 log = get_logger("probekit.freebench")
 
@@ -263,7 +267,7 @@ def environment(device: str = "cpu") -> dict:
 # -- capture ----------------------------------------------------------------------------------------
 def judge_entry(index, o, desc, why, fb, plan=None) -> dict:
     """A confirmed output's cause and the ``Judge`` it was judged with (``scales.judge``'s
-    arguments, so ``repro.py`` can rebuild it for other shapes)."""
+    arguments, so ``folder.py`` can rebuild it for other shapes)."""
     j = desc[7] if len(desc) > 7 and desc[7] is not None else cause.judge_of(desc)
     judged = desc[6]
     formula_ok = True

@@ -13,7 +13,7 @@ import csv
 import io
 import os
 
-from ..log import get_logger
+from ...log import get_logger
 
 log = get_logger(__name__)
 

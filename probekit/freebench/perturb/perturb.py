@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from . import names
+from .. import names
 from .modes import MODES
 
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
@@ -268,7 +268,7 @@ class Call:
     #: with fp32 outputs that ran ATen calls in it: ``autocast.run``), else None
     compute: object = None
     #: the autocast dtype in force at the real call (``autocast.in_force``), else None: the
-    #: forward check's guards turn autocast off, a repro record (``repro_record.py``) needs it
+    #: forward check's guards turn autocast off, a repro record (``repro/record.py``) needs it
     autocast: object = None
 
 

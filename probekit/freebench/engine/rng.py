@@ -65,9 +65,9 @@ from __future__ import annotations
 
 import torch
 
-from . import names
-from .modes import MODES
-from .perturb import Cancel
+from .. import names
+from ..perturb.modes import MODES
+from ..perturb.perturb import Cancel
 
 #: why a call's draws cannot be replayed (the log line and ``fb.coverage``'s ``reason``)
 WHY = {

@@ -37,11 +37,13 @@ import time
 
 import torch
 
-from . import autocast, blocks, cause, handlers, perturb, realgrad, scales, state
-from .deferred import combine
-from .guards import modes_off, no_autocast
-from .metric import device_stats
-from .names import call_site
+from . import autocast, blocks, realgrad, state
+from ..judge import cause, handlers, scales
+from ..perturb import perturb
+from ..judge.deferred import combine
+from ..judge.guards import modes_off, no_autocast
+from ..judge.metric import device_stats
+from ..names import call_site
 
 
 def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None, verdicts=None,
