@@ -34,7 +34,7 @@ log = get_logger(__name__)
 #: task -> "module:factory" of the feature implementing it
 FEATURES = {
     "free_benchmark": "probekit.freebench.session.bench:open_session",
-    "grad_probe": "probekit.grads.task:open_session",
+    "grad_probe": "probekit.grads.record.task:open_session",
 }
 
 

@@ -163,14 +163,14 @@ def _step_ticks(ax, steps):
 
 def _step0_threshold(cmp) -> float:
     """The comparison's step-0 threshold (its attribute; the comparison's default otherwise)."""
-    from .grads.compare import STEP0_THRESHOLD
+    from .grads.compare.compare import STEP0_THRESHOLD
 
     return float(cmp.attrs.get("step0_threshold", STEP0_THRESHOLD))
 
 
 def _judged(cmp):
     """(the similarity variable flags are judged on, its axis label): the one number shown."""
-    from .grads.verdict import judged_name
+    from .grads.compare.verdict import judged_name
 
     name = judged_name(cmp)
     label = ("share of equal gradient signs (significant elements)"
@@ -286,7 +286,7 @@ def total_similarity(cmp, *, rank=None, ax=None):
     """Element-weighted direction similarity over steps (the one the flags are judged on), one
     line per rank, flags marked; calibrated by a control run, the control's own total is drawn
     dashed and the band it allows shaded."""
-    from .grads.verdict import judged_total_name
+    from .grads.compare.verdict import judged_total_name
 
     ax = _axes(ax, (8, 3.6))
     ranks = [rank] if rank is not None else [int(r) for r in cmp["rank"].values]

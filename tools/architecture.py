@@ -3,6 +3,7 @@ from the import graph (mermaid, which GitHub renders, plus the same edges as tex
 
     python tools/architecture.py            # rewrite docs/architecture.md
     python tools/architecture.py --check    # exit 1 if it is out of date
+    python tools/architecture.py --png docs/img/architecture.png   # the stages as a picture
 
 The graph and the stage order come from tests/unit/test_import_graph.py (``import_graph``,
 ``STAGES``), so the picture is the one the tests hold the code to.
@@ -29,8 +30,8 @@ ROLES = {
         "names": "the API catalogue",
     },
     "probekit.grads": {
-        "record": "GradProbe: hooks -> statistics",
-        "compare": "two runs -> similarity, verdict",
+        "record": "GradProbe: the hooks",
+        "compare": "two runs: similarity",
         "store": "Zarr store, msprobe dumps, readers",
         "numerics": "statistics and sign bits, kernel",
     },
@@ -102,6 +103,10 @@ def render() -> str:
         "An arrow `A --> B` is \"A imports B\"; its number counts the module-level edges",
         "(imports inside functions included). The module tables are in [DESIGN.md](DESIGN.md).",
         "",
+        "![The stages of freebench/ and grads/](img/architecture.png)",
+        "",
+        "(the picture: `python tools/architecture.py --png docs/img/architecture.png`)",
+        "",
         "## Packages",
         "",
         "`probekit/*.py` is the modules directly in `probekit/`, one node: the shared ones the",
@@ -122,7 +127,7 @@ def render() -> str:
     lines += ["```", ""]
     for pkg, layers in g.STAGES.items():
         members, edges = stage_edges(graph, pkg)
-        order = " → ".join(" \\| ".join(layer) for layer in layers)
+        order = " → ".join(" | ".join(layer) for layer in layers)
         folder = pkg.replace(".", "/")
         lines += [
             f"## `{folder}/`",
@@ -155,10 +160,92 @@ def render() -> str:
     return "\n".join(lines)
 
 
+def draw(path: str) -> None:
+    """The stages of freebench/ and grads/ as a PNG: one column per package, a box per stage
+    (its modules inside), top to bottom in import order; an arrow per imported stage, numbered
+    with the module edges it stands for (skipping arrows curve round the right-hand side)."""
+    import textwrap
+
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    g = _graph_module()
+    graph = g.import_graph()
+    fig, axes = plt.subplots(1, len(g.STAGES), figsize=(15, 11.5))
+    for ax, (pkg, layers) in zip(axes, g.STAGES.items()):
+        members, edges = stage_edges(graph, pkg)
+        ax.set_xlim(0, 10)
+        ax.set_ylim(0, 10.6)
+        ax.axis("off")
+        ax.set_title(f"{pkg.replace('.', '/')}/", fontsize=15, fontweight="bold",
+                     family="monospace")
+        box = {}
+        h = min(1.6, 8.8 / len(layers) - 0.2)
+        gap = (10 - h * len(layers)) / len(layers)
+        for i, layer in enumerate(layers):
+            y = 10 - (i + 1) * (h + gap) + gap / 2
+            w = (5.6 - 0.3 * (len(layer) - 1)) / len(layer)
+            for j, s in enumerate(layer):
+                x = 1.3 + j * (w + 0.3)
+                mods = sorted(m for m in members.get(s, []) if m)
+                name = f"{s}/" if mods else f"{s}.py"
+                ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02",
+                                            fc="#e8f0fb", ec="#2b5797", lw=1.4))
+                ax.text(x + 0.12, y + h - 0.12, name, va="top", ha="left", fontsize=11.5,
+                        fontweight="bold", family="monospace")
+                ax.text(x + 0.12, y + h - 0.42, ROLES[pkg][s], va="top", ha="left",
+                        fontsize=9, style="italic", color="#333333")
+                body = textwrap.fill(", ".join(mods), width=int(w * 9.3))
+                ax.text(x + 0.12, y + h - 0.68, body, va="top", ha="left", fontsize=8,
+                        family="monospace", color="#444444", linespacing=1.25)
+                box[s] = (x, y, w, h, i, j == len(layer) - 1)
+        order = sorted(((a, b, n) for (a, b), n in edges.items()),
+                       key=lambda e: (box[e[1]][4] - box[e[0]][4], box[e[0]][4]))
+        skips = [e for e in order if box[e[1]][4] - box[e[0]][4] > 1]
+        right = [e for e in skips if box[e[0]][5]]
+        left = [e for e in skips if not box[e[0]][5]]
+        for a, b, n in order:
+            xa, ya, wa, ha, ia, _ = box[a]
+            xb, yb, wb, hb, ib, _ = box[b]
+            if ib - ia == 1:
+                start = (xa + wa / 2, ya)
+                end = (xb + wb / 2 + (xa + wa / 2 - xb - wb / 2) * 0.25, yb + hb)
+                ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14,
+                                             lw=1.3, color="#2b5797"))
+                ax.text((start[0] + end[0]) / 2 + 0.12, (start[1] + end[1]) / 2, str(n),
+                        fontsize=8.5, color="#aa3333", ha="left", va="center")
+                continue
+            if (a, b, n) in right:
+                xr = 7.1 + 2.6 * (right.index((a, b, n)) + 1) / (len(right) + 1)
+                x0, x1 = xa + wa, xb + wb
+            else:
+                xr = 1.1 - 0.9 * (left.index((a, b, n)) + 1) / (len(left) + 1)
+                x0, x1 = xa, xb
+            y0, y1 = ya + ha * 0.3, yb + hb * 0.7
+            ax.plot([x0, xr, xr], [y0, y0, y1], color="#9a9a9a", lw=1.0)
+            ax.add_patch(FancyArrowPatch((xr, y1), (x1, y1), arrowstyle="-|>",
+                                         mutation_scale=12, lw=1.0, color="#9a9a9a"))
+            ax.text(xr + 0.05, (y0 + y1) / 2, str(n), fontsize=8.5, color="#aa3333",
+                    ha="left", va="center")
+    fig.text(0.5, 0.015, "An arrow: the stage imports the one it points at (the number: module "
+             "imports it stands for). No arrow runs upward; peers side by side do not import "
+             "each other. Drawn by tools/architecture.py from tests/unit/test_import_graph.py.",
+             ha="center", fontsize=9.5, wrap=True)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/architecture.md is stale")
+    ap.add_argument("--png", metavar="PATH", help="also draw the stages into this PNG")
     args = ap.parse_args(argv)
+    if args.png:
+        draw(args.png)
+        print(f"wrote {args.png}")
     text = render()
     if args.check:
         with open(DOC, encoding="utf-8") as fh:

@@ -15,7 +15,7 @@ What is an edge ``A -> B``:
 
 What is not an edge, and why:
 
-* the parent packages Python initialises before a submodule (``import probekit.grads.sources``
+* the parent packages Python initialises before a submodule (``import probekit.grads.store``
   runs ``probekit/__init__`` and ``probekit/grads/__init__`` first). A package ``__init__`` that
   imports its submodules would otherwise sit in a circle with every one of them; the order in
   which packages are initialised is Python's, not a dependency a module chose.
@@ -148,13 +148,13 @@ def test_the_graph_sees_imports_inside_functions():
     """The builder itself: edges made only by function-level imports are in the graph."""
     graph = import_graph()
     # compare_grads imports the engine and the readers inside the function
-    assert "probekit.grads.engine" in graph["probekit.grads.compare"]
-    assert "probekit.grads.sources" in graph["probekit.grads.compare"]
-    # `from .grads import cli as _grads_cli` inside build_parser: the submodule, not the package
-    assert "probekit.grads.cli" in graph["probekit.cli"]
+    assert "probekit.grads.compare.engine" in graph["probekit.grads.compare.compare"]
+    assert "probekit.grads.store.sources" in graph["probekit.grads.compare.compare"]
+    # `from .grads.compare import cli as _grads_cli` inside build_parser: the submodule, not the package
+    assert "probekit.grads.compare.cli" in graph["probekit.cli"]
     # the package __init__ imports its submodules; the submodule gets no edge back by itself
-    assert "probekit.grads.recorder" in graph["probekit.grads"]
-    assert "probekit.grads" not in graph["probekit.grads.stats"]
+    assert "probekit.grads.record.recorder" in graph["probekit.grads"]
+    assert "probekit.grads" not in graph["probekit.grads.numerics.stats"]
     assert cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}) == [
         ["a", "b", "c", "a"]]
 
@@ -174,6 +174,7 @@ def test_no_import_cycle():
 STAGES = {
     "probekit.freebench": [("session",), ("report",), ("repro",), ("engine",), ("judge",),
                            ("perturb",), ("names",)],
+    "probekit.grads": [("record", "compare"), ("store",), ("numerics",)],
 }
 
 

@@ -22,7 +22,7 @@ import json
 
 import numpy as np
 
-from .chunks import RawChunks, read_plain
+from ..store.chunks import RawChunks, read_plain
 from .planner import boxes
 
 #: rank groups opened per task of the comparison's graph
@@ -34,11 +34,11 @@ def store_of(source, storage_options=None):
     comparison does not read itself (a Dataset, a dict of them, an msprobe dump)."""
     import os
 
-    from . import msprobe
-    from .restarts import find_store
-    from .storage import location
+    from ..store import msprobe
+    from ..store.restarts import find_store
+    from ..store.storage import location
 
-    from ..errors import GradStoreError
+    from ...errors import GradStoreError
 
     if not isinstance(source, (str, os.PathLike)):
         return None
@@ -55,7 +55,7 @@ def store_of(source, storage_options=None):
 def store_segments(fs, store: str) -> list:
     """``restarts.segments`` of a store (a task of the comparison's graph), the cyclic garbage
     collector held off while every rank group's attributes are parsed."""
-    from .restarts import segments
+    from ..store.restarts import segments
 
     with gc_held():
         return segments(store, fs=fs)
@@ -71,7 +71,7 @@ def open_group(fs, seg, rank: int) -> dict | None:
     """The metadata of rank group ``rank`` of segment ``seg`` (``restarts.Segment``) over the
     segment's steps (see the module docstring); None when its arrays are stored in a way the
     comparison does not read straight."""
-    from .restarts import read_commit, step_rows
+    from ..store.restarts import read_commit, step_rows
 
     group = seg.groups[rank]
     attrs = seg.attrs.get(rank) or {}

@@ -36,11 +36,11 @@ import math
 
 import numpy as np
 
-from ..errors import GradCompareError
-from ..log import get_logger
-from . import geometry
-from .names import canonical_names
-from .sampling import sample_run
+from ...errors import GradCompareError
+from ...log import get_logger
+from ..numerics import geometry
+from ..store.names import canonical_names
+from ..numerics.sampling import sample_run
 from .unmatched import unmatched_text
 
 log = get_logger(__name__)

@@ -13,8 +13,8 @@ import threading
 
 import numpy as np
 
-from . import kernel
-from .chunks import map_rows, read_rows
+from ..numerics import kernel
+from ..store.chunks import map_rows, read_rows
 
 _TLS = threading.local()
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..config import CONTROL_DTYPES, CONTROL_RECIPES
+from ...config import CONTROL_DTYPES, CONTROL_RECIPES
 
 #: dtype names a control accepts, and the wider dtype its operations are computed in
 DTYPES = dict(zip(CONTROL_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
@@ -71,7 +71,7 @@ def default_recipe(dtype: torch.dtype) -> str:
 def parse_control(spec, seed: int = 0) -> ControlSpec:
     """``"bf16"``, ``"fp16"``, ``"fp32"``, optionally ``":autocast"`` / ``":cast"`` / ``":none"``,
     or a ``torch.dtype`` -> ``ControlSpec``; a clear error otherwise."""
-    from ..errors import ConfigError
+    from ...errors import ConfigError
 
     if isinstance(spec, ControlSpec):
         return spec

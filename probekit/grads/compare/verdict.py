@@ -149,7 +149,7 @@ def _stats(runs: dict, result) -> dict:
     """norm and range (max - min) of a run aligned to ``result``'s (rank, step, param). A run of
     one Dataset pairs with every rank of the comparison (``compare.pair_runs``' rule), else rank
     r with rank r."""
-    from .names import canonical_names
+    from ..store.names import canonical_names
 
     ranks = [int(r) for r in result["rank"].values]
     steps = np.asarray(result["step"].values)
@@ -185,7 +185,7 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     all of them at once, then this). Returns a ``GradComparison`` with the
     calibrated ``flag``, ``flag_total``, ``first_step``, ``first_param`` and the variables
     named in ``compare_grads``'s docstring."""
-    from .sources import load_runs
+    from ..store.sources import load_runs
 
     storage = storage_options    # ref, test, controls: paths, Datasets or {rank: Dataset}
     runs_ref = load_runs(ref, storage_options=storage)
@@ -200,7 +200,7 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     d_tt, n_tt = np.nansum(d_t, axis=2), np.nansum(n_t, axis=2)
 
     # signs: the control's allowed share, cell by cell (the envelope of several controls)
-    from ..errors import GradCompareError
+    from ...errors import GradCompareError
 
     p0 = sim_c = p0t = tot_c = None
     for cc in ctrl_cmps:

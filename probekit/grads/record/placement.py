@@ -13,7 +13,7 @@ hold, replicas included (the reader takes a replicated shard once).
 """
 from __future__ import annotations
 
-from ..log import get_logger
+from ...log import get_logger
 
 log = get_logger(__name__)
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 
-from ..log import get_logger
+from ...log import get_logger
 
 log = get_logger(__name__)
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import GradStoreError
+from ...errors import GradStoreError
 from .storage import LOCAL, location
 
 STORE_NAME = "grads.zarr"

@@ -34,10 +34,10 @@ import json
 
 import numpy as np
 
-from ..log import get_logger
+from ...log import get_logger
 from .chunks import bit_reader, bits_variable
-from .sampling import sample_size, samples_in_box
-from .stats import padded_nbytes
+from ..numerics.sampling import sample_size, samples_in_box
+from ..numerics.stats import padded_nbytes
 
 log = get_logger(__name__)
 

@@ -20,16 +20,16 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ..config import ConfigError, config_for, grad_probe_options
-from ..dist import get_rank, rank_selected
-from ..log import Once, ensure_handler, get_logger
-from . import stats as _stats
-from .names import canonical_names
-from .placement import (amax_reducer, ddp_first_rank, dtensor_placement, first_replica,
-                        is_dtensor, local_grad)
+from ...config import ConfigError, config_for, grad_probe_options
+from ...dist import get_rank, rank_selected
+from ...log import Once, ensure_handler, get_logger
+from ..numerics import stats as _stats
+from ..store.names import canonical_names
+from .placement import (
+    amax_reducer, ddp_first_rank, dtensor_placement, first_replica, is_dtensor, local_grad)
 from .rawgrads import BackwardTap
-from .restarts import plan_run
-from .store import GradWriter, layout_key
+from ..store.restarts import plan_run
+from ..store.store import GradWriter, layout_key
 from .summary import ProbeSummary, probe_summary
 
 log = get_logger(__name__)
@@ -645,7 +645,7 @@ class GradProbe:
     # -- results ---------------------------------------------------------------------------
     def dataset(self, chunks=None):
         """The recorded (committed) steps of this rank as an xarray Dataset; flushes first."""
-        from .sources import open_grads
+        from ..store.sources import open_grads
 
         self.flush()
         if self._sharded:  # the whole model from every rank's committed shards
@@ -669,7 +669,7 @@ def _sample_plan(section, places, params, numels):
     k = section.sample if section.grad_level != "L0" else 0
     if not k:
         return None, None
-    from .sampling import samples_in_box
+    from ..numerics.sampling import samples_in_box
 
     sample, nbits = [], []
     for place, p, n in zip(places, params, numels):
@@ -809,7 +809,7 @@ def _agree(store_url: str, decide) -> dict:
 
     import torch.distributed as dist
 
-    from ..errors import GradStoreError
+    from ...errors import GradStoreError
 
     n = _RUNS_STARTED[store_url] = _RUNS_STARTED.get(store_url, 0) + 1
     kv = None

@@ -18,9 +18,9 @@ import re
 
 import numpy as np
 
-from ..errors import MsprobeDumpError
-from .stats import interval_labels, padded_nbytes
-from ..paths import safe_join
+from ...errors import MsprobeDumpError
+from ..numerics.stats import interval_labels, padded_nbytes
+from ...paths import safe_join
 
 SUMMARY_RE = re.compile(r"^grad_summary_(\d+)\.csv$")
 STEP_RE = re.compile(r"^step(\d+)$")

@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from ..atomic import atomic_write, fsync_dir
-from ..errors import GradStoreError
+from ...atomic import atomic_write, fsync_dir
+from ...errors import GradStoreError
 
 #: packages providing the common object-store protocols (fsspec names them in its registry too)
 _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",

@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 
-from ..log import get_logger
-from ..paths import safe_join
+from ...log import get_logger
+from ...paths import safe_join
 from .compare import DROP_THRESHOLD, STEP0_THRESHOLD, compare_grads
 from .unmatched import unmatched
 

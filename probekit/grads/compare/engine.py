@@ -17,8 +17,8 @@ from __future__ import annotations
 import sys
 import time
 
-from ..errors import GradCompareError
-from ..log import in_kernel
+from ...errors import GradCompareError
+from ...log import in_kernel
 
 
 class _Progress:

@@ -50,15 +50,16 @@ from collections import deque
 
 import numpy as np
 
-from ..errors import GradStoreError
-from ..log import get_logger
-from .chunks import (RawChunks, bits_meta, bits_variable, check_rows, plain_meta, read_plain,
-                     set_rows, write_bits_chunk, write_plain_chunk)
+from ...errors import GradStoreError
+from ...log import get_logger
+from .chunks import (
+    RawChunks, bits_meta, bits_variable, check_rows, plain_meta, read_plain, set_rows,
+    write_bits_chunk, write_plain_chunk)
 from .live import LIVE, flush_live
-from .restarts import (COMMIT, STORE_NAME, find_store, group_ranks,
-                       layout_folder, layout_folders, read_commit, runs_of, step_bounds,
-                       step_rows)
-from .stats import HASH_NBYTES, Layout, StepStats, interval_labels
+from .restarts import (
+    COMMIT, STORE_NAME, find_store, group_ranks, layout_folder, layout_folders, read_commit,
+    runs_of, step_bounds, step_rows)
+from ..numerics.stats import HASH_NBYTES, Layout, StepStats, interval_labels
 from .storage import LOCAL, location, zarr_store
 
 log = get_logger(__name__)

@@ -32,7 +32,7 @@ import os
 
 import numpy as np
 
-from ..log import get_logger
+from ...log import get_logger
 
 log = get_logger(__name__)
 

@@ -21,11 +21,11 @@ import threading
 
 import numpy as np
 
-from ..errors import GradCompareError
-from ..log import get_logger
-from .chunks import bit_reader
+from ...errors import GradCompareError
+from ...log import get_logger
+from ..store.chunks import bit_reader
 from .planner import check_sizes, match_params, pair_labels, ranges_text
-from .sampling import CONFIDENCE, stratified_interval, wilson
+from ..numerics.sampling import CONFIDENCE, stratified_interval, wilson
 from .unmatched import unmatched_vars
 
 log = get_logger(__name__)
@@ -85,7 +85,7 @@ def match_samples(a, b) -> tuple:
     """Two Datasets on the same elements: a run that recorded every element's bits, compared
     with a sampled one (``grad_probe.sample``), is sampled the same way (``sampling.subsample``);
     anything else as it is."""
-    from .sampling import subsample
+    from ..numerics.sampling import subsample
 
     ka, kb = int(a.attrs.get("sample", 0) or 0), int(b.attrs.get("sample", 0) or 0)
     if ka and not kb and "direction" in b:
@@ -451,7 +451,7 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
 
     if control is not None:   # the comparisons with the test and each control, then judged
         from .opening import store_of
-        from .sources import load_runs
+        from ..store.sources import load_runs
         from .verdict import calibrate
 
         controls = list(control) if isinstance(control, (list, tuple)) else [control]
@@ -662,7 +662,7 @@ def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, threshol
     then one task per block of steps."""
     import dask
 
-    from .sources import load_runs
+    from ..store.sources import load_runs
 
     runs_a = load_runs(a, storage_options=storage_options)
     runs_b = load_runs(b, storage_options=storage_options)

@@ -27,7 +27,7 @@ import time
 import numpy as np
 from torch.autograd import Variable
 
-from ..log import get_logger
+from ...log import get_logger
 
 log = get_logger(__name__)
 

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from ..errors import GradStoreError
+from ...errors import GradStoreError
 from .storage import LOCAL
 
 _PLAIN_DTYPES = {"bool": np.bool_, "uint8": np.uint8, "int64": np.int64, "float64": np.float64}

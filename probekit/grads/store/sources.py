@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ..log import get_logger
+from ...log import get_logger
 from . import msprobe
 from .assemble import assemble_runs
 from .chunks import JoinedBits, bit_reader, bits_variable

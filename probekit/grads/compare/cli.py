@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-from ..commands import command
+from ...commands import command
 from .compare import DROP_THRESHOLD, STEP0_THRESHOLD
 from .report import PLOTS
 from .unmatched import mostly_unmatched, unmatched, unmatched_text
@@ -118,7 +118,7 @@ def _declare_summary(p):
 
 @command("grads", "summary", "describe a recorded run: ranks, steps, params, last statistics")
 def summary(args) -> int:
-    from .sources import load_runs, without_grad
+    from ..store.sources import load_runs, without_grad
 
     runs = load_runs(args.run, storage_options=args.storage_options)
     for rank, ds in sorted(runs.items()):
@@ -160,7 +160,7 @@ def _declare_export(p):
 
 @command("grads", "export", "write a run in another tool's layout (msprobe's grad dump)")
 def export(args) -> int:
-    from .export import write_grad_dump
+    from ..store.export import write_grad_dump
 
     files = write_grad_dump(args.run, args.output, storage_options=args.storage_options)
     print(f"wrote {len(files)} files under {args.output}")
