@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 import _control_models as cm  # noqa: E402
 
 from probekit.grads import GradProbe, compare_grads  # noqa: E402
-from probekit.grads.verdict import verdict_kind  # noqa: E402
+from probekit.grads.compare.verdict import verdict_kind  # noqa: E402
 
 ONSET = 5
 #: the planted bugs; overflow_inf: the activation overflows to inf instead of saturating
@@ -218,7 +218,7 @@ def cost(args) -> dict:
         model = cm.build("gpt2")
         control_probe = None
         if control:
-            from probekit.grads.control import perturb
+            from probekit.grads.record.control import perturb
 
             control_probe = perturb(model, control)
             control_probe.start()

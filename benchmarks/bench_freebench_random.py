@@ -76,7 +76,7 @@ class _ReplayOff:
     """``rng.plan`` answering None while entered: the call is checked as a deterministic one."""
 
     def __enter__(self):
-        from probekit.freebench import intercept
+        from probekit.freebench.engine import intercept
 
         self.mod, self.plan, self.observe = intercept.rng, intercept.rng.plan, \
             intercept.rng.observe
@@ -148,8 +148,9 @@ def fixed_costs(repeats: int) -> list:
     fast check pays."""
     import timeit
 
-    from probekit.freebench import deferred, metric, rng
-    from probekit.freebench.perturb import flatten
+    from probekit.freebench.judge import deferred, metric
+    from probekit.freebench.engine import rng
+    from probekit.freebench.perturb.perturb import flatten
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)

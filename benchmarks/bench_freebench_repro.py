@@ -56,7 +56,7 @@ def session(rows: int, record: bool):
 
 
 def measure(rows: int, repeats: int) -> dict:
-    from probekit.freebench import repro_record
+    from probekit.freebench.repro import record as repro_record
 
     on, off = [], []
     for _ in range(repeats):

@@ -131,7 +131,7 @@ def main(argv=None) -> None:
     import dask
 
     from probekit.grads import compare_grads
-    from probekit.grads.chunks import bits_meta
+    from probekit.grads.store.chunks import bits_meta
 
     results = []
     for ranks, flush in [(r, f) for r in args.ranks for f in args.flush_every]:

@@ -38,9 +38,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     import sharded_stores as S
     from probekit.grads import segments
-    from probekit.grads.compare import plan_stage
-    from probekit.grads.engine import Session
-    from probekit.grads.opening import store_of
+    from probekit.grads.compare.compare import plan_stage
+    from probekit.grads.compare.engine import Session
+    from probekit.grads.compare.opening import store_of
 
     params = S.llama7b()
     base = args.keep or tempfile.mkdtemp(prefix="probekit_plan_")

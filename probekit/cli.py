@@ -32,8 +32,8 @@ config_check.declare = _args_config_check
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .freebench import cli as _freebench_cli  # noqa: F401  (registers its commands)
-    from .grads import cli as _grads_cli  # noqa: F401
+    from .freebench.report import cli as _freebench_cli  # noqa: F401  (registers its commands)
+    from .grads.compare import cli as _grads_cli  # noqa: F401
     from .mindspore import cli as _mindspore_cli  # noqa: F401  (needs no MindSpore)
 
     parser = argparse.ArgumentParser(prog="probekit", description="find numerical-precision "

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from .atomic import atomic_write
 from .errors import ConfigError
-from .freebench.modes import FIX_PERT_MODES, MODES, PERT_MODES
+from .freebench.perturb.modes import FIX_PERT_MODES, MODES, PERT_MODES
 from .log import get_logger
 
 log = get_logger(__name__)
@@ -48,7 +48,7 @@ CONTROL_DTYPES = ("bf16", "fp16", "fp32")
 CONTROL_RECIPES = ("autocast", "cast", "none")
 THRESHOLD_KEYS = ("float16", "bfloat16", "float32", "other")
 #: no override: every threshold comes from the unit roundoff of the dtype a call computes in
-#: (``probekit/freebench/scales.py``); ``free_benchmark.thresholds`` overrides it per dtype
+#: (``probekit/freebench/judge/scales.py``); ``free_benchmark.thresholds`` overrides it per dtype
 DEFAULT_THRESHOLDS: dict = {}
 
 

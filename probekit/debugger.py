@@ -33,8 +33,8 @@ log = get_logger(__name__)
 
 #: task -> "module:factory" of the feature implementing it
 FEATURES = {
-    "free_benchmark": "probekit.freebench.bench:open_session",
-    "grad_probe": "probekit.grads.task:open_session",
+    "free_benchmark": "probekit.freebench.session.bench:open_session",
+    "grad_probe": "probekit.grads.record.task:open_session",
 }
 
 

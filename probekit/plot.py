@@ -60,15 +60,16 @@ def _figure_class():
             def _ipython_display_(self):
                 import io
 
-                from IPython.display import Image, display
                 from matplotlib import pyplot as plt
                 from matplotlib._pylab_helpers import Gcf
+
+                from .notebook.display import show_png
 
                 if any(m.canvas.figure is self for m in Gcf.get_all_fig_managers()):
                     plt.close(self)
                 buf = io.BytesIO()
                 self.savefig(buf, format="png", bbox_inches="tight")
-                display(Image(data=buf.getvalue(), format="png"))
+                show_png(buf.getvalue())
 
         _FIGURE_CLASS = PlotFigure
     return _FIGURE_CLASS
@@ -162,14 +163,14 @@ def _step_ticks(ax, steps):
 
 def _step0_threshold(cmp) -> float:
     """The comparison's step-0 threshold (its attribute; the comparison's default otherwise)."""
-    from .grads.compare import STEP0_THRESHOLD
+    from .grads.compare.compare import STEP0_THRESHOLD
 
     return float(cmp.attrs.get("step0_threshold", STEP0_THRESHOLD))
 
 
 def _judged(cmp):
     """(the similarity variable flags are judged on, its axis label): the one number shown."""
-    from .grads.verdict import judged_name
+    from .grads.compare.verdict import judged_name
 
     name = judged_name(cmp)
     label = ("share of equal gradient signs (significant elements)"
@@ -285,7 +286,7 @@ def total_similarity(cmp, *, rank=None, ax=None):
     """Element-weighted direction similarity over steps (the one the flags are judged on), one
     line per rank, flags marked; calibrated by a control run, the control's own total is drawn
     dashed and the band it allows shaded."""
-    from .grads.verdict import judged_total_name
+    from .grads.compare.verdict import judged_total_name
 
     ax = _axes(ax, (8, 3.6))
     ranks = [rank] if rank is not None else [int(r) for r in cmp["rank"].values]
@@ -397,7 +398,7 @@ def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_st
 # -- free benchmark ---------------------------------------------------------------------------
 
 def _steps_label(steps) -> str:
-    from .freebench.view import step_ranges
+    from .freebench.report.view import step_ranges
 
     if list(steps) == [0]:
         return ""
@@ -410,7 +411,7 @@ def findings(results, *, ax=None, top: int = 15):
     Rows of the same API call over several steps are merged (``merged_findings``: the worst is
     drawn, its steps named). NaN/Inf findings are drawn as hatched bars at the right edge.
     """
-    from .freebench.view import merged_findings
+    from .freebench.report.view import merged_findings
 
     merged = merged_findings(results)
     n_all = len(merged)

@@ -133,7 +133,7 @@ def scoped_suspects(cmp, model, top: int, up: int):
     """``suspects(cmp, model)`` widened ``up`` levels, merged, the first ``top`` kept."""
     import pandas as pd
 
-    from .grads.suspects import suspects
+    from .grads.compare.suspects import suspects
 
     df = suspects(cmp, model=model)
     rows: dict[str, dict] = {}
@@ -342,11 +342,7 @@ def _cell_sites() -> dict:
     if "IPython" not in sys.modules:
         return {}
     try:
-        from IPython import get_ipython
-
-        if get_ipython() is None:
-            return {}
-        from .notebook.display import cell_sites
+        from .notebook.display import cell_sites  # {} when no IPython shell is running
 
         return cell_sites()
     except Exception:  # a display nicety: never fail the report over it
@@ -387,9 +383,9 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
     import pandas as pd
 
     from .config import FUZZ_STAGES, PERT_MODES, ConfigError
-    from .freebench.modes import MODES
+    from .freebench.perturb.modes import MODES
     from .freebench import FreeBench
-    from .freebench.results import COLUMNS
+    from .freebench.report.results import COLUMNS
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
@@ -409,7 +405,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
     if comparison is None:
         if run_a is None or run_b is None:
             raise TypeError("run_a, run_b: two grad-probe runs are needed (or comparison=)")
-        from .grads.compare import compare_grads
+        from .grads.compare.compare import compare_grads
 
         comparison = compare_grads(run_a, run_b, control=control)
     divergence = _divergence(comparison, rank)
@@ -460,7 +456,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
 
 def _plan(cmp, divergence) -> tuple:
     """(the verdict line or an uncalibrated caveat, why the free benchmark stops or "")."""
-    from .grads.verdict import verdict_line
+    from .grads.compare.verdict import verdict_line
 
     r = divergence["rank"]
     sub = cmp.sel(rank=r) if "rank" in cmp.dims else cmp
@@ -490,7 +486,7 @@ def _divergence(cmp, rank) -> dict:
         from .config import ConfigError
 
         raise ConfigError(f"rank: {rank!r} is not valid; accepted: {ranks}")
-    from .grads.verdict import judged_name, judged_total_name
+    from .grads.compare.verdict import judged_name, judged_total_name
 
     order = [rank] if rank is not None else ranks
     for r in order:

@@ -51,7 +51,7 @@ def run(kind, dump_path):
 
 
 def main():
-    from probekit.freebench import backward
+    from probekit.freebench.engine import backward
 
     real = []
     with_real = backward._BackwardCheck.with_real

@@ -166,7 +166,7 @@ def run(layout, path, probe):
 
 def check_amax(model, layout):
     """placement.amax_reducer (one all-reduce per mesh group) against the gathered gradients."""
-    from probekit.grads.placement import amax_reducer, dtensor_placement
+    from probekit.grads.record.placement import amax_reducer, dtensor_placement
 
     params = [p for p in model.parameters() if p.grad is not None]
     places = [dtensor_placement(p) for p in params]

@@ -108,9 +108,9 @@ def write(path, params: dict, layout: dict, steps, *, seed: int = 0, noise: floa
     model's layout: another world size records into its own layout folder)."""
     import torch
 
-    from probekit.grads.sampling import samples_in_box
-    from probekit.grads.stats import Layout, compute
-    from probekit.grads.store import GradWriter
+    from probekit.grads.numerics.sampling import samples_in_box
+    from probekit.grads.numerics.stats import Layout, compute
+    from probekit.grads.store.store import GradWriter
 
     sharded = any(off is not None for entries in layout.values() for _, off, _ in entries)
     for r, entries in sorted(layout.items()):
@@ -176,8 +176,8 @@ def write_random(path, params: dict, layout: dict, steps: int, *, seed: int = 0,
     import os
     import shutil
 
-    from probekit.grads.stats import Layout, StepStats
-    from probekit.grads.store import GradWriter
+    from probekit.grads.numerics.stats import Layout, StepStats
+    from probekit.grads.store.store import GradWriter
 
     rng = np.random.default_rng(seed)
     sharded = any(off is not None for entries in layout.values() for _, off, _ in entries)

@@ -1,25 +1,30 @@
 """Free benchmark: re-run PyTorch API calls on perturbed inputs and report inconsistent outputs.
 
 ``FreeBench`` is the public entry point; ``PrecisionDebugger(task="free_benchmark")`` uses it too.
-Modules: ``modes`` (what each pert_mode means; torch-free), ``names`` (API naming/classification),
-``intercept`` (the TorchFunctionMode), ``perturb`` (perturbations), ``metric`` (error metric),
-``handlers`` (thresholds, check/fix), ``preheat`` (sampling rule), ``backward`` (gradient
-checks), ``guards`` (modes off, autocast off), ``results`` (CSV, DataFrame), ``view`` (the
-findings view), ``bench`` (``FreeBench``), ``state`` (calls that write state), ``compiled``
-(torch.compile refused), ``coverage`` (zero coverage reported), ``autocast`` (autocast-aware
-noise and fix), ``cause`` (why a finding: inaccurate / ill-conditioned), ``repro`` (a finding as
-a standalone script needing only torch; ``repro_record``, ``repro_script``, ``repro_helpers``,
-``repro_shrink``).
+The sub-packages follow the stages a checked call goes through; each imports only the stages
+listed after it (``tests/unit/test_import_graph.py`` holds the order; docs/architecture.md draws
+it):
 
-The public names load on first access, so ``probekit.freebench.modes`` can be read without
-importing torch (``probekit.config`` does).
+* ``session``: the public session (``FreeBench``), module scope, coverage messages, torch.compile
+  refused;
+* ``report``: findings as rows (CSV, DataFrame), the findings view, ``probekit freebench ...``;
+* ``repro``: a finding as a standalone repro folder (record, script, shrinking, helpers);
+* ``engine``: the ``TorchFunctionMode`` that intercepts calls and runs the checks (forward,
+  backward, autocast, random calls, calls writing state, blocked re-runs, budget, preheat);
+* ``judge``: from a re-run to a verdict (error metric, error model, thresholds, the float64
+  cause analysis, deferred verdicts, guards probekit's own work runs under);
+* ``perturb``: what each ``pert_mode`` means (``modes``, torch-free) and the perturbations;
+* ``names``: the API catalogue (naming and classifying torch callables).
+
+The public names load on first access, so ``probekit.freebench.perturb.modes`` can be read
+without importing torch (``probekit.config`` does).
 """
 from __future__ import annotations
 
 from ..lazy import lazy_exports
 
-_LAZY = {"FreeBench": ".bench", "open_session": ".bench", "COLUMNS": ".results",
-         "CompiledModelError": ".compiled"}
+_LAZY = {"FreeBench": ".session.bench", "open_session": ".session.bench",
+         "COLUMNS": ".report.results", "CompiledModelError": ".session.compiled"}
 __all__ = ["FreeBench", "open_session", "COLUMNS", "CompiledModelError"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

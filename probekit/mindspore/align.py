@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..grads.stats import padded_nbytes
+from ..grads.numerics.stats import padded_nbytes
 
 SUFFIXES = {
     ".gamma": ".weight",
@@ -146,7 +146,7 @@ def _pad_pack(seg: np.ndarray, n: int) -> np.ndarray:
 
 def align_runs(reference, other, mapping=None, transpose="auto") -> dict:
     """{rank: Dataset} of ``other`` aligned to ``reference`` (paths or Datasets), rank by rank."""
-    from ..grads.sources import load_runs
+    from ..grads.store.sources import load_runs
 
     ref, oth = load_runs(reference), load_runs(other)
     shared = sorted(set(ref) & set(oth))
@@ -158,8 +158,8 @@ def align_runs(reference, other, mapping=None, transpose="auto") -> dict:
 def compare_frameworks(reference, other, mapping=None, transpose="auto", **kwargs):
     """``compare_grads`` of a PyTorch run (``reference``) and a MindSpore run (``other``) after
     aligning names and weight layouts; keyword arguments go to ``compare_grads``."""
-    from ..grads.compare import compare_grads
-    from ..grads.sources import load_runs
+    from ..grads.compare.compare import compare_grads
+    from ..grads.store.sources import load_runs
 
     ref = load_runs(reference)
     aligned = align_runs(ref, other, mapping, transpose)

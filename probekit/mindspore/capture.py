@@ -10,7 +10,7 @@ a graph break (``print``, ``asnumpy()``, a call it cannot compile) or a compile 
 lambda, and a ``code_generator.cc ... Transform`` failure with the in-graph (``where="device"``)
 statistics. While that Python runs, the hook rewrites every Python function called meanwhile, on
 any thread: the tap's callbacks, and probekit's statistics under them. That code then crashes the
-process (segmentation fault, exit code 139, in ``probekit/grads/stats.py``).
+process (segmentation fault, exit code 139, in ``probekit/grads/numerics/stats.py``).
 
 The callbacks can tell: their own frame then runs PIJit's rewrite of their code (a code object
 named like ``7I.0R._on_host_grad``), not the code itself, and so does a function they call

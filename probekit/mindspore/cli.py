@@ -6,8 +6,8 @@ import json
 import numpy as np
 
 from ..commands import command
-from ..grads.cli import report_unmatched, unmatched_argument
-from ..grads.report import PLOTS
+from ..grads.compare.cli import report_unmatched, unmatched_argument
+from ..grads.compare.report import PLOTS
 
 
 def _declare_compare(p):
@@ -25,8 +25,8 @@ def _declare_compare(p):
 
 @command("mindspore", "compare", "compare a PyTorch run with a MindSpore run of the same model")
 def compare(args) -> int:
-    from ..grads.report import GradComparator
-    from ..grads.sources import load_runs
+    from ..grads.compare.report import GradComparator
+    from ..grads.store.sources import load_runs
     from .align import align_runs
 
     mapping = None

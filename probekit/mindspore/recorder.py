@@ -31,12 +31,12 @@ check_numpy()  # before MindSpore is imported: numpy 2 beside its numpy-1 wheel
 import mindspore as ms  # noqa: E402
 
 from ..config import ConfigError, config_for, grad_probe_options
-from ..grads import stats as host_stats
-from ..grads.sampling import whole_sample
-from ..grads.stats import Layout, StepStats, padded_nbytes
-from ..grads.restarts import plan_run
-from ..grads.store import GradWriter
-from ..grads.summary import ProbeSummary, probe_summary
+from ..grads.numerics import stats as host_stats
+from ..grads.numerics.sampling import whole_sample
+from ..grads.numerics.stats import Layout, StepStats, padded_nbytes
+from ..grads.store.restarts import plan_run
+from ..grads.store.store import GradWriter
+from ..grads.record.summary import ProbeSummary, probe_summary
 from ..log import Once, ensure_handler, get_logger
 from . import capture as _capture
 from . import graph as _graph
@@ -460,7 +460,7 @@ class GradProbe:
 
     def dataset(self, chunks=None):
         """The recorded (committed) steps of this rank as an xarray Dataset; flushes first."""
-        from ..grads.sources import open_grads
+        from ..grads.store.sources import open_grads
 
         self.flush()
         return open_grads(self.dump_path, rank=get_rank(), chunks=chunks)
@@ -478,8 +478,9 @@ _CODE = {name: getattr(GradProbe, name).__code__
 
 
 def _empty_stats(layout: Layout, section) -> StepStats:
-    """A step's statistics before any parameter arrived (as ``probekit.grads.stats.compute``
-    starts them: no gradient yet, no sign bit, every significance bit set)."""
+    """A step's statistics before any parameter arrived (as
+    ``probekit.grads.numerics.stats.compute`` starts them: no gradient yet, no sign bit, every
+    significance bit set)."""
     p = len(layout.names)
     out = StepStats(present=np.zeros(p, bool), max=np.full(p, np.nan), min=np.full(p, np.nan),
                     norm=np.full(p, np.nan))

@@ -1,12 +1,12 @@
 """Gradient statistics of one optimizer step of a MindSpore model.
 
 Two paths give the same ``StepStats`` (the statistics and byte layout of
-``probekit.grads.stats``, which the store's ``GradWriter`` takes as it is):
+``probekit.grads.numerics.stats``, which the store's ``GradWriter`` takes as it is):
 
 * **host** (MindSpore on the CPU, chosen automatically there): the gradients already are host
   memory, so they are viewed without a copy (``asnumpy`` -> ``torch.from_numpy``) and go through
-  probekit's chunked CPU path (``probekit.grads.stats.compute``), the very code that records
-  PyTorch's CPU gradients. MindSpore's CPU kernels are several times slower than that path.
+  probekit's chunked CPU path (``probekit.grads.numerics.stats.compute``), the very code that
+  records PyTorch's CPU gradients. MindSpore's CPU kernels are several times slower than that path.
 * **device** (Ascend, GPU): ``DeviceStats``, a ``Cell`` of MindSpore ops, computes every
   statistic where the gradients are, and hands back three tensors (statistics, packed bits,
   and at L0 the float32 bytes the MD5 digest is computed from on the host, as msprobe's is).
@@ -34,7 +34,7 @@ check_numpy()  # before MindSpore is imported: numpy 2 beside its numpy-1 wheel
 import mindspore as ms  # noqa: E402
 from mindspore import nn, ops
 
-from ..grads.stats import HASH_NBYTES, Layout, StepStats, hasher, padded_nbytes
+from ..grads.numerics.stats import HASH_NBYTES, Layout, StepStats, hasher, padded_nbytes
 
 _FLOAT_TYPES = None
 ROW = 4096  # elements per float32 row sum of squares (then summed in float64)
@@ -99,7 +99,7 @@ def compute(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
     runs on the CPU (the gradients are already in host memory, and the cache-resident chunked
     pass is several times faster there than MindSpore's CPU kernels), else device.
     ``sample``: per parameter the positions of the elements whose bits are recorded, or None
-    for all (``probekit.grads.sampling``: the elements PyTorch's probe records too).
+    for all (``probekit.grads.numerics.sampling``: the elements PyTorch's probe records too).
     """
     where = resolve_where(where)
     _check(grads, plan.layout)
@@ -132,7 +132,7 @@ def host_view(array: np.ndarray, dtype):
 def compute_host(grads, plan: Plan, level: str, bounds, hash_name: str = "md5",
                  significance: bool = False, sample=None) -> StepStats:
     """The gradients as host arrays (no copy for CPU tensors), through probekit's CPU path."""
-    from ..grads import stats as host_stats
+    from ..grads.numerics import stats as host_stats
 
     if plan.scratch is None:
         plan.scratch = host_stats.Workspace()
@@ -182,7 +182,7 @@ class DeviceStats(nn.Cell):
     def __init__(self, numels, dtypes, level: str, bounds, significance: bool = False, *,
                  modules=None, compiled: bool = False, sample=None) -> None:
         super().__init__()
-        from ..grads.stats import SIGNIFICANCE
+        from ..grads.numerics.stats import SIGNIFICANCE
 
         # the significance scale: the largest finite |g| over each module's gradients
         modules = tuple(range(len(numels))) if modules is None else tuple(int(m) for m in modules)
@@ -197,7 +197,7 @@ class DeviceStats(nn.Cell):
         self.widen = tuple(dt in (ms.float16, ms.bfloat16) for dt in dtypes)  # to float32
         self.unit = tuple(SIGNIFICANCE[_BITS[dt]] * eps(dt) for dt in dtypes)  # threshold unit
         self.nrow = tuple(n // ROW * ROW for n in numels)  # elements summed in float32 rows
-        # sampled bits (probekit.grads.sampling): the sampled elements gathered first
+        # sampled bits (probekit.grads.numerics.sampling): the sampled elements gathered first
         sample = sample if sample is not None else (None,) * len(numels)
         self.sampled = tuple(p is not None for p in sample)
         self.sidx = tuple(ms.Tensor(np.asarray(p, np.int32)) if p is not None

@@ -1,5 +1,5 @@
-"""The findings view in a notebook: the core view (``probekit.freebench.view.Findings``) with
-call sites shown as the notebook cells they are in (``In [5] line 20``) and, for each finding
+"""The findings view in a notebook: the core view (``probekit.freebench.report.view.Findings``)
+with call sites shown as the notebook cells they are in (``In [5] line 20``) and, for each finding
 whose call was recorded, the command that writes its standalone repro (``fb.repro("...")``);
 the ``%%freebench`` magic displays one after the cell ran.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ..freebench import view
+from ..freebench.report import view
 
 
 def cell_sites(shell=None) -> dict:
@@ -21,6 +21,14 @@ def cell_sites(shell=None) -> dict:
     return {os.path.basename(f): f"In [{n}]" for f, n in names.items()}
 
 
+def show_png(data: bytes) -> None:
+    """Display PNG bytes in the running IPython front-end (the core's figures call this from
+    their ``_ipython_display_``, so only the notebook layer imports IPython)."""
+    from IPython.display import Image, display
+
+    display(Image(data=data, format="png"))
+
+
 def readable_site(site, cells: dict) -> str:
     """``"3156476363.py:20"`` -> ``"In [5] line 20"`` when the file is a notebook cell."""
     site = "" if site is None else str(site)
@@ -32,11 +40,11 @@ def readable_site(site, cells: dict) -> str:
 
 def repro_command(dump_path: str | None, row, name: str = "") -> str:
     """``fb.repro("Functional.layer_norm.0.backward")`` for a finding whose call the session
-    recorded in ``dump_path`` (``repro_record.py``), else ``""``; ``name``: the FreeBench's
+    recorded in ``dump_path`` (``repro/record.py``), else ``""``; ``name``: the FreeBench's
     variable (default ``fb``)."""
     if not dump_path:
         return ""
-    from ..freebench.repro_record import record_path
+    from ..freebench.repro.record import record_path
 
     try:
         rank = int(row.get("rank", 0) or 0)

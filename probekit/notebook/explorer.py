@@ -156,7 +156,7 @@ class GradExplorer(w.VBox):
         cols = {}
         cmp = self._cmp()
         if cmp is not None:   # the similarity the flags are judged on, as the plot shows it
-            from ..grads.verdict import judged_name
+            from ..grads.compare.verdict import judged_name
 
             sim = cmp[judged_name(cmp)].sel(param=param).reindex(step=steps)
             cols["similarity"] = sim.values

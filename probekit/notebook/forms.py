@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..grads.msprobe import parse_number
+from ..grads.store.msprobe import parse_number
 from ..config import Config, ConfigError
 
 def describe(config: Config) -> str:

@@ -188,7 +188,7 @@ class FreeBenchMagics(Magics):
         if not args.name.isidentifier():
             raise UsageError(f"-o: {args.name!r} is not valid; accepted: a Python identifier")
         config = self.build_config(args)
-        from ..freebench.bench import FreeBench
+        from ..freebench.session.bench import FreeBench
 
         model = self._model(args, config)
         try:
@@ -284,7 +284,7 @@ def findings_png(bench_or_results, top: int = 25) -> bytes:
     """The findings chart as PNG bytes (no pyplot state involved)."""
     from matplotlib.figure import Figure
 
-    from ..freebench.view import merged_findings
+    from ..freebench.report.view import merged_findings
     from ..plot import findings
 
     n = min(len(merged_findings(bench_or_results)), top)       # one bar per API call

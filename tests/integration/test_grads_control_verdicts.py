@@ -13,7 +13,7 @@ import _control_models as cm
 import probekit
 from probekit.cli import main
 from probekit.grads import GradProbe, compare_grads
-from probekit.grads.verdict import judged_name, verdict_kind
+from probekit.grads.compare.verdict import judged_name, verdict_kind
 
 STEPS, ONSET = 6, 2
 KIND = "gpt2"

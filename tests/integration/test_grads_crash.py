@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from probekit.grads import open_grads
-from probekit.grads.stats import Layout, compute
+from probekit.grads.numerics.stats import Layout, compute
 
 SHAPES = [(300, 400), (1000,), (64, 64, 5)]
 

@@ -9,8 +9,8 @@ import pytest
 import xarray as xr
 
 from probekit.grads import compare_grads
-from probekit.grads.stats import Layout, StepStats
-from probekit.grads.store import GradWriter
+from probekit.grads.numerics.stats import Layout, StepStats
+from probekit.grads.store.store import GradWriter
 
 pytestmark = pytest.mark.slow
 

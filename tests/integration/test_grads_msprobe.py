@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from probekit.grads.msprobe import read_grad_dump
+from probekit.grads.store.msprobe import read_grad_dump
 from probekit.grads import GradProbe, compare_grads, open_grads
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
@@ -123,7 +123,7 @@ def test_identical_similarities_to_msprobes_comparator(runs):
 
 
 def test_msprobe_compares_our_export(runs):
-    from probekit.grads.export import write_grad_dump
+    from probekit.grads.store.export import write_grad_dump
 
     tmp, _ = runs
     write_grad_dump(str(tmp / "pk_a"), str(tmp / "pk_a_ms"))

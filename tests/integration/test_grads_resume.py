@@ -17,9 +17,10 @@ import pytest
 import torch
 import xarray as xr
 
-from probekit.grads import assemble, compare_grads, open_grads
-from probekit.grads.restarts import segments
-from probekit.grads.stats import Layout, compute
+from probekit.grads.store import assemble
+from probekit.grads import compare_grads, open_grads
+from probekit.grads.store.restarts import segments
+from probekit.grads.numerics.stats import Layout, compute
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "_resume_dist.py")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from probekit.grads import GradProbe, compare_grads, open_grads
-from probekit.grads.sampling import subsample
+from probekit.grads.numerics.sampling import subsample
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

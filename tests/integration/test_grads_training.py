@@ -14,8 +14,8 @@ import xarray as xr
 
 import probekit
 from probekit import PrecisionDebugger
-from probekit.grads.export import write_grad_dump
-from probekit.grads.msprobe import read_grad_dump
+from probekit.grads.store.export import write_grad_dump
+from probekit.grads.store.msprobe import read_grad_dump
 from probekit.grads import GradComparator, GradProbe, compare_grads, open_grads
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
@@ -272,7 +272,7 @@ def test_cli_grads(tmp_path):
 def test_stop_leaves_no_probekit_thread(tmp_path, monkeypatch):
     import threading
 
-    from probekit.grads import stats
+    from probekit.grads.numerics import stats
 
     monkeypatch.setattr(stats, "_PARALLEL_MIN", 0)   # split every step over the probe's pool
     model = make_model()

@@ -7,6 +7,7 @@ import glob
 import os
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -32,6 +33,12 @@ def test_the_wheel_installs_probekit_and_its_command_in_a_fresh_venv(tmp_path):
     assert "BuildBackendWarning" not in log  # e.g. the deprecated license table
     wheels = glob.glob(str(tmp_path / "dist" / "*.whl"))
     assert [os.path.basename(w).split("-")[0] for w in wheels] == ["probekit_precision"]
+    # every package of the tree (the stage sub-packages of freebench/ and grads/ too) is in it
+    packages = sorted(os.path.dirname(n) for n in zipfile.ZipFile(wheels[0]).namelist()
+                      if n.endswith("/__init__.py"))
+    tree = sorted(os.path.relpath(os.path.dirname(p), ROOT).replace(os.sep, "/") for p in
+                  glob.glob(os.path.join(ROOT, "probekit", "**", "__init__.py"), recursive=True))
+    assert packages == tree and "probekit/grads/numerics" in tree
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     py = str(venv / "bin" / "python")
@@ -40,7 +47,8 @@ def test_the_wheel_installs_probekit_and_its_command_in_a_fresh_venv(tmp_path):
          wheels[0], TORCH], cwd=str(tmp_path))
     out = run([py, "-c", "import importlib.metadata as m, importlib.util as u, probekit; "
                f"print(probekit.__file__); print(m.version({DIST!r})); "
-               "print(u.find_spec('probekit.grads._kernel') is not None)"], cwd=str(tmp_path))
+               "print(u.find_spec('probekit.grads.numerics._kernel') is not None)"],
+              cwd=str(tmp_path))
     where, version, compiled = out.split()[:3]
     assert where.startswith(str(venv)) and version == probekit.__version__
     assert compiled == "True"  # the C kernel was built into the wheel

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from probekit import PrecisionDebugger, open_grads
-from probekit.grads.msprobe import read_grad_dump
+from probekit.grads.store.msprobe import read_grad_dump
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from msprobe_util import ROOT, run_msprobe  # noqa: E402

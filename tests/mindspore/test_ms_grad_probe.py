@@ -14,7 +14,7 @@ ms = require_mindspore()
 
 import probekit  # noqa: E402
 from probekit.config import ConfigError  # noqa: E402
-from probekit.grads.stats import padded_nbytes  # noqa: E402
+from probekit.grads.numerics.stats import padded_nbytes  # noqa: E402
 from probekit.mindspore import GradProbe, PrecisionDebugger  # noqa: E402
 
 from ms_models import MLP, data, train  # noqa: E402

@@ -16,7 +16,7 @@ from ms_util import require_mindspore
 ms = require_mindspore()
 
 import probekit  # noqa: E402
-from probekit.grads.stats import padded_nbytes  # noqa: E402
+from probekit.grads.numerics.stats import padded_nbytes  # noqa: E402
 from probekit.mindspore import GradProbe, GraphModeError, PrecisionDebugger  # noqa: E402
 
 from ms_models import MLP, MODES, data, graph_mode, make_step, run_steps, train  # noqa: E402

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 import probekit  # noqa: E402
 from probekit.grads import GradProbe as TorchGradProbe  # noqa: E402
-from probekit.grads.sampling import subsample  # noqa: E402
+from probekit.grads.numerics.sampling import subsample  # noqa: E402
 from probekit.mindspore import GradProbe, compare_frameworks  # noqa: E402
 
 from ms_models import MLP, data, graph_mode, make_step, run_steps, train  # noqa: E402

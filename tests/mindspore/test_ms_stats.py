@@ -9,7 +9,7 @@ from ms_util import require_mindspore
 
 ms = require_mindspore()
 
-from probekit.grads.stats import Layout, interval_labels, padded_nbytes  # noqa: E402
+from probekit.grads.numerics.stats import Layout, interval_labels, padded_nbytes  # noqa: E402
 from probekit.mindspore.stats import Plan, compute  # noqa: E402
 
 BOUNDS = (-0.5, 0, 0.25, 1)
@@ -113,7 +113,7 @@ def test_bfloat16_and_auto_path():
 
 
 def significant_ref(x: np.ndarray, unit: float, scale: float) -> np.ndarray:
-    """The significance rule of probekit.grads.stats: |x| > unit * scale, scale the largest
+    """The significance rule of probekit.grads.numerics.stats: |x| > unit * scale, scale the largest
     finite |x| over the module's gradients, compared in float32; a NaN is never significant."""
     a = np.abs(x.reshape(-1).astype(np.float32))
     return a > np.float32(unit * scale)
@@ -129,7 +129,7 @@ def test_significance_bits_by_the_pytorch_rule(where):
     """The significance bits of both paths: the largest finite |x| of the whole gradient (not a
     block's) and of its module ("m.weight" and "m.bias" share one), SIGNIFICANCE[bits] * the
     gradient's own epsilon (bf16/fp16 too), NaN never significant, padding bits set."""
-    from probekit.grads.stats import CHUNK, SIGNIFICANCE
+    from probekit.grads.numerics.stats import CHUNK, SIGNIFICANCE
 
     rng = np.random.default_rng(12)
     big = rng.standard_normal(2 * CHUNK + 1000).astype(np.float32)

@@ -277,7 +277,7 @@ def test_one_error_base():
         cls = getattr(probekit, name)
         assert cls is getattr(errors, name) and issubclass(cls, probekit.ProbekitError)
         assert issubclass(cls, ValueError)
-    from probekit.grads.msprobe import MsprobeDumpError
+    from probekit.grads.store.msprobe import MsprobeDumpError
     from probekit.grads import GradCompareError, GradStoreError
 
     assert (GradStoreError, GradCompareError, MsprobeDumpError) == \
@@ -295,9 +295,9 @@ def test_old_msprobe_import_path_warns_and_works():
     import sys
 
     sys.modules.pop("probekit.compat.msprobe", None)
-    with pytest.warns(DeprecationWarning, match="moved to probekit.grads.msprobe"):
+    with pytest.warns(DeprecationWarning, match="moved to probekit.grads.store.msprobe"):
         old = importlib.import_module("probekit.compat.msprobe")
-    from probekit.grads import export, msprobe
+    from probekit.grads.store import export, msprobe
 
     assert old.read_grad_dump is msprobe.read_grad_dump
     assert old.write_grad_dump is export.write_grad_dump

@@ -45,7 +45,7 @@ def test_scale_invariant(tmp_path):
 
 
 def test_output_index_is_the_input_position(tmp_path, monkeypatch):
-    from probekit.freebench import intercept
+    from probekit.freebench.engine import intercept
 
     torch.manual_seed(0)
     x = torch.randn(3, 8, requires_grad=True)

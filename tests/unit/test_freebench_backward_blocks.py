@@ -5,7 +5,9 @@ import pandas as pd
 import pytest
 import torch
 
-from probekit.freebench import FreeBench, backward, blocks, judging
+from probekit.freebench import FreeBench
+from probekit.freebench.engine import backward, blocks
+from probekit.freebench.judge import judging
 
 F = torch.nn.functional
 

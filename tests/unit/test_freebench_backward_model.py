@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probekit.freebench import FreeBench, magnitudes, scales
+from probekit.freebench import FreeBench
+from probekit.freebench.judge import magnitudes, scales
 
 bf16 = torch.bfloat16
 
@@ -265,7 +266,7 @@ def test_large_formulas_run_in_blocks_with_the_whole_result(monkeypatch):
 
 
 def test_two_term_scale_is_made_chunk_by_chunk():
-    from probekit.freebench import metric
+    from probekit.freebench.judge import metric
 
     g = gen(4)
     o = torch.randn(700_000, generator=g)

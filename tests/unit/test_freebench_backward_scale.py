@@ -101,8 +101,8 @@ def test_fp32_matmul_backward_rounding_on_near_zero_elements_is_not_a_finding(tm
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("n", [1000, (1 << 18) * 3 + 5])
 def test_grad_stats_are_the_metric_of_the_pair(exact, n):
-    from probekit.freebench.backward import grad_stats
-    from probekit.freebench.metric import device_stats
+    from probekit.freebench.engine.backward import grad_stats
+    from probekit.freebench.judge.metric import device_stats
 
     g = gen()
     r = torch.randn(n, generator=g) * torch.logspace(-6, 3, n, dtype=torch.float64).float()
@@ -113,8 +113,8 @@ def test_grad_stats_are_the_metric_of_the_pair(exact, n):
 
 
 def test_grad_stats_of_an_all_zero_gradient():
-    from probekit.freebench.backward import grad_stats
-    from probekit.freebench.metric import fast_error
+    from probekit.freebench.engine.backward import grad_stats
+    from probekit.freebench.judge.metric import fast_error
 
     r = torch.zeros(8)
     q = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0.25])

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 import probekit
 from probekit.config import ConfigError, FreeBenchmarkConfig, make_config
-from probekit.freebench import FreeBench, perturb
-from probekit.freebench.bench import open_session
+from probekit.freebench import FreeBench
+from probekit.freebench.perturb import perturb
+from probekit.freebench.session.bench import open_session
 
 
 A, B = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
@@ -171,7 +172,7 @@ def test_exceptions_are_logged_and_never_disable_later_checks(tmp_path, monkeypa
 
 
 def test_broken_comparison_is_isolated(tmp_path, monkeypatch):
-    from probekit.freebench import deferred
+    from probekit.freebench.judge import deferred
 
     def broken(o, p, floor, exact=False):
         raise ValueError("comparison exploded")

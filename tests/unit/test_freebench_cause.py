@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from probekit.freebench import FreeBench, cause
-from probekit.freebench.metric import compare
+from probekit.freebench import FreeBench
+from probekit.freebench.judge import cause
+from probekit.freebench.judge.metric import compare
 
 bf16, fp16 = torch.bfloat16, torch.float16
 
@@ -102,7 +103,7 @@ def test_overflow_float64_is_finite(tmp_path):
 def test_no_change_findings_are_nondeterministic(tmp_path):
     # CPU torch has no nondeterministic op to re-run; judge two real outputs that differ as a
     # no_change check would see them
-    from probekit.freebench import scales
+    from probekit.freebench.judge import scales
 
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change")
     o = torch.rand(4, generator=gen())
@@ -153,7 +154,8 @@ def test_healthy_fp32_linear_is_neither_flagged_nor_inaccurate(tmp_path):
         fb = probe(tmp_path / mode, mode, lambda: F.linear(x, w, b))
         assert fb.results.empty and fb.hotspots.empty, mode
     # and asked directly, the analysis does not blame the kernel
-    from probekit.freebench import perturb, scales
+    from probekit.freebench.perturb import perturb
+    from probekit.freebench.judge import scales
 
     o = F.linear(x, w, b)
     leaves, spec = perturb.flatten((x, w, b), {})
@@ -248,7 +250,7 @@ def test_the_verdict_follows_the_error_model():
                        False)
     # nothing the float64 recomputation confirms
     assert cause.verdict(0.9, 0.5, s / 2, u, upcast=False) == "unconfirmed"
-    from probekit.freebench.judging import Judging
+    from probekit.freebench.judge.judging import Judging
 
     assert Judging.confirmed("inaccurate") and Judging.confirmed(cause.ILL_CONDITIONED)
     assert not Judging.confirmed(cause.MILD) and not Judging.confirmed("unconfirmed")

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from probekit.freebench import CompiledModelError, FreeBench
-from probekit.freebench.compiled import MESSAGE
+from probekit.freebench.session.compiled import MESSAGE
 
 
 def model_and_input():

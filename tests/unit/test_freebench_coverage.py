@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from probekit.freebench import FreeBench, rng
+from probekit.freebench import FreeBench
+from probekit.freebench.engine import rng
 
 X = torch.randn(4, 8)
 W = torch.randn(8, 8)

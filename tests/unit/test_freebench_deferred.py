@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from probekit.freebench import FreeBench, metric
+from probekit.freebench import FreeBench
+from probekit.freebench.judge import metric
 from probekit.freebench.names import Classifier
 
 
@@ -108,7 +109,7 @@ def test_backward_stage_is_deferred_too(tmp_path):
 
 # -- budget -----------------------------------------------------------------------------------
 def test_budget_window_rotates_over_the_eligible_calls():
-    from probekit.freebench.budget import Budget
+    from probekit.freebench.engine.budget import Budget
 
     b = Budget(0.2)
     seen = []
@@ -123,7 +124,7 @@ def test_budget_window_rotates_over_the_eligible_calls():
 
 
 def test_budget_limit_from_measured_costs():
-    from probekit.freebench.budget import Budget
+    from probekit.freebench.engine.budget import Budget
 
     b = Budget(0.25)
     b.t0 = 0.0
@@ -165,7 +166,7 @@ def test_fast_values_are_the_same_in_chunks(monkeypatch):
 
 
 def test_blocked_rerun_gives_the_whole_tensors_verdict(tmp_path, monkeypatch):
-    from probekit.freebench import blocks
+    from probekit.freebench.engine import blocks
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(64, 48, generator=g) * 4).to(torch.bfloat16)
@@ -218,7 +219,7 @@ def test_blocks_of_row_wise_apis_match_the_whole_call(tmp_path, monkeypatch, cas
     """linear/matmul/bmm/softmax/layer_norm/broadcast element-wise calls checked in blocks of an
     independent dim (the first whose slices fit a block): the plan slices the right inputs, and
     the verdicts equal the whole call's."""
-    from probekit.freebench import blocks
+    from probekit.freebench.engine import blocks
 
     make, split = _blocked_cases()[case]
 
@@ -314,7 +315,7 @@ def test_held_check_whose_output_is_overwritten_in_place(tmp_path, caplog):
 def test_held_values_are_read_early_beyond_the_memory_bound(tmp_path, monkeypatch):
     """Held re-runs are bounded: beyond HOLD_BYTES the held values are read at once (one
     transfer) and resolved; nothing is held after."""
-    from probekit.freebench import deferred
+    from probekit.freebench.judge import deferred
 
     monkeypatch.setattr(deferred, "HOLD_BYTES", 0)
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision")

@@ -171,7 +171,7 @@ def test_conditioning_the_dtype_predicts_is_a_hot_spot_not_a_finding(tmp_path):
     assert hot["count"].tolist() == [1] and fb.summary["hotspots"] == 1
     assert not (tmp_path / "bit_noise" / "free_benchmark.csv").read_text().count("Torch.sub")
     # the findings view: none, and the hot spot counted; shown apart only when asked
-    from probekit.freebench.view import Findings
+    from probekit.freebench.report.view import Findings
 
     page = fb._repr_html_()
     assert "no findings" in page and "1 hot spot" in page and "Torch.sub" not in page

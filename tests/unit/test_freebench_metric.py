@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from probekit.config import FreeBenchmarkConfig
-from probekit.freebench import handlers, metric, scales
+from probekit.freebench.judge import handlers, metric, scales
 
 
 def t(values, dtype=torch.float32):

@@ -11,7 +11,7 @@ from torch import nn
 
 from probekit.config import ConfigError, make_config
 from probekit.freebench import COLUMNS, FreeBench
-from probekit.freebench.results import MSPROBE_COLUMNS
+from probekit.freebench.report.results import MSPROBE_COLUMNS
 
 
 def cancel(h):

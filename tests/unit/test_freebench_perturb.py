@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from probekit.freebench import names, perturb
+from probekit.freebench import names
+from probekit.freebench.perturb import perturb
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -226,7 +227,8 @@ def test_every_mode_leaves_inputs_and_rng_alone(mode, dtype):
 
 def test_every_mode_has_traits_and_a_perturbation():
     from probekit import config
-    from probekit.freebench import handlers, modes
+    from probekit.freebench.judge import handlers
+    from probekit.freebench.perturb import modes
 
     assert set(perturb.PERTURBATIONS) == set(modes.MODES)
     assert config.PERT_MODES == modes.PERT_MODES == tuple(modes.MODES)
@@ -327,7 +329,7 @@ def test_noise_is_the_same_on_every_cpu_kernel_path():
     import subprocess
     import sys
 
-    code = ("import torch, hashlib; from probekit.freebench import perturb\n"
+    code = ("import torch, hashlib; from probekit.freebench.perturb import perturb\n"
             "x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)\n"
             "h = hashlib.sha256()\n"
             "for dt in (torch.float16, torch.bfloat16):\n"

@@ -5,7 +5,7 @@ import math
 import torch
 
 from probekit.freebench import FreeBench
-from probekit.freebench.preheat import RISK_RATIO, Preheat
+from probekit.freebench.engine.preheat import RISK_RATIO, Preheat
 
 
 def test_sampling_window_moves_by_max_sample():

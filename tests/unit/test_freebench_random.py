@@ -1,4 +1,4 @@
-"""Random calls are checked on a replayed random stream (probekit/freebench/rng.py).
+"""Random calls are checked on a replayed random stream (probekit/freebench/engine/rng.py).
 
 A call that draws from a generator -- dropout and friends, attention with dropout, ``rrelu`` in
 training, ``gumbel_softmax``, ``bernoulli``, ``normal`` -- is re-run with the generator states
@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from probekit.freebench import FreeBench, names, rng
+from probekit.freebench import FreeBench, names
+from probekit.freebench.engine import rng
 
 fp16, bf16 = torch.float16, torch.bfloat16
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from probekit.freebench import FreeBench, realgrad
+from probekit.freebench import FreeBench
+from probekit.freebench.engine import realgrad
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 from test_freebench_training import make  # noqa: E402

@@ -20,7 +20,11 @@ import torch.nn.functional as F
 
 from probekit.cli import main
 from probekit.errors import ReproError
-from probekit.freebench import FreeBench, cause, perturb, repro, repro_helpers, repro_record, scales
+from probekit.freebench import FreeBench
+from probekit.freebench.judge import cause, scales
+from probekit.freebench.perturb import perturb
+from probekit.freebench.repro import (
+    folder as repro, helpers as repro_helpers, record as repro_record)
 
 bf16, fp16 = torch.bfloat16, torch.float16
 
@@ -465,7 +469,7 @@ def test_file_names_come_from_safe_name_and_stay_in_the_dump(tmp_path):
 
 # -- the script's code is probekit's -------------------------------------------------------------------
 def test_helpers_need_only_torch_and_are_what_the_script_runs():
-    from probekit.freebench import repro_script
+    from probekit.freebench.repro import script as repro_script
 
     src = repro_script.helpers_source()
     mods = {a.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Import)
@@ -518,7 +522,7 @@ def test_measures_are_causes():
     for m, scale, want in ((0.0, 0.0, 0.0), (1.0, 0.0, math.inf), (1.0, 4.0, 0.25)):
         assert repro_helpers.relative_error({"max_error": m, "scale": scale}) == want
     out = (torch.ones(2), torch.tensor([1, 2]), [torch.zeros(3), 4.0])
-    from probekit.freebench import handlers
+    from probekit.freebench.judge import handlers
     assert list(repro_helpers.float_outputs(out)) == [i for i, _ in handlers.float_outputs(out)]
 
 

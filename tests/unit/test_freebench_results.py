@@ -7,8 +7,9 @@ import pandas as pd
 import pytest
 import torch
 
-from probekit.freebench import COLUMNS, FreeBench, results
-from probekit.freebench.view import Findings
+from probekit.freebench import COLUMNS, FreeBench
+from probekit.freebench.report import results
+from probekit.freebench.report.view import Findings
 
 
 def row(**kw):

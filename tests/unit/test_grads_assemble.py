@@ -7,8 +7,8 @@ import torch
 import xarray as xr
 
 from probekit.grads import compare_grads, open_grads
-from probekit.grads.stats import Layout, compute
-from probekit.grads.store import GradWriter
+from probekit.grads.numerics.stats import Layout, compute
+from probekit.grads.store.store import GradWriter
 
 BOUNDS = (-1, 0, 1)
 #: name -> (global shape, [(rank, offset, local shape)]) ; None offset = a whole parameter
@@ -95,7 +95,7 @@ def test_shards_assemble_into_the_single_process_dataset(tmp_path):
     assert cmp["rank"].values.tolist() == [0]
     assert np.all(cmp["similarity"].values == 1.0)
     # blocks of one step (the assembly reads a block of steps at a time): same result
-    from probekit.grads.compare import compare_rank
+    from probekit.grads.compare.compare import compare_rank
     blocked = compare_rank(ds, ref, block_bytes=1)
     np.testing.assert_array_equal(blocked["differ"].values, cmp["differ"].values[0])
     # each rank's shards as recorded

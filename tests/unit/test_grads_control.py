@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from probekit.config import ConfigError
 from probekit.grads import GradProbe, open_grads
-from probekit.grads.control import (ControlSpec, RoundingMode, paused, parse_control, perturb,
-                                    round_random)
+from probekit.grads.record.control import (
+    ControlSpec, RoundingMode, paused, parse_control, perturb, round_random)
 
 BF16 = torch.bfloat16
 

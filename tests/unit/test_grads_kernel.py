@@ -4,7 +4,7 @@ edge values (NaN, Inf, -0.0, subnormals, tails that are not a whole byte or vect
 import numpy as np
 import pytest
 
-from probekit.grads import kernel
+from probekit.grads.numerics import kernel
 
 
 def compiled_paths():

@@ -1,5 +1,5 @@
 """Wrapper prefixes removed from parameter names."""
-from probekit.grads.names import canonical_name, canonical_names
+from probekit.grads.store.names import canonical_name, canonical_names
 
 
 def test_canonical_name():

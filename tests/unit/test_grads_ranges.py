@@ -8,8 +8,8 @@ import pytest
 import xarray as xr
 
 import sharded_stores as S
-from probekit.grads import (GradCompareError, GradStoreError, compare_grads, geometry,
-                            kernel, open_grads)
+from probekit.grads import GradCompareError, GradStoreError, compare_grads, open_grads
+from probekit.grads.numerics import geometry, kernel
 
 PARAMS = {"emb": (13, 6), "w": (7, 10), "conv": (6, 3, 2, 2), "b": (5,), "s": (),
           "big": (40, 33), "c5": (4, 3, 2, 2, 2)}
@@ -38,7 +38,7 @@ def test_every_layout_pair_counts_as_the_assembled_comparison(stores, first, sec
     a, b = stores / f"{first}_a", stores / f"{second}_b"
     want = assembled(a, b)
     assert 0.0 < float(want["similarity"].min()) < 1.0  # the runs differ, not everywhere
-    from probekit.grads import assemble
+    from probekit.grads.store import assemble
 
     def refuse(*args, **kwargs):
         raise AssertionError("a parameter was assembled")
@@ -213,7 +213,7 @@ def test_count_runs_every_path_equals_the_bits_unpacked():
 
 def _no_assembly(monkeypatch):
     """Make any assembly of a sharded run fail (the comparison of stores assembles nothing)."""
-    from probekit.grads import assemble
+    from probekit.grads.store import assemble
 
     def refuse(*args, **kwargs):
         raise AssertionError("a parameter was assembled")
@@ -245,10 +245,11 @@ def test_a_restarted_store_compares_shard_by_shard_as_assembled(tmp_path, monkey
     store's segments (``restarts.segments``), reads only each segment's rows of its groups (the
     superseded steps the first run wrote are never read) and gives the assembled path's
     counts, without assembling anything."""
-    from probekit.grads import compare, segments
-    from probekit.grads.chunks import bits_meta
-    from probekit.grads.engine import Session
-    from probekit.grads.opening import store_of
+    from probekit.grads.compare import compare
+    from probekit.grads import segments
+    from probekit.grads.store.chunks import bits_meta
+    from probekit.grads.compare.engine import Session
+    from probekit.grads.compare.opening import store_of
 
     params = {"w": (9, 6), "b": (7,), "e": (5, 3, 2)}
     _restarted(tmp_path / "restarted", params, garbage=True)
@@ -298,8 +299,8 @@ def test_plain_and_sharded_bits_count_the_same(tmp_path, monkeypatch):
     the assembled path's counts, mapped or copied. Steps 1, 5 and 6 of the first runs are
     significant everywhere: their significance rows are all fill value, not stored (a shard
     with a gap between its steps, a shard of none: no file)."""
-    from probekit.grads import counting
-    from probekit.grads.chunks import RawChunks, bits_meta
+    from probekit.grads.compare import counting
+    from probekit.grads.store.chunks import RawChunks, bits_meta
 
     params = {"w": (9, 6), "b": (7,)}
 
@@ -343,7 +344,7 @@ def test_only_committed_rows_are_read_or_mapped(tmp_path, monkeypatch):
     of the process (a mapping past a file's end)."""
     import json
 
-    from probekit.grads import chunks
+    from probekit.grads.store import chunks
 
     params = {"w": (9, 6), "b": (7,)}
     S.write(tmp_path / "a", params, S.fsdp(params, 2), 6, flush_every=3)
@@ -372,7 +373,7 @@ def test_only_committed_rows_are_read_or_mapped(tmp_path, monkeypatch):
     shard.write_bytes(data[:raw.shape[1]] + data[-16 * 3:])  # one step's bytes, 3 indexed
     for mapped in (True, False):
         if not mapped:
-            monkeypatch.setattr("probekit.grads.counting.map_rows", lambda *args: None)
+            monkeypatch.setattr("probekit.grads.compare.counting.map_rows", lambda *args: None)
         with pytest.raises(GradStoreError, match="shorter than its index says"):
             compare_grads(tmp_path / "a", tmp_path / "b", progress=False)
 
@@ -382,7 +383,7 @@ def test_copied_and_mapped_reads_count_the_same(stores, monkeypatch):
     the OS has no preadv): the same counts."""
     import os
 
-    from probekit.grads import counting
+    from probekit.grads.compare import counting
 
     a, b = stores / "fsdp4_a", stores / "mesh2x2_b"
     want = compare_grads(a, b, progress=False)

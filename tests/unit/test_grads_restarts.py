@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from probekit.grads import GradProbe, compare_grads, open_grads
-from probekit.grads.restarts import plan_run, segments
-from probekit.grads.stats import Layout, compute
-from probekit.grads.store import GradStoreError, GradWriter
+from probekit.grads.store.restarts import plan_run, segments
+from probekit.grads.numerics.stats import Layout, compute
+from probekit.grads.store.store import GradStoreError, GradWriter
 
 SHAPES = [(6, 5), (7,)]
 LAYOUT = Layout(("w", "b"), (30, 7), ((6, 5), (7,)))
@@ -40,7 +40,7 @@ def record(path, seed, steps, *, start=None, overwrite=False, flush_every=2, com
     if commit:
         w.close()
     else:  # a SIGKILL: what was handed over and committed stays; the rest is lost
-        from probekit.grads.live import LIVE
+        from probekit.grads.store.live import LIVE
 
         LIVE.wait(w, None)
         LIVE.remove(w)
@@ -84,7 +84,7 @@ def test_a_run_that_died_before_its_first_commit_leaves_the_store_as_it_was(tmp_
     record(tmp_path, 1, range(8))
     w = GradWriter(str(tmp_path), 0, LAYOUT, "L2", (-1, 0, 1), "md5", 2, significance=True)
     # created (as start() does) and killed before any step: nothing changes
-    from probekit.grads.live import LIVE
+    from probekit.grads.store.live import LIVE
 
     LIVE.remove(w)
     assert_values(open_grads(tmp_path), [(s, 1) for s in range(8)])

@@ -10,8 +10,9 @@ import xarray as xr
 
 import sharded_stores as S
 from probekit import ConfigError, make_config
-from probekit.grads import compare_grads, open_grads, sampling
-from probekit.grads.stats import Layout, compute
+from probekit.grads import compare_grads, open_grads
+from probekit.grads.numerics import sampling
+from probekit.grads.numerics.stats import Layout, compute
 
 
 def test_the_sample_is_stratified_and_fixed_by_shape():
@@ -134,7 +135,7 @@ def test_sampled_runs_refuse_what_needs_every_element(tmp_path):
     """msprobe's layout (a sign per element) and a transposed weight (its sample was chosen in
     the other layout) cannot be made from a sample: errors naming why."""
     from probekit.errors import MsprobeDumpError
-    from probekit.grads.msprobe import write_rank
+    from probekit.grads.store.msprobe import write_rank
     from probekit.mindspore.align import AlignError, align_rank
 
     params = {"w": (30, 20), "b": (20,)}
@@ -154,7 +155,7 @@ def test_a_store_holds_one_sample_across_restarts(tmp_path):
     restart at another world size: ``plan_run`` reads the store's segments); ``overwrite=True``
     replaces the recording."""
     from probekit.grads import GradProbe, GradStoreError
-    from probekit.grads.restarts import plan_run
+    from probekit.grads.store.restarts import plan_run
 
     def run(sample, start=None, overwrite=False, steps=3):
         torch.manual_seed(0)

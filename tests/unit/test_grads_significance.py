@@ -5,8 +5,8 @@ import numpy as np
 import torch
 
 from probekit.grads import open_grads
-from probekit.grads.stats import Layout, compute
-from probekit.grads.store import GradWriter
+from probekit.grads.numerics.stats import Layout, compute
+from probekit.grads.store.store import GradWriter
 
 
 def test_all_ones_chunks_not_written_and_read_back(tmp_path):
@@ -62,7 +62,7 @@ def test_threshold_is_the_whole_gradients_not_a_chunks():
     gradient's rounding level (eps * the largest finite |g| of the whole gradient), so none is
     significant, though each is large next to its own chunk's maximum; NaN and Inf set no
     threshold."""
-    from probekit.grads.stats import CHUNK
+    from probekit.grads.numerics.stats import CHUNK
 
     g = torch.full((2 * CHUNK + 10,), 1e-9)
     g[CHUNK:] = 1.0
@@ -71,7 +71,7 @@ def test_threshold_is_the_whole_gradients_not_a_chunks():
     g[CHUNK + 2] = float("inf")
     lay = Layout(("w",), (g.numel(),), ((g.numel(),),))
     for path in ("numpy", "auto"):
-        from probekit.grads import kernel
+        from probekit.grads.numerics import kernel
 
         kernel.set_path(path)
         try:
@@ -86,7 +86,7 @@ def test_threshold_is_the_whole_gradients_not_a_chunks():
 
 def _reference_bits(grads, lay):
     """|g| > SIGNIFICANCE[bits] * eps * (the module's largest finite |g|), element by element."""
-    from probekit.grads.stats import significance_unit
+    from probekit.grads.numerics.stats import significance_unit
 
     amax = [float(g.abs()[torch.isfinite(g)].max()) for g in grads]
     scale = [max(a for a, m in zip(amax, lay.modules) if m == mod) for mod in lay.modules]
@@ -104,8 +104,8 @@ def test_significance_bits_exact_whatever_the_provisional_threshold():
     weight's), the chunk read again (a bias far below its weight's scale; a bf16 gradient,
     whose threshold sits among its values); each step's bits equal the definition, in every
     kernel path, with the probe's workspace carrying the scales from step to step."""
-    from probekit.grads import kernel
-    from probekit.grads.stats import CHUNK, Workspace
+    from probekit.grads.numerics import kernel
+    from probekit.grads.numerics.stats import CHUNK, Workspace
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(2 * CHUNK + 100, generator=gen)

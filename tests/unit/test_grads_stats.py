@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.grads import stats
-from probekit.grads.stats import CHUNK, Layout, compute, interval_labels, padded_nbytes
+from probekit.grads.numerics import stats
+from probekit.grads.numerics.stats import CHUNK, Layout, compute, interval_labels, padded_nbytes
 
 BOUNDS = (-1, 0, 1)
 

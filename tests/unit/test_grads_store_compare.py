@@ -7,9 +7,9 @@ import pytest
 import xarray as xr
 
 from probekit.grads import GradCompareError, GradStoreError, compare_grads, first_divergence, open_grads
-from probekit.grads.compare import compare_rank, flags
-from probekit.grads.stats import Layout, StepStats
-from probekit.grads.store import GradWriter, read_commit
+from probekit.grads.compare.compare import compare_rank, flags
+from probekit.grads.numerics.stats import Layout, StepStats
+from probekit.grads.store.store import GradWriter, read_commit
 
 
 def step_stats(p, nbytes, seed, level="L2", n_int=4):
@@ -106,7 +106,7 @@ def test_rank_selection(tmp_path):
 # -- comparison ----------------------------------------------------------------------------
 def make_ds(directions, params=("w", "v"), numels=(70, 8), steps=None, present=None, rank=0):
     """A grad Dataset with given per-step sign bits (list of per-param bool arrays)."""
-    from probekit.grads.stats import padded_nbytes
+    from probekit.grads.numerics.stats import padded_nbytes
 
     sizes = [padded_nbytes(n) for n in numels]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -258,7 +258,7 @@ def test_raw_written_direction_is_valid_zarr(tmp_path, nbytes_param, monkeypatch
     that end mid-chunk (the last, partial block of a run)."""
     import zarr
 
-    from probekit.grads import store
+    from probekit.grads.store import store
 
     monkeypatch.setattr(store, "_TARGET_CHUNK_BYTES", 20_000)  # several chunks per row/step
     lay = Layout(("w", "v"), (nbytes_param, 64), ((nbytes_param,), (64,)))
@@ -298,7 +298,7 @@ def test_arrays_written_by_another_zarr_writer_open_the_same(tmp_path):
 def test_raw_bits_only_while_the_rows_are_as_opened(tmp_path):
     """The comparison reads sign bits straight from the chunk files only while a Dataset holds
     exactly what open_grads read; after any selection it uses the Dataset's own values."""
-    from probekit.grads.chunks import raw_bits
+    from probekit.grads.store.chunks import raw_bits
 
     write_run(tmp_path / "a", steps=range(6), flush_every=4)
     write_run(tmp_path / "b", steps=range(6), flush_every=4, seed0=9)

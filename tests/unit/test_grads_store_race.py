@@ -2,8 +2,8 @@
 import multiprocessing as mp
 
 from probekit.grads import open_grads
-from probekit.grads.stats import Layout
-from probekit.grads.store import GradWriter
+from probekit.grads.numerics.stats import Layout
+from probekit.grads.store.store import GradWriter
 
 LAYOUT = Layout(("w",), (4,), ((4,),))
 

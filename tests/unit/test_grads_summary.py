@@ -6,7 +6,7 @@ import os
 import torch
 
 from probekit.grads import GradProbe
-from probekit.grads.summary import ProbeSummary, human_bytes
+from probekit.grads.record.summary import ProbeSummary, human_bytes
 
 
 def group_bytes(folder) -> int:

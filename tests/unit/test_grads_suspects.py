@@ -9,7 +9,7 @@ from torch import nn
 
 import probekit
 from probekit.grads import suspects
-from probekit.grads.suspects import param_module
+from probekit.grads.compare.suspects import param_module
 
 PARAMS = ["embed.weight", "h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias", "h.0.mlp.fc.weight",
           "h.1.attn.c_attn.weight", "scale"]

@@ -8,7 +8,7 @@ import torch
 
 from probekit.cli import main
 from probekit.grads import GradComparator, GradProbe, compare_grads
-from probekit.grads.compare import compare_rank
+from probekit.grads.compare.compare import compare_rank
 from test_grads_store_compare import flips, make_ds
 
 STEPS = 3

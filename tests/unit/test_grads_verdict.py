@@ -7,9 +7,9 @@ import pytest
 import xarray as xr
 
 from probekit.grads import compare_grads
-from probekit.grads.verdict import (ALPHA, CONTROL_LEVEL, MARGIN, RANGE_MARGIN, SCALE_FLOOR,
-                                    UNIT, GradComparison, allowed_share, exceeds, kl, log_dev,
-                                    upper_share, verdict_kind, verdict_text)
+from probekit.grads.compare.verdict import (
+    ALPHA, CONTROL_LEVEL, MARGIN, RANGE_MARGIN, SCALE_FLOOR, UNIT, GradComparison, allowed_share,
+    exceeds, kl, log_dev, upper_share, verdict_kind, verdict_text)
 
 
 # -- the statistics ----------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from probekit.grads import open_grads
-from probekit.grads.live import LIVE
-from probekit.grads.stats import Layout, compute
-from probekit.grads.store import GradStoreError, GradWriter
+from probekit.grads.store.live import LIVE
+from probekit.grads.numerics.stats import Layout, compute
+from probekit.grads.store.store import GradStoreError, GradWriter
 
 LAYOUT = Layout(("w", "b"), (4000, 30), ((40, 100), (30,)))
 

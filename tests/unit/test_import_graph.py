@@ -15,7 +15,7 @@ What is an edge ``A -> B``:
 
 What is not an edge, and why:
 
-* the parent packages Python initialises before a submodule (``import probekit.grads.sources``
+* the parent packages Python initialises before a submodule (``import probekit.grads.store``
   runs ``probekit/__init__`` and ``probekit/grads/__init__`` first). A package ``__init__`` that
   imports its submodules would otherwise sit in a circle with every one of them; the order in
   which packages are initialised is Python's, not a dependency a module chose.
@@ -25,6 +25,10 @@ What is not an edge, and why:
   initialising; a package exporting its submodules' names lazily is not a circle (an import
   statement of such a name, as above, is an edge to the package).
 * imports of modules outside probekit.
+
+Besides having no circle, ``probekit.freebench`` and ``probekit.grads`` are laid out by stage
+(``STAGES``): a module of one stage imports only the stages after it, and ``probekit/`` outside
+``probekit/notebook/`` imports neither IPython nor ipywidgets (the headless core).
 """
 import ast
 import os
@@ -144,13 +148,13 @@ def test_the_graph_sees_imports_inside_functions():
     """The builder itself: edges made only by function-level imports are in the graph."""
     graph = import_graph()
     # compare_grads imports the engine and the readers inside the function
-    assert "probekit.grads.engine" in graph["probekit.grads.compare"]
-    assert "probekit.grads.sources" in graph["probekit.grads.compare"]
-    # `from .grads import cli as _grads_cli` inside build_parser: the submodule, not the package
-    assert "probekit.grads.cli" in graph["probekit.cli"]
+    assert "probekit.grads.compare.engine" in graph["probekit.grads.compare.compare"]
+    assert "probekit.grads.store.sources" in graph["probekit.grads.compare.compare"]
+    # `from .grads.compare import cli as _grads_cli` inside build_parser: the submodule, not the package
+    assert "probekit.grads.compare.cli" in graph["probekit.cli"]
     # the package __init__ imports its submodules; the submodule gets no edge back by itself
-    assert "probekit.grads.recorder" in graph["probekit.grads"]
-    assert "probekit.grads" not in graph["probekit.grads.stats"]
+    assert "probekit.grads.record.recorder" in graph["probekit.grads"]
+    assert "probekit.grads" not in graph["probekit.grads.numerics.stats"]
     assert cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}) == [
         ["a", "b", "c", "a"]]
 
@@ -160,3 +164,108 @@ def test_no_import_cycle():
     found = cycles(graph)
     assert not found, "import cycles in probekit:\n" + "\n".join(
         _describe(graph, c) for c in found)
+
+
+#: The stages of a package, in the order data flows through them: a module of a stage imports
+#: modules of its own stage and of the stages in later layers, never one of an earlier layer or
+#: of another stage in its own layer. A stage is the first name after the package (a sub-package
+#: or a single module); every module of the package but its ``__init__`` (the public facade,
+#: which exports from every stage) belongs to one. docs/architecture.md draws this graph.
+STAGES = {
+    "probekit.freebench": [("session",), ("report",), ("repro",), ("engine",), ("judge",),
+                           ("perturb",), ("names",)],
+    "probekit.grads": [("record", "compare"), ("store",), ("numerics",)],
+}
+
+
+def stage_violations(graph: dict, package: str, layers: list) -> list:
+    """``(importer, imported, line, why)`` of every edge inside ``package`` that breaks
+    ``layers``' order (see ``STAGES``), plus modules belonging to no stage."""
+    rank = {stage: i for i, layer in enumerate(layers) for stage in layer}
+
+    def stage_of(module):
+        return module[len(package) + 1:].split(".")[0]
+
+    found = []
+    for module in sorted(graph):
+        if not module.startswith(package + "."):
+            continue
+        src = stage_of(module)
+        if src not in rank:
+            found.append((module, None, None, f"{src!r} is in no stage"))
+            continue
+        for target, line in sorted(graph[module].items()):
+            if target == package:
+                found.append((module, target, line, "imports the package facade"))
+            elif target.startswith(package + "."):
+                dst = stage_of(target)
+                if dst == src or dst not in rank:
+                    continue
+                if rank[dst] < rank[src]:
+                    found.append((module, target, line, f"{src} imports earlier stage {dst}"))
+                elif rank[dst] == rank[src]:
+                    found.append((module, target, line, f"{src} imports its peer {dst}"))
+    return found
+
+
+def test_the_stage_check_catches_back_edges():
+    """The checker itself, on a made-up package: a back edge, a peer edge, an edge to the
+    facade and a module outside every stage are each reported; forward edges are not."""
+    graph = {
+        "p": {"p.top.a": 1},
+        "p.top.a": {"p.mid.b": 3, "p.low": 4, "other": 5},   # forward: allowed
+        "p.mid.b": {"p.top.a": 7, "p.low": 8},                 # back edge at line 7
+        "p.side.c": {"p.mid.b": 2},                            # its peer, at line 2
+        "p.low": {"p": 9},                                     # the facade, at line 9
+        "p.stray": {},                                         # no stage
+    }
+    layers = [("top",), ("mid", "side"), ("low",)]
+    assert stage_violations(graph, "p", layers) == [
+        ("p.low", "p", 9, "imports the package facade"),
+        ("p.mid.b", "p.top.a", 7, "mid imports earlier stage top"),
+        ("p.side.c", "p.mid.b", 2, "side imports its peer mid"),
+        ("p.stray", None, None, "'stray' is in no stage"),
+    ]
+    assert stage_violations({"p.top.a": {"p.low": 1}, "p.low": {}}, "p", layers) == []
+
+
+def test_sub_packages_import_only_later_stages():
+    graph = import_graph()
+    for package, layers in STAGES.items():
+        # every stage named exists (a renamed sub-package would make the check vacuous)
+        stages = {m[len(package) + 1:].split(".")[0] for m in graph if m.startswith(package + ".")}
+        assert stages == {s for layer in layers for s in layer}, package
+        assert stage_violations(graph, package, layers) == [], package
+
+
+HEADLESS_BANNED = ("IPython", "ipywidgets")
+
+
+def gui_imports(path: str) -> list:
+    """``(line, imported module)`` of every import of IPython or ipywidgets in a file, at any
+    depth (inside functions and methods too)."""
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module]
+        else:
+            continue
+        out += [(node.lineno, n) for n in names if n.split(".")[0] in HEADLESS_BANNED]
+    return out
+
+
+def test_headless_core_imports_no_ipython(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\ndef f():\n    from IPython.display import display\n"
+                   "    import ipywidgets as w, json\n")
+    assert gui_imports(str(bad)) == [(3, "IPython.display"), (4, "ipywidgets")]
+    notebook = os.path.join(ROOT, "notebook") + os.sep
+    core = {m: p for m, p in modules().items() if not p.startswith(notebook)}
+    assert "probekit.plot" in core and "probekit.notebook.display" not in core
+    assert {m: gui_imports(p) for m, p in core.items() if gui_imports(p)} == {}
+    # the notebook layer is where they are
+    assert gui_imports(os.path.join(ROOT, "notebook", "display.py")) != []

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 from synthetic_grads import GRAD_PARAMS_DIVERGING, compare_synthetic, make_grads  # noqa: E402
 
 from probekit import plot  # noqa: E402
-from probekit.freebench import view  # noqa: E402
+from probekit.freebench.report import view  # noqa: E402
 
 COLUMNS = ["rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape",
            "output_index", "kind", "max_abs", "threshold", "ratio", "call_site"]

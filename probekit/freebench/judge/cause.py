@@ -1,0 +1,426 @@
+"""Why a call was flagged: inaccurate, ill-conditioned or unconfirmed (run only for flagged calls,
+once per call site). The float64 recomputation every finding must survive.
+
+Float64 re-runs of the call, on its inputs as the op computed with them (autocast's casts
+included) upcast to float64:
+
+* ``r``: the reference (every floating input in float64), and the call's magnitude ``S`` in
+  float64 by the row's family (``scales.py``: the call on absolute values, ``|r|`` plus a floor,
+  a family's formula from ``magnitudes.py``, or the tensor's scale ``max|r|``);
+* ``s``: the same with the floating inputs first moved by one ulp of their *own* dtype, then
+  upcast (``NUDGES``): every element towards +inf (``perturb.add_noise``: the condition number of
+  a sum) and every element's last bit flipped (``perturb.flip_last_bit``: up or down by the
+  element's own bits, which a shift-invariant op such as softmax does not ignore, while equal
+  values stay equal, as rounding keeps them), in every input and in the first alone. How far the
+  mathematical result moves under a one-ulp input change, whatever the kernel.
+
+With the error model's bound ``b_i = C (u_out |r_i| + gamma_k(u_acc) S_i)`` of the row (its
+compute dtype, its reduction length):
+
+* ``accuracy`` = ``max_i |o_i - r_i| / b_i`` (a NaN/Inf where float64 is finite, e.g. fp32
+  overflow of ``var`` at 1e20, counts as infinite);
+* ``moved`` = ``max_i |s_i - r_i| / b_i`` over the nudges (the same units);
+* ``lost`` = the largest move beyond float64's own rounding of the call
+  (``|s_i - r_i| - C (u64 |r_i| + gamma_k(u64) S_i)``) relative to the tensor's scale ``max|r|``.
+
+``inaccurate`` when ``accuracy > 1`` and ``accuracy > 2 * moved`` (the kernel lost more than a
+correct kernel may and more than the inputs' own last bit explains, with a factor 2 for the
+rounding of the nudged inputs); else ``ill-conditioned`` when ``lost > sqrt(u_in)`` (the exact
+result loses more than half its significant bits under a one-ulp change; ``u_in`` the least
+precise of the row's dtype and its inputs') -- for the rows of the accuracy modes only when the
+original's own error is also beyond ``sqrt(u_in)`` of the result's scale (the result visibly lost
+those bits: the sensitivity modes' rule on the accuracy modes' measurement); a finding. Rows of
+the accuracy modes whose error the conditioning explains otherwise (``moved > 1``, or ``lost``
+without that visible loss) are ``ill-conditioned`` too but ``MILD``: hot spots. Else
+``unconfirmed``; ``nondeterministic`` for no_change rows. ``analyse_backward`` does the same for
+input gradients (same upstream gradient).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import handlers, magnitudes, scales
+from ..perturb import perturb
+from .metric import CHUNK, _chunks
+
+INACCURATE = "inaccurate"
+ILL_CONDITIONED = "ill-conditioned"
+
+
+class _Mild(str):
+    """``ill-conditioned`` of an accuracy-mode row whose error the inputs' conditioning explains
+    without the result losing half its bits: the same label, a hot spot rather than a finding."""
+
+    mild = True
+
+
+#: (accuracy modes) the error is what one-ulp input nudges move the exact result by, and the
+#: result keeps more than half its bits
+MILD = _Mild(ILL_CONDITIONED)
+UNCONFIRMED = "unconfirmed"
+NONDETERMINISTIC = "nondeterministic"
+#: how much more than the nudged inputs' move the error must be to blame the kernel
+BLAME_FACTOR = 2.0
+_U64 = 2.0 ** -53
+
+
+def to64(x):
+    """A floating tensor in float64 (detached); anything else as it is."""
+    if perturb.is_float(x) and x.dtype != torch.float64:
+        return x.detach().to(torch.float64)
+    return x.detach() if perturb.is_float(x) else x
+
+
+def _nudge(noise):
+    def fn(x):
+        if not perturb.is_float(x):
+            return x
+        try:
+            return noise(x.detach())
+        except perturb.Cancel:  # a dtype without a bit-level ulp: left as is
+            return x
+    return fn
+
+
+#: the one-ulp nudges of the sensitivity: (noise, every floating input or the first only).
+#: Nudging every input alike misses a difference of two inputs that move together (both
+#: values one ulp up: (a + ulp) - (b + ulp)); the noise modes move the first alone. The flips
+#: follow each element's own bits, so equal values stay equal (a constant batch-norm channel
+#: stays constant: its exact output, 0, does not move)
+NUDGES = ((perturb.add_noise, False), (perturb.flip_last_bit, False),
+          (perturb.add_noise, True), (perturb.flip_last_bit, True))
+
+
+def nudged(leaves: list, noise, first_only: bool) -> list:
+    """The leaves with ``noise`` applied to every floating tensor, or to the first only."""
+    fn = _nudge(noise)
+    if not first_only:
+        return [fn(x) for x in leaves]
+    out, done = list(leaves), False
+    for i, x in enumerate(leaves):
+        if not done and perturb.is_float(x):
+            out[i], done = fn(x), True
+    return out
+
+
+def outputs(func, leaves, spec, kwargs_fix=None) -> list:
+    """``handlers.float_outputs`` of the call on ``leaves`` (``kwargs_fix``: applied to its
+    keyword arguments first, e.g. ``scales.magnitude_kwargs``)."""
+    args, kwargs = perturb.unflatten(leaves, spec)
+    if kwargs_fix is not None:
+        kwargs = kwargs_fix(kwargs)
+    return handlers.float_outputs(func(*args, **kwargs))
+
+
+def input_roundoff(leaves: list, judged) -> float:
+    """``u_in``: the least precise of the row's dtype and the floating inputs' dtypes."""
+    u = scales.unit_roundoff(judged)
+    for x in leaves:
+        if perturb.is_float(x):
+            u = max(u, scales.unit_roundoff(x.dtype))
+    return u
+
+
+class Score:
+    """Accuracy, move and lost bits of one row, accumulated over blocks and nudges. ``bound``
+    is the row's bound ``c (u_out |r| + gamma_k S)`` (its ``Judge``; a configured threshold
+    scales it), ``floor64`` float64's own rounding of the call; ``verdict`` the cause."""
+
+    __slots__ = ("judge", "u_in", "acc", "moved", "lost", "dmax", "rmax")
+
+    def __init__(self, judge, u_in: float) -> None:
+        self.judge, self.u_in = judge, u_in
+        self.acc = self.moved = self.lost = 0.0
+        self.dmax = self.rmax = 0.0     # the original's largest error, the result's scale
+
+    def bound(self, r: torch.Tensor, S) -> torch.Tensor:
+        j = self.judge
+        g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc)
+        c = scales.C * (j.factor if j.upcast else 1.0)
+        b = r.abs() * (c * j.u_out)
+        if S is not None and g:
+            b = b + S * (c * g)
+        return b
+
+    def floor64(self, r: torch.Tensor, S) -> torch.Tensor:
+        f = r.abs() * (scales.C * _U64)
+        if S is not None:
+            f = f + S * (scales.C * scales.gamma(max(self.judge.k, 1), _U64))
+        return f
+
+    def accuracy(self, o: torch.Tensor, r: torch.Tensor, S) -> None:
+        for oc, rc, sc in _pieces(o.to(r.device), r, S):   # a few chunk-sized temporaries
+            self.acc = max(self.acc, ratio(oc, rc, self.bound(rc, sc)))
+            with torch.no_grad():
+                d = (oc.to(torch.float64) - rc).abs().nan_to_num(nan=math.inf)
+                if d.numel():
+                    self.dmax = max(self.dmax, d.amax().item())
+                    self.rmax = max(self.rmax, rc.abs().nan_to_num(nan=0.0, posinf=0.0)
+                                    .amax().item())
+
+    def move(self, s: torch.Tensor, r: torch.Tensor, S) -> None:
+        top = scale = 0.0
+        for sc_, rc, Sc in _pieces(s, r, S):
+            self.moved = max(self.moved, ratio(sc_, rc, self.bound(rc, Sc)))
+            with torch.no_grad():
+                d = (sc_.double() - rc).abs().nan_to_num(nan=math.inf)
+                beyond = d.sub_(self.floor64(rc, Sc)).clamp_min_(0)
+                if beyond.numel():
+                    top = max(top, beyond.amax().item())
+                    scale = max(scale, rc.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item())
+        if top > 0:
+            self.lost = max(self.lost, math.inf if scale == 0 else top / scale)
+
+    def verdict(self, upcast: bool) -> str:
+        if self.acc > 1 and self.acc > BLAME_FACTOR * self.moved:
+            return INACCURATE
+        level = math.sqrt(self.u_in) * (1.0 if upcast else self.judge.factor)
+        if self.lost > level and (not upcast or self.dmax > level * self.rmax):
+            return ILL_CONDITIONED
+        if upcast and (self.moved > 1 or self.lost > level):
+            return MILD
+        return UNCONFIRMED
+
+
+def _pieces(a: torch.Tensor, r: torch.Tensor, S):
+    """``(a, r, S)`` in matching pieces of at most ``metric.CHUNK`` elements (views)."""
+    if r.numel() <= CHUNK:
+        yield a, r, S
+        return
+    Ss = _chunks(S, CHUNK) if S is not None else iter(lambda: None, 0)
+    yield from zip(_chunks(a, CHUNK), _chunks(r, CHUNK), Ss)
+
+
+def ratio(o: torch.Tensor, r: torch.Tensor, b: torch.Tensor) -> float:
+    """``max_i |o_i - r_i| / b_i`` (infinite for a NaN/Inf of ``o`` where ``r`` is finite; pairs
+    that are both non-finite alike are equal; 0/0 counts 0)."""
+    with torch.no_grad():
+        o = o.to(r.device, torch.float64)
+        same = (o == r) | (o.isnan() & r.isnan())
+        d = (o - r).abs()
+        bad = ~same & ~(d.isfinite() & r.isfinite())
+        if bool(bad.any()):
+            return math.inf
+        q = torch.where(same, torch.zeros_like(d), d / b)
+        q = q.nan_to_num(nan=0.0, posinf=math.inf)
+        return q.amax().item() if q.numel() else 0.0
+
+
+def _forward_magnitude(judge, api, func, x64, spec, r, i, abs_out):
+    """``S`` of output ``i`` in float64 by the row's family (module doc)."""
+    fam = judge.fam
+    if fam == "multilinear" and abs_out is not None and abs_out.get(i) is not None:
+        return abs_out[i]
+    if fam == "gelu":
+        x = next((t for t in x64 if perturb.is_float(t)), None)
+        if x is not None and x.shape == r.shape:
+            return x.abs()
+    if fam in ("arithmetic", "elementwise", "step"):
+        return r.abs()
+    if fam in ("softmax", "log_softmax"):
+        return r.abs() + scales.element_floor(fam, judge.k, torch.float64)
+    if fam == "norm" and api is not None:
+        args, kwargs = perturb.unflatten(x64, spec)
+        s = magnitudes.forward(api, scales.Args(func, api, args, kwargs), x64)
+        if s is not None and s.shape == r.shape:
+            return s
+    m = r.abs().nan_to_num(nan=0.0, posinf=0.0).amax() if r.numel() else r.new_zeros(())
+    return m.expand_as(r)
+
+
+def forward_magnitudes(judges: dict, api, func, x64, spec, r: dict) -> dict:
+    """``{output index: S}`` in float64 of the outputs ``judges`` names (``{index: Judge}``),
+    by each one's family: the call on absolute values (run once, only when a multilinear output
+    needs it), the input, ``|r|`` plus a floor, a normalisation's formula, or the tensor scale
+    (``r``: the float64 outputs on ``x64``)."""
+    abs_out = None
+    if any(j.fam == "multilinear" for j in judges.values()):
+        abs_out = dict(outputs(func, scales.magnitude_leaves(x64), spec,
+                               scales.magnitude_kwargs))
+    return {i: _forward_magnitude(j, api, func, x64, spec, r[i], i, abs_out)
+            for i, j in judges.items()}
+
+
+def analyse(func, fresh, spec, items: list, blocks=None, api: str | None = None) -> dict:
+    """``{output_index: cause}`` for the flagged outputs ``items`` = [(index, original tensor,
+    output descriptor)] (descriptor: ``(index, dtype, shape, scale kind, thr, hot, judged dtype,
+    Judge)``).
+
+    ``fresh()``: the call's inputs as the original call computed with them, with the state it
+    writes as fresh clones (``state.restore``), asked once per re-run. ``blocks``: the call's
+    ``blocks.Plan`` when it was checked in blocks; the analysis then runs block by block.
+    ``api``: the API's name (its family's formula). The caller runs this under ``no_grad`` with
+    every function mode off; autocast is turned off here. Raises on failure."""
+    from .guards import no_autocast
+
+    judges = {index: judge_of(desc) for index, _, desc in items}
+    parts = [None] if blocks is None else blocks.parts
+    scores = None
+    with no_autocast(True):
+        for part in parts:
+            def inputs():
+                x = fresh()
+                return x if part is None else blocks.leaves(x, *part)
+
+            def original(o):
+                return o if part is None else blocks.output(o, *part)
+
+            x = inputs()
+            if scores is None:
+                scores = {i: Score(judges[i], input_roundoff(x, items_dtype(items, i)))
+                          for i, _, _ in items}
+            x64 = [to64(t) for t in x]
+            r = dict(outputs(func, x64, spec))
+            S = forward_magnitudes(judges, api, func, x64, spec, r)
+            del x64
+            for i, o, _ in items:
+                scores[i].accuracy(original(o), r[i], S[i])
+            for noise, first in NUDGES:
+                s = dict(outputs(func, [to64(t) for t in nudged(inputs(), noise, first)], spec))
+                for i, _, _ in items:
+                    scores[i].move(s[i], r[i], S[i])
+                del s
+            del r, S
+    return {i: scores[i].verdict(judges[i].upcast) for i, _, _ in items}
+
+
+def items_dtype(items, index):
+    for i, _, desc in items:
+        if i == index:
+            return desc[6]
+    return torch.float32
+
+
+def judge_of(desc) -> scales.Judge:
+    """The ``Judge`` of an output descriptor (``Pending.outputs``' 8th element; the tensor
+    scale of its judged dtype for a descriptor without one)."""
+    if len(desc) > 7 and desc[7] is not None:
+        return desc[7]
+    cdt = desc[6]
+    return scales.judge("improve_precision", "other", scales.TENSOR_MIN_K, cdt)
+
+
+def grads64(func, leaves, spec, diff, out_index, g, kwargs_fix=None) -> list:
+    """Input gradients (for the leaves in ``diff``) of the call's output ``out_index`` with
+    upstream gradient ``g``, everything in float64."""
+    leaves = list(leaves)
+    ins = []
+    for i in diff:
+        leaves[i] = leaves[i].detach().requires_grad_(True)
+        ins.append(leaves[i])
+    y = dict(outputs(func, leaves, spec, kwargs_fix))[out_index]
+    return list(torch.autograd.grad(y, ins, g.to(torch.float64), allow_unused=True))
+
+
+def backward_magnitudes(func, api, leaves, spec, diff, out_index, g, judges: dict,
+                        kwargs_fix=None) -> dict:
+    """``{input position: S}`` of the input gradients by each row's family, in the leaves'
+    precision: the backward on absolute values with ``|g|`` (multilinear and arithmetic
+    families), a formula (``magnitudes.py``), or None (the tensor's scale)."""
+    out = {}
+    src = {i: scales.magnitude_source(judges[i].fam, "backward") for i in diff if i in judges}
+    need_abs = [i for i in diff if src.get(i) == "abs"]
+    if need_abs:
+        signed = any(judges[i].fam != "multilinear" for i in need_abs)
+        mags = _grads_abs(func, leaves, spec, diff, out_index, g, signed)
+        for i, m in zip(diff, mags):
+            if i in need_abs and m is not None:
+                out[i] = m
+    need_formula = [i for i in diff if src.get(i) == "formula"]
+    if need_formula and api is not None:
+        args, kwargs = perturb.unflatten([x.detach() if isinstance(x, torch.Tensor) else x
+                                          for x in leaves], spec)
+        plain = perturb.flatten(args, kwargs)[0]
+        got = magnitudes.backward(api, scales.Args(func, api, args, kwargs), plain,
+                                  g.to(_dtype_of(leaves)))
+        for i in need_formula:
+            if got is not None and got.get(i) is not None:
+                out[i] = got[i]
+    return out
+
+
+def _dtype_of(leaves):
+    for x in leaves:
+        if perturb.is_float(x):
+            return x.dtype
+    return torch.float32
+
+
+def _grads_abs(func, leaves, spec, diff, out_index, g, signed: bool = True) -> list:
+    """The backward of the call on absolute values with ``|g|``; ``signed``: a family whose
+    coefficients may be negative (``div``'s ``-a/b^2``): absolute values of the results too
+    (a multilinear call's are non-negative already)."""
+    a_leaves = scales.magnitude_leaves([x.detach() if isinstance(x, torch.Tensor) else x
+                                        for x in leaves])
+    ins = []
+    for i in diff:
+        a_leaves[i] = a_leaves[i].requires_grad_(True)
+        ins.append(a_leaves[i])
+    a, kw = perturb.unflatten(a_leaves, spec)
+    y = dict(handlers.float_outputs(func(*a, **scales.magnitude_kwargs(kw))))[out_index]
+    grads = torch.autograd.grad(y, ins, g.abs().to(y.dtype), allow_unused=True)
+    if not signed:
+        return list(grads)
+    # in place where the gradient owns its memory (an expanded one, a sum's, is a view)
+    return [None if t is None else (t.abs_() if t._base is None else t.abs()) for t in grads]
+
+
+def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: list,
+                     api: str | None = None) -> dict:
+    """``analyse`` for the backward stage: ``items`` = [(input position, reference gradient,
+    descriptor)], each judged with its row's bound (``S`` of the gradient in float64 by its
+    family). ``g`` is the upstream gradient the check used. One nudged float64 gradient besides
+    the float64 reference is alive at a time."""
+    from .guards import no_autocast
+
+    pos = {i: k for k, i in enumerate(diff)}
+    judges = {index: judge_of(desc) for index, _, desc in items}
+    with no_autocast(True), torch.enable_grad():
+        x = fresh()
+        x64 = [to64(t) for t in x]
+        r = grads64(func, x64, spec, diff, out_index, g)
+        S = backward_magnitudes(func, api, x64, spec, diff, out_index, g.to(torch.float64),
+                                judges)
+        del x64
+    scores = {}
+    for index, gr, desc in items:
+        ref = r[pos[index]]
+        if ref is None:
+            continue
+        sc = Score(judges[index], input_roundoff(x, desc[6]))
+        s_i = S.get(index)
+        if s_i is None:
+            m = ref.abs().amax() if ref.numel() else ref.new_zeros(())
+            s_i = m.expand_as(ref)
+        elif s_i.dtype == torch.float64:
+            s_i = s_i.float()      # a scale: kept through the nudges at half the memory
+        S[index] = s_i
+        sc.accuracy(gr, ref, s_i)
+        scores[index] = sc
+    del x
+    for noise, first in NUDGES:
+        with no_autocast(True), torch.enable_grad():
+            s = grads64(func, [to64(t) for t in nudged(fresh(), noise, first)], spec, diff,
+                         out_index, g)
+        for index in list(scores):
+            k = pos[index]
+            if s[k] is None:   # no gradient under the nudge: no verdict for this input
+                del scores[index]
+                continue
+            scores[index].move(s[k], r[k], S[index])
+        del s
+    return {index: sc.verdict(sc.judge.upcast) for index, sc in scores.items()}
+
+
+def verdict(acc: float, moved: float, lost: float, u_in: float, upcast: bool = True,
+            error: float = math.inf) -> str:
+    """The cause from the measures (module doc), for callers that have them apart; ``error``:
+    the original's largest error relative to the result's tensor scale (accuracy modes)."""
+    level = math.sqrt(u_in)
+    if acc > 1 and acc > BLAME_FACTOR * moved:
+        return INACCURATE
+    if lost > level and (not upcast or error > level):
+        return ILL_CONDITIONED
+    return MILD if upcast and (moved > 1 or lost > level) else UNCONFIRMED

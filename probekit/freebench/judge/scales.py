@@ -1,0 +1,586 @@
+"""What a finding means: one error model for every checked call, forward and backward.
+
+Element ``i`` of a correct kernel's result is within ``u_out * |y_i| + gamma_k(u_acc) * S_i`` of
+the exact ``y_i`` (docs/free_benchmark.md, "The error model"): ``u_out`` the unit roundoff of the
+dtype the call computes its result in, ``u_acc`` that of what a correct kernel accumulates in
+(float32 for float16/bfloat16, the dtype itself otherwise), ``gamma_k(u) = k u / (1 - k u)`` the
+bound of a sequential sum of ``k`` terms (Higham, ch. 3-4), ``S_i`` the call's magnitude at
+``i`` (the element if none of its terms cancelled) and ``k`` its reduction length. The accuracy
+modes flag an output when ``max_i |d_i| / (u_out |p_i| + gamma_k S_i) > C``; the sensitivity
+modes when the output moves by more than ``sqrt(u)`` of its tensor's scale (half its significant
+bits). A flagged output is a finding only when the float64 analysis (``cause.py``) confirms it.
+
+``S`` and ``k`` come from the call's family (``family``): the call on absolute values for the
+multilinear calls (``magnitude_run``; in the backward stage: with ``|g|`` on ``|inputs|``, which
+also covers ``mul``/``div``; ``add``/``sub``'s gradients are ``|g|`` summed over the broadcast
+dims), ``|p|`` for element-wise functions, ``|x|`` for gelu, a formula for the
+few families whose own arithmetic subtracts (softmax, log_softmax, normalisations, attention:
+``magnitudes.py``), the output tensor's scale for everything else, and 0 for step functions. The
+fast comparison (``metric.py``) divides ``d`` by a per-element scale, or by the tensor scale:
+
+* ``MAGNITUDE``: the scale ``S`` itself when ``u_out <= u_acc`` (float32, float64: ``|p| <= S``
+  puts the bound between ``gamma_k S`` and ``(u_out + gamma_k) S``, the threshold uses the
+  larger), else ``|p| + gamma_k / u_out * S`` (two terms, threshold ``C u_out``);
+* ``ELEMENT``: ``|p| + beta`` (a per-family absolute floor), threshold ``C (u_out + gamma_k)``;
+* ``TENSOR``: ``max|d| / max|o|``, threshold ``C (u_out + gamma_k)`` in the accuracy modes,
+  ``sqrt(u_in)`` in the sensitivity modes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..perturb.modes import MODES
+from ..names import ELEMENTWISE, MISSING, parameters
+
+#: the model's margin: one bound for the kernel, one for the re-run (the fp32 re-run of a 16-bit
+#: call is itself a correct fp32 computation)
+C = 2.0
+#: k of element-wise functions: a vector-math function is good to a few ulps (measured at most
+#: 3.3 u in fp32 over 23 CPU functions: mish 3.3, silu 2.3, sigmoid 2.0, rsqrt 1.8)
+ELEMENTWISE_K = 4
+#: the least k of a call judged against its tensor's scale (an element-wise formula's few roundings)
+TENSOR_MIN_K = 4
+
+TENSOR, MAGNITUDE, ELEMENT = "tensor", "magnitude", "element"
+
+#: multilinear in their floating inputs with non-negative coefficients (after ``alpha``/``beta``
+#: are made positive): the call on absolute values is ``sum |a||b|``, forward and backward
+MAGNITUDE_APIS = frozenset("""
+matmul __matmul__ __rmatmul__ mm bmm mv dot vdot inner einsum tensordot linear bilinear addmm addmv
+addbmm baddbmm addr conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
+convolution sum nansum mean nanmean cumsum trace index_add index_add_ scatter_add scatter_add_
+index_put index_put_ put put_ embedding_bag bincount scatter_reduce scatter_reduce_ index_reduce
+index_reduce_ scatter scatter_ kron chain_matmul multi_dot _grouped_mm grouped_mm
+""".split())
+#: element-wise products: correctly rounded forward (``|p|``), and a backward that is a product of
+#: the upstream gradient with input values (the backward on absolute values is its magnitude)
+ARITHMETIC = frozenset("""
+mul multiply div divide true_divide addcmul addcdiv __mul__ __rmul__ __truediv__ __rtruediv__
+__div__ __rdiv__
+""".split())
+#: element-wise sums: correctly rounded forward; each input's gradient is +-g summed over the
+#: dims the input was broadcast along, so its magnitude is |g| summed alike (``magnitudes.py``,
+#: no re-run)
+ADDITIVE = frozenset("""
+add sub subtract rsub neg negative __add__ __radd__ __sub__ __rsub__ __neg__
+""".split())
+#: gelu computes x/2 (1 + erf(x/sqrt 2)) (or the tanh form): 1 + erf cancels for x < 0 (10 %
+#: relative error at x = -5 in fp32). Its two terms x/2 and x/2 erf(x/sqrt 2) are each at most
+#: |x|/2, so S = |x|, the input itself (no re-run; the call on |x| would give the same within 2x)
+GELU = frozenset({"gelu"})
+SOFTMAX = frozenset({"softmax", "softmin", "_softmax"})
+LOG_SOFTMAX = frozenset({"log_softmax", "_log_softmax"})
+NORMS = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm"})
+ATTENTION = frozenset({"scaled_dot_product_attention"})
+#: families whose correct kernels round an intermediate to the compute dtype before a product:
+#: attention computes the probabilities P in fp32 and hands them to the second product in the
+#: inputs' dtype (P V forward; P^T dO, dS K, dS^T Q backward: the flash-attention design, on the
+#: CPU kernels too), so each term of those sums carries u_out of its own magnitude: the bound's
+#: S term is (u_out + gamma_k(u_acc)) S for them (``accumulation_term``)
+ROUNDED_OPERANDS = frozenset({"attention"})
+#: piecewise constant (or jumping) in their floating inputs: exact at the same inputs, and a
+#: one-ulp move only says on which side of a discontinuity an input lies (sensitivity modes skip)
+STEP = frozenset("""
+histc histogram histogramdd floor ceil round trunc fix frac sign sgn signbit heaviside
+floor_divide __floordiv__ __rfloordiv__ remainder __mod__ __rmod__ fmod bucketize searchsorted
+""".split())
+
+#: keyword coefficients made positive for the magnitude re-run
+_COEFFICIENTS = ("alpha", "beta", "value")
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# -- unit roundoffs and gamma ---------------------------------------------------------------------
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """``u = eps / 2`` of a floating dtype (bfloat16 2^-8, float16 2^-11, float32 2^-24); float32's
+    for any other dtype."""
+    if dtype not in _FLOATS:
+        dtype = torch.float32
+    return torch.finfo(dtype).eps / 2
+
+
+def accumulation_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of the arithmetic a correct kernel uses inside: float32 for the 16-bit
+    types (PyTorch's ``opmath``), the dtype itself otherwise."""
+    return unit_roundoff(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
+
+
+def gamma(k: float, u: float) -> float:
+    """``gamma_k(u) = k u / (1 - k u)`` (infinite once ``k u >= 1``)."""
+    ku = k * u
+    return math.inf if ku >= 1 else ku / (1 - ku)
+
+
+# -- families ---------------------------------------------------------------------------------------
+_FAMILIES: dict = {}
+
+
+#: in-place Python operators and their out-of-place forms (an in-place call re-run on a copy
+#: computes what the out-of-place one does)
+_INPLACE_DUNDERS = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__",
+                    "__itruediv__": "__truediv__", "__idiv__": "__div__", "__ipow__": "__pow__",
+                    "__imatmul__": "__matmul__", "__ifloordiv__": "__floordiv__",
+                    "__imod__": "__mod__"}
+
+
+def _outplace(name: str):
+    """The out-of-place form's name of an in-place API (``add_``, ``__iadd__``), else None."""
+    base = _INPLACE_DUNDERS.get(name)
+    if base is None and name.endswith("_") and not name.endswith("__"):
+        base = name[:-1]
+    return base
+
+
+def family(name: str) -> str:
+    """The error-model family of API ``name`` (module doc; docs/free_benchmark.md's table); an
+    in-place form (``add_``, ``__iadd__``) has its out-of-place form's."""
+    fam = _FAMILIES.get(name)
+    if fam is None:
+        fam = _family(name)
+        if fam == "other":
+            base = _outplace(name)
+            if base is not None:
+                fam = _family(base)
+        _FAMILIES[name] = fam
+    return fam
+
+
+def _family(name: str) -> str:
+    if name in MAGNITUDE_APIS:
+        return "multilinear"
+    if name in ARITHMETIC:
+        return "arithmetic"
+    if name in ADDITIVE:
+        return "additive"
+    if name in GELU:
+        return "gelu"
+    if name in SOFTMAX:
+        return "softmax"
+    if name in LOG_SOFTMAX:
+        return "log_softmax"
+    if name in NORMS:
+        return "norm"
+    if name in ATTENTION:
+        return "attention"
+    if name in STEP:
+        return "step"
+    if name in ELEMENTWISE:
+        return "elementwise"
+    return "other"
+
+
+def is_step(name: str) -> bool:
+    """A step function (``STEP``), or an in-place form of one (``floor_``, ``__imod__``: checked
+    in place since issue 26)."""
+    return name in STEP or _outplace(name) in STEP
+
+
+#: families whose forward S is the call on absolute values
+_ABS_FORWARD = frozenset({"multilinear"})
+#: families whose forward S is the absolute value of their (first) input
+_INPUT_FORWARD = frozenset({"gelu"})
+#: families whose forward S is ``|p|`` plus a floor (no re-run)
+_ELEMENT_FORWARD = frozenset({"arithmetic", "additive", "elementwise", "softmax",
+                              "log_softmax", "step"})
+#: families whose gradients' S is the backward on absolute values
+_ABS_BACKWARD = frozenset({"multilinear", "arithmetic"})
+#: families whose gradients' S is a formula (``magnitudes.py``)
+_FORMULA_BACKWARD = frozenset({"additive", "softmax", "log_softmax", "norm", "attention"})
+
+
+# -- the call's arguments, read by name ------------------------------------------------------------
+_PARAMS: dict = {}
+
+
+def _params(func, name: str) -> dict:
+    try:
+        key = (name, func)
+        p = _PARAMS.get(key)
+    except TypeError:     # an unhashable callable
+        key = (name, getattr(func, "__qualname__", None), getattr(func, "__module__", None))
+        p = _PARAMS.get(key)
+    if p is None:
+        try:
+            p = parameters(func, name)
+        except Exception:
+            p = {}
+        _PARAMS[key] = p
+    return p
+
+
+class Args:
+    """A call's arguments read by name (positions and defaults from ``names.parameters``)."""
+
+    __slots__ = ("args", "kwargs", "params")
+
+    def __init__(self, func, name: str, args: tuple, kwargs: dict) -> None:
+        self.args, self.kwargs = args, kwargs
+        self.params = _params(func, name)
+
+    def get(self, name: str, pos: int | None = None, default=None):
+        if name in self.kwargs:
+            return self.kwargs[name]
+        p, dflt = self.params.get(name, (pos, MISSING))
+        if p is None:
+            p = pos
+        if p is not None and len(self.args) > p:
+            return self.args[p]
+        return default if dflt is MISSING else dflt
+
+
+def _numel(x) -> int:
+    return x.numel() if isinstance(x, torch.Tensor) else 1
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def _norm_count(name: str, a: Args, x: torch.Tensor) -> int:
+    """Elements each normalisation statistic is taken over."""
+    if name in ("layer_norm", "rms_norm"):
+        shape = a.get("normalized_shape", 1)
+        return _prod([shape] if isinstance(shape, int) else (shape or ()))
+    if name == "group_norm":
+        g = a.get("num_groups", 1) or 1
+        return max(1, x.numel() // max(1, x.shape[0] * g)) if x.dim() else 1
+    if name == "batch_norm":
+        return max(1, x.numel() // x.shape[1]) if x.dim() > 1 else 1
+    if name == "instance_norm":
+        return _prod(x.shape[2:]) if x.dim() > 2 else 1
+    return 1
+
+
+def _einsum_length(a: Args) -> int:
+    eq = a.get("equation", 0)
+    ops = a.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = ops[0]
+    if not isinstance(eq, str) or "..." in eq:
+        return 0
+    lhs, _, rhs = eq.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if not rhs and "->" not in eq:
+        rhs = "".join(sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1))
+    sizes = {}
+    for term, t in zip(terms, ops):
+        if isinstance(t, torch.Tensor):
+            for c, n in zip(term, t.shape):
+                sizes[c] = n
+    return _prod(n for c, n in sizes.items() if c not in rhs)
+
+
+def forward_length(name: str, a: Args, leaves: list, out: torch.Tensor) -> int:
+    """``k`` of a forward call: the reduction length behind each output element (module doc)."""
+    fam = family(name)
+    x = next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    if x is None:
+        return TENSOR_MIN_K
+    if fam == "multilinear":
+        k = _multilinear_length(name, a, x, out)
+        if k:
+            return k
+    elif fam in ("elementwise", "gelu", "arithmetic", "additive"):
+        return ELEMENTWISE_K
+    elif fam == "step":
+        return 0
+    elif fam in ("softmax", "log_softmax"):
+        dim = a.get("dim", 1)
+        if isinstance(dim, int) and x.dim():
+            return x.shape[dim] + 2
+    elif fam == "norm":
+        return 2 * _norm_count(name, a, x) + 4
+    elif fam == "attention":
+        q, kk, v = (a.get(n, i) for i, n in enumerate(("query", "key", "value")))
+        if all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, kk, v)):
+            return q.shape[-1] + kk.shape[-2] + 2
+    return _generic_length(leaves, out)
+
+
+def _generic_length(leaves: list, out: torch.Tensor) -> int:
+    n_out = max(1, out.numel())
+    k = TENSOR_MIN_K
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            k = max(k, t.numel() // n_out, n_out // t.numel())
+    return k
+
+
+def _multilinear_length(name: str, a: Args, x: torch.Tensor, out: torch.Tensor) -> int:
+    if name in ("matmul", "__matmul__", "mm", "bmm", "mv", "dot", "vdot", "inner", "linear",
+                "_grouped_mm", "grouped_mm"):
+        return x.shape[-1] if x.dim() else 1
+    if name == "__rmatmul__":
+        other = a.args[1] if len(a.args) > 1 else None
+        return other.shape[-1] if isinstance(other, torch.Tensor) and other.dim() else 1
+    if name in ("addmm", "addmv", "baddbmm"):
+        m = a.args[1] if len(a.args) > 1 else None
+        return m.shape[-1] if isinstance(m, torch.Tensor) and m.dim() else 0
+    if name == "addbmm":
+        m = a.args[1] if len(a.args) > 1 else None
+        return m.shape[0] * m.shape[-1] if isinstance(m, torch.Tensor) and m.dim() == 3 else 0
+    if name in ("addr", "kron"):
+        return 1
+    if name == "bilinear":
+        y = a.args[1] if len(a.args) > 1 else None
+        return x.shape[-1] * (y.shape[-1] if isinstance(y, torch.Tensor) else 1)
+    if name in ("chain_matmul", "multi_dot"):
+        ms = a.args[0] if len(a.args) == 1 and isinstance(a.args[0], (list, tuple)) else a.args
+        return sum(m.shape[-1] for m in list(ms)[:-1] if isinstance(m, torch.Tensor)) or 1
+    if name == "einsum":
+        return _einsum_length(a)
+    if name == "tensordot":
+        return max(1, x.numel() * _numel(a.args[1] if len(a.args) > 1 else None)
+                   // max(1, out.numel())) if out.numel() else 1
+    if name.startswith("conv"):
+        w = a.get("weight", 1)
+        if not isinstance(w, torch.Tensor) or w.dim() < 2:
+            return 0
+        kernel = _prod(w.shape[2:])
+        transposed = "transpose" in name or (name == "convolution" and a.get("transposed", 6))
+        groups = a.get("groups", None) or 1
+        return (w.shape[0] // groups if transposed else w.shape[1]) * kernel
+    if name in ("sum", "nansum", "mean", "nanmean", "trace"):
+        return max(1, x.numel() // max(1, out.numel()))
+    if name == "cumsum":
+        dim = a.get("dim", 1)
+        return x.shape[dim] if isinstance(dim, int) and x.dim() else x.numel()
+    if name.startswith("index_put") or name.startswith("put"):
+        idx = a.get("indices", 1) if name.startswith("index_put") else a.get("index", 1)
+        idx = idx if isinstance(idx, (list, tuple)) else [idx]
+        return max((_numel(t) for t in idx if isinstance(t, torch.Tensor)), default=1) + 1
+    if name.startswith("index_add") or name.startswith("index_reduce"):
+        return _numel(a.get("index", 2)) + 1
+    if name.startswith("scatter"):
+        idx, dim = a.get("index", 2), a.get("dim", 1)
+        if isinstance(idx, torch.Tensor) and isinstance(dim, int) and idx.dim():
+            return idx.shape[dim] + 1
+        return _numel(idx) + 1
+    if name == "embedding_bag":
+        return x.numel() if x.dim() <= 1 else x.shape[-1]
+    if name == "bincount":
+        return _numel(a.get("weights", 1))
+    return 0
+
+
+#: the position of a bias-like input (added once per output element, not contracted)
+_BIAS = {"linear": 2, "conv1d": 2, "conv2d": 2, "conv3d": 2, "conv_transpose1d": 2,
+         "conv_transpose2d": 2, "conv_transpose3d": 2, "convolution": 2, "bilinear": 3,
+         "addmm": 0, "addmv": 0, "addbmm": 0, "baddbmm": 0, "addr": 0, "index_add": 0,
+         "index_add_": 0, "scatter_add": 0, "scatter_add_": 0, "index_put": 0,
+         "index_put_": 0, "put": 0, "put_": 0, "scatter_reduce": 0, "index_reduce": 0,
+         "scatter": 0}
+
+
+def backward_length(name: str, a: Args, leaves: list, position: int, out: torch.Tensor,
+                    k_fwd: int) -> int:
+    """``k`` of the gradient of input ``position`` (module doc): the forward adds
+    ``numel(out) * k`` terms, each holding one element of every contracted input, so each of the
+    input's elements is in ``numel(out) * k / numel(x)`` of them; a bias (added once per output
+    element) in ``numel(out) / numel(x)``; formula families by their formula."""
+    x = leaves[position]
+    fam = family(name)
+    n_x = max(1, x.numel())
+    spread = max(1, -(-out.numel() // n_x))
+    if fam in ("multilinear", "arithmetic", "additive"):
+        if fam != "multilinear" or _BIAS.get(name) == position:
+            return spread
+        return max(1, -(-out.numel() * max(1, k_fwd) // n_x))
+    if fam in ("softmax", "log_softmax"):
+        return k_fwd
+    if fam == "norm":
+        first = next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor))
+        return k_fwd if position == first else spread
+    if fam == "attention":
+        q, kk = a.get("query", 0), a.get("key", 1)
+        v = a.get("value", 2)
+        if all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, kk, v)):
+            return q.shape[-1] + v.shape[-1] + q.shape[-2] + kk.shape[-2]
+    return max(TENSOR_MIN_K, spread, k_fwd)
+
+
+# -- how a check is judged --------------------------------------------------------------------------
+class Judge:
+    """How one compared output (or gradient) is judged: the comparison's scale kind, the
+    threshold, the hot-spot level, and what the scale is made of."""
+
+    __slots__ = ("kind", "thr", "hot", "source", "k", "lam", "beta", "u_out", "u_acc", "fam",
+                 "upcast", "factor")
+
+    def __init__(self, kind, thr, hot, source, k, lam=0.0, beta=0.0, u_out=0.0, u_acc=0.0,
+                 fam="other", upcast=True):
+        self.kind = kind        # TENSOR | MAGNITUDE | ELEMENT (per-element scale)
+        self.thr = thr
+        self.hot = hot
+        #: what the per-element scale is made of: None (tensor), "abs" (the call on absolute
+        #: values), "formula" (magnitudes.py), "element" (|p| + beta)
+        self.source = source
+        self.k = k
+        self.lam = lam          # two-term scale |p| + lam * S (0: the scale is S itself)
+        self.beta = beta        # element scale |p| + beta
+        self.u_out = u_out
+        self.u_acc = u_acc
+        self.fam = fam
+        self.upcast = upcast    # judged in an accuracy mode
+        #: a configured threshold relative to the model's (``free_benchmark.thresholds``): the
+        #: float64 analysis scales its bound (or, in the sensitivity modes, its sqrt(u)) alike
+        self.factor = 1.0
+
+    def __repr__(self) -> str:
+        return (f"Judge({self.kind}, thr={self.thr:.3g}, source={self.source}, k={self.k}, "
+                f"lam={self.lam:.3g}, beta={self.beta:.3g})")
+
+
+def _floor(dtype) -> float:
+    """The absolute floor of an element scale: the dtype's smallest normal (gradual underflow)."""
+    return torch.finfo(dtype if dtype in _FLOATS else torch.float32).tiny
+
+
+def judge(mode_name: str, fam: str, k: int, judged_dtype, *, stage: str = "forward",
+          in_dtype=None, override=None, formula_ok: bool = True) -> Judge:
+    """The ``Judge`` of one compared output: ``fam`` its family, ``k`` its reduction length,
+    ``judged_dtype`` the dtype it is judged in (``effective_dtype``), ``in_dtype`` the perturbed
+    input's (sensitivity modes), ``override`` the configured threshold of that dtype.
+    ``formula_ok``: the family's formula applies to this call (attention without dropout)."""
+    j = _judge(mode_name, fam, k, judged_dtype, stage, formula_ok)
+    if override is not None and not MODES[mode_name].exact:
+        j.factor = float(override) / j.thr if j.thr > 0 else math.inf
+        j.thr = float(override)
+        j.hot = j.thr if j.upcast else min(j.hot, j.thr)
+    return j
+
+
+def _judge(mode_name, fam, k, judged_dtype, stage, formula_ok) -> Judge:
+    mode = MODES[mode_name]
+    u_out = unit_roundoff(judged_dtype)
+    u_acc = accumulation_roundoff(judged_dtype)
+    g = gamma(k, u_acc)
+    rounding = C * (u_out + g)
+    if mode.exact:
+        return Judge(TENSOR, 0.0, 0.0, None, k, u_out=u_out, u_acc=u_acc, fam=fam, upcast=False)
+    if not mode.upcast:
+        thr = math.sqrt(u_out)    # hot spot: a move beyond two correct runs' rounding
+        return Judge(TENSOR, thr, min(thr, 2 * rounding), None, k, u_out=u_out, u_acc=u_acc,
+                     fam=fam, upcast=False)
+    source = magnitude_source(fam, stage, formula_ok)
+    if stage == "forward" and source == "formula":
+        source = None     # forward formulas (normalisations) are for the analysis only
+    if source is None or math.isinf(g):
+        return Judge(TENSOR, rounding, rounding, None, k, u_out=u_out, u_acc=u_acc, fam=fam)
+    if source == "element":
+        beta = element_floor(fam, k, judged_dtype)
+        beta = beta * g / (u_out + g) if fam in ("softmax", "log_softmax") else beta
+        return Judge(ELEMENT, rounding, rounding, source, k, beta=beta, u_out=u_out, u_acc=u_acc,
+                     fam=fam)
+    if fam in ROUNDED_OPERANDS:   # its products take operands rounded to u_out (see there)
+        g = g + u_out
+        rounding = C * (u_out + g)
+    if u_out <= u_acc:          # float32 / float64: |p| <= S, the scale is S alone
+        return Judge(MAGNITUDE, rounding, rounding, source, k, u_out=u_out, u_acc=u_acc, fam=fam)
+    return Judge(MAGNITUDE, C * u_out, C * u_out, source, k, lam=g / u_out, u_out=u_out,
+                 u_acc=u_acc, fam=fam)
+
+
+def accumulation_term(fam: str, k: int, u_out: float, u_acc: float) -> float:
+    """The weight of ``S`` in the bound: ``gamma_k(u_acc)``, plus ``u_out`` for the families
+    whose products take operands rounded to the compute dtype (``ROUNDED_OPERANDS``)."""
+    g = gamma(k, u_acc)
+    return g + u_out if fam in ROUNDED_OPERANDS else g
+
+
+def magnitude_source(fam: str, stage: str = "forward", formula_ok: bool = True):
+    """Where ``S`` of a family comes from: ``"abs"`` (the call, or its backward, on absolute
+    values), ``"element"`` (``|p|`` plus a floor), ``"formula"`` (``magnitudes.py``), or None
+    (the tensor's scale)."""
+    if stage == "forward":
+        if fam in _ABS_FORWARD:
+            return "abs"
+        if fam in _INPUT_FORWARD:
+            return "input"
+        if fam in _ELEMENT_FORWARD:
+            return "element"
+        return "formula" if fam == "norm" else None
+    if fam in _ABS_BACKWARD:
+        return "abs"
+    if fam in _FORMULA_BACKWARD and formula_ok:
+        return "formula"
+    return None
+
+
+def element_floor(fam: str, k: int, dtype) -> float:
+    """The absolute part of an element scale ``|p| + beta`` before weighting (module doc):
+    softmax ``1 / (e k)``, log_softmax 1, element-wise calls the dtype's smallest normal."""
+    if fam == "softmax":
+        return 1.0 / (math.e * max(1, k))
+    if fam == "log_softmax":
+        return 1.0
+    return _floor(dtype)
+
+
+# -- the call on absolute values --------------------------------------------------------------------
+def magnitude_leaves(leaves: list) -> list:
+    """The leaves with every floating tensor replaced by its absolute value (one fused
+    ``_foreach_abs`` for all of them) and float scalars made positive."""
+    pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    new = [abs(x) if type(x) is float else x for x in leaves]  # ints may be dims: kept
+    if pos:
+        for i, a in zip(pos, torch._foreach_abs([leaves[i] for i in pos])):
+            new[i] = a
+    return new
+
+
+def magnitude_kwargs(kwargs: dict) -> dict:
+    """``alpha``/``beta``/``value`` made positive (the other keyword arguments as they are)."""
+    if not any(k in kwargs for k in _COEFFICIENTS):
+        return kwargs
+    return {k: (abs(v) if k in _COEFFICIENTS and isinstance(v, (int, float)) else v)
+            for k, v in kwargs.items()}
+
+
+def magnitude_run(func, args: tuple, kwargs: dict):
+    """``S``: the call on absolute values (``sum`` family, ``matmul``...); ``sub``-like APIs are
+    never in ``MAGNITUDE_APIS``, so no sign has to be flipped."""
+    return func(*args, **magnitude_kwargs(kwargs))
+
+
+# -- dtypes ---------------------------------------------------------------------------------------------
+def scale_kind(mode_name: str, api_name: str) -> str:
+    """The comparison kind of a forward check of API ``api_name`` in ``mode_name`` (the dtype
+    decides between ``S`` and the two-term scale, ``judge``)."""
+    if not MODES[mode_name].upcast:
+        return TENSOR
+    fam = family(api_name)
+    if fam in _ABS_FORWARD or fam in _INPUT_FORWARD:
+        return MAGNITUDE
+    if fam in _ELEMENT_FORWARD:
+        return ELEMENT
+    return TENSOR
+
+
+def effective_dtype(mode_name: str, compute_dtype, tensor_dtype=None, in_dtype=None):
+    """The dtype whose unit roundoff a check is judged with: the least precise of the dtype the
+    call computes in, the compared tensor's own (a gradient stored in bf16 for a bf16 input of a
+    float32 op is rounded to bf16) and, in the sensitivity modes, the perturbed input's (one ulp
+    of a bf16 input is 2^-8 of it whatever the op computes in: its output cannot keep more)."""
+    dtypes = [compute_dtype, tensor_dtype]
+    if not MODES[mode_name].upcast:
+        dtypes.append(in_dtype)
+    best, worst = None, -1.0
+    for d in dtypes:
+        if isinstance(d, torch.dtype) and d.is_floating_point:
+            u = unit_roundoff(d)
+            if u > worst:
+                best, worst = d, u
+    return best if best is not None else compute_dtype
+
+
+def lost_bits_level(compute_dtype: torch.dtype) -> float:
+    """``sqrt(u)``: a move above it (relative to the output's own scale) leaves fewer than half
+    of the dtype's significant bits."""
+    return math.sqrt(unit_roundoff(compute_dtype))

@@ -1,0 +1,349 @@
+"""``FreeBench``: the public free-benchmark session (context manager, start/stop/step, results).
+
+    fb = probekit.FreeBench(dump_path="./out", pert_mode="bit_noise")
+    with fb:                          # start() on enter, stop() on exit; usable again
+        loss = model(x).sum(); loss.backward()
+    fb.step()                         # per-API counters reset, step number + 1
+    fb.results                        # DataFrame, one row per inconsistent output
+    fb.summary                        # calls, checked, skipped {reason: n}, flagged, steps
+
+``PrecisionDebugger(task="free_benchmark")`` drives the same object through ``open_session``.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import time
+import weakref
+
+import torch
+
+from ...config import Config, ConfigError, config_for
+from ...dist import get_rank, rank_selected
+from ...log import Once, ensure_handler, get_logger
+from . import coverage
+from ..report import results as _results
+from .compiled import MESSAGE as COMPILED_MESSAGE
+from .compiled import CompileGuard, CompiledModelError, is_compiled_module
+from ..engine.intercept import Engine, make_mode
+from .modules import ModuleScope
+from ..repro.record import Recorder
+from ..report.view import Findings, Summary, summary_line
+
+log = get_logger("probekit.freebench")
+
+
+class FreeBench:
+    """Re-run torch API calls on perturbed inputs and report the inconsistent outputs.
+
+    ``config``: a probekit ``Config`` (task free_benchmark), a ``FreeBenchmarkConfig``, a path to a
+    msprobe/probekit config.json, or None; ``**options`` as ``probekit.make_config`` takes them
+    (``dump_path``, ``pert_mode``, ``handler_type``, ``fuzz_stage``, ``scope``, ``list``, ...).
+    ``module="h.2.attn"`` (or ``modules=[...]``) checks only the calls made while those modules
+    of ``model`` run (``model=`` here or ``start(model)``), nested submodules included; the
+    ``module`` column of the results names the innermost one.
+    """
+
+    def __init__(self, config=None, *, model=None, **options) -> None:
+        ensure_handler()
+        if "modules" in options:  # plural spelling of the ``module`` key
+            modules = options.pop("modules")
+            if "module" in options:
+                raise ConfigError("free_benchmark.module: given both as module= and modules=; "
+                                  "accepted: one of them", key="free_benchmark.module",
+                                  value=modules, accepted="one of module=, modules=")
+            options["module"] = list(modules) if isinstance(modules, (list, tuple)) else modules
+        self.config: Config = config_for("free_benchmark", config, **options)
+        self._model = None
+        self._scope = None
+        if model is not None:
+            self._set_model(model)
+        self._rows: list[dict] = []
+        self._sink = _results.CsvSink(self.config.dump_path)
+        self._engine = Engine(self.config, self._emit, get_rank())
+        # a confirmed finding's call is saved for fb.repro (repro/record.py)
+        self._engine.repro_capture = Recorder(self._engine, self.config.dump_path)
+        self._mode = None
+        self._opt_handles: list = []
+        self._compile_guard = CompileGuard()
+        self._closed = False
+        self._coverage_once = Once()
+        self._step_start = coverage.counters(self._engine)
+        self._block_start = None
+        self._started = False  # start() was called (step() before it is warned about)
+        # verdicts still pending when the process exits (a run that never called stop()) are
+        # read back and written then; a weak reference: the hook does not keep this alive
+        self._exit_hook = functools.partial(_gather_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """True between start() and stop()."""
+        return self._mode is not None
+
+    def _set_model(self, model) -> None:
+        """Resolve the module scope against ``model`` (unknown names: ``ConfigError``)."""
+        names = self.config.free_benchmark.module
+        if model is self._model:
+            return
+        if names:
+            if not isinstance(model, torch.nn.Module):
+                raise ConfigError(f"model: {type(model).__name__} is not valid; accepted: a "
+                                  "torch.nn.Module (free_benchmark.module names its submodules)")
+            self._scope = ModuleScope(model, names)
+        self._model = model
+
+    def start(self, model=None) -> None:
+        """Begin intercepting torch calls on this thread. With ``module`` set, only calls made
+        inside those modules of ``model`` (here or ``FreeBench(model=...)``) are checked; without
+        it ``model`` is unused: every API call is seen, inside or outside a model. A ``torch.compile``'d model is refused
+        (``CompiledModelError``): probe the uncompiled module."""
+        if self._closed:
+            raise RuntimeError("this FreeBench was closed")
+        if model is not None and is_compiled_module(model):
+            raise CompiledModelError(COMPILED_MESSAGE)
+        if self._mode is not None:
+            return
+        if model is not None:
+            self._set_model(model)
+        names = self.config.free_benchmark.module
+        if names and self._scope is None:
+            raise ConfigError(f"free_benchmark.module: {list(names)!r} needs the model; "
+                              "accepted: FreeBench(..., model=model) or start(model)")
+        self._started = True
+        if not rank_selected(self.config.rank):
+            log.debug("free benchmark inactive: rank %d is not in %s", get_rank(),
+                      list(self.config.rank))
+            return
+        self._engine.rank = get_rank()
+        if self._engine.budget is not None:
+            self._engine.budget.started()
+        self._sink.open()
+        mode = make_mode(self._engine)
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+
+        handles = [register_optimizer_step_pre_hook(self._engine.optimizer_pre),
+                   register_optimizer_step_post_hook(self._engine.optimizer_post)]
+        try:
+            self._compile_guard.install()
+            if self._scope is not None:
+                self._scope.attach()
+                self._engine.modules = self._scope
+            mode.__enter__()
+        except BaseException:
+            self._compile_guard.remove()
+            for h in handles:
+                h.remove()
+            self._detach_scope()
+            raise
+        self._opt_handles = handles
+        self._mode = mode
+        self._block_start = coverage.counters(self._engine)
+        if self.config.free_benchmark.handler_type == "fix" and \
+                self.config.free_benchmark.fuzz_stage == "backward":
+            log.info("Free benchmark: fix applies to the forward call; the gradients of a fixed "
+                     "call come from its upcast computation too")
+
+    def stop(self) -> None:
+        """Stop intercepting; pending backward checks are dropped, global hooks removed."""
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        try:
+            top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) \
+                if torch._C._len_torch_function_stack() else None
+            if top is not mode:
+                log.warning("Free benchmark: another TorchFunctionMode was entered after start() "
+                            "and is still active; stop() removes the top mode")
+            mode.__exit__(None, None, None)
+        finally:
+            if self._engine.budget is not None:
+                self._engine.budget.stopped()
+            self._compile_guard.remove()
+            handles, self._opt_handles = self._opt_handles, []
+            for h in handles:
+                h.remove()
+            watched = len(self._engine.handles)
+            self._engine.stopped()
+            self._detach_scope()
+            self._gather()
+        if self._block_start is not None:
+            self._report(coverage.block_findings(self.config, self._block_start,
+                                                 coverage.counters(self._engine), watched))
+            self._block_start = None
+
+    def _report(self, findings) -> None:
+        """Log each coverage finding once per session (kind: rank, step, scope, backward...)."""
+        for kind, level, message in findings:
+            if self._coverage_once(kind):
+                log.log(level, message)
+
+    def _detach_scope(self) -> None:
+        self._engine.modules = None
+        if self._scope is not None:
+            self._scope.detach()
+
+    def _gather(self) -> None:
+        """Read back the pending verdicts (one device-to-host transfer) and write the findings."""
+        budget = self._engine.budget
+        t0 = time.perf_counter()
+        try:
+            self._engine.gather()
+        except Exception as exc:  # never reaches the training code
+            self._engine.verdicts.drop()
+            log.warning("Free benchmark: reading back the pending checks failed (%s: %s); they "
+                        "were dropped", type(exc).__name__, exc)
+        finally:
+            if budget is not None:
+                budget.spent(time.perf_counter() - t0, checks=0)
+
+    def step(self) -> None:
+        """End of a training step: pending verdicts gathered, per-API counters reset, the step
+        number grows by one. A filter or stage that left the step with nothing checked is
+        reported once (WARNING), and so is a step() before any start()."""
+        if not self._started and self._coverage_once("step-before-start"):
+            log.warning("%s", _step_before_start(self.config, self._engine.step))
+        self._gather()
+        e = self._engine
+        try:
+            now = coverage.counters(e)
+            self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
+                                                rank_selected(self.config.rank)))
+        finally:
+            e.next_step()
+            self._step_start = coverage.counters(e)
+
+    def monitor(self, model, optimizer=None) -> None:
+        log.warning("monitor() belongs to the grad probe; the free benchmark sees every API call "
+                    "between start() and stop()")
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            self._closed = True
+            atexit.unregister(self._exit_hook)
+
+    def __enter__(self) -> "FreeBench":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- results ---------------------------------------------------------------------------------
+    def _emit(self, rows: list[dict]) -> None:
+        self._rows.extend(rows)
+        try:
+            self._sink.write(rows)
+        except OSError as exc:
+            log.warning("Free benchmark: could not append to %s: %s", self._sink.path, exc)
+
+    @property
+    def results(self):
+        """pandas DataFrame, one row per inconsistent output (``probekit.freebench.COLUMNS``)."""
+        self._gather()
+        return _results.frame(self._rows)
+
+    @property
+    def summary(self) -> Summary:
+        """Calls seen, checked, skipped ``{reason: n}``, flagged, steps (and hot spots, coverage
+        when they apply): a dict whose ``str()`` is the findings view's one-line summary."""
+        self._gather()
+        s = self._engine.summary()
+        if self._compile_guard.refused:
+            s["compiled_refused"] = self._compile_guard.refused
+        return Summary(s)
+
+    def repro(self, row, out=None, *, shrink: bool = False, check: bool = False):
+        """Write a standalone repro folder of a finding and return it (``repro.Repro``: its
+        path, the command to run, what the script measures): ``repro.py`` (needs only torch;
+        exits 1 while the defect is present), ``inputs.pt``, ``REPORT.md``. ``row``: a row of
+        ``results``, its position there, or its ``api_name``; ``out``: the folder (default
+        ``{dump_path}/repro/{api_name}.rank{r}``); ``shrink``: make the inputs smaller while
+        the finding still reproduces; ``check``: also run the script in a fresh Python.
+        Uses the record the session saved when it confirmed the finding (``repro/record.py``),
+        so ``probekit freebench repro DUMP ROW`` does the same from the dump folder alone."""
+        from ..repro import folder as repro
+
+        self._gather()
+        return repro.for_row(self.config.dump_path, row, out, results=self.results,
+                             shrink=shrink, check=check)
+
+    @property
+    def hotspots(self):
+        """What the dtype predicts, kept apart from the findings (never in ``results`` or the
+        CSV): one row per call site and output whose check moved by more than a correct kernel's
+        rounding explains without being a finding -- a sensitivity mode's output that moved by
+        more than ``16 u`` of its scale but kept most of its bits, or an accuracy mode's error that
+        the inputs' own conditioning explains (``cause``), or one waiting for its call site's
+        analysis (cause ``pending``). The worst check is shown, ``count`` says how many there
+        were; most severe first."""
+        self._gather()
+        return _results.hotspot_frame(list(self._engine._hot.values()) + [
+            dict(r, count=1) for rows in self._engine._held.values() for r in rows])
+
+    @property
+    def coverage(self):
+        """DataFrame, one row per call site eligible for a check (``api_name`` with its counter,
+        e.g. ``Torch.matmul.3``): ``calls`` (times it ran) and ``checked`` (times it was checked).
+        With ``budget``, ``summary["coverage"]`` is the share of these sites checked at least once."""
+        self._gather()
+        return self._engine.coverage.frame()
+
+    @property
+    def api_counts(self) -> dict:
+        """Calls per API in the current step (``{"Torch.matmul": 3, ...}``): call ``i`` of API
+        ``K`` is named ``K.i.forward`` (or ``.backward``), the names ``scope`` takes."""
+        return dict(self._engine.counts)
+
+    @property
+    def csv_path(self) -> str:
+        return os.path.join(self.config.dump_path, _results.CSV_NAME) if self._sink.path is None \
+            else self._sink.path
+
+    def _repr_html_(self) -> str:
+        return Findings.of(self)._repr_html_()
+
+    def __repr__(self) -> str:
+        fb = self.config.free_benchmark
+        state = "active" if self.active else ("closed" if self._closed else "stopped")
+        where = f"module={list(fb.module)!r}, " if fb.module else ""
+        return (f"FreeBench(pert_mode={fb.pert_mode!r}, handler_type={fb.handler_type!r}, "
+                f"fuzz_stage={fb.fuzz_stage!r}, {where}{state}; "
+                f"{summary_line(self.summary)})")
+
+
+def _step_before_start(config: Config, step: int) -> str:
+    """The warning for a ``step()`` before any ``start()``: the step number still grows (it
+    counts training steps, as msprobe's does), so a ``step`` filter may now exclude the rest."""
+    msg = (f"Free benchmark: step() was called before any start(): step {step} ends with nothing "
+           f"checked and the next block is step {step + 1}. step() ends a training step whose "
+           "calls ran between start() and stop() (or inside `with fb:`)")
+    left = [s for s in config.step if s > step]
+    if config.step and not left:
+        msg += (f"; with the step filter {list(config.step)} no step is left to check: "
+                "nothing will be checked")
+    elif config.step:
+        msg += f"; the step filter {list(config.step)} leaves steps {left} to check"
+    return msg
+
+
+def _gather_at_exit(ref) -> None:
+    """At process exit: the pending verdicts of a FreeBench that is still around are read back
+    and their findings written (never raises)."""
+    fb = ref()
+    if fb is None or fb._closed:
+        return
+    try:
+        fb._gather()
+    except Exception:
+        pass
+
+
+def open_session(config: Config) -> FreeBench:
+    """The factory ``PrecisionDebugger`` calls for task ``free_benchmark``."""
+    return FreeBench(config)

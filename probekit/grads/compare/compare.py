@@ -1,0 +1,732 @@
+"""Compare the gradient directions of two runs, vectorised over steps and parameters.
+
+similarity(rank, step, param) = share of elements whose sign bit (``grad > 0``) is equal in both
+runs; total(rank, step) = the same over all compared elements (the element-weighted mean).
+A parameter is flagged at the first compared step if its similarity is below ``step0_threshold``
+(0.97), and at a later step if it dropped by more than ``drop_threshold`` (0.03) since the
+previous compared step; ``flag_total`` applies the same rule to ``total``. Parameters are paired
+by name (without wrapper prefixes); those of one run only are named in the result and logged.
+
+``compare_grads`` runs a dask graph on local threads or a ``dask.distributed`` cluster
+(``engine.py``). Two stores are compared shard by shard, segment by segment (``plan_stage``:
+the stores' segments, their rank groups opened, the plan of ``planner.py``; ``count_stage``:
+``counting.count_task`` per slab set and chunk of steps, summed; ``finish_arrays``). Datasets
+(and what the planner declines) block by block (``plan_pair``, ``count_block`` per block of
+steps: the sign bits read as 64-bit words, XOR-ed, counted with ``np.bitwise_count`` and summed
+per parameter; ``finish_pair``). Both give the same counts.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ...errors import GradCompareError
+from ...log import get_logger
+from ..store.chunks import bit_reader
+from .planner import check_sizes, match_params, pair_labels, ranges_text
+from ..numerics.sampling import CONFIDENCE, stratified_interval, wilson
+from .unmatched import unmatched_vars
+
+log = get_logger(__name__)
+
+STEP0_THRESHOLD = 0.97
+DROP_THRESHOLD = 0.03
+_BLOCK_BYTES = 8 << 20  # sign bytes of one run per block (two runs' blocks are in memory)
+_TASK_BYTES = 64 << 20  # sign bytes of one run per dask task (its blocks one after another)
+
+
+_POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], np.uint8)
+
+
+def _popcount_table(words: np.ndarray) -> np.ndarray:
+    """Bits set per element of a uint64 array, for numpy < 2 (no ``np.bitwise_count``); the
+    MindSpore venv needs numpy 1.26 (see docs/mindspore.md)."""
+    w = np.ascontiguousarray(words)
+    return _POPCOUNT8[w.view(np.uint8)].reshape(*w.shape, 8).sum(axis=-1, dtype=np.uint8)
+
+
+_bitwise_count = getattr(np, "bitwise_count", _popcount_table)
+
+
+def _bits(ds) -> np.ndarray:
+    """Sign bits recorded per parameter: one per element, or its sample (``nbits``)."""
+    return np.asarray((ds["nbits"] if "nbits" in ds.coords else ds["numel"]).values, np.int64)
+
+
+def _word_index(ds, pos: np.ndarray) -> np.ndarray:
+    """64-bit word indices (into one step's sign bits) of the parameters at positions ``pos``."""
+    offsets = np.asarray(ds["offset"].values, np.int64)[pos] // 8
+    words = -(-_bits(ds)[pos] // 64)
+    return np.concatenate([np.arange(o, o + w) for o, w in zip(offsets, words)]) if len(
+        pos) else np.zeros(0, np.int64)
+
+
+def compare_rank(a, b, *, step0_threshold: float = STEP0_THRESHOLD,
+                 drop_threshold: float = DROP_THRESHOLD, block_bytes: int = _BLOCK_BYTES,
+                 noise_aware: bool = True):
+    """Compare two Datasets of one rank (as ``open_grads`` returns) -> Dataset(step, param).
+
+    When both runs hold significance bits (probekit stores), ``similarity_significant`` compares
+    the signs of the elements significant in both runs only (elements whose magnitude is below
+    the rounding level of their tensor have random signs), and with ``noise_aware`` the flags
+    and the first divergence use it; ``similarity`` stays msprobe's plain sign similarity.
+
+    In this process, block after block; ``compare_grads`` runs the same blocks as a dask
+    graph."""
+    a, b = match_samples(a, b)
+    plan = plan_pair(a, b, block_bytes)
+    src = bit_sources(a, b, plan)
+    parts = [count_block(src, plan, s0, s1) for s0, s1 in plan["blocks"]]
+    return finish_pair(plan, parts, step0_threshold, drop_threshold, noise_aware)
+
+
+def match_samples(a, b) -> tuple:
+    """Two Datasets on the same elements: a run that recorded every element's bits, compared
+    with a sampled one (``grad_probe.sample``), is sampled the same way (``sampling.subsample``);
+    anything else as it is."""
+    from ..numerics.sampling import subsample
+
+    ka, kb = int(a.attrs.get("sample", 0) or 0), int(b.attrs.get("sample", 0) or 0)
+    if ka and not kb and "direction" in b:
+        b = subsample(b, ka)
+    elif kb and not ka and "direction" in a:
+        a = subsample(a, kb)
+    return a, b
+
+
+def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES, *,
+              label: str = "") -> dict:
+    """What the comparison of two Datasets needs besides the sign bits (small arrays): shared
+    parameters and steps, word layout, presence, blocks of steps, and the parameters found in
+    one run only (logged as a warning, prefixed with ``label``). Raises on runs that cannot be
+    compared."""
+    for name, ds in (("first", a), ("second", b)):
+        if "direction" not in ds:
+            raise GradCompareError(
+                f"the {name} run was recorded at grad_level {ds.attrs.get('level', '?')!r}, "
+                "which keeps no direction data; accepted: runs recorded at L1 or L2")
+    # names matched without wrapper prefixes (an msprobe dump of a DDP run has "module.*");
+    # parameters of one run only by the names the run holds, and those a step before the
+    # comparison left out (``left_out``: mindspore.align, a name mapping to no reference one)
+    raw_a = [str(x) for x in a["param"].values]
+    raw_b = [str(x) for x in b["param"].values]
+    common, pos_a, pos_b, only_a, only_b, n_a, n_b = match_params(
+        raw_a, raw_b, _left_out(a), _left_out(b), label)
+    numel_a = np.asarray(a["numel"].values, np.int64)[pos_a]
+    numel_b = np.asarray(b["numel"].values, np.int64)[pos_b]
+    check_sizes(common, numel_a, numel_b)
+    bits_a, bits_b = _bits(a)[pos_a], _bits(b)[pos_b]
+    if a.attrs.get("sample", 0) != b.attrs.get("sample", 0) or np.any(bits_a != bits_b):
+        raise GradCompareError(
+            f"the runs sampled their sign bits differently (grad_probe.sample "
+            f"{a.attrs.get('sample', 0)} vs {b.attrs.get('sample', 0)}); accepted: runs "
+            "recording the same sample, or one recording every element (compare_grads "
+            "samples it)")
+    steps_a = np.asarray(a["step"].values, np.int64)
+    steps_b = np.asarray(b["step"].values, np.int64)
+    steps, rows_a, rows_b = np.intersect1d(steps_a, steps_b, assume_unique=True,
+                                           return_indices=True)
+    if steps.size == 0:
+        raise GradCompareError(f"the runs share no step (first: {ranges_text(steps_a)}; "
+                               f"second: {ranges_text(steps_b)})")
+    nbytes_a, nbytes_b = a.sizes["byte"], b.sizes["byte"]
+    off_a = np.asarray(a["offset"].values, np.int64)
+    off_b = np.asarray(b["offset"].values, np.int64)
+    # Same layout (the usual case: same model, same config): XOR whole rows, no gather.
+    same_layout = bool(len(common) == len(raw_a) == len(raw_b)
+                       and np.array_equal(pos_b, pos_a) and np.array_equal(off_a, off_b)
+                       and nbytes_a == nbytes_b)
+    nwords = -(-bits_a // 64)
+    word0 = np.concatenate([[0], np.cumsum(nwords)[:-1]]).astype(np.int64)
+    # Per-parameter sums of the per-word bit counts: a large parameter sums its own columns
+    # (numpy's reduce is far faster than reduceat over long segments); the small ones are
+    # gathered and summed with one reduceat.
+    small = np.flatnonzero((nwords > 0) & (nwords < 1024))
+    block = max(1, block_bytes // max(1, nbytes_a))
+    per_task = max(1, task_bytes // max(1, nbytes_a))  # steps per task, whole blocks
+    block = min(block, per_task)
+    per_task = per_task // block * block
+    return {
+        "common": common, "only_a": only_a, "only_b": only_b, "n_a": n_a, "n_b": n_b,
+        "steps": steps, "rows_a": rows_a, "rows_b": rows_b,
+        "numel": numel_a, "nbits": bits_a, "sample": int(a.attrs.get("sample", 0)),
+        "nwords": nwords, "word0": word0, "same_layout": same_layout,
+        "words_a": None if same_layout else _word_index(a, pos_a),
+        "words_b": None if same_layout else _word_index(b, pos_b),
+        "big": np.flatnonzero(nwords >= 1024), "small": small,
+        "small_cols": (np.concatenate([np.arange(word0[j], word0[j] + nwords[j]) for j in small])
+                       if small.size else np.zeros(0, np.int64)),
+        "small_starts": np.concatenate([[0], np.cumsum(nwords[small])[:-1]]).astype(np.int64),
+        "use_sig": "significant" in a and "significant" in b,
+        "present": _present(a, rows_a, pos_a) & _present(b, rows_b, pos_b),
+        "block": block, "blocks": [(s0, min(s0 + per_task, steps.size))
+                                   for s0 in range(0, steps.size, per_task)],
+        "nbytes": (nbytes_a, nbytes_b)}
+
+
+def bit_sources(a, b, plan) -> tuple:
+    """(direction a, direction b, significant a, significant b) as readers of rows: the chunk
+    files straight (``RawChunks``, an assembled sharded run's ``AssembledBits``) while the
+    Datasets hold exactly what ``open_grads`` read, else the variables' values."""
+    sig = plan["use_sig"]
+    return (bit_reader(a, "direction"), bit_reader(b, "direction"),
+            bit_reader(a, "significant") if sig else None,
+            bit_reader(b, "significant") if sig else None)
+
+
+_TLS = threading.local()
+
+
+def _buffer(shape, which: int) -> np.ndarray:
+    """A per-thread buffer reused from block to block (fresh memory costs a page fault per
+    page, which is most of a read from the page cache)."""
+    bufs = getattr(_TLS, "bufs", None)
+    if bufs is None:
+        bufs = _TLS.bufs = {}
+    buf = bufs.get(which)
+    if buf is None or buf.shape[1] != shape[1] or buf.shape[0] < shape[0]:
+        buf = bufs[which] = np.empty(shape, np.uint8)
+    return buf[:shape[0]]
+
+
+def _read(src, rows: np.ndarray, which: int) -> np.ndarray:
+    lo, hi = int(rows.min()), int(rows.max()) + 1
+    if hi - lo == rows.size and np.all(np.diff(rows) == 1):
+        return src.read(lo, hi, out=_buffer((rows.size, src.shape[1]), which))
+    return np.ascontiguousarray(src.read(lo, hi)[rows - lo])
+
+
+def count_block(sources, plan, s0: int, s1: int) -> tuple:
+    """(differ, differ_significant, significant_in_both) per (step, param) for the compared
+    steps ``s0:s1``, a block of ``plan["block"]`` steps at a time (read into per-thread
+    buffers, so a task's memory is two blocks). One task of the comparison's graph."""
+    step = plan["block"]
+    parts = [_count(sources, plan, b0, min(b0 + step, s1)) for b0 in range(s0, s1, step)]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(None if p[0] is None else np.concatenate(p) for p in zip(*parts))
+
+
+def _count(sources, plan, s0: int, s1: int) -> tuple:
+    dir_a, dir_b, sig_a, sig_b = sources
+    ra, rb = plan["rows_a"][s0:s1], plan["rows_b"][s0:s1]
+    n = s1 - s0
+    differ = np.zeros((n, len(plan["common"])), np.int64)
+    differ_sig = np.zeros_like(differ) if plan["use_sig"] else None
+    count_sig = np.zeros_like(differ) if plan["use_sig"] else None
+
+    def words(src, rows, which, cols):
+        w = _read(src, rows, which).view(np.uint64)
+        return w if cols is None else w[:, cols]
+
+    wa = words(dir_a, ra, 0, plan["words_a"])
+    wb = words(dir_b, rb, 1, plan["words_b"])
+    x = np.bitwise_xor(wa, wb, out=wa if plan["same_layout"] else None)
+    if plan["use_sig"]:
+        sa = words(sig_a, ra, 2, plan["words_a"])
+        sb = words(sig_b, rb, 3, plan["words_b"])
+        both = np.bitwise_and(sa, sb, out=sa if plan["same_layout"] else None)
+        _per_param(both, count_sig, plan)
+        _per_param(np.bitwise_and(x, both, out=sb if plan["same_layout"] else None),
+                   differ_sig, plan)
+    _per_param(x, differ, plan)
+    if count_sig is not None:  # padding bits are ones in both runs: not elements
+        count_sig -= plan["nwords"] * 64 - plan["nbits"]
+    return differ, differ_sig, count_sig
+
+
+def _per_param(words, target, plan) -> None:
+    bits = _bitwise_count(words)
+    small, nwords, word0 = plan["small"], plan["nwords"], plan["word0"]
+    if small.size:
+        target[:, small] = np.add.reduceat(bits[:, plan["small_cols"]], plan["small_starts"],
+                                           axis=1, dtype=np.int64)
+    for j in plan["big"]:  # uint32 cannot overflow below 2**26 words (2**32 bits)
+        acc = np.uint32 if nwords[j] < 1 << 26 else np.int64
+        target[:, j] = bits[:, word0[j]:word0[j] + nwords[j]].sum(axis=1, dtype=acc)
+
+
+def finish_pair(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
+                drop_threshold: float = DROP_THRESHOLD, noise_aware: bool = True):
+    """The comparison Dataset of one pair from its blocks' counts (exact element counts:
+    differ, differ and significant in both, significant in both)."""
+    import xarray as xr
+
+    data, coords, attrs = finish_arrays(plan, parts, step0_threshold, drop_threshold,
+                                        noise_aware)
+    out = xr.Dataset(data, coords=coords)
+    out.attrs.update(attrs)
+    return out
+
+
+def finish_arrays(plan, parts, step0_threshold: float = STEP0_THRESHOLD,
+                  drop_threshold: float = DROP_THRESHOLD, noise_aware: bool = True) -> tuple:
+    """``finish_pair``'s variables, coordinates and attributes as numpy arrays (many pairs are
+    stacked into one Dataset without building one each)."""
+    differ = np.concatenate([p[0] for p in parts])
+    present, numel_a = plan["present"], plan["numel"]
+    use_sig = plan["use_sig"]
+    numel = numel_a.astype(np.float64)
+    bits = np.asarray(plan.get("nbits", numel_a), np.int64)
+    sampled = bool(np.any(bits != numel_a))
+    n = bits.astype(np.float64)  # elements compared per parameter (all, or the sample)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        similarity = np.where(present & (numel > 0), 1.0 - differ / n, np.nan)
+        weight = np.where(present, numel, 0.0)
+        if sampled:  # each parameter's share estimated from its sample, weighted by its size
+            total = 1.0 - ((np.where(present, differ, 0) * (numel / n)).sum(1)
+                           / weight.sum(1))
+        else:
+            total = 1.0 - (np.where(present, differ, 0).sum(1) / weight.sum(1))
+    data = {"similarity": (("step", "param"), similarity),
+            "differ": (("step", "param"), np.where(present, differ, -1)),
+            "total": (("step",), total)}
+    if sampled:  # the population's share within its confidence interval (sampling.py)
+        low, high = wilson(n - differ, n, numel)
+        data["similarity_low"] = (("step", "param"), np.where(present, low, np.nan))
+        data["similarity_high"] = (("step", "param"), np.where(present, high, np.nan))
+        low, high = stratified_interval(similarity, weight, n, numel)
+        data["total_low"], data["total_high"] = (("step",), low), (("step",), high)
+    judged, judged_total = similarity, total
+    if use_sig:
+        differ_sig = np.concatenate([p[1] for p in parts])
+        count_sig = np.concatenate([p[2] for p in parts])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sim_sig = np.where(present & (count_sig > 0), 1.0 - differ_sig / count_sig, np.nan)
+            scale = numel / n if sampled else 1.0  # significant elements of the population
+            total_sig = 1.0 - ((np.where(present, differ_sig, 0) * scale).sum(1)
+                               / (np.where(present, count_sig, 0) * scale).sum(1))
+        data["similarity_significant"] = (("step", "param"), sim_sig)
+        data["significant"] = (("step", "param"), np.where(present, count_sig, -1))
+        data["total_significant"] = (("step",), total_sig)
+        if sampled:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                both = count_sig * (numel / n)  # significant in both, over all elements
+            low, high = wilson(count_sig - differ_sig, count_sig, np.maximum(both, count_sig))
+            data["similarity_significant_low"] = (("step", "param"),
+                                                  np.where(present, low, np.nan))
+            data["similarity_significant_high"] = (("step", "param"),
+                                                   np.where(present, high, np.nan))
+            low, high = stratified_interval(sim_sig, np.where(present, both, 0.0), count_sig,
+                                            np.maximum(both, count_sig))
+            data["total_significant_low"] = (("step",), low)
+            data["total_significant_high"] = (("step",), high)
+        if noise_aware:
+            judged, judged_total = sim_sig, total_sig
+    data["flag"] = (("step", "param"), flags(judged, step0_threshold, drop_threshold))
+    data["flag_total"] = (("step",), flags(judged_total[:, None], step0_threshold,
+                                           drop_threshold)[:, 0])
+    data.update(unmatched_vars(plan["only_a"], plan["only_b"], plan["n_a"], plan["n_b"]))
+    coords = {"step": plan["steps"], "param": np.array(plan["common"], dtype=str),
+              "numel": ("param", numel_a)}
+    attrs = {"noise_aware": int(bool(use_sig and noise_aware))}
+    if sampled:
+        coords["sampled"] = ("param", bits)
+        attrs.update(sample=int(plan.get("sample", 0)), confidence=CONFIDENCE)
+    return data, coords, attrs
+
+
+def _first_divergence_arrays(data, coords, attrs) -> tuple[int, str]:
+    """``first_divergence`` on ``finish_arrays``' output."""
+    flag, flag_total = data["flag"][1], data["flag_total"][1]
+    hits = np.flatnonzero(flag.any(axis=1) | flag_total)
+    if hits.size == 0:
+        return -1, ""
+    i = int(hits[0])
+    steps = np.asarray(coords["step"])
+    if not flag[i].any():
+        return int(steps[i]), ""
+    name = ("similarity_significant" if attrs.get("noise_aware")
+            and "similarity_significant" in data else "similarity")
+    sims = np.where(flag[i], np.nan_to_num(data[name][1][i], nan=np.inf), np.inf)
+    return int(steps[i]), str(coords["param"][int(np.argmin(sims))])
+
+
+def _left_out(ds) -> list:
+    return [str(n) for n in ds.attrs.get("left_out", ())]
+
+
+def _present(ds, rows, pos) -> np.ndarray:
+    if "present" not in ds:
+        return np.ones((rows.size, pos.size), bool)
+    return np.asarray(ds["present"].isel(step=rows, param=pos).values, bool)
+
+
+def flags(sim: np.ndarray, step0_threshold: float, drop_threshold: float) -> np.ndarray:
+    """The problem rule on a (step, param) array of similarities (NaN never flags)."""
+    sim = np.asarray(sim, np.float64)
+    out = np.zeros(sim.shape, bool)
+    if sim.shape[0]:
+        out[0] = sim[0] < step0_threshold
+        out[1:] = (sim[:-1] - sim[1:]) > drop_threshold
+    return out
+
+
+def first_divergence(result) -> tuple[int, str]:
+    """(step, param) of the first flag in a one-rank comparison; (-1, "") if none.
+
+    The param is the flagged one with the lowest similarity at that step ("" when only the
+    total was flagged).
+    """
+    any_flag = result["flag"].values.any(axis=1) | result["flag_total"].values
+    hits = np.flatnonzero(any_flag)
+    if hits.size == 0:
+        return -1, ""
+    i = int(hits[0])
+    row_flags = result["flag"].values[i]
+    if not row_flags.any():
+        return int(result["step"].values[i]), ""
+    name = ("similarity_significant" if result.attrs.get("noise_aware")
+            and "similarity_significant" in result else "similarity")
+    sims = np.where(row_flags, np.nan_to_num(result[name].values[i], nan=np.inf), np.inf)
+    return int(result["step"].values[i]), str(result["param"].values[int(np.argmin(sims))])
+
+
+def pair_runs(runs_a: dict, runs_b: dict, ranks=None) -> list:
+    """[(rank, Dataset a, Dataset b)] to compare. Two runs of one Dataset each (a single
+    process, a DDP run written by one rank, a sharded run assembled) pair whatever rank recorded
+    them: FSDP2 at 2 or 4 ranks, DDP and a single process line up parameter by parameter.
+    Otherwise (one Dataset per rank: pipeline stages, independent ranks) rank r pairs with r."""
+    return [(ra, runs_a[ra], runs_b[rb]) for ra, rb in pair_labels(runs_a, runs_b, ranks)]
+
+
+def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOLD,
+                  drop_threshold: float = DROP_THRESHOLD, ranks=None, noise_aware: bool = True,
+                  client=None, scheduler=None, progress=None, storage_options=None,
+                  block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES):
+    """Compare two runs (paths or fsspec URLs of probekit or msprobe dumps, or Datasets) ->
+    xarray Dataset.
+
+    Result: ``similarity(rank, step, param)``, ``total(rank, step)``, ``flag(rank, step, param)``,
+    ``flag_total(rank, step)``, ``differ(rank, step, param)`` (elements whose sign differs,
+    -1 where a run had no gradient), ``first_step(rank)`` (-1 if nothing was flagged) and
+    ``first_param(rank)``, over the steps and parameters present in both runs. The parameters
+    of one run only are named, never dropped silently (``unmatched.py``): ``only_in_first(rank,
+    first_only)`` and ``only_in_second(rank, second_only)`` (names; "" pads a rank with fewer),
+    ``n_only_in_first(rank)``, ``n_only_in_second(rank)``, and each run's parameter count
+    ``n_params_first(rank)``, ``n_params_second(rank)``; a warning is logged. With significance
+    bits in both runs also ``similarity_significant``, ``significant`` (elements significant in
+    both) and ``total_significant``; ``noise_aware`` (default) judges flags and the first
+    divergence on them, ``noise_aware=False`` on msprobe's plain ``similarity``.
+
+    ``control``: a control run of ``a`` (``GradProbe(..., control="bf16")``: the reference's
+    code trained again with its rounding drawn at random at the precision under test), or a
+    list of them. Then a (step, param) is flagged only where ``b`` departs from ``a`` further
+    than the control does (``verdict.py``: a count test on the judged similarity's sign flips
+    against the control's share with a margin of 2, and a test of the norms and max - min
+    ranges), and the result holds ``flag_kind`` (0 none, 1 signs, 2 scale, 3 NaN/Inf),
+    ``excess`` (how many times what the control allows), ``similarity_control`` and
+    ``similarity_band`` (the lowest similarity the control allows), ``total_control``,
+    ``total_band``, ``norm_ratio`` and ``norm_ratio_control`` (each run's norm over the
+    reference's), ``range_ratio``, ``norm_dev``/``range_dev`` (``|ln|`` of those ratios) and
+    ``norm_allowed``/``range_allowed``; the fixed-threshold flags stay as
+    ``flag_threshold`` and ``flag_total_threshold``; ``first_param`` is the flagged parameter
+    departing most at the first flagged step. Without it the flags are the fixed thresholds
+    (uncalibrated). Either way the result's ``str`` and HTML begin with the verdict in words.
+
+    Runs of one Dataset each (single process, DDP, a sharded run assembled) pair parameter by
+    parameter whatever rank recorded them; runs of several ranks pair rank r with rank r.
+
+    Two probekit stores (paths or URLs) are compared shard by shard: the counts are taken
+    over the element ranges the two runs' rank groups share (``planner.py``), segment by
+    segment of a restarted store (``restarts.segments``: 4 ranks for some steps, 2 for the
+    next), so a sharded run is never assembled, and listing the segments, opening the rank
+    groups and planning are tasks of the graph too. Datasets, msprobe dumps and layouts the
+    planner does not handle are compared as Datasets (a sharded store assembled by
+    ``open_grads``). Both give the same result.
+
+    Where it runs: a dask graph (each store's segments, their rank groups opened in batches,
+    the plan, then one
+    task per slab set and chunk of steps, summed per chunk; for Datasets one task per block of
+    steps of each rank pair), on the local cores (dask's threads) by default, or on a
+    ``dask.distributed`` cluster: ``client=`` (a ``distributed.Client``) or ``scheduler=`` (its
+    address, ``"tcp://host:8786"``); the workers read the stores themselves (the same paths or
+    URLs must reach them). ``progress``: None shows progress (finished tasks / all, the total
+    growing as the stages are planned) on stderr once a comparison runs for 2 s, True at once,
+    False never. ``storage_options``: for URLs (credentials, endpoint). ``block_bytes`` (8 MiB)
+    and ``task_bytes`` (64 MiB): sign bytes of one run read at once, and per task.
+    """
+    from .engine import Session
+
+    if control is not None:   # the comparisons with the test and each control, then judged
+        from .opening import store_of
+        from ..store.sources import load_runs
+        from .verdict import calibrate
+
+        controls = list(control) if isinstance(control, (list, tuple)) else [control]
+        given = [a, b, *controls]
+        # each run's statistics read once for the judgement ({rank: Dataset} passes through
+        # load_runs as it is); the comparisons take the stores themselves where they are stores
+        # (shard by shard: no bit assembled), the Datasets otherwise; one after the other in
+        # this thread, whose dask pool and read buffers stay warm (measured: two at once from
+        # threads of their own cost 1.2-1.8x as much, each thread a fresh pool)
+        runs = [load_runs(x, storage_options=storage_options) for x in given]
+        sources = [x if store_of(x, storage_options) is not None else r
+                   for x, r in zip(given, runs)]
+        options = dict(step0_threshold=step0_threshold, drop_threshold=drop_threshold,
+                       ranks=ranks, noise_aware=noise_aware, client=client,
+                       scheduler=scheduler, progress=progress,
+                       storage_options=storage_options, block_bytes=block_bytes,
+                       task_bytes=task_bytes)
+        results = [compare_grads(sources[0], x, **options) for x in sources[1:]]
+        return calibrate(results[0], results[1:], runs[0], runs[1], runs[2:],
+                         storage_options=storage_options)
+    with Session(client=client, scheduler=scheduler, progress=progress,
+                 label="compare") as session:
+        results = None
+        stores = _stores(a, b, storage_options)
+        if stores is not None:
+            results = _compare_stores(*stores, session=session, ranks=ranks,
+                                      block_bytes=block_bytes, task_bytes=task_bytes,
+                                      thresholds=(step0_threshold, drop_threshold),
+                                      noise_aware=noise_aware)
+        if results is None:
+            results = _compare_datasets(a, b, session=session, ranks=ranks,
+                                        block_bytes=block_bytes, task_bytes=task_bytes,
+                                        thresholds=(step0_threshold, drop_threshold),
+                                        noise_aware=noise_aware,
+                                        storage_options=storage_options)
+    return _combine(results, step0_threshold, drop_threshold)
+
+
+def _stores(a, b, storage_options):
+    from .opening import store_of
+
+    sa = store_of(a, storage_options)
+    if sa is None:
+        return None
+    sb = store_of(b, storage_options)
+    return None if sb is None else (sa, sb)
+
+
+def _plan_task(segs_a, segs_b, n_a: int, ranks, block_bytes, task_bytes, *batches) -> dict:
+    """The comparison's plan from both runs' segments (``restarts.Segment``) and their opened
+    rank groups (``opening.open_batch`` of each segment's ranks in order; a task of the
+    graph)."""
+    from .opening import gc_held
+    from .planner import plan
+
+    def runs(segs, opened):
+        groups = iter(g for batch in opened for g in batch)
+        return [(seg, [next(groups) for _ in seg.ranks]) for seg in segs]
+
+    with gc_held():  # many small containers: no collection of everything alive meanwhile
+        return plan(runs(segs_a, batches[:n_a]), runs(segs_b, batches[n_a:]), ranks=ranks,
+                    block_bytes=block_bytes, task_bytes=task_bytes)
+
+
+def _plan_shape(plan: dict):
+    """What the caller needs to build the counting stage: per pair (slab sets, step chunks);
+    or the reason the planner declined."""
+    if "unsupported" in plan:
+        return plan["unsupported"]
+    return [(len(p["sets"]), p["chunks"]) for p in plan["pairs"]]
+
+
+def _plan_finish(plan: dict) -> list:
+    """The small part of each pair's plan that ``finish_pair`` needs."""
+    keep = ("label", "common", "only_a", "only_b", "n_a", "n_b", "steps", "numel", "nbits",
+            "sample", "present", "use_sig")
+    return [{k: p[k] for k in keep} for p in plan["pairs"]]
+
+
+def _tree_add(parts: list, fan: int = 32):
+    """(a task summing ``parts``, the summing tasks below it): a tree of fan-in ``fan``; one
+    part is its own sum."""
+    import dask
+
+    from .counting import add
+
+    below, level = [], list(parts)
+    while len(level) > fan:
+        level = [dask.delayed(add, pure=False)(*level[i:i + fan])
+                 for i in range(0, len(level), fan)]
+        below += level
+    if len(level) == 1:
+        top = level[0]
+        return top, [t for t in below if t is not top]
+    return dask.delayed(add, pure=False)(*level), below
+
+
+def plan_stage(sa, sb, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
+               task_bytes: int = _TASK_BYTES):
+    """The first stages of a comparison of two stores (``opening.store_of``), as tasks of
+    ``session``'s graph: each store's layout segments (``restarts.segments``), then their rank
+    groups opened in batches, then the plan; the plan (on a cluster: its future)."""
+    import dask
+
+    from .opening import batches, open_batch, shape, store_segments
+
+    listed = session.run([dask.delayed(store_segments, pure=False)(fs, store)
+                          for fs, store in (sa, sb)], keep=True)
+    segs = [h if session.on_cluster else dask.delayed(h, pure=False, traverse=False)
+            for h in listed]
+    opened = []
+    for (fs, _), handle, lazy in zip((sa, sb), listed, segs):
+        opened.append([dask.delayed(open_batch, pure=False)(fs, lazy, i, batch)
+                       for i, (_, _, rks) in enumerate(session.value(shape, handle))
+                       for batch in batches(rks)])
+    planned = dask.delayed(_plan_task, pure=False)(segs[0], segs[1], len(opened[0]), ranks,
+                                                   block_bytes, task_bytes, *opened[0],
+                                                   *opened[1])
+    handle, = session.run([planned], keep=True, inner=opened[0] + opened[1])
+    return handle
+
+
+def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,
+                    noise_aware):
+    """The range comparison of two stores (``planner.py``, ``counting.py``): [(rank, result)]
+    or None when the planner declines (the Dataset path then)."""
+    handle = plan_stage(sa, sb, session=session, ranks=ranks, block_bytes=block_bytes,
+                        task_bytes=task_bytes)
+    return count_stage(handle, session=session, thresholds=thresholds, noise_aware=noise_aware)
+
+
+def count_stage(handle, *, session, thresholds=(STEP0_THRESHOLD, DROP_THRESHOLD),
+                noise_aware: bool = True):
+    """The comparison's counting from its plan (``plan_stage``'s, or ``planner.plan``'s for
+    runs given as layout segments): one task per slab set and chunk of steps, summed per chunk;
+    [(rank, (variables, coordinates, attributes))] for ``_combine``, or None when the planner
+    declined."""
+    import dask
+
+    from .counting import count_task
+
+    shape = session.value(_plan_shape, handle)
+    if isinstance(shape, str):
+        log.info("compare: %s; the runs are compared as Datasets", shape)
+        return None
+    finish = session.value(_plan_finish, handle)
+    lazy = handle if session.on_cluster else dask.delayed(handle, pure=False, traverse=False)
+    outputs, inner, where = [], [], []
+    for p, (nsets, chunks) in enumerate(shape):
+        for s0, s1 in chunks:
+            parts = [dask.delayed(count_task, pure=False)(lazy, p, s, s0, s1)
+                     for s in range(nsets)]
+            if not parts:
+                continue
+            top, more = _tree_add(parts)
+            outputs.append(top)
+            inner += [t for t in parts if t is not top] + more
+            where.append(p)
+    counts = session.run(outputs, inner=inner)
+    per_pair = []
+    for p, info in enumerate(finish):
+        mine = [c for c, q in zip(counts, where) if q == p]
+        if mine:
+            per_pair.append(np.concatenate(mine, axis=1))
+        else:  # no parameter with elements in both runs
+            per_pair.append(np.zeros((3, info["steps"].size, len(info["common"])), np.int64))
+    results = []
+    for info, total in _by_label(finish, per_pair):
+        parts = [(total[0], total[1] if info["use_sig"] else None,
+                  total[2] if info["use_sig"] else None)]
+        results.append((info["label"], _finished(info, parts, thresholds, noise_aware)))
+    return results
+
+
+def _by_label(finish: list, counts: list) -> list:
+    """[(plan, counts)] with the pair plans of one rank label (one per layout segment, in step
+    order) joined along the steps."""
+    out = []
+    for info, total in zip(finish, counts):
+        if out and out[-1][0]["label"] == info["label"]:
+            prev, ptotal = out[-1]
+            if prev["common"] != info["common"] or not np.array_equal(prev["numel"],
+                                                                      info["numel"]):
+                raise GradCompareError(
+                    f"rank {info['label']}: the parameters differ between layout segments of "
+                    "the runs; accepted: runs whose layouts change, not their parameters")
+            merged = dict(prev, steps=np.concatenate([prev["steps"], info["steps"]]),
+                          present=np.concatenate([prev["present"], info["present"]]),
+                          use_sig=prev["use_sig"] and info["use_sig"])
+            out[-1] = (merged, np.concatenate([ptotal, total], axis=1))
+        else:
+            out.append((info, total))
+    return out
+
+
+def _finished(plan, parts, thresholds, noise_aware) -> tuple:
+    """(variables, coordinates, attributes) of one pair, its first divergence included."""
+    data, coords, attrs = finish_arrays(plan, parts, thresholds[0], thresholds[1], noise_aware)
+    step, param = _first_divergence_arrays(data, coords, attrs)
+    data["first_step"] = ((), step)
+    data["first_param"] = ((), param)
+    return data, coords, attrs
+
+
+def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, thresholds,
+                      noise_aware, storage_options):
+    """Datasets (or stores read as Datasets: ``load_runs``): per rank pair ``plan_pair`` here,
+    then one task per block of steps."""
+    import dask
+
+    from ..store.sources import load_runs
+
+    runs_a = load_runs(a, storage_options=storage_options)
+    runs_b = load_runs(b, storage_options=storage_options)
+    pairs = pair_runs(runs_a, runs_b, ranks)
+    plans, tasks = [], []
+    for r, ds_a, ds_b in pairs:
+        ds_a, ds_b = match_samples(ds_a, ds_b)
+        plan = plan_pair(ds_a, ds_b, block_bytes, task_bytes, label=f"rank {r}: ")
+        src = dask.delayed(bit_sources(ds_a, ds_b, plan), pure=False, traverse=False)
+        lazy_plan = dask.delayed(plan, pure=False, traverse=False)
+        plans.append(plan)
+        tasks += [dask.delayed(count_block, pure=True)(src, lazy_plan, s0, s1)
+                  for s0, s1 in plan["blocks"]]
+    counts = iter(session.run(tasks))
+    return [(r, _finished(plan, [next(counts) for _ in plan["blocks"]], thresholds,
+                          noise_aware)) for (r, _, _), plan in zip(pairs, plans)]
+
+
+def _combine(results: list, step0_threshold: float, drop_threshold: float):
+    """One Dataset with a ``rank`` dimension from [(rank, (variables, coordinates, attributes))]:
+    stacked straight when every pair has the same steps and parameters (a run of many ranks),
+    else one Dataset each, concatenated with an outer join."""
+    import xarray as xr
+
+    first = results[0][1]
+    def value(c):
+        return np.asarray(c[1] if isinstance(c, tuple) else c)
+
+    same = len(results) > 1 and all(
+        c.keys() == first[1].keys()
+        and all(np.array_equal(value(c[key]), value(first[1][key])) for key in c)
+        and d.keys() == first[0].keys() and a == first[2] for _, (d, c, a) in results)
+    if same:
+        data = {}
+        for name, (dims, _) in first[0].items():
+            values = [d[name][1] for _, (d, _, _) in results]
+            if name in ("only_in_first", "only_in_second"):
+                width = max(len(v) for v in values)
+                values = [np.concatenate([v, np.full(width - len(v), "", dtype=v.dtype)])
+                          for v in values]
+            elif name in ("first_only", "second_only"):
+                continue
+            data[name] = (("rank", *dims), np.stack([np.asarray(v) for v in values]))
+        coords = dict(first[1])
+        coords["rank"] = [r for r, _ in results]
+        for dim, var in (("first_only", "only_in_first"), ("second_only", "only_in_second")):
+            coords[dim] = (dim, np.arange(data[var][1].shape[1]))
+        out = xr.Dataset(data, coords=coords)
+        out.attrs.update(first[2])
+    else:
+        parts = []
+        for r, (data, coords, attrs) in results:
+            ds = xr.Dataset(data, coords=coords)
+            ds.attrs.update(attrs)
+            parts.append(ds.expand_dims(rank=[r]))
+        if len(parts) == 1:
+            out = parts[0]
+        else:
+            out = xr.concat(parts, dim="rank", join="outer", fill_value={
+                "similarity": np.nan, "total": np.nan, "flag": False, "flag_total": False,
+                "differ": -1, "numel": 0, "similarity_significant": np.nan, "significant": -1,
+                "total_significant": np.nan, "only_in_first": "", "only_in_second": ""},
+                coords="different", compat="equals")
+    out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
+    from .verdict import GradComparison
+
+    return GradComparison.wrap(out)

@@ -1,0 +1,505 @@
+"""Verdicts with a null: does the test run depart from the reference further than a control does?
+
+``compare_grads(ref, test, control=ctrl)`` compares the reference with the test and with the
+control (the reference trained again with its rounding drawn at random at the precision under
+test: ``control.py``) and flags a (step, parameter) only where the test departs further than the
+control, by two tests (docs/DESIGN.md, "Verdicts with a null"):
+
+* **signs**: ``d`` of the ``n`` elements compared (significant in both runs) differ in sign.
+  The control's share has the upper confidence bound ``p_c`` (Chernoff/KL bound at level
+  ``CONTROL_LEVEL``); the null allows the test ``p0 = min(1/2, MARGIN * p_c)``; the cell is
+  flagged when the test's share ``q = d / n`` exceeds it beyond chance: ``n KL(q || p0) >
+  ln(cells / ALPHA)`` (a Chernoff bound on the binomial tail, Bonferroni over the rank's
+  cells). Three flips of a 64-element bias are within a null that allows 2 x its control's
+  bound (about 14 % when the control flipped none); a 4M-element weight is held to its share.
+* **scale** (a scaling bug leaves the signs alone): ``|ln(norm_t / norm_r)| > MARGIN *
+  max(band, SCALE_FLOOR * u)``, ``band`` the control's largest such deviation at that
+  parameter over the compared steps, ``u`` the unit roundoff of the precision under test; the
+  same for the range ``max - min`` with ``RANGE_MARGIN``. A gradient that is NaN/Inf (or zero)
+  where the reference's and the control's are finite (nonzero) is always flagged.
+
+The result also says it in words (``verdict_text``), and renders them first
+(``GradComparison``: the Dataset ``compare_grads`` returns).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import xarray as xr
+
+#: the test may depart up to MARGIN times as far as the control before it is flagged: rounding
+#: one bit more coarsely (flip shares and norm changes grow about linearly with the error size)
+MARGIN = 2.0
+#: chance of one false flag per rank when the control samples the test's rounding (Bonferroni)
+ALPHA = 0.01
+#: the control's flip share is taken at its upper confidence bound at this level (per cell)
+CONTROL_LEVEL = 0.01
+#: the range max - min is two single elements, not an aggregate: its run-to-run spread has
+#: heavier tails than the norm's, so it is allowed one bit more than the norm (MARGIN squared)
+RANGE_MARGIN = MARGIN ** 2
+#: scale band floor, in units of the unit roundoff of the precision under test: a systematic
+#: drift of a few roundings (round-to-nearest's bias, which random rounding does not sample)
+SCALE_FLOOR = 4.0
+#: unit roundoff 2^-t per control precision (t significant bits)
+UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -24}
+KINDS = ("", "sign", "scale", "nonfinite")
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def kl(q, p):
+    """Relative entropy KL(Bernoulli(q) || Bernoulli(p)), elementwise."""
+    q = np.clip(np.asarray(q, np.float64), 0.0, 1.0)
+    p = np.clip(np.asarray(p, np.float64), 1e-300, 1.0 - 1e-16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(q > 0, q * np.log(np.where(q > 0, q, 1.0) / p), 0.0)
+        b = np.where(q < 1, (1 - q) * np.log(np.where(q < 1, 1 - q, 1.0) / (1 - p)), 0.0)
+    return a + b
+
+
+def upper_share(d, n, level: float):
+    """The upper confidence bound of a share ``d / n`` at ``level``: the largest ``p >= d/n``
+    with ``n KL(d/n || p) <= ln(1/level)`` (Chernoff; 1 where ``n`` is 0). For ``d = 0`` it is
+    ``1 - level^(1/n)``, about ``ln(1/level) / n``. Solved by bisection once per distinct
+    ``(d, n)``."""
+    d = np.asarray(d, np.float64)
+    n = np.asarray(n, np.float64)
+    pairs, inverse = np.unique(np.stack([d.ravel(), n.ravel()]), axis=1, return_inverse=True)
+    du, nu = pairs
+    ok = nu > 0
+    q = np.where(ok, du / np.where(ok, nu, 1.0), 0.0)
+    budget = math.log(1.0 / level)
+    lo, hi = q.copy(), np.ones_like(q)
+    for _ in range(48):   # bisection to 2^-48
+        mid = (lo + hi) / 2
+        over = nu * kl(q, mid) > budget
+        hi = np.where(over, mid, hi)
+        lo = np.where(over, lo, mid)
+    return np.where(ok, hi, 1.0)[np.ravel(inverse)].reshape(d.shape)
+
+
+def exceeds(d, n, p0, cells: int, alpha: float = ALPHA):
+    """(flag, excess): is the share ``d / n`` above ``p0`` beyond chance, ``n KL(d/n || p0) >
+    ln(cells / alpha)`` (a Chernoff bound on the binomial tail, Bonferroni over ``cells``
+    tests); ``excess = (d / n) / p0``. NaN ``p0`` (no control) never flags."""
+    n = np.nan_to_num(np.asarray(n, np.float64), nan=0.0)
+    d = np.nan_to_num(np.asarray(d, np.float64), nan=0.0)
+    p0 = np.asarray(p0, np.float64)
+    ok = (n > 0) & ~np.isnan(p0)
+    q = np.where(ok, d / np.where(ok, n, 1.0), 0.0)
+    budget = math.log(max(int(cells), 1) / alpha)
+    with np.errstate(invalid="ignore"):
+        flag = ok & (q > p0) & (n * kl(q, np.nan_to_num(p0, nan=0.5)) > budget)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        excess = np.where(ok, q / p0, np.nan)
+    return flag, excess
+
+
+def allowed_share(d_c, n_c, margin: float = MARGIN, level: float = CONTROL_LEVEL):
+    """``p0 = min(1/2, margin * upper_share(d_c, n_c, level))``; NaN where ``n_c`` is NaN (no
+    control)."""
+    n_c = np.asarray(n_c, np.float64)
+    up = upper_share(np.nan_to_num(d_c), np.nan_to_num(n_c), level)
+    return np.where(np.isnan(n_c), np.nan, np.minimum(0.5, margin * up))
+
+
+def log_dev(x, r):
+    """``|ln(x / r)|`` elementwise: 0 where both are 0, inf where one of them is."""
+    x = np.abs(np.asarray(x, np.float64))
+    r = np.abs(np.asarray(r, np.float64))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.abs(np.log(x / r))
+    return np.where((x == 0) & (r == 0), 0.0, out)
+
+
+# -- calibration of a comparison ------------------------------------------------------------------
+def counts(cmp, dims) -> tuple:
+    """(differing, compared) element counts behind the comparison's judged similarity, as float
+    arrays over ``dims`` (NaN where a run had no gradient)."""
+    name = judged_name(cmp)
+    if name == "similarity_significant":
+        n = np.asarray(cmp["significant"].transpose(*dims).values, np.float64)
+        n = np.where(n >= 0, n, np.nan)
+        d = np.round(n * (1.0 - np.asarray(cmp[name].transpose(*dims).values, np.float64)))
+    else:
+        differ = np.asarray(cmp["differ"].transpose(*dims).values, np.float64)
+        numel = cmp["numel"].broadcast_like(cmp["differ"]).transpose(*dims).values
+        n = np.where(differ >= 0, np.asarray(numel, np.float64), np.nan)
+        d = np.where(differ >= 0, differ, np.nan)
+    return d, n
+
+
+def judged_name(cmp) -> str:
+    """The similarity variable flags are judged on (``similarity_significant`` when the
+    comparison is noise-aware, else msprobe's ``similarity``): the one number shown."""
+    return ("similarity_significant" if cmp.attrs.get("noise_aware")
+            and "similarity_significant" in cmp else "similarity")
+
+
+def judged_total_name(cmp) -> str:
+    return "total_significant" if judged_name(cmp) == "similarity_significant" else "total"
+
+
+def judged(cmp):
+    """The similarity the flags are judged on, as a DataArray."""
+    return cmp[judged_name(cmp)]
+
+
+def _stats(runs: dict, result) -> dict:
+    """norm and range (max - min) of a run aligned to ``result``'s (rank, step, param). A run of
+    one Dataset pairs with every rank of the comparison (``compare.pair_runs``' rule), else rank
+    r with rank r."""
+    from ..store.names import canonical_names
+
+    ranks = [int(r) for r in result["rank"].values]
+    steps = np.asarray(result["step"].values)
+    params = [str(p) for p in result["param"].values]
+    out = {k: np.full((len(ranks), steps.size, len(params)), np.nan) for k in ("norm", "range")}
+    for k, r in enumerate(ranks):
+        ds = next(iter(runs.values())) if len(runs) == 1 else runs.get(r)
+        if ds is None:
+            continue
+        canon = list(canonical_names(str(p) for p in ds["param"].values))
+        col = {n: j for j, n in enumerate(canon)}
+        have = np.asarray(ds["step"].values)
+        srow = {int(s): j for j, s in enumerate(have)}
+        rows = np.array([srow.get(int(s), -1) for s in steps])
+        cols = np.array([col.get(p, -1) for p in params])
+        if not (rows >= 0).any() or not (cols >= 0).any():
+            continue
+        ri, ci = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
+        take = lambda v: np.asarray(ds[v].values, np.float64)[np.ix_(rows[ri], cols[ci])]  # noqa
+        present = (np.asarray(ds["present"].values, bool)[np.ix_(rows[ri], cols[ci])]
+                   if "present" in ds else np.ones((ri.size, ci.size), bool))
+        norm = np.where(present, take("norm"), np.nan)
+        rng = np.where(present, take("max") - take("min"), np.nan)
+        out["norm"][k][np.ix_(ri, ci)] = norm
+        out["range"][k][np.ix_(ri, ci)] = rng
+    return out
+
+
+def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
+    """``result`` (``compare_grads(ref, test)``, with a rank dim) judged against the control
+    runs ``controls`` (paths or Datasets; several: the band is their envelope, cell by cell)
+    and their comparisons with ``ref``, ``ctrl_cmps`` (``compare_grads(..., control=)`` runs
+    all of them at once, then this). Returns a ``GradComparison`` with the
+    calibrated ``flag``, ``flag_total``, ``first_step``, ``first_param`` and the variables
+    named in ``compare_grads``'s docstring."""
+    from ..store.sources import load_runs
+
+    storage = storage_options    # ref, test, controls: paths, Datasets or {rank: Dataset}
+    runs_ref = load_runs(ref, storage_options=storage)
+    runs_test = load_runs(test, storage_options=storage)
+    runs_ctrl = [load_runs(c, storage_options=storage) for c in controls]
+    names = _control_names(runs_ctrl)
+    unit = max((UNIT.get(n.partition(":")[0], UNIT["bf16"]) for n in names),
+               default=UNIT["bf16"])
+    dims = ("rank", "step", "param")
+    where = {"rank": result["rank"], "step": result["step"], "param": result["param"]}
+    d_t, n_t = counts(result, dims)
+    d_tt, n_tt = np.nansum(d_t, axis=2), np.nansum(n_t, axis=2)
+
+    # signs: the control's allowed share, cell by cell (the envelope of several controls)
+    from ...errors import GradCompareError
+
+    p0 = sim_c = p0t = tot_c = None
+    for cc in ctrl_cmps:
+        if judged_name(cc) != judged_name(result):
+            raise GradCompareError(
+                f"the test is judged on {judged_name(result)} but a control on "
+                f"{judged_name(cc)}: a control run needs the significance bits the test has "
+                "(record it with probekit's GradProbe, significance on), or compare with "
+                "noise_aware=False")
+        if not all(np.array_equal(cc[k].values, v.values) for k, v in where.items()):
+            cc = cc.reindex(**where)
+        d_c, n_c = counts(cc, dims)
+        p = allowed_share(d_c, n_c)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = 1.0 - d_c / n_c
+        dct, nct = np.nansum(d_c, axis=2), np.nansum(n_c, axis=2)
+        pt = allowed_share(dct, np.where(nct > 0, nct, np.nan))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            st = 1.0 - dct / nct
+        if p0 is None:
+            p0, sim_c, p0t, tot_c = p, s, pt, st
+        else:
+            more = np.nan_to_num(p, nan=-1.0) > np.nan_to_num(p0, nan=-1.0)
+            p0, sim_c = np.where(more, p, p0), np.where(more, s, sim_c)
+            more = np.nan_to_num(pt, nan=-1.0) > np.nan_to_num(p0t, nan=-1.0)
+            p0t, tot_c = np.where(more, pt, p0t), np.where(more, st, tot_c)
+    flag_s = np.zeros(d_t.shape, bool)
+    exc_s = np.full(d_t.shape, np.nan)
+    flag_t = np.zeros(d_tt.shape, bool)
+    for k in range(d_t.shape[0]):    # Bonferroni over each rank's tested cells
+        cells = int(((np.nan_to_num(n_t[k]) > 0) & ~np.isnan(p0[k])).sum())
+        flag_s[k], exc_s[k] = exceeds(d_t[k], n_t[k], p0[k], cells)
+        flag_t[k] = exceeds(d_tt[k], n_tt[k], p0t[k], d_tt.shape[1])[0]
+
+    # scale: norms and ranges (max - min) of the runs, aligned to the comparison; each
+    # against the control's largest deviation of the same statistic at that parameter
+    st_r = _stats(runs_ref, result)
+    st_t = _stats(runs_test, result)
+    dev_t = {k: log_dev(st_t[k], st_r[k]) for k in ("norm", "range")}
+    bands = {"norm": None, "range": None}
+    finite_c, ratio_c = None, {}
+    for rc in runs_ctrl:
+        st_c = _stats(rc, result)
+        for k in bands:
+            g = log_dev(st_c[k], st_r[k])
+            g = np.where(np.isfinite(g), g, np.nan)
+            with np.errstate(all="ignore"):
+                b = (np.nanmax(g, axis=1, keepdims=True) if np.isfinite(g).any()
+                     else np.full(g[:, :1].shape, np.nan))
+            bands[k] = b if bands[k] is None else np.fmax(bands[k], b)
+            if k not in ratio_c:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio_c[k] = st_c[k] / st_r[k]
+        fin = np.isfinite(st_c["norm"])
+        finite_c = fin if finite_c is None else finite_c & fin
+    floor = SCALE_FLOOR * unit
+    allowed = {k: np.broadcast_to(m * np.fmax(np.nan_to_num(bands[k], nan=0.0), floor),
+                                  dev_t[k].shape)
+               for k, m in (("norm", MARGIN), ("range", RANGE_MARGIN))}
+    finite_r = np.isfinite(st_r["norm"])
+    present = result["differ"].transpose(*dims).values >= 0
+    nonfinite = present & finite_r & finite_c & ~np.isfinite(st_t["norm"])
+    ok = finite_r & finite_c & present
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # a gradient gone to zero where the reference's is not: a deviation of inf, flagged
+        exc_n = np.where(ok, dev_t["norm"] / allowed["norm"], np.nan)
+        exc_r = np.where(ok, dev_t["range"] / allowed["range"], np.nan)
+        exc_g = np.fmax(exc_n, exc_r)
+        flag_g = ok & (exc_g > 1)
+    flag = flag_s | flag_g | nonfinite
+    # a flagged cell's excess is that of its kind: scale before signs (a defect scales the
+    # gradients of the modules it feeds and passes through, while any perturbation flips
+    # near-zero signs all over the network), NaN/Inf first of all
+    kind = np.zeros(flag.shape, np.int8)
+    kind[flag_s] = 1
+    kind[flag_g] = 2
+    kind[nonfinite] = 3
+    excess = np.where(kind == 2, exc_g, np.where(kind == 1, exc_s, np.fmax(exc_s, exc_g)))
+    excess = np.where(nonfinite, np.inf, excess)
+    steps = np.asarray(result["step"].values)
+    params = [str(x) for x in result["param"].values]
+    firsts = [_first(kind[k], flag_t[k], excess[k], steps, params)
+              for k in range(flag.shape[0])]
+    rs = ("rank", "step")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = {"norm_ratio": (dims, st_t["norm"] / st_r["norm"]),
+                  "range_ratio": (dims, st_t["range"] / st_r["range"])}
+    # one assignment: each separate one would align the whole Dataset again
+    out = result.assign(
+        flag_threshold=result["flag"], flag_total_threshold=result["flag_total"],
+        flag=(dims, flag), flag_kind=(dims, kind), excess=(dims, excess),
+        similarity_control=(dims, sim_c), similarity_band=(dims, 1.0 - p0),
+        flag_total=(rs, flag_t), total_control=(rs, tot_c), total_band=(rs, 1.0 - p0t),
+        **ratios, norm_ratio_control=(dims, ratio_c["norm"]),
+        range_ratio_control=(dims, ratio_c["range"]), norm_dev=(dims, dev_t["norm"]),
+        norm_allowed=(dims, np.array(allowed["norm"])), range_dev=(dims, dev_t["range"]),
+        range_allowed=(dims, np.array(allowed["range"])),
+        first_step=(("rank",), np.array([s for s, _ in firsts], np.int64)),
+        first_param=(("rank",), np.array([p for _, p in firsts], dtype=str)),
+        # compared steps a control covers (the others are not judged)
+        controlled=(rs, ~np.isnan(p0).all(axis=2)))
+    out.attrs.update(calibrated=1, control=", ".join(n for n in names if n), margin=MARGIN,
+                     alpha=ALPHA, control_level=CONTROL_LEVEL, scale_floor=SCALE_FLOOR * unit,
+                     similarity=judged_name(result))
+    return GradComparison.wrap(out)
+
+
+def _first(kind, flag_total, excess, steps, params):
+    """(step, param) of the first flag: at that step the flagged param of the strongest kind
+    (NaN/Inf, then scale, then signs) departing furthest beyond what the control allows (the
+    largest ``excess``); "" if only the total was flagged; (-1, "") if none."""
+    flag = kind > 0
+    rows = flag.any(axis=1) | flag_total
+    hits = np.flatnonzero(rows)
+    if hits.size == 0:
+        return -1, ""
+    i = int(hits[0])
+    if not flag[i].any():
+        return int(steps[i]), ""
+    cols = np.flatnonzero(flag[i])
+    e = np.nan_to_num(excess[i, cols], nan=0.0, posinf=np.inf)
+    order = np.lexsort((-e, -kind[i, cols]))
+    return int(steps[i]), params[int(cols[order[0]])]
+
+
+def _control_names(runs_ctrl) -> list:
+    names = []
+    for runs in runs_ctrl:
+        attrs = next(iter(runs.values())).attrs if runs else {}
+        names.append(str(attrs.get("control", "")))
+    return list(dict.fromkeys(names))
+
+
+# -- words ------------------------------------------------------------------------------------
+def rank_verdict(cmp) -> dict:
+    """The verdict of a one-rank comparison as a dict: ``kind`` ("beyond", "within",
+    "uncalibrated"), ``step``, ``param``, ``why`` (sign / scale / nonfinite / total / ""),
+    the judged ``similarity`` and the control's, ``band``, ``norm_ratio`` and the control's,
+    ``flags`` ((step, param) flags), ``params`` (parameters flagged), ``steps`` (compared)."""
+    steps = np.asarray(cmp["step"].values)
+    step = int(cmp["first_step"].item()) if "first_step" in cmp else -1
+    param = str(cmp["first_param"].item()) if "first_param" in cmp else ""
+    name = judged_name(cmp)
+    out = {"kind": "uncalibrated", "step": step, "param": param, "why": "",
+           "similarity": math.nan, "control_similarity": math.nan, "band": math.nan,
+           "norm_ratio": math.nan, "control_norm_ratio": math.nan,
+           "range_ratio": math.nan, "control_range_ratio": math.nan, "by_range": False,
+           "flags": int(np.asarray(cmp["flag"].values).sum()),
+           "params": int(np.asarray(cmp["flag"].values).any(axis=0).sum()),
+           "steps": int(steps.size), "similarity_name": name,
+           "control": str(cmp.attrs.get("control", "")),
+           "uncontrolled": (int((~np.asarray(cmp["controlled"].values, bool)).sum())
+                            if "controlled" in cmp else 0)}
+    calibrated = bool(cmp.attrs.get("calibrated"))
+    if calibrated:
+        out["kind"] = "beyond" if step >= 0 else "within"
+    if step < 0:
+        sim = np.asarray(cmp[name].values, np.float64)
+        out["similarity"] = float(np.nanmin(sim)) if np.isfinite(sim).any() else math.nan
+        if calibrated:
+            sc = np.asarray(cmp["similarity_control"].values, np.float64)
+            out["control_similarity"] = float(np.nanmin(sc)) if np.isfinite(sc).any() \
+                else math.nan
+        return out
+    at = cmp.sel(step=step)
+    if param:
+        cell = at.sel(param=param)
+        out["similarity"] = float(cell[name])
+        if calibrated:
+            out["why"] = KINDS[int(cell["flag_kind"])]
+            out["control_similarity"] = float(cell["similarity_control"])
+            out["band"] = float(cell["similarity_band"])
+            out["norm_ratio"] = float(cell["norm_ratio"])
+            out["control_norm_ratio"] = float(cell["norm_ratio_control"])
+            out["range_ratio"] = float(cell["range_ratio"])
+            out["control_range_ratio"] = float(cell["range_ratio_control"])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                en = float(cell["norm_dev"] / cell["norm_allowed"])
+                er = float(cell["range_dev"] / cell["range_allowed"])
+            out["by_range"] = bool(er > en) if not math.isnan(er) else False
+    else:
+        out["why"] = "total"
+        tname = judged_total_name(cmp)
+        out["similarity"] = float(at[tname])
+        if calibrated:
+            out["control_similarity"] = float(at["total_control"])
+            out["band"] = float(at["total_band"])
+    return out
+
+
+def verdict_line(cmp, rank=None) -> str:
+    """One rank's verdict in words."""
+    v = rank_verdict(cmp)
+    who = f"rank {rank}: " if rank is not None else ""
+    name = v["control"]
+    ctrl = f"the {name} control" if name else "the control"
+    sim = "significant-sign similarity" if v["similarity_name"] == "similarity_significant" \
+        else "sign similarity"
+    if v["kind"] == "uncalibrated":
+        if v["step"] >= 0:
+            where = f"parameter {v['param']}" if v["param"] else "the total similarity"
+            head = (f"uncalibrated: the fixed threshold flags step {v['step']}, {where} "
+                    f"({sim} {v['similarity']:.4f})")
+        else:
+            head = (f"uncalibrated: the fixed threshold flags nothing (lowest {sim} "
+                    f"{v['similarity']:.4f} over {v['steps']} steps)")
+        return (f"{who}{head}. Without a control run, drift from rounding after step 0 cannot "
+                "be told from a divergence. To calibrate: train the reference's code again "
+                "with GradProbe(model, dump_path=..., control='bf16') (the precision under "
+                "test: 'bf16', 'fp16', 'fp32'; 'bf16:cast' for a model cast to bf16), then "
+                "compare_grads(ref, test, control=that_run) or --control PATH.")
+    if v["kind"] == "within":
+        what = f"{name} rounding" if name else "rounding at the control's precision"
+        return (f"{who}within what {what} explains over {v['steps']} steps: no "
+                f"parameter departs from the reference further than {ctrl} does "
+                f"(lowest {sim} {_fmt(v['similarity'])}; the control's lowest "
+                f"{_fmt(v['control_similarity'])})." + _uncontrolled(v))
+    where = f"at {v['param']}" if v["param"] else "in the total"
+    if v["why"] == "nonfinite":
+        what = "its gradient is NaN/Inf where the reference's and the control's are finite"
+    elif v["why"] == "scale":
+        # the statistic that went furthest beyond its band: the norm, or the range max - min
+        stat, key = ("gradient range max - min", "range_ratio") if v["by_range"] else \
+            ("gradient norm", "norm_ratio")
+        what = (f"{stat} {v[key]:.4g}x the reference's, {ctrl}'s "
+                f"{v['control_' + key]:.4g}x; {sim} {_fmt(v['similarity'])}")
+    else:
+        what = (f"{sim} {_fmt(v['similarity'])}; {ctrl} keeps "
+                f"{_fmt(v['control_similarity'])}, noise allows down to {_fmt(v['band'])}")
+    n, k = v["flags"], v["params"]
+    more = (f"; {n} flagged (step, parameter) pair{'s' * (n != 1)} in {k} "
+            f"parameter{'s' * (k != 1)}") if n else ""
+    return f"{who}beyond rounding noise from step {v['step']} {where} ({what}){more}." + \
+        _uncontrolled(v)
+
+
+def _uncontrolled(v) -> str:
+    u = v["uncontrolled"]
+    return (f" {u} compared step{'s' * (u != 1)} without a control run there, not judged."
+            if u else "")
+
+
+def _fmt(x) -> str:
+    return "n/a (no element significant in both runs)" if math.isnan(x) else f"{x:.4f}"
+
+
+def verdict_text(cmp) -> str:
+    """The verdict of every rank of a comparison, one line each."""
+    if "rank" not in cmp.dims:
+        return verdict_line(cmp)
+    ranks = [int(r) for r in cmp["rank"].values]
+    if len(ranks) == 1:
+        return verdict_line(cmp.isel(rank=0))
+    return "\n".join(verdict_line(cmp.sel(rank=r), r) for r in ranks)
+
+
+def verdict_kind(cmp) -> str:
+    """"beyond" if any rank is beyond noise, else "within", or "uncalibrated"."""
+    if not cmp.attrs.get("calibrated"):
+        return "uncalibrated"
+    first = np.asarray(cmp["first_step"].values)
+    return "beyond" if (first >= 0).any() else "within"
+
+
+class GradComparison(xr.Dataset):
+    """What ``compare_grads`` returns: an xarray Dataset whose ``str`` and HTML start with the
+    verdict in words (``verdict_text``)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def wrap(cls, ds) -> "GradComparison":
+        """``ds`` as a ``GradComparison`` (a shallow copy: no data copied, no alignment)."""
+        if isinstance(ds, cls):
+            return ds
+        out = ds.copy(deep=False)
+        out.__class__ = cls      # the same layout: the subclass adds no slot
+        return out
+
+    def __repr__(self) -> str:
+        try:
+            head = verdict_text(self)
+        except (KeyError, ValueError, IndexError):
+            head = ""
+        body = xr.Dataset.__repr__(self)
+        return f"{head}\n\n{body}" if head else body
+
+    def _repr_html_(self) -> str:
+        import html
+
+        try:
+            head = verdict_text(self)
+        except (KeyError, ValueError, IndexError):
+            head = ""
+        body = xr.Dataset._repr_html_(self)
+        if not head:
+            return body
+        kind = verdict_kind(self)
+        color = {"beyond": "#b71c1c", "within": "#1b5e20"}.get(kind, "#8a6d00")
+        lines = "<br>".join(html.escape(x) for x in head.splitlines())
+        return (f"<p class='probekit-verdict' style='color:{color}'><b>probekit grads</b>: "
+                f"{lines}</p>{body}")

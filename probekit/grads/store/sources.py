@@ -1,0 +1,202 @@
+"""Turn what a user hands over (a path or a Dataset) into {rank: Dataset} for the grad probe.
+
+A path may be a probekit dump folder (holding ``grads.zarr``), the ``grads.zarr`` store itself,
+an fsspec URL of either (``storage.py``), or an msprobe grad dump folder
+(``rank{r}/grad_summary_{step}.csv`` + ``step{s}/*.npy``).
+
+A probekit store is read segment by segment (``restarts.py``: the step ranges each layout's
+rank groups hold after restarts): each segment's groups over its steps, a sharded segment's
+shards assembled (``assemble.py``), and the segments of each rank joined along ``step``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from ...log import get_logger
+from . import msprobe
+from .assemble import assemble_runs
+from .chunks import JoinedBits, bit_reader, bits_variable
+from .restarts import Segment, segments
+from .storage import location
+from .store import GradStoreError, open_group
+
+_BITS = ("direction", "significant")
+
+log = get_logger(__name__)
+
+
+def _is_dataset(obj) -> bool:
+    return type(obj).__name__ == "Dataset" and hasattr(obj, "data_vars")
+
+
+def load_runs(source, *, chunks=None, storage_options=None, shards: bool = False) -> dict:
+    """{rank: Dataset} for a path or URL, a Dataset or a dict of Datasets.
+
+    A run recorded shard by shard (FSDP2, tensor parallel: rank groups with a ``placement``)
+    comes back assembled: one Dataset of full parameters, under the lowest rank that recorded a
+    shard (``assemble.py``); ``shards=True`` gives each rank's shards as recorded instead. A
+    store restarted with another layout (an elastic restart at another world size) is read
+    segment by segment and joined along ``step`` (``restarts.py``)."""
+    if _is_dataset(source):
+        return {int(source.attrs.get("rank", 0)): source}
+    if isinstance(source, dict):
+        return {int(r): ds for r, ds in source.items()}
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"grad run: {type(source).__name__} is not valid; accepted: a path or "
+                        "URL of a probekit or msprobe dump, or an xarray Dataset from open_grads")
+    fs, path = location(source, storage_options)
+    if not fs.remote and not os.path.isdir(path):
+        raise GradStoreError(f"grad run: {path!r} is not a folder")
+    if not fs.remote and msprobe.is_grad_dump(path):
+        runs = {r: msprobe.read_grad_dump(path, r) for r in msprobe.grad_dump_ranks(path)}
+    else:
+        runs = read_segments(segments(path, fs=fs, shards=shards), fs, chunks=chunks,
+                             shards=shards)
+    for ds in runs.values():
+        _count_no_grad(ds)
+    return runs
+
+
+def without_grad(ds) -> list[str]:
+    """The parameters of ``ds`` that have no gradient at any of its steps (none when it has no
+    step): frozen ones, ones the backward pass never reached."""
+    if "present" not in ds.data_vars or not ds.sizes.get("step", 0):
+        return []
+    had = np.asarray(ds["present"].any("step").values, bool)
+    return [str(name) for name, h in zip(ds["param"].values, had) if not h]
+
+
+def _count_no_grad(ds):
+    """Note in ``ds.attrs["no_grad"]`` how many parameters never had a gradient."""
+    ds.attrs["no_grad"] = len(without_grad(ds))
+    return ds
+
+
+def read_segments(segs: list, fs, *, chunks=None, shards: bool = False) -> dict:
+    """{rank: Dataset} of the segments ``segs`` (``restarts.segments``): each segment's groups
+    over its steps (sharded ones assembled unless ``shards``), each rank's segments joined."""
+    parts: dict = {}
+    for seg in segs:
+        runs = {r: open_group(seg.groups[r], chunks=chunks, fs=fs, rank=r,
+                              steps=(seg.first_step, seg.last_step)) for r in seg.ranks}
+        if not shards:
+            runs = assemble_runs(runs)
+        for label, ds in runs.items():
+            parts.setdefault(label, []).append((seg, ds))
+    return {label: join_steps(items) for label, items in sorted(parts.items())}
+
+
+def join_steps(items: list):
+    """One Dataset from the Datasets of consecutive segments ``[(Segment, Dataset)]`` of one
+    rank: statistics concatenated along ``step``, sign bits read part by part (``JoinedBits``);
+    an error naming the segments when their parameters differ."""
+    import xarray as xr
+
+    items = [(s, d) for s, d in items if d.sizes.get("step", 0)] or items[:1]
+    if len(items) == 1:
+        return items[0][1]
+    dss = [d for _, d in items]
+    where = "; ".join(f"steps {s.first_step}..{s.last_step}: {len(s.groups)} rank group(s) in "
+                      f"{os.path.basename(s.folder.rstrip('/'))}" for s, _ in items)
+    first = dss[0]
+    for ds in dss[1:]:
+        if (ds["param"].values.tolist() != first["param"].values.tolist()
+                or ds["numel"].values.tolist() != first["numel"].values.tolist()
+                or ds.attrs.get("placement") != first.attrs.get("placement")):
+            raise GradStoreError(
+                f"the store's segments record different parameters or shards ({where}); they "
+                "cannot be read as one run: read one segment at a time "
+                "(probekit.grads.segments lists them; open_grads(..., segment=i))")
+    common = [v for v in first.data_vars if all(v in d.data_vars for d in dss)]
+    dropped = sorted({v for d in dss for v in d.data_vars} - set(common))
+    lazy_bits = [v for v in _BITS if v in common and not _is_dask(first[v])]
+    rest = [d[[v for v in common if v not in lazy_bits]] for d in dss]
+    out = xr.concat(rest, dim="step", data_vars="all", coords="minimal", compat="equals",
+                    join="exact", combine_attrs="override")
+    for var in lazy_bits:
+        joined = JoinedBits([bit_reader(d, var) for d in dss])
+        out[var] = bits_variable(("step", "byte"), joined, out["step"].values)
+    attrs = dict(dss[-1].attrs)
+    attrs["committed_steps"] = int(out.sizes["step"])
+    attrs["segments"] = json.dumps([{"first_step": s.first_step, "last_step": s.last_step,
+                                     "ranks": s.ranks} for s, _ in items])
+    if dropped:
+        attrs["dropped_variables"] = dropped  # recorded in some segments only
+    out.attrs = attrs
+    return out[[v for v in first.data_vars if v in common]]
+
+
+def _is_dask(da) -> bool:
+    return type(da.variable._data).__module__.startswith("dask")
+
+
+def open_grads(path, rank=None, chunks=None, *, storage_options=None, shards: bool = False,
+               segment: int | None = None):
+    """One rank of a recorded run as an xarray Dataset (committed steps only).
+
+    ``path``: a dump folder with ``grads.zarr``, the store itself, an msprobe grad dump, or an
+    fsspec URL of a store (``s3://bucket/run``, ``gs://...``, ``memory://...``; credentials from
+    the usual ``AWS_*`` variables or ``storage_options``). ``rank``: needed when several ranks
+    were recorded. ``chunks="auto"``: dask arrays over the Zarr chunks (lazy; for stores larger
+    than memory) instead of loading into memory.
+
+    A sharded run (FSDP2, tensor parallel) is assembled: full-parameter statistics and sign
+    bits, as a single process would have recorded them, over the steps every rank holding a
+    shard committed; ``shards=True`` opens one rank's shards as recorded. A restarted run is
+    read over all its segments (``restarts.py``); ``segment=i`` reads only the i-th of
+    ``probekit.grads.segments(path)``.
+
+    Variables: ``max``, ``min``, ``norm`` (step, param), ``present`` (step, param), ``hash``
+    (L0), ``zeros`` and ``dist`` (step, param, interval) (L2), ``direction`` (step, byte) packed
+    sign bits (L1/L2); coordinates ``step``, ``param``, ``numel``, ``shape``, ``offset``,
+    ``interval``. The attribute ``no_grad`` counts the parameters that have no gradient at any
+    step (a WARNING says so when that is all of them: an empty recording).
+    """
+    ds = _open(path, rank, chunks, storage_options, shards, segment)
+    _count_no_grad(ds)
+    n, steps = ds.sizes.get("param", 0), ds.sizes.get("step", 0)
+    if steps and n and ds.attrs["no_grad"] == n:
+        log.warning("grad run %s: none of its %d parameters has a gradient at any of its %d "
+                    "steps: the recording is empty (frozen parameters, or a backward pass that "
+                    "did not reach them)", path if isinstance(path, str) else os.fspath(path),
+                    n, steps)
+    return ds
+
+
+def _open(path, rank, chunks, storage_options, shards, segment):
+    label = path if isinstance(path, str) else os.fspath(path)
+    fs, where = location(path, storage_options)
+    if not fs.remote and os.path.isdir(where) and msprobe.is_grad_dump(where):
+        runs = {r: msprobe.read_grad_dump(where, r) for r in msprobe.grad_dump_ranks(where)}
+    else:
+        segs = segments(where, fs=fs, shards=shards)
+        if segment is not None:
+            if not isinstance(segment, int) or not -len(segs) <= segment < len(segs):
+                raise GradStoreError(f"segment: {segment!r} is not valid for {label!r}; "
+                                     f"accepted: 0..{len(segs) - 1} (segments(path) lists them)")
+            segs = [segs[segment]]
+        if rank is not None and not shards:
+            mine = [s for s in segs if rank in s.groups]
+            if mine and not any(s.sharded for s in mine):  # a rank's own record: read it alone
+                segs = [_only(s, rank) for s in mine]
+        elif rank is not None:
+            segs = [_only(s, rank) for s in segs if rank in s.groups] or segs
+        runs = read_segments(segs, fs, chunks=chunks, shards=shards)
+    ranks = sorted(runs)
+    if rank is None:
+        if len(ranks) != 1:
+            raise GradStoreError(f"{label!r} holds ranks {ranks}; pass rank= one of them")
+        rank = ranks[0]
+    if rank not in runs:
+        raise GradStoreError(f"rank: {rank!r} is not valid for {label!r}; accepted: {ranks}"
+                             + ("" if shards else " (shards=True opens each rank's shards)"))
+    return runs[rank]
+
+
+def _only(seg: Segment, rank: int) -> Segment:
+    return Segment(seg.first_step, seg.last_step, seg.folder, {rank: seg.groups[rank]},
+                   {rank: seg.placements.get(rank)}, {rank: seg.attrs.get(rank)}, seg.sharded,
+                   seg.layout_key)
