@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 
 .PHONY: test kernel-paths demo docs bench lab chromium clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -U pip
 	$(PIP) install "$(TORCH)"
@@ -36,7 +36,7 @@ $(MSPROBE_VENV)/.installed:
 	$(MSPROBE_VENV)/bin/python -m pip --disable-pip-version-check -q install mindstudio-probe==1.0.4
 	touch $@
 
-$(MINDSPORE_VENV)/.installed: pyproject.toml
+$(MINDSPORE_VENV)/.installed: pyproject.toml setup.py
 	test -x $(MINDSPORE_VENV)/bin/python || $(PYTHON) -m venv $(MINDSPORE_VENV)
 	$(MINDSPORE_VENV)/bin/python -m pip --disable-pip-version-check -q install -U pip
 	$(MINDSPORE_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
