@@ -157,8 +157,7 @@ class Score:
                 d = (oc.to(torch.float64) - rc).abs().nan_to_num(nan=math.inf)
                 if d.numel():
                     self.dmax = max(self.dmax, d.amax().item())
-                    self.rmax = max(self.rmax, rc.abs().nan_to_num(nan=0.0, posinf=0.0)
-                                    .amax().item())
+                    self.rmax = max(self.rmax, _scale(rc, sc))
 
     def move(self, s: torch.Tensor, r: torch.Tensor, S) -> None:
         top = scale = 0.0
@@ -169,7 +168,7 @@ class Score:
                 beyond = d.sub_(self.floor64(rc, Sc)).clamp_min_(0)
                 if beyond.numel():
                     top = max(top, beyond.amax().item())
-                    scale = max(scale, rc.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item())
+                    scale = max(scale, _scale(rc, Sc))
         if top > 0:
             self.lost = max(self.lost, math.inf if scale == 0 else top / scale)
 
@@ -182,6 +181,18 @@ class Score:
         if upcast and (self.moved > 1 or self.lost > level):
             return MILD
         return UNCONFIRMED
+
+
+def _scale(r: torch.Tensor, S) -> float:
+    """The scale the lost bits are counted against: the largest of the call's own magnitude
+    ``S`` (the row's family) and of the result (``max|r|``, the whole scale where ``S`` is the
+    tensor's). A result whose exact value cancels far below ``S`` (a gradient that is 0 by
+    structure, its float64 value only the residue of its terms) has no bits of its own to lose:
+    one-ulp nudges move it by about ``u S``, as rounding does, never by ``sqrt(u) S``."""
+    m = r.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item() if r.numel() else 0.0
+    if S is not None and S.numel():
+        m = max(m, S.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item())
+    return m
 
 
 def _pieces(a: torch.Tensor, r: torch.Tensor, S):
