@@ -21,14 +21,19 @@ compute dtype, its reduction length):
   overflow of ``var`` at 1e20, counts as infinite);
 * ``moved`` = ``max_i |s_i - r_i| / b_i`` over the nudges (the same units);
 * ``lost`` = the largest move beyond float64's own rounding of the call
-  (``|s_i - r_i| - C (u64 |r_i| + gamma_k(u64) S_i)``) relative to the tensor's scale ``max|r|``.
+  (``|s_i - r_i| - C (u64 |r_i| + gamma_k(u64) S_i)``) relative to the call's magnitude
+  ``max(max S, max|r|)`` (issue 26: half the significant bits *relative to S*; a result that
+  cancels far below its ``S``, a gradient that is 0 by structure, moves by about ``u S`` under
+  one-ulp nudges, as rounding does, and keeps its bits). The sensitivity modes' rows carry their
+  family too (``S`` by the same formulas as the accuracy modes'), only their fast check uses the
+  tensor's scale.
 
 ``inaccurate`` when ``accuracy > 1`` and ``accuracy > 2 * moved`` (the kernel lost more than a
 correct kernel may and more than the inputs' own last bit explains, with a factor 2 for the
 rounding of the nudged inputs); else ``ill-conditioned`` when ``lost > sqrt(u_in)`` (the exact
 result loses more than half its significant bits under a one-ulp change; ``u_in`` the least
 precise of the row's dtype and its inputs') -- for the rows of the accuracy modes only when the
-original's own error is also beyond ``sqrt(u_in)`` of the result's scale (the result visibly lost
+original's own error is also beyond ``sqrt(u_in)`` of that magnitude (the result visibly lost
 those bits: the sensitivity modes' rule on the accuracy modes' measurement); a finding. Rows of
 the accuracy modes whose error the conditioning explains otherwise (``moved > 1``, or ``lost``
 without that visible loss) are ``ill-conditioned`` too but ``MILD``: hot spots. Else
