@@ -275,6 +275,16 @@ class _BackwardCheck:
         # the two terms |gq| + lam S are made chunk by chunk by the comparison (grad_stats)
         return mag if not j.lam else (mag, j.lam)
 
+    def _no_scale(self, i) -> None:
+        """Input ``i``'s gradient is compared with the tensor's scale. When its ``Judge`` wanted
+        ``S`` and none was made, it is judged as family ``other`` (the tensor's scale) from now
+        on; a sensitivity mode's ``Judge`` compares with the tensor's scale anyway and keeps the
+        family, so that the float64 analysis measures the move against the call's own ``S``
+        (``cause.py``, issue 26), as in the accuracy modes."""
+        j = self.judges.get(i)
+        if j is None or j.kind != scales.TENSOR or j.upcast:
+            self.plan[i] = ("other",) + self.plan[i][1:]
+
     def _whole(self, plain, g, g_ref, exact):
         """(values, [(input position, reference gradient)], dtype computed in) of one re-run."""
         e = self.engine
@@ -292,7 +302,7 @@ class _BackwardCheck:
                     gq = perturb.swap_last(gq)
                 sc = self._scale(i, gq, None if mags is None else mags[k])
                 if sc is None:
-                    self.plan[i] = ("other",) + self.plan[i][1:]
+                    self._no_scale(i)
                 values.append(grad_stats(gr, gq, exact, sc, e.verdicts))
                 originals.append((i, gr))
                 del gq, sc
@@ -322,7 +332,7 @@ class _BackwardCheck:
                     if i in sliced:
                         sc = self._scale(i, gq, mag)
                         if sc is None:
-                            self.plan[i] = ("other",) + self.plan[i][1:]
+                            self._no_scale(i)
                         parts[i].append(grad_stats(gr.narrow(sliced[i], start, length), gq,
                                                    exact, sc, self.engine.verdicts, False))
                     elif i in acc:
@@ -346,7 +356,7 @@ class _BackwardCheck:
                     gq = acc.pop(i)
                     sc = self._scale(i, gq, acc_mag.pop(i, None))
                     if sc is None:
-                        self.plan[i] = ("other",) + self.plan[i][1:]
+                        self._no_scale(i)
                     values.append(grad_stats(gr, gq, exact, sc, self.engine.verdicts))
                 else:
                     continue

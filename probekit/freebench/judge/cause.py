@@ -21,14 +21,19 @@ compute dtype, its reduction length):
   overflow of ``var`` at 1e20, counts as infinite);
 * ``moved`` = ``max_i |s_i - r_i| / b_i`` over the nudges (the same units);
 * ``lost`` = the largest move beyond float64's own rounding of the call
-  (``|s_i - r_i| - C (u64 |r_i| + gamma_k(u64) S_i)``) relative to the tensor's scale ``max|r|``.
+  (``|s_i - r_i| - C (u64 |r_i| + gamma_k(u64) S_i)``) relative to the call's magnitude
+  ``max(max S, max|r|)`` (issue 26: half the significant bits *relative to S*; a result that
+  cancels far below its ``S``, a gradient that is 0 by structure, moves by about ``u S`` under
+  one-ulp nudges, as rounding does, and keeps its bits). The sensitivity modes' rows carry their
+  family too (``S`` by the same formulas as the accuracy modes'), only their fast check uses the
+  tensor's scale.
 
 ``inaccurate`` when ``accuracy > 1`` and ``accuracy > 2 * moved`` (the kernel lost more than a
 correct kernel may and more than the inputs' own last bit explains, with a factor 2 for the
 rounding of the nudged inputs); else ``ill-conditioned`` when ``lost > sqrt(u_in)`` (the exact
 result loses more than half its significant bits under a one-ulp change; ``u_in`` the least
 precise of the row's dtype and its inputs') -- for the rows of the accuracy modes only when the
-original's own error is also beyond ``sqrt(u_in)`` of the result's scale (the result visibly lost
+original's own error is also beyond ``sqrt(u_in)`` of that magnitude (the result visibly lost
 those bits: the sensitivity modes' rule on the accuracy modes' measurement); a finding. Rows of
 the accuracy modes whose error the conditioning explains otherwise (``moved > 1``, or ``lost``
 without that visible loss) are ``ill-conditioned`` too but ``MILD``: hot spots. Else
@@ -157,8 +162,7 @@ class Score:
                 d = (oc.to(torch.float64) - rc).abs().nan_to_num(nan=math.inf)
                 if d.numel():
                     self.dmax = max(self.dmax, d.amax().item())
-                    self.rmax = max(self.rmax, rc.abs().nan_to_num(nan=0.0, posinf=0.0)
-                                    .amax().item())
+                    self.rmax = max(self.rmax, _scale(rc, sc))
 
     def move(self, s: torch.Tensor, r: torch.Tensor, S) -> None:
         top = scale = 0.0
@@ -169,7 +173,7 @@ class Score:
                 beyond = d.sub_(self.floor64(rc, Sc)).clamp_min_(0)
                 if beyond.numel():
                     top = max(top, beyond.amax().item())
-                    scale = max(scale, rc.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item())
+                    scale = max(scale, _scale(rc, Sc))
         if top > 0:
             self.lost = max(self.lost, math.inf if scale == 0 else top / scale)
 
@@ -182,6 +186,18 @@ class Score:
         if upcast and (self.moved > 1 or self.lost > level):
             return MILD
         return UNCONFIRMED
+
+
+def _scale(r: torch.Tensor, S) -> float:
+    """The scale the lost bits are counted against: the largest of the call's own magnitude
+    ``S`` (the row's family) and of the result (``max|r|``, the whole scale where ``S`` is the
+    tensor's). A result whose exact value cancels far below ``S`` (a gradient that is 0 by
+    structure, its float64 value only the residue of its terms) has no bits of its own to lose:
+    one-ulp nudges move it by about ``u S``, as rounding does, never by ``sqrt(u) S``."""
+    m = r.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item() if r.numel() else 0.0
+    if S is not None and S.numel():
+        m = max(m, S.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item())
+    return m
 
 
 def _pieces(a: torch.Tensor, r: torch.Tensor, S):

@@ -8,7 +8,7 @@ compute dtype, ``scales.py``; preheat calibration; the ``module`` and ``cause`` 
 
 A compared output above its threshold (``scales.py``'s error model: ``c (u_out |p| + gamma_k
 S)`` per element in the accuracy modes, ``sqrt(u)`` of the tensor's scale in the sensitivity
-modes) is **flagged**. It is a **finding** (a row of ``fb.results`` and the CSV) when the float64
+modes, a screen: their analysis counts the lost bits against the call's ``S``) is **flagged**. It is a **finding** (a row of ``fb.results`` and the CSV) when the float64
 analysis (``cause.py``) confirms it: cause ``inaccurate`` (the kernel's error exceeds the bound
 and what one-ulp input nudges explain), or, in the sensitivity modes, ``ill-conditioned`` (the
 exact result moves by more than half its bits). A NaN/Inf mismatch and a no_change difference

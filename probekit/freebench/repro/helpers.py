@@ -12,11 +12,12 @@ come from probekit, ``scales.py`` / ``cause.py``, and are written into the scrip
 
 * ``accuracy`` = ``max |o - r| / b`` (a NaN/Inf where float64 is finite counts as infinite);
 * ``moved`` = ``max |s - r| / b`` over the nudges;
-* ``lost`` = the largest move beyond float64's own rounding, relative to ``max |r|``;
+* ``lost`` = the largest move beyond float64's own rounding, relative to the call's magnitude
+  ``max(max S, max |r|)`` (issue 26: a result that cancels far below ``S`` keeps its bits);
 
 and the verdict of ``cause.py``: ``inaccurate`` when ``accuracy > 1`` and ``accuracy > blame *
 moved``; ``ill-conditioned`` when ``lost`` exceeds half the dtype's bits (in the accuracy modes
-only when the kernel's own error does too, relative to ``max |exact|``); a ``mild``
+only when the kernel's own error does too, relative to that magnitude); a ``mild``
 ill-conditioned (the accuracy modes: the inputs' conditioning explains the error, a hot spot) or
 ``unconfirmed`` otherwise. ``tests/unit/test_freebench_repro.py`` pins these functions to probekit's own.
 """
@@ -205,14 +206,23 @@ def ratio(o, r, b) -> float:
         return q.amax().item() if q.numel() else 0.0
 
 
-def lost_bits(s, r, floor) -> float:
+def magnitude(r, S=None) -> float:
+    """``max(max S, max |r|)``: the scale the lost bits are counted against (``cause.py``)."""
+    with torch.no_grad():
+        m = r.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item() if r.numel() else 0.0
+        if S is not None and S.numel():
+            m = max(m, S.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item())
+    return m
+
+
+def lost_bits(s, r, floor, S=None) -> float:
     """The largest move of ``s`` from ``r`` beyond ``floor`` (float64's own rounding of the
-    call), relative to ``max |r|``."""
+    call), relative to ``magnitude(r, S)``."""
     with torch.no_grad():
         d = (s.to(r.device, torch.float64) - r).abs().nan_to_num(nan=math.inf)
         beyond = (d - floor).clamp_min(0)
         top = beyond.amax().item() if beyond.numel() else 0.0
-        m = r.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item() if r.numel() else 0.0
+    m = magnitude(r, S)
     if top <= 0:
         return 0.0
     return math.inf if m == 0 else top / m
@@ -234,11 +244,13 @@ def verdict(acc: float, moved: float, lost: float, bound: dict, case: dict,
 
 
 def relative_error(res: dict) -> float:
-    """``max |o - r| / max |exact|`` of a result of ``measure`` (infinite for an error where
-    every exact value is 0)."""
+    """``max |o - r|`` relative to the call's magnitude (``res["magnitude"]``, ``max(max S,
+    max |exact|)``; ``max |exact|`` where not given) of a result of ``measure`` (infinite for an
+    error where that is 0)."""
     if res["max_error"] <= 0:
         return 0.0
-    return math.inf if res["scale"] == 0 else res["max_error"] / res["scale"]
+    m = res.get("magnitude", res["scale"])
+    return math.inf if m == 0 else res["max_error"] / m
 
 
 def _worst(o, r, b) -> dict:
@@ -274,10 +286,11 @@ def measure(call, fresh, case: dict, S: dict, g=None, rng_state=None, expected=N
         s_i = S[i].to(r[i].device, torch.float64)
         s_i = s_i.expand_as(r[i]) if s_i.dim() == 0 else s_i
         b = r[i].abs() * bd["a"] + s_i * bd["b"]
-        bounds[i] = (b, r[i].abs() * bd["a64"] + s_i * bd["b64"])
+        bounds[i] = (b, r[i].abs() * bd["a64"] + s_i * bd["b64"], s_i)
         acc = ratio(o[i], r[i], b)
         res = {"accuracy": acc, "moved": 0.0, "lost": 0.0}
         res.update(_worst(o[i], r[i], b))
+        res["magnitude"] = magnitude(r[i], s_i)
         if expected is not None and expected.get(i) is not None:
             e = expected[i].to(o[i].device, torch.float64)
             same = (e == o[i].double()) | (e.isnan() & o[i].double().isnan())
@@ -290,9 +303,9 @@ def measure(call, fresh, case: dict, S: dict, g=None, rng_state=None, expected=N
         for i, res in out.items():
             if s.get(i) is None:
                 continue
-            b, floor = bounds[i]
+            b, floor, s_i = bounds[i]
             res["moved"] = max(res["moved"], ratio(s[i], r[i], b))
-            res["lost"] = max(res["lost"], lost_bits(s[i], r[i], floor))
+            res["lost"] = max(res["lost"], lost_bits(s[i], r[i], floor, s_i))
         del s
     for i, res in out.items():
         res["verdict"] = verdict(res["accuracy"], res["moved"], res["lost"], case["bound"][i],
