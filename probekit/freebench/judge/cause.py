@@ -137,7 +137,7 @@ class Score:
 
     def bound(self, r: torch.Tensor, S) -> torch.Tensor:
         j = self.judge
-        g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc)
+        g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
         c = scales.C * (j.factor if j.upcast else 1.0)
         b = r.abs() * (c * j.u_out)
         if S is not None and g:

@@ -38,10 +38,15 @@ def _softmax(name: str, a: Args, leaves: list, g: torch.Tensor, log: bool):
     pos = _position(leaves, x)
     if pos is None:
         return None
-    y = torch.softmax(-x if name == "softmin" else x, dim)
     s = g.abs()
-    if log:     # |g| + exp(log_softmax) sum |g|: two tensors of x's size alive
-        return {pos: y.mul_(s.sum(dim, keepdim=True)).add_(s)}
+    if log:
+        # S + R = |g| + exp(y) sum|g| (1 + |y|), y = log_softmax(x) <= 0: R = |y| exp(y) sum|g|
+        # is what the rounding of the saved output y moves the gradient by, per unit u
+        # (scales.SAVED_OUTPUT); y is clamped so that exp(y) = 0 gives 0, not 0 * inf
+        ly = torch.log_softmax(x, dim).clamp_(min=-1e4)
+        w = ly.exp().mul_(s.sum(dim, keepdim=True))
+        return {pos: s.add_(w).addcmul_(w, ly, value=-1.0)}    # three tensors of x's size
+    y = torch.softmax(-x if name == "softmin" else x, dim)
     # y (|g| + sum |g| y), in place (vecdot: no third tensor of x's size)
     t = torch.linalg.vecdot(s, y, dim=dim).unsqueeze(dim)
     return {pos: s.add_(t).mul_(y)}
