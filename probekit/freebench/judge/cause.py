@@ -217,7 +217,7 @@ def _forward_magnitude(judge, api, func, x64, spec, r, i, abs_out):
         x = next((t for t in x64 if perturb.is_float(t)), None)
         if x is not None and x.shape == r.shape:
             return x.abs()
-    if fam in ("arithmetic", "elementwise", "step"):
+    if fam in ("arithmetic", "elementwise", "saturating", "step"):
         return r.abs()
     if fam in ("softmax", "log_softmax"):
         return r.abs() + scales.element_floor(fam, judge.k, torch.float64)

@@ -52,6 +52,23 @@ def _softmax(name: str, a: Args, leaves: list, g: torch.Tensor, log: bool):
     return {pos: s.add_(t).mul_(y)}
 
 
+def _saturating(name: str, a: Args, leaves: list, g: torch.Tensor):
+    """sigmoid ``|g| y`` (>= |g| y (1 - y) and >= |g| y |1 - 2y|), tanh ``|g| (1 + y^2)``
+    (>= |g| (1 - y^2) and >= 2 |g| y^2): the gradient's magnitude and the factor of the saved
+    output's rounding in one (scales.SAVED_OUTPUT)."""
+    x = a.get("input", 0) if "input" in a.params else a.get("self", 0)
+    if not isinstance(x, torch.Tensor):
+        return None
+    pos = _position(leaves, x)
+    if pos is None or x.shape != g.shape:
+        return None
+    ga = g.abs()
+    if name == "sigmoid":
+        return {pos: torch.sigmoid(x).mul_(ga)}
+    t = torch.tanh(x)
+    return {pos: ga.addcmul_(ga * t, t)}
+
+
 def _stats(x: torch.Tensor, dims: tuple, eps: float, rms: bool = False):
     """(mean or None, rstd) of ``x`` over ``dims`` (biased variance, as the kernels use)."""
     if rms:
@@ -321,6 +338,8 @@ def backward(name: str, a: Args, leaves: list, g: torch.Tensor):
             return _softmax(name, a, leaves, g, log=True)
         if name == "scaled_dot_product_attention":
             return _sdpa(a, leaves, g)
+        if name in ("sigmoid", "tanh"):
+            return _saturating(name, a, leaves, g)
         return _norm_backward(name, a, leaves, g)
 
 

@@ -80,19 +80,31 @@ ATTENTION = frozenset({"scaled_dot_product_attention"})
 #: CPU kernels too), so each term of those sums carries u_out of its own magnitude: the bound's
 #: S term is (u_out + gamma_k(u_acc)) S for them (``accumulation_term``)
 ROUNDED_OPERANDS = frozenset({"attention"})
-#: backward formulas that read the forward's saved OUTPUT y, rounded to the dtype the forward
-#: computed in (u_s <= u_out; autograd saves y, not x), where the exact gradient is a function of
-#: the exact y: y's rounding y (1 + delta), |delta| <= u_s, moves the gradient by a term a
-#: correct kernel cannot avoid, and which cancellation does not shrink with the gradient:
+#: element-wise functions whose backward reads the saved output y through a derivative that
+#: vanishes where they saturate (sigmoid: g y (1 - y); tanh: g (1 - y^2)): the rounding of y is
+#: not bounded by any multiple of the gradient there (``SAVED_OUTPUT``), so their gradients are
+#: judged per element against a formula (``magnitudes._saturating``); the forward is element-wise
+SATURATING = frozenset({"sigmoid", "tanh"})
+#: backward formulas that read the forward's saved OUTPUT y, not x (autograd saves y), where the
+#: exact gradient is a function of the exact y. The saved y carries a relative error
+#: |delta| <= u_s = u_out + gamma_k(u_acc) (its rounding to the dtype the forward computed in,
+#: plus its forward kernel's own bound), and moves the gradient by a term a correct kernel cannot
+#: avoid, which the gradient's own cancellation does not shrink (first order in delta):
 #: * softmax, dx = y (g - <g, y>): delta_i y_i (g_i - <g, y>) - y_i sum_j g_j y_j delta_j, at most
 #:   u_s (|dx_i| + y_i sum|g| y) <= 2 u_s S_i (S = y (|g| + sum|g| y) bounds both terms);
 #: * log_softmax, dx = g - exp(y) sum g: exp(y (1 + delta)) = exp(y) (1 + y delta), at most
 #:   u_s |y_i| exp(y_i) |sum g|, which |y| (unbounded for small probabilities) keeps out of any
 #:   multiple of S: its formula adds R = |y| exp(y) sum|g| to S (``magnitudes._softmax``), and
-#:   (gamma_k + u_s) (S + R) >= gamma_k S + u_s R.
-#: The value: the multiple of u_s added to S's weight (``Judge.saved``). The softmax family in
-#: the forward stage, which computes from x, has no such term.
-SAVED_OUTPUT = {"softmax": 2.0, "log_softmax": 1.0}
+#:   (gamma_k + u_s) (S + R) >= gamma_k S + u_s R;
+#: * sigmoid, dx = g y (1 - y): delta y (1 - 2y) g, at most u_s |g| y |1 - 2y|; tanh,
+#:   dx = g (1 - y^2): 2 delta y^2 g, at most 2 u_s |g| y^2. Relative to the gradient these are
+#:   |1 - 2y| / (1 - y) and 2 y^2 / (1 - y^2): unbounded where the function saturates (bf16
+#:   sigmoid at x = 5: y = 0.9933 is rounded by up to 2^-9, 29 % of 1 - y). Their S
+#:   (``magnitudes._saturating``: |g| y for sigmoid, |g| (1 + y^2) for tanh) bounds both the
+#:   gradient and this term's factor, so the term is u_s S.
+#: The value: the multiple of u_s added to S's weight (``Judge.saved``). The forward stage, which
+#: computes from x, has no such term.
+SAVED_OUTPUT = {"softmax": 2.0, "log_softmax": 1.0, "saturating": 1.0}
 #: piecewise constant (or jumping) in their floating inputs: exact at the same inputs, and a
 #: one-ulp move only says on which side of a discontinuity an input lies (sensitivity modes skip)
 STEP = frozenset("""
@@ -157,6 +169,10 @@ def family(name: str) -> str:
             base = _outplace(name)
             if base is not None:
                 fam = _family(base)
+                if fam == "saturating":
+                    # sigmoid_/tanh_: their re-run overwrites the input copy that the formula
+                    # would read; judged as element-wise calls on the tensor's scale
+                    fam = "elementwise"
         _FAMILIES[name] = fam
     return fam
 
@@ -180,6 +196,8 @@ def _family(name: str) -> str:
         return "attention"
     if name in STEP:
         return "step"
+    if name in SATURATING:
+        return "saturating"
     if name in ELEMENTWISE:
         return "elementwise"
     return "other"
@@ -196,12 +214,13 @@ _ABS_FORWARD = frozenset({"multilinear"})
 #: families whose forward S is the absolute value of their (first) input
 _INPUT_FORWARD = frozenset({"gelu"})
 #: families whose forward S is ``|p|`` plus a floor (no re-run)
-_ELEMENT_FORWARD = frozenset({"arithmetic", "additive", "elementwise", "softmax",
+_ELEMENT_FORWARD = frozenset({"arithmetic", "additive", "elementwise", "saturating", "softmax",
                               "log_softmax", "step"})
 #: families whose gradients' S is the backward on absolute values
 _ABS_BACKWARD = frozenset({"multilinear", "arithmetic"})
 #: families whose gradients' S is a formula (``magnitudes.py``)
-_FORMULA_BACKWARD = frozenset({"additive", "softmax", "log_softmax", "norm", "attention"})
+_FORMULA_BACKWARD = frozenset({"additive", "softmax", "log_softmax", "norm", "attention",
+                               "saturating"})
 
 
 # -- the call's arguments, read by name ------------------------------------------------------------
@@ -299,7 +318,7 @@ def forward_length(name: str, a: Args, leaves: list, out: torch.Tensor) -> int:
         k = _multilinear_length(name, a, x, out)
         if k:
             return k
-    elif fam in ("elementwise", "gelu", "arithmetic", "additive"):
+    elif fam in ("elementwise", "saturating", "gelu", "arithmetic", "additive"):
         return ELEMENTWISE_K
     elif fam == "step":
         return 0
@@ -498,8 +517,8 @@ def _judge(mode_name, fam, k, judged_dtype, stage, formula_ok) -> Judge:
         rounding = C * (u_out + g)
     saved = 0.0
     if stage == "backward" and source == "formula" and fam in SAVED_OUTPUT:
-        # the saved output is rounded to the forward's dtype, u_s <= u_out (see there)
-        saved = SAVED_OUTPUT[fam] * u_out
+        # the saved output's relative error u_s = u_out + gamma_k(u_acc) (see there)
+        saved = SAVED_OUTPUT[fam] * (u_out + g)
         g = g + saved
         rounding = C * (u_out + g)
     if u_out <= u_acc:          # float32 / float64: |p| <= S, the scale is S alone
