@@ -347,8 +347,8 @@ def _bf16_row_sum(t):
 def test_softmax_backward_accumulating_in_bf16_is_still_beyond_the_bound(name):
     # the saved-output term must not swallow a real defect of the same family: a softmax
     # backward whose row reduction (<g, y>, or sum g for log_softmax) is accumulated in bf16
-    # over 4096 terms breaks the bound 6.5x / 9.1x, where the same formula accumulated in fp32
-    # from the same bf16 y -- bit for bit PyTorch's CPU kernel -- stays at a quarter of it
+    # over 4096 terms breaks the bound 5.6x / 7.6x, where the same formula accumulated in fp32
+    # from the same bf16 y, and PyTorch's CPU kernel, stay at 0.25 / 0.27 of it
     g = gen(5)
     x = (torch.randn(8, 4096, generator=g) * 2).to(bf16)
     go = (torch.randn(8, 4096, generator=g) + 0.5).to(bf16)
@@ -362,7 +362,9 @@ def test_softmax_backward_accumulating_in_bf16_is_still_beyond_the_bound(name):
         bad = (go - y.exp() * _bf16_row_sum(go)).to(bf16)
     xx = x.clone().requires_grad_(True)
     getattr(torch, name)(xx, 1).backward(go)
-    assert torch.equal(xx.grad, good)
+    # PyTorch's kernel (the same formula accumulated in fp32; bit-identical to ``good`` only
+    # where its vectorised sum runs in the same order) and the sequential fp32 one
+    assert _analysis_ratio(name, xx.grad, x, go) < 0.5
     assert _analysis_ratio(name, good, x, go) < 0.5
     assert _analysis_ratio(name, bad, x, go) > 4
 
