@@ -142,7 +142,7 @@ class Score:
 
     def bound(self, r: torch.Tensor, S) -> torch.Tensor:
         j = self.judge
-        g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc)
+        g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
         c = scales.C * (j.factor if j.upcast else 1.0)
         b = r.abs() * (c * j.u_out)
         if S is not None and g:
@@ -233,7 +233,7 @@ def _forward_magnitude(judge, api, func, x64, spec, r, i, abs_out):
         x = next((t for t in x64 if perturb.is_float(t)), None)
         if x is not None and x.shape == r.shape:
             return x.abs()
-    if fam in ("arithmetic", "elementwise", "step"):
+    if fam in ("arithmetic", "elementwise", "saturating", "step"):
         return r.abs()
     if fam in ("softmax", "log_softmax"):
         return r.abs() + scales.element_floor(fam, judge.k, torch.float64)

@@ -38,13 +38,35 @@ def _softmax(name: str, a: Args, leaves: list, g: torch.Tensor, log: bool):
     pos = _position(leaves, x)
     if pos is None:
         return None
-    y = torch.softmax(-x if name == "softmin" else x, dim)
     s = g.abs()
-    if log:     # |g| + exp(log_softmax) sum |g|: two tensors of x's size alive
-        return {pos: y.mul_(s.sum(dim, keepdim=True)).add_(s)}
+    if log:
+        # S + R = |g| + exp(y) sum|g| (1 + |y|), y = log_softmax(x) <= 0: R = |y| exp(y) sum|g|
+        # is what the rounding of the saved output y moves the gradient by, per unit u
+        # (scales.SAVED_OUTPUT); y is clamped so that exp(y) = 0 gives 0, not 0 * inf
+        ly = torch.log_softmax(x, dim).clamp_(min=-1e4)
+        w = ly.exp().mul_(s.sum(dim, keepdim=True))
+        return {pos: s.add_(w).addcmul_(w, ly, value=-1.0)}    # three tensors of x's size
+    y = torch.softmax(-x if name == "softmin" else x, dim)
     # y (|g| + sum |g| y), in place (vecdot: no third tensor of x's size)
     t = torch.linalg.vecdot(s, y, dim=dim).unsqueeze(dim)
     return {pos: s.add_(t).mul_(y)}
+
+
+def _saturating(name: str, a: Args, leaves: list, g: torch.Tensor):
+    """sigmoid ``|g| y`` (>= |g| y (1 - y) and >= |g| y |1 - 2y|), tanh ``|g| (1 + y^2)``
+    (>= |g| (1 - y^2) and >= 2 |g| y^2): the gradient's magnitude and the factor of the saved
+    output's rounding in one (scales.SAVED_OUTPUT)."""
+    x = a.get("input", 0) if "input" in a.params else a.get("self", 0)
+    if not isinstance(x, torch.Tensor):
+        return None
+    pos = _position(leaves, x)
+    if pos is None or x.shape != g.shape:
+        return None
+    ga = g.abs()
+    if name == "sigmoid":
+        return {pos: torch.sigmoid(x).mul_(ga)}
+    t = torch.tanh(x)
+    return {pos: ga.addcmul_(ga * t, t)}
 
 
 def _stats(x: torch.Tensor, dims: tuple, eps: float, rms: bool = False):
@@ -316,6 +338,8 @@ def backward(name: str, a: Args, leaves: list, g: torch.Tensor):
             return _softmax(name, a, leaves, g, log=True)
         if name == "scaled_dot_product_attention":
             return _sdpa(a, leaves, g)
+        if name in ("sigmoid", "tanh"):
+            return _saturating(name, a, leaves, g)
         return _norm_backward(name, a, leaves, g)
 
 

@@ -80,6 +80,31 @@ ATTENTION = frozenset({"scaled_dot_product_attention"})
 #: CPU kernels too), so each term of those sums carries u_out of its own magnitude: the bound's
 #: S term is (u_out + gamma_k(u_acc)) S for them (``accumulation_term``)
 ROUNDED_OPERANDS = frozenset({"attention"})
+#: element-wise functions whose backward reads the saved output y through a derivative that
+#: vanishes where they saturate (sigmoid: g y (1 - y); tanh: g (1 - y^2)): the rounding of y is
+#: not bounded by any multiple of the gradient there (``SAVED_OUTPUT``), so their gradients are
+#: judged per element against a formula (``magnitudes._saturating``); the forward is element-wise
+SATURATING = frozenset({"sigmoid", "tanh"})
+#: backward formulas that read the forward's saved OUTPUT y, not x (autograd saves y), where the
+#: exact gradient is a function of the exact y. The saved y carries a relative error
+#: |delta| <= u_s = u_out + gamma_k(u_acc) (its rounding to the dtype the forward computed in,
+#: plus its forward kernel's own bound), and moves the gradient by a term a correct kernel cannot
+#: avoid, which the gradient's own cancellation does not shrink (first order in delta):
+#: * softmax, dx = y (g - <g, y>): delta_i y_i (g_i - <g, y>) - y_i sum_j g_j y_j delta_j, at most
+#:   u_s (|dx_i| + y_i sum|g| y) <= 2 u_s S_i (S = y (|g| + sum|g| y) bounds both terms);
+#: * log_softmax, dx = g - exp(y) sum g: exp(y (1 + delta)) = exp(y) (1 + y delta), at most
+#:   u_s |y_i| exp(y_i) |sum g|, which |y| (unbounded for small probabilities) keeps out of any
+#:   multiple of S: its formula adds R = |y| exp(y) sum|g| to S (``magnitudes._softmax``), and
+#:   (gamma_k + u_s) (S + R) >= gamma_k S + u_s R;
+#: * sigmoid, dx = g y (1 - y): delta y (1 - 2y) g, at most u_s |g| y |1 - 2y|; tanh,
+#:   dx = g (1 - y^2): 2 delta y^2 g, at most 2 u_s |g| y^2. Relative to the gradient these are
+#:   |1 - 2y| / (1 - y) and 2 y^2 / (1 - y^2): unbounded where the function saturates (bf16
+#:   sigmoid at x = 5: y = 0.9933 is rounded by up to 2^-9, 29 % of 1 - y). Their S
+#:   (``magnitudes._saturating``: |g| y for sigmoid, |g| (1 + y^2) for tanh) bounds both the
+#:   gradient and this term's factor, so the term is u_s S.
+#: The value: the multiple of u_s added to S's weight (``Judge.saved``). The forward stage, which
+#: computes from x, has no such term.
+SAVED_OUTPUT = {"softmax": 2.0, "log_softmax": 1.0, "saturating": 1.0}
 #: piecewise constant (or jumping) in their floating inputs: exact at the same inputs, and a
 #: one-ulp move only says on which side of a discontinuity an input lies (sensitivity modes skip)
 STEP = frozenset("""
@@ -144,6 +169,10 @@ def family(name: str) -> str:
             base = _outplace(name)
             if base is not None:
                 fam = _family(base)
+                if fam == "saturating":
+                    # sigmoid_/tanh_: their re-run overwrites the input copy that the formula
+                    # would read; judged as element-wise calls on the tensor's scale
+                    fam = "elementwise"
         _FAMILIES[name] = fam
     return fam
 
@@ -167,6 +196,8 @@ def _family(name: str) -> str:
         return "attention"
     if name in STEP:
         return "step"
+    if name in SATURATING:
+        return "saturating"
     if name in ELEMENTWISE:
         return "elementwise"
     return "other"
@@ -183,12 +214,13 @@ _ABS_FORWARD = frozenset({"multilinear"})
 #: families whose forward S is the absolute value of their (first) input
 _INPUT_FORWARD = frozenset({"gelu"})
 #: families whose forward S is ``|p|`` plus a floor (no re-run)
-_ELEMENT_FORWARD = frozenset({"arithmetic", "additive", "elementwise", "softmax",
+_ELEMENT_FORWARD = frozenset({"arithmetic", "additive", "elementwise", "saturating", "softmax",
                               "log_softmax", "step"})
 #: families whose gradients' S is the backward on absolute values
 _ABS_BACKWARD = frozenset({"multilinear", "arithmetic"})
 #: families whose gradients' S is a formula (``magnitudes.py``)
-_FORMULA_BACKWARD = frozenset({"additive", "softmax", "log_softmax", "norm", "attention"})
+_FORMULA_BACKWARD = frozenset({"additive", "softmax", "log_softmax", "norm", "attention",
+                               "saturating"})
 
 
 # -- the call's arguments, read by name ------------------------------------------------------------
@@ -286,7 +318,7 @@ def forward_length(name: str, a: Args, leaves: list, out: torch.Tensor) -> int:
         k = _multilinear_length(name, a, x, out)
         if k:
             return k
-    elif fam in ("elementwise", "gelu", "arithmetic", "additive"):
+    elif fam in ("elementwise", "saturating", "gelu", "arithmetic", "additive"):
         return ELEMENTWISE_K
     elif fam == "step":
         return 0
@@ -411,10 +443,10 @@ class Judge:
     threshold, the hot-spot level, and what the scale is made of."""
 
     __slots__ = ("kind", "thr", "hot", "source", "k", "lam", "beta", "u_out", "u_acc", "fam",
-                 "upcast", "factor")
+                 "upcast", "factor", "saved")
 
     def __init__(self, kind, thr, hot, source, k, lam=0.0, beta=0.0, u_out=0.0, u_acc=0.0,
-                 fam="other", upcast=True):
+                 fam="other", upcast=True, saved=0.0):
         self.kind = kind        # TENSOR | MAGNITUDE | ELEMENT (per-element scale)
         self.thr = thr
         self.hot = hot
@@ -431,6 +463,8 @@ class Judge:
         #: a configured threshold relative to the model's (``free_benchmark.thresholds``): the
         #: float64 analysis scales its bound (or, in the sensitivity modes, its sqrt(u)) alike
         self.factor = 1.0
+        #: the weight the rounding of a saved forward output adds to S's (``SAVED_OUTPUT``)
+        self.saved = saved
 
     def __repr__(self) -> str:
         return (f"Judge({self.kind}, thr={self.thr:.3g}, source={self.source}, k={self.k}, "
@@ -481,17 +515,26 @@ def _judge(mode_name, fam, k, judged_dtype, stage, formula_ok) -> Judge:
     if fam in ROUNDED_OPERANDS:   # its products take operands rounded to u_out (see there)
         g = g + u_out
         rounding = C * (u_out + g)
+    saved = 0.0
+    if stage == "backward" and source == "formula" and fam in SAVED_OUTPUT:
+        # the saved output's relative error u_s = u_out + gamma_k(u_acc) (see there)
+        saved = SAVED_OUTPUT[fam] * (u_out + g)
+        g = g + saved
+        rounding = C * (u_out + g)
     if u_out <= u_acc:          # float32 / float64: |p| <= S, the scale is S alone
-        return Judge(MAGNITUDE, rounding, rounding, source, k, u_out=u_out, u_acc=u_acc, fam=fam)
+        return Judge(MAGNITUDE, rounding, rounding, source, k, u_out=u_out, u_acc=u_acc, fam=fam,
+                     saved=saved)
     return Judge(MAGNITUDE, C * u_out, C * u_out, source, k, lam=g / u_out, u_out=u_out,
-                 u_acc=u_acc, fam=fam)
+                 u_acc=u_acc, fam=fam, saved=saved)
 
 
-def accumulation_term(fam: str, k: int, u_out: float, u_acc: float) -> float:
+def accumulation_term(fam: str, k: int, u_out: float, u_acc: float, saved: float = 0.0) -> float:
     """The weight of ``S`` in the bound: ``gamma_k(u_acc)``, plus ``u_out`` for the families
-    whose products take operands rounded to the compute dtype (``ROUNDED_OPERANDS``)."""
+    whose products take operands rounded to the compute dtype (``ROUNDED_OPERANDS``), plus
+    ``saved`` (``Judge.saved``: a backward formula reading the forward's rounded output,
+    ``SAVED_OUTPUT``)."""
     g = gamma(k, u_acc)
-    return g + u_out if fam in ROUNDED_OPERANDS else g
+    return (g + u_out if fam in ROUNDED_OPERANDS else g) + saved
 
 
 def magnitude_source(fam: str, stage: str = "forward", formula_ok: bool = True):

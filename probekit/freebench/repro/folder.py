@@ -315,7 +315,8 @@ def bound_entry(judge: scales.Judge, leaves, e: dict, stage: str) -> dict:
             "lost_level": math.sqrt(u_in) * (1.0 if judge.upcast else judge.factor),
             "upcast": bool(judge.upcast), "u": judge.u_out, "u_acc": judge.u_acc,
             "dtype": e["judged_dtype"], "k": int(judge.k), "c": c, "fam": judge.fam,
-            "gamma": scales.accumulation_term(judge.fam, judge.k, judge.u_out, judge.u_acc),
+            "gamma": scales.accumulation_term(judge.fam, judge.k, judge.u_out, judge.u_acc,
+                                              judge.saved),
             "s_text": repro_script.magnitude_text(judge.fam, stage, e["formula_ok"])}
 
 

@@ -166,7 +166,7 @@ def magnitude_text(fam: str, stage: str, formula_ok: bool = True) -> str:
     if stage == "forward":
         if fam in ("multilinear", "gelu"):
             return "S = the call on the absolute values of its inputs (Σ|a||b| for a product)"
-        if fam in ("arithmetic", "elementwise", "step"):
+        if fam in ("arithmetic", "elementwise", "saturating", "step"):
             return "S = |exact| (one result per element, nothing cancels)"
         if fam in ("softmax", "log_softmax"):
             return f"S = |exact| plus the {fam} floor"
@@ -176,7 +176,10 @@ def magnitude_text(fam: str, stage: str, formula_ok: bool = True) -> str:
         if fam in ("multilinear", "arithmetic"):
             return "S = the backward on the absolute values of the inputs with |g| (Σ|g| for a " \
                    "bias gradient)"
-        if fam in ("softmax", "log_softmax", "norm", "attention") and formula_ok:
+        if fam in ("softmax", "log_softmax", "saturating") and formula_ok:
+            return f"S = the {fam} family's magnitude formula; γ_k also carries the rounding " \
+                   "of the forward output its backward reads (saved as the forward's dtype)"
+        if fam in ("norm", "attention") and formula_ok:
             return f"S = the {fam} family's magnitude formula (Σ|g| for a norm's bias gradient)"
     return "S = max|exact| (the result tensor's scale)"
 
