@@ -36,6 +36,7 @@ goes through; ``summary["inconclusive"]`` counts them):
 from __future__ import annotations
 
 import ctypes
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,38 @@ def _finite(values) -> bool:
         if uint.from_address(v.data_ptr()).value & mask == mask:
             return False
     return True
+
+
+def _host_value(v):
+    """The float a 0-dim CPU tensor holds, read by its bits in place (no ATen operator); None
+    for a dtype not read this way."""
+    dt = v.dtype
+    if dt == torch.float32:
+        return ctypes.c_float.from_address(v.data_ptr()).value
+    if dt == torch.float64:
+        return ctypes.c_double.from_address(v.data_ptr()).value
+    if dt == torch.bfloat16:   # the upper half of a float32
+        bits = ctypes.c_uint16.from_address(v.data_ptr()).value
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+    if dt == torch.float16:
+        return struct.unpack("<e", struct.pack("<H", ctypes.c_uint16.from_address(
+            v.data_ptr()).value))[0]
+    return None
+
+
+def host_errors(values) -> list | None:
+    """``fast_error`` of each compared output's fast values, read on the host as they are
+    computed (the CPU: no transfer, no ATen operator); None when they cannot be read now (held
+    values of an accelerator, an exact form, another dtype)."""
+    out = []
+    for vals in values:
+        if isinstance(vals, Held) or len(vals) == 5 or not vals[0].is_cpu:
+            return None
+        read = [_host_value(v) for v in vals]
+        if None in read:
+            return None
+        out.append(fast_error(read))
+    return out
 
 
 class Held(tuple):
