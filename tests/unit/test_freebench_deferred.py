@@ -470,3 +470,23 @@ def test_flags_whose_inputs_are_gone_are_unexplained_at_stop_not_pending(tmp_pat
         {"step": 1, "output_index": 3, "cause": "inaccurate"},
         {"step": 2, "output_index": 2, "cause": "inaccurate"},
         {"step": 2, "output_index": 3, "cause": "inaccurate"}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_fast_values_read_on_the_host_are_the_values(dtype):
+    """``deferred.host_errors`` reads the CPU's fast values by their bits (no ATen operator):
+    exactly what ``tolist()`` reads, for every floating dtype a comparison is made in."""
+    from probekit.freebench.judge.deferred import Read, _host_value, host_errors
+
+    g = torch.Generator().manual_seed(3)
+    o = (torch.randn(8, 8, generator=g) * 100).to(dtype)
+    p = (o.double() * (1 + 2.0 ** -6)).to(dtype)
+    for scale in (None, o.abs() + 1):
+        vals = metric.device_stats(o, p, scale)
+        assert [_host_value(v) for v in vals] == [v.item() for v in vals]
+        assert host_errors([vals]) == [metric.fast_error([v.item() for v in vals])]
+    fb_vals = Read(vals)
+    fb_vals.err = 0.25          # a Read carries its error: not read again
+    assert host_errors([fb_vals, vals]) == [0.25, metric.fast_error(torch.stack(
+        list(vals)).tolist())]
+    assert host_errors([metric.device_stats(o, p, None, exact=True)]) is None   # exact form
