@@ -16,8 +16,8 @@ autocast; improve_precision and bit_noise, forward and backward; ``combined`` on
 bit_noise backward, autocast combined backward), compared with
 an unprobed run of the same model and seeds: losses, parameters and ``torch.get_rng_state()``
 after the steps must be bit-identical. Each configuration records calls checked, the checked
-share, finding rows (api_name, ratio, cause), hot spots and the flags still ``pending`` after
-``stop()`` (use ``--steps 3`` to see them resolved). Reuses bench_zoo.py's rendering and JSON layout.
+share, finding rows (api_name, ratio, cause), hot spots and the flags still ``pending`` or
+``unexplained`` after ``stop()`` (0 on the CPU since every flag is explained in its call). Reuses bench_zoo.py's rendering and JSON layout.
 """
 from __future__ import annotations
 
@@ -161,7 +161,8 @@ def _record(kind, setting, mode, stage, dropout, fb) -> dict:
            "float_calls": int(s.get("float_calls", 0)),
            "checked_share": float(s.get("checked_share", float("nan"))),
            "float_skipped": dict(s.get("float_skipped", {})),
-           "pending": int(s.get("pending", 0)), "flagged": int(s.get("flagged", 0)),
+           "pending": int(s.get("pending", 0)), "unexplained": int(s.get("unexplained", 0)),
+           "flagged": int(s.get("flagged", 0)),
            "rows": int(len(res)), "apis": {}, "findings": []}
     if not res.empty:
         api = res["api_name"].str.rsplit(".", n=2).str[0]

@@ -400,3 +400,93 @@ def test_inconclusive_verdict_redone_at_once_is_confirmed_and_explained_in_its_s
         {"step": 1, "output_index": i, "cause": "inaccurate"} for i in (2, 3)]
     assert fb.summary["inconclusive"] >= 1
     assert "pending" not in set(fb.hotspots["cause"]), fb.hotspots
+
+
+def _layer_norm_fp32_then_bf16(fb, gen):
+    """Step 0: a clean fp32 layer_norm backward (the site's exact check: no cause needed). Step 1,
+    the same site in bf16 with 4096 rows: PyTorch's CPU kernel sums the weight and bias gradients
+    in bf16, the fast check flags them (and the bf16 input gradient). No step follows: there is
+    no next run of the site to explain them (the trigger of issue 26's pending flags: MobileViT's
+    2-step runs left 87 flags pending at stop())."""
+    w, b = torch.rand(64, generator=gen) + 0.5, torch.randn(64, generator=gen)
+    for dt, rows in ((torch.float32, 8), (torch.bfloat16, 4096)):
+        x = torch.randn(rows, 64, generator=gen).to(dt).requires_grad_(True)
+        go = torch.randn(rows, 64, generator=gen).to(dt)
+        ww, bb = w.to(dt).requires_grad_(True), b.to(dt).requires_grad_(True)
+        with fb:
+            torch.nn.functional.layer_norm(x, (64,), ww, bb).backward(go)
+        fb.step()
+
+
+def test_flags_of_the_last_step_are_resolved_by_stop_on_the_cpu(tmp_path):
+    """Issue 26 point 4: a fast verdict flagged on a site never analysed is judged and explained
+    in its own call on the CPU (its values are host memory), not left 'pending' for a next run
+    that never comes. Before: summary["pending"] == 3 and no rows after stop()."""
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision",
+                   fuzz_stage="backward", list=["layer_norm"])
+    _layer_norm_fp32_then_bf16(fb, torch.Generator().manual_seed(0))
+    s = fb.summary
+    assert "pending" not in s and "unexplained" not in s
+    assert s["checked"] == 2 and s["flagged"] == 2 and s["hotspots"] == 1
+    assert fb.results[["step", "output_index", "cause"]].to_dict("records") == [
+        {"step": 1, "output_index": i, "cause": "inaccurate"} for i in (2, 3)]
+    hot = fb.hotspots   # the bf16 input gradient: moved, explained by the inputs' conditioning
+    assert hot[["output_index", "cause", "count"]].to_dict("records") == [
+        {"output_index": 0, "cause": "ill-conditioned", "count": 1}]
+    # the site was analysed in step 1 and no exact re-check is owed to a later run
+    assert fb._engine.verdicts.recheck == set() and len(fb._engine.site_causes) == 1
+
+
+def test_flags_whose_inputs_are_gone_are_unexplained_at_stop_not_pending(tmp_path, caplog):
+    """The accelerator path (fast values held until the gather, ``hold``): a flag read back after
+    its call's inputs are gone cannot be analysed in its call. At stop() it is not left pending:
+    its rows take the cause 'unexplained', counted in the summary and said once in the log; if
+    the site runs again under the probe it is compared exactly and the rows are settled then."""
+    gen = torch.Generator().manual_seed(0)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision",
+                   fuzz_stage="backward", list=["layer_norm"])
+    fb._engine.verdicts.hold = True
+    with caplog.at_level(logging.WARNING, logger="probekit"):
+        _layer_norm_fp32_then_bf16(fb, gen)
+    s = fb.summary
+    assert "pending" not in s and s["unexplained"] == 3 and s["flagged"] == 0
+    assert fb.results.empty
+    assert fb.hotspots[["output_index", "cause"]].to_dict("records") == [
+        {"output_index": i, "cause": "unexplained"} for i in (0, 2, 3)]
+    assert "3 unexplained" in str(s)
+    assert sum("could not be analysed" in r.getMessage() for r in caplog.records) == 1
+    # the site runs again (bf16, same shape): exact, analysed, its waiting rows settled
+    w, b = torch.rand(64, generator=gen) + 0.5, torch.randn(64, generator=gen)
+    x = torch.randn(4096, 64, generator=gen).bfloat16().requires_grad_(True)
+    ww, bb = w.bfloat16().requires_grad_(True), b.bfloat16().requires_grad_(True)
+    with fb:
+        torch.nn.functional.layer_norm(x, (64,), ww, bb).backward(
+            torch.randn(4096, 64, generator=gen).bfloat16())
+    fb.step()
+    s = fb.summary
+    assert "pending" not in s and "unexplained" not in s
+    assert fb.results[["step", "output_index", "cause"]].to_dict("records") == [
+        {"step": 1, "output_index": 2, "cause": "inaccurate"},
+        {"step": 1, "output_index": 3, "cause": "inaccurate"},
+        {"step": 2, "output_index": 2, "cause": "inaccurate"},
+        {"step": 2, "output_index": 3, "cause": "inaccurate"}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_fast_values_read_on_the_host_are_the_values(dtype):
+    """``deferred.host_errors`` reads the CPU's fast values by their bits (no ATen operator):
+    exactly what ``tolist()`` reads, for every floating dtype a comparison is made in."""
+    from probekit.freebench.judge.deferred import Read, _host_value, host_errors
+
+    g = torch.Generator().manual_seed(3)
+    o = (torch.randn(8, 8, generator=g) * 100).to(dtype)
+    p = (o.double() * (1 + 2.0 ** -6)).to(dtype)
+    for scale in (None, o.abs() + 1):
+        vals = metric.device_stats(o, p, scale)
+        assert [_host_value(v) for v in vals] == [v.item() for v in vals]
+        assert host_errors([vals]) == [metric.fast_error([v.item() for v in vals])]
+    fb_vals = Read(vals)
+    fb_vals.err = 0.25          # a Read carries its error: not read again
+    assert host_errors([fb_vals, vals]) == [0.25, metric.fast_error(torch.stack(
+        list(vals)).tolist())]
+    assert host_errors([metric.device_stats(o, p, None, exact=True)]) is None   # exact form

@@ -200,6 +200,7 @@ class Engine(Judging):
         self.site_causes: dict = {}           # call site -> {output_index: cause}
         self._uncaused: dict = {}             # call site -> its rows with a provisional cause
         self._held: dict = {}                 # call site -> rows waiting for the analysis
+        self._unexplained: dict = {}          # call site -> rows left unanalysed at stop()
         self._hot: dict = {}                  # (stage, api_name, output_index) -> hot spot row
 
     # -- filters -------------------------------------------------------------------------------
@@ -273,6 +274,9 @@ class Engine(Judging):
         pending = sum(len(rows) for rows in self._held.values())
         if pending:
             out["pending"] = pending
+        unexplained = sum(len(rows) for rows in self._unexplained.values())
+        if unexplained:
+            out["unexplained"] = unexplained
         if self.verdicts.inconclusive:
             out["inconclusive"] = self.verdicts.inconclusive
         if self.verdicts.unresolved:

@@ -17,9 +17,10 @@ per-element scale is zero): such a site is ``unstable`` and stays exact. Otherwi
 An inconclusive fast verdict is **resolved**, never dropped (``stats``, which every comparison
 goes through; ``summary["inconclusive"]`` counts them):
 
-* on the CPU its values are host memory: they are tested as they are computed, by their bits
-  (``_finite``: no ATen operator, no copy), and an inconclusive one is compared again at once in
-  the exact form, while the original and the re-run exist;
+* on the CPU its values are host memory: they are read as they are computed, by their bits
+  (``_host_value``: no ATen operator, no copy; the error kept as ``Read.err``, which lets the
+  engine explain a flagged check in its own call), and an inconclusive one is compared again
+  at once in the exact form, while the original and the re-run exist;
 * on an accelerator reading them would be a sync per check. A whole (unblocked) check keeps
   references to its original output, re-run output and scale (``Held``) until its values are
   read at the gather, which redoes the inconclusive ones exactly before judging (one more
@@ -36,6 +37,7 @@ goes through; ``summary["inconclusive"]`` counts them):
 from __future__ import annotations
 
 import ctypes
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +69,56 @@ def _finite(values) -> bool:
         if uint.from_address(v.data_ptr()).value & mask == mask:
             return False
     return True
+
+
+class _Bits(ctypes.Union):
+    _fields_ = [("i", ctypes.c_uint32), ("f", ctypes.c_float)]
+
+
+_BITS = _Bits()
+
+
+def _host_value(v):
+    """The float a 0-dim CPU tensor holds, read by its bits in place (no ATen operator); None
+    for a dtype not read this way."""
+    dt = v.dtype
+    if dt == torch.float32:
+        return ctypes.c_float.from_address(v.data_ptr()).value
+    if dt == torch.float64:
+        return ctypes.c_double.from_address(v.data_ptr()).value
+    if dt == torch.bfloat16:   # the upper half of a float32
+        _BITS.i = ctypes.c_uint16.from_address(v.data_ptr()).value << 16
+        return _BITS.f
+    if dt == torch.float16:
+        return struct.unpack("<e", struct.pack("<H", ctypes.c_uint16.from_address(
+            v.data_ptr()).value))[0]
+    return None
+
+
+class Read(tuple):
+    """Fast values of a CPU check, with their ``fast_error`` read on the host as they were
+    computed (``err``; ``Verdicts.stats``)."""
+
+    err = None
+
+
+def host_errors(values) -> list | None:
+    """``fast_error`` of each compared output's fast values, read on the host as they are
+    computed (the CPU: no transfer, no ATen operator; ``Read`` values carry it already); None
+    when they cannot be read now (held values of an accelerator, an exact form, another
+    dtype)."""
+    out = []
+    for vals in values:
+        err = getattr(vals, "err", None)
+        if err is None:
+            if isinstance(vals, Held) or len(vals) == 5 or not vals[0].is_cpu:
+                return None
+            read = [_host_value(v) for v in vals]
+            if None in read:
+                return None
+            err = fast_error(read)
+        out.append(err)
+    return out
 
 
 class Held(tuple):
@@ -171,7 +223,13 @@ class Verdicts:
             return vals
         hold = self.hold if self.hold is not None else not vals[0].is_cpu
         if not hold:
-            if _finite(vals):
+            read = [_host_value(v) for v in vals]    # host memory: read as it is computed
+            err = fast_error(read) if None not in read else None
+            if err is not None:
+                vals = Read(vals)
+                vals.err = err
+                return vals
+            if None in read and _finite(vals):
                 return vals
             self.inconclusive += 1
             return device_stats(o, p, scale, True, lam)

@@ -16,18 +16,23 @@ need no confirmation. A flagged output the analysis does not confirm is a **hot 
 (``fb.hotspots``: never in the results or the CSV), as is a sensitivity check that moved by more
 than a correct kernel's rounding but kept most of its bits.
 
-Causes: a call site is analysed once, at its first flagged exact check (while its inputs exist);
-its later flags take that cause. A row of a site flagged first by a deferred verdict (its inputs
-are gone) waits in ``fb.hotspots`` with cause ``pending`` until the site's next run, which is
-compared exactly and analysed (logged once per API); a NaN/Inf row of such a site is reported at
-once with the cause the measurement shows (``inaccurate`` in the accuracy modes,
-``ill-conditioned`` in the sensitivity modes), refined in ``fb.results`` by the analysis (the
-CSV keeps the row as written).
+Causes: a call site is analysed once, at its first flagged check while the call's inputs exist;
+its later flags take that cause. On the CPU every check of a site not analysed yet is judged as
+it is made -- an exact check read back at once, a fast one read on the host by its bits
+(``deferred.host_errors``: no transfer, no ATen operator) -- so a flag is explained in its own
+call and none waits. On an accelerator a fast verdict is read at the gather, after the inputs are
+gone: a row of a site flagged first that way waits in ``fb.hotspots`` with cause ``pending``
+until the site's next run, which is compared exactly and analysed (logged once per API); at
+``stop()`` and exit (``settle``) the rows still waiting take the cause ``unexplained``, counted
+in ``summary["unexplained"]`` (never left pending; still explained if the site runs again under
+the probe). A NaN/Inf row of such a site is reported at once with the cause the measurement
+shows (``inaccurate`` in the accuracy modes, ``ill-conditioned`` in the sensitivity modes),
+refined in ``fb.results`` by the analysis (the CSV keeps the row as written).
 
 Uses these attributes of the engine: ``fb``, ``mode``, ``mode_name``, ``stage``, ``step``,
 ``rank``, ``preheat``, ``verdicts``, ``coverage``, ``checked``, ``flagged``, ``emit``, ``once``,
-``site_causes``, ``_uncaused``, ``_held``, ``_hot``, ``_thresholds``, ``_judged``, and its
-``current_module()``.
+``site_causes``, ``_uncaused``, ``_held``, ``_unexplained``, ``_hot``, ``_thresholds``,
+``_judged``, and its ``current_module()``.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ import torch
 from ...log import get_logger
 from . import cause, handlers, scales
 from ..perturb import perturb
-from .deferred import OutMeta, Pending
+from .deferred import OutMeta, Pending, host_errors
 from .guards import modes_off
 from ..names import call_site
 from .scales import TENSOR
@@ -46,6 +51,10 @@ from .scales import TENSOR
 log = get_logger("probekit.freebench")
 
 PENDING = "pending"
+#: the cause of a flag whose analysis could not run: its verdict was read back after the call's
+#: inputs were gone (an accelerator's deferred verdict) and the call site did not run again
+#: before ``stop()`` (``Judging.settle``)
+UNEXPLAINED = "unexplained"
 
 
 _CONSTANTS: dict = {}
@@ -112,8 +121,14 @@ class Judging:
         # exactly while the inputs exist: judged and, when flagged, explained now like an exact
         # check, rather than waiting in fb.hotspots for the site's next run
         redone = not exact and any(len(v) == 5 for v in values)
-        if not (exact or redone) or explain is None or self.mode.exact or \
-                site in self.site_causes:
+        unexplained = explain is not None and not self.mode.exact and \
+            site not in self.site_causes
+        # a fast verdict of a site never analysed, flagged: on the CPU its values are host
+        # memory, read as they are computed (no transfer); judged and explained now, while the
+        # inputs exist, rather than waiting for a next run of the site that may never come
+        flagged_now = unexplained and not (exact or redone) and self._flagged_now(values,
+                                                                                 outputs)
+        if not (exact or redone or flagged_now) or not unexplained:
             self.verdicts.add(entry, exact)   # judged at the gather (no cause analysis needed)
             return
         if redone:
@@ -127,11 +142,22 @@ class Judging:
         if self.record(key, name, items, frame_or_site, stage=stage, step=step, module=module,
                        explain=explain, site=site):
             self.verdicts.flagged_sites.add(site)
-        elif site in self._held and site not in self.site_causes:
+        elif (site in self._held or site in self._unexplained) and \
+                site not in self.site_causes:
             # a clean run of a site with rows waiting for their cause: explain them now
-            held = {r["output_index"] for r in self._held[site]}
+            held = {r["output_index"] for r in
+                    self._held.get(site, []) + self._unexplained.get(site, [])}
             self._explain(site, name, explain,
                           [(i, o, out) for i, o, _, out in items if i in held])
+
+    @staticmethod
+    def _flagged_now(values, outputs) -> bool:
+        """Is a fast comparison above an output's threshold, read on the host now
+        (``deferred.host_errors``: the CPU)? False when it is not, or cannot be read now (an
+        accelerator: judged at the gather)."""
+        errors = host_errors(values)
+        return errors is not None and any(err is not None and err > desc[4]
+                                          for err, desc in zip(errors, outputs))
 
     def set_mode(self, name: str) -> None:
         """Run ``name``'s perturbation from now on (a combined mode's schedule, one mode per
@@ -345,7 +371,7 @@ class Judging:
         for row in self._uncaused.pop(site, ()):
             row["cause"] = causes.get(row["output_index"]) or row["cause"]
         settled = []
-        for row in self._held.pop(site, ()):
+        for row in self._held.pop(site, []) + self._unexplained.pop(site, []):
             row["cause"] = causes.get(row["output_index"]) or cause.UNCONFIRMED
             if self.confirmed(row["cause"]):
                 settled.append(row)
@@ -355,6 +381,29 @@ class Judging:
             self.flagged += len(settled)
             self.emit(settled)
         return causes
+
+    def settle(self) -> int:
+        """At ``stop()`` and exit, after the last gather: no flag is left waiting for a next run
+        that may never come. On the CPU none waits (``defer`` explains a flagged fast verdict at
+        once); an accelerator's deferred verdict read back after its call's inputs were gone
+        cannot be analysed: its rows take the cause ``unexplained``, counted in
+        ``summary["unexplained"]`` and listed in ``fb.hotspots``, and are still settled if the
+        site runs again under the probe (it is compared exactly and explained then). Returns how
+        many rows were settled so."""
+        held, self._held = self._held, {}
+        n = 0
+        for site, rows in held.items():
+            for row in rows:
+                row["cause"] = UNEXPLAINED
+            self._unexplained.setdefault(site, []).extend(rows)
+            n += len(rows)
+        if n and self.once(("unexplained",)):
+            log.warning("Free benchmark: %d flagged check(s) could not be analysed: their "
+                        "verdicts were read back after the calls' inputs were gone and the calls "
+                        "did not run again before stop(); listed in fb.hotspots with cause "
+                        "'unexplained' (summary['unexplained']), and explained if they run "
+                        "again under the probe.", n)
+        return n
 
     def _hotspot(self, row) -> None:
         """Keep a hot spot, one entry per call site and output (worst row kept, counted)."""

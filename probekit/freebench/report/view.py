@@ -127,6 +127,9 @@ def summary_line(summary: dict | None, n_rows: int = 0) -> str:
     hot = summary.get("hotspots", 0) + summary.get("pending", 0)
     if hot:              # what the dtype predicts: kept apart (FreeBench.hotspots)
         parts.append(f"{hot:,} hot spot{'' if hot == 1 else 's'}")
+    unexplained = summary.get("unexplained", 0)
+    if unexplained:      # flags whose analysis could not run (judging.settle)
+        parts.append(f"{unexplained:,} unexplained")
     if summary.get("steps"):            # completed steps (step() calls); none in a one-off cell
         steps = summary["steps"]
         parts.append(f"{steps} step{'s' if steps != 1 else ''}")

@@ -148,7 +148,9 @@ class FreeBench:
                      "call come from its upcast computation too")
 
     def stop(self) -> None:
-        """Stop intercepting; pending backward checks are dropped, global hooks removed."""
+        """Stop intercepting; pending backward checks are dropped (counted ``no_gradient``),
+        global hooks removed, the verdicts read back and every flag settled: a finding, a hot
+        spot, or (an accelerator's verdict whose inputs are gone) ``unexplained``."""
         mode, self._mode = self._mode, None
         if mode is None:
             return
@@ -170,6 +172,7 @@ class FreeBench:
             self._engine.stopped()
             self._detach_scope()
             self._gather()
+            self._engine.settle()   # no flag left waiting for a next run (judging.py)
         if self._block_start is not None:
             self._report(coverage.block_findings(self.config, self._block_start,
                                                  coverage.counters(self._engine), watched))
@@ -279,12 +282,15 @@ class FreeBench:
         CSV): one row per call site and output whose check moved by more than a correct kernel's
         rounding explains without being a finding -- a sensitivity mode's output that moved by
         more than ``16 u`` of its scale but kept most of its bits, or an accuracy mode's error that
-        the inputs' own conditioning explains (``cause``), or one waiting for its call site's
-        analysis (cause ``pending``). The worst check is shown, ``count`` says how many there
+        the inputs' own conditioning explains (``cause``), or, on an accelerator, one waiting
+        for its call site's analysis (cause ``pending`` inside a block, ``unexplained`` after
+        ``stop()``: ``judging.py``). The worst check is shown, ``count`` says how many there
         were; most severe first."""
         self._gather()
-        return _results.hotspot_frame(list(self._engine._hot.values()) + [
-            dict(r, count=1) for rows in self._engine._held.values() for r in rows])
+        e = self._engine
+        return _results.hotspot_frame(list(e._hot.values()) + [
+            dict(r, count=1) for held in (e._held, e._unexplained) for rows in held.values()
+            for r in rows])
 
     @property
     def coverage(self):
@@ -340,6 +346,7 @@ def _gather_at_exit(ref) -> None:
         return
     try:
         fb._gather()
+        fb._engine.settle()
     except Exception:
         pass
 
