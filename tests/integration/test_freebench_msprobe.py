@@ -77,14 +77,21 @@ def test_same_names_and_the_negative_mirror(tmp_path):
     ms_names = ms["api_name"].tolist()
     assert ms_names[:4] == ["Tensor.__add__.0.forward", "Torch.add.0.forward",
                             "Tensor.add.0.forward", "Tensor.__sub__.0.forward"]
-    merged = ms.merge(ours, on="api_name", suffixes=("_ms", "_pk"))
+    # (as a finding, or as a hot spot: see below)
+    seen = pd.concat([ours, fb.hotspots], ignore_index=True)
+    merged = ms.merge(seen, on="api_name", suffixes=("_ms", "_pk"))
     assert merged["api_name"].tolist() == ms_names
     assert merged["max_rel_pk"].tolist() == pytest.approx(merged["max_rel_ms"].tolist(), rel=1e-5)
     # the negative mirror (-1e4-0.01) + 1e4 is missed by msprobe and found by probekit
     assert "Tensor.__add__.1.forward" not in ms_names
     assert ours["api_name"].tolist() == [
         "Tensor.__add__.0.forward", "Torch.add.0.forward", "Tensor.add.0.forward",
-        "Tensor.__sub__.0.forward", "Tensor.__add__.1.forward", "Torch.matmul.0.forward",
-        "Tensor.__matmul__.0.forward", "Functional.linear.0.forward"]
+        "Tensor.__sub__.0.forward", "Tensor.__add__.1.forward"]
+    # the same cancellation inside a dot product: one-ulp nudges move it by about u * S, S =
+    # sum |a||b|, its own rounding, so it is not ill-conditioned relative to S (docs/
+    # free_benchmark.md, the noise modes): msprobe's rows are probekit's hot spots, unconfirmed
+    assert fb.hotspots["api_name"].tolist() == [
+        "Torch.matmul.0.forward", "Tensor.__matmul__.0.forward", "Functional.linear.0.forward"]
+    assert set(fb.hotspots["cause"]) == {"unconfirmed"}
     mirror = ours.set_index("api_name").loc["Tensor.__add__.1.forward", "max_rel"]
     assert mirror == ours.set_index("api_name").loc["Tensor.__add__.0.forward", "max_rel"]
