@@ -22,7 +22,6 @@ share, finding rows (api_name, ratio, cause), hot spots and the flags still ``pe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_zoo import MODES, render  # noqa: E402
+from _hf_models import zoo_train  # noqa: E402
 
 import probekit  # noqa: E402
 
@@ -123,34 +123,9 @@ def unseen_batch(kind: str, gen, batch: int = 2, seq: int = 16) -> dict:
 
 
 def unseen_train(model, kind: str, setting: str, steps: int = 2, probe=None, seed: int = 1):
-    """As ``tests/_hf_models.zoo_train``: SGD on random batches, the probe around forward and
-    backward, float inputs cast to the parameters' dtype. Returns the losses (tensors' floats)."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    dtype = next(model.parameters()).dtype
-    losses = []
-    for _ in range(steps):
-        inputs = unseen_batch(kind, gen)
-        for key in ("pixel_values", "input_features"):
-            if key in inputs:
-                inputs[key] = inputs[key].to(dtype)
-        amp = torch.autocast("cpu", dtype=torch.bfloat16) if setting == "autocast" \
-            else contextlib.nullcontext()
-        if probe is not None:
-            probe.start()
-        try:
-            with amp:
-                loss = model(**inputs).loss
-            opt.zero_grad()
-            loss.backward()
-        finally:
-            if probe is not None:
-                probe.stop()
-        opt.step()
-        if probe is not None:
-            probe.step()
-        losses.append(loss.detach().clone())
-    return losses
+    """``tests/_hf_models.zoo_train`` on this script's batches. Returns the losses (floats)."""
+    return zoo_train(model, kind, setting, steps=steps, probe=probe, seed=seed,
+                     batch=unseen_batch)
 
 
 def _record(kind, setting, mode, stage, dropout, fb) -> dict:
@@ -198,7 +173,7 @@ def identity(kind, setting, mode, stage, steps, dump) -> dict:
     losses = unseen_train(model, kind, setting, steps=steps, probe=fb)
     rng = torch.get_rng_state()
     rec = _record(kind, setting, mode, stage, True, fb)
-    same_loss = all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    same_loss = ref_losses == losses
     diff_params = [n for (n, a), (_, b) in zip(ref_model.named_parameters(),
                                                 model.named_parameters())
                    if not torch.equal(a, b)]

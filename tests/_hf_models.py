@@ -263,9 +263,11 @@ def zoo_batch(kind: str, gen, batch: int = 2, seq: int = 16) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def zoo_train(model, kind: str, setting: str, steps: int = 2, probe=None, seed: int = 1):
-    """SGD steps on random batches, the probe (a FreeBench) around forward + backward; pixel and
-    audio inputs are cast to the parameters' dtype. Returns the losses."""
+def zoo_train(model, kind: str, setting: str, steps: int = 2, probe=None, seed: int = 1,
+              batch=None):
+    """SGD steps on random batches (``batch(kind, generator)``, by default ``zoo_batch``), the
+    probe (a FreeBench) around forward + backward; pixel and audio inputs are cast to the
+    parameters' dtype. Returns the losses."""
     import contextlib
 
     gen = torch.Generator().manual_seed(seed)
@@ -273,8 +275,8 @@ def zoo_train(model, kind: str, setting: str, steps: int = 2, probe=None, seed: 
     dtype = next(model.parameters()).dtype
     losses = []
     for _ in range(steps):
-        inputs = zoo_batch(kind, gen)
-        for key in ("pixel_values", "input_values"):
+        inputs = (batch or zoo_batch)(kind, gen)
+        for key in ("pixel_values", "input_values", "input_features"):
             if key in inputs:
                 inputs[key] = inputs[key].to(dtype)
         amp = torch.autocast("cpu", dtype=torch.bfloat16) if setting == "autocast" \
