@@ -35,7 +35,7 @@ import json
 import numpy as np
 
 from ...log import get_logger
-from .chunks import bit_reader, bits_variable
+from .chunks import bit_reader, bits_variable, unit_slices
 from ..numerics.sampling import sample_size, samples_in_box
 from ..numerics.stats import padded_nbytes
 
@@ -248,14 +248,7 @@ class AssembledBits:
         self.shape = (n, int(nbytes))
 
     def __getitem__(self, key):
-        if not isinstance(key, tuple):
-            key = (key,)
-        key = key + (slice(None),) * (2 - len(key))
-        r0, r1, rs = key[0].indices(self.shape[0])
-        c0, c1, cs = key[1].indices(self.shape[1])
-        if rs != 1 or cs != 1:
-            raise IndexError(f"AssembledBits supports unit-step slices only, got {key!r}")
-        return self.read(r0, r1, c0, c1)
+        return self.read(*unit_slices(self, key))
 
     def _rank_rows(self, r, r0, r1) -> np.ndarray:
         idx = self.rows[r][r0:r1]

@@ -178,6 +178,21 @@ def bits_meta(array_path: str, fs=LOCAL) -> dict | None:
             "fill": int(meta.get("fill_value", 0) or 0)}
 
 
+def unit_slices(reader, key) -> tuple:
+    """``(r0, r1, c0, c1)`` of ``reader[key]`` for the (step, byte) bit readers (``RawChunks``,
+    ``JoinedBits``, ``AssembledBits``), which read unit-step slices only."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    key = key + (slice(None),) * (2 - len(key))
+    if not all(isinstance(k, slice) for k in key[:2]):
+        raise IndexError(f"{type(reader).__name__} supports unit-step slices only, got {key!r}")
+    r0, r1, rs = key[0].indices(reader.shape[0])
+    c0, c1, cs = key[1].indices(reader.shape[1])
+    if rs != 1 or cs != 1:
+        raise IndexError(f"{type(reader).__name__} supports unit-step slices only, got {key!r}")
+    return r0, r1, c0, c1
+
+
 class RawChunks:
     """Read-only array over an uncompressed Zarr v3 array, reading its chunk files directly.
 
@@ -218,16 +233,7 @@ class RawChunks:
                          self.fill, r1 - r0, self.fs, self.kind, self.row0 + r0)
 
     def __getitem__(self, key):
-        if not isinstance(key, tuple):
-            key = (key,)
-        key = key + (slice(None),) * (2 - len(key))
-        r0, r1, rs = key[0].indices(self.shape[0]) if isinstance(key[0], slice) else (
-            None, None, None)
-        c0, c1, cs = key[1].indices(self.shape[1]) if isinstance(key[1], slice) else (
-            None, None, None)
-        if r0 is None or c0 is None or rs != 1 or cs != 1:
-            raise IndexError(f"RawChunks supports unit-step slices only, got {key!r}")
-        return self.read(r0, r1, c0, c1)
+        return self.read(*unit_slices(self, key))
 
     def read(self, r0: int, r1: int, c0: int = 0, c1: int | None = None, out=None):
         """Rows ``r0:r1``, columns ``c0:c1``; into ``out`` when given (a buffer reused across
@@ -715,14 +721,7 @@ class JoinedBits:
         self.shape = (int(self.starts[-1]), widths.pop() if widths else 0)
 
     def __getitem__(self, key):
-        if not isinstance(key, tuple):
-            key = (key,)
-        key = key + (slice(None),) * (2 - len(key))
-        r0, r1, rs = key[0].indices(self.shape[0])
-        c0, c1, cs = key[1].indices(self.shape[1])
-        if rs != 1 or cs != 1:
-            raise IndexError(f"JoinedBits supports unit-step slices only, got {key!r}")
-        return self.read(r0, r1, c0, c1)
+        return self.read(*unit_slices(self, key))
 
     def read(self, r0: int, r1: int, c0: int = 0, c1: int | None = None, out=None):
         c1 = self.shape[1] if c1 is None else c1
