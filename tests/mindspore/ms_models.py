@@ -3,6 +3,7 @@
 import numpy as np
 
 import mindspore as ms
+import torch
 from mindspore import nn, ops
 
 
@@ -78,3 +79,17 @@ class graph_mode:
 
 def run_steps(step, batches):
     return [float(step(ms.Tensor(x), ms.Tensor(y)).asnumpy()) for x, y in batches]
+
+
+class TorchMLP(torch.nn.Module):
+    """PyTorch's twin of ``MLP`` (the same layer names, shapes and tanh), for the tests that
+    record both frameworks."""
+
+    def __init__(self, sizes=(6, 16, 8, 3)):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(sizes[0], sizes[1])
+        self.fc2 = torch.nn.Linear(sizes[1], sizes[2])
+        self.head = torch.nn.Linear(sizes[2], sizes[3])
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))

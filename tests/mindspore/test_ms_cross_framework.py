@@ -15,20 +15,9 @@ from probekit.grads import GradProbe as TorchGradProbe  # noqa: E402
 from probekit.mindspore import GradProbe, align_runs, compare_frameworks  # noqa: E402
 from probekit.mindspore.align import AlignError, ms_to_torch_name  # noqa: E402
 
-from ms_models import MLP, data, graph_mode, make_step, run_steps, train  # noqa: E402
+from ms_models import MLP, TorchMLP, data, graph_mode, make_step, run_steps, train  # noqa: E402
 
 STEPS = 6
-
-
-class TorchMLP(torch.nn.Module):
-    def __init__(self, sizes=(6, 16, 8, 3)):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(sizes[0], sizes[1])
-        self.fc2 = torch.nn.Linear(sizes[1], sizes[2])
-        self.head = torch.nn.Linear(sizes[2], sizes[3])
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
 def record_both(tmp_path, level="L2", mode=None, significance=False):

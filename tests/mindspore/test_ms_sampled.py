@@ -15,21 +15,10 @@ from probekit.grads import GradProbe as TorchGradProbe  # noqa: E402
 from probekit.grads.numerics.sampling import subsample  # noqa: E402
 from probekit.mindspore import GradProbe, compare_frameworks  # noqa: E402
 
-from ms_models import MLP, data, graph_mode, make_step, run_steps, train  # noqa: E402
+from ms_models import MLP, TorchMLP, data, graph_mode, make_step, run_steps, train  # noqa: E402
 
 STEPS = 4
 SAMPLE = 40  # fc1.weight (96) and fc2.weight (128) sampled, the rest whole
-
-
-class TorchMLP(torch.nn.Module):
-    def __init__(self, sizes=(6, 16, 8, 3)):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(sizes[0], sizes[1])
-        self.fc2 = torch.nn.Linear(sizes[1], sizes[2])
-        self.head = torch.nn.Linear(sizes[2], sizes[3])
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
 def record(path, where="auto", mode=None, sample=SAMPLE):
