@@ -1,0 +1,16 @@
+"""The corpus of public silent distributed-training bugs (issue 35, point 2): one small module
+per bug, each with a healthy twin, run on CPU with gloo by ``benchmarks/bench_silent_bugs.py``.
+``_harness.py`` says what a module defines."""
+from __future__ import annotations
+
+import importlib
+
+#: the reproductions, in the order of the results table
+BUGS = ("titan_router", "mcore_gathered_logits", "mcore_label_smoothing",
+        "mcore_sp_final_layernorm")
+
+
+def load(name: str):
+    if name not in BUGS:
+        raise ValueError(f"bug: {name!r} is not valid; accepted: {', '.join(BUGS)}")
+    return importlib.import_module(f"{__name__}.{name}")

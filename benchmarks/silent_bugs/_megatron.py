@@ -1,0 +1,77 @@
+"""megatron-core on CPU with gloo, for the reproductions that run Megatron's own code.
+
+``make bench`` installs megatron-core 0.16.1 (the newest release for Python 3.11; 0.17 and later
+need Python 3.12) with ``pip install --no-deps --target .venv-megatron-core``: the shared venv is
+untouched, and the package needs nothing beyond torch, numpy and packaging. ``PROBEKIT_MEGATRON_CORE``
+names another folder. Megatron's tensor-parallel mappings allocate their buffers on
+``torch.cuda.current_device()``; on a CPU-only torch that raises, so it is pointed at the CPU
+(the only change: the layers, mappings, cross entropy and gradient finalisation run unchanged).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+from ._harness import ROOT
+
+VERSION = "0.16.1"
+
+
+class MegatronMissing(RuntimeError):
+    """megatron-core is not installed where the bench looks for it."""
+
+
+def load():
+    """``megatron.core``, from ``PROBEKIT_MEGATRON_CORE`` or ``.venv-megatron-core``."""
+    path = os.environ.get("PROBEKIT_MEGATRON_CORE") or os.path.join(ROOT, ".venv-megatron-core")
+    if os.path.isdir(path) and path not in sys.path:
+        sys.path.insert(0, path)
+    try:
+        import megatron.core
+        from megatron.core import package_info
+    except ImportError as exc:
+        raise MegatronMissing(
+            f"megatron-core is not installed in {path}: run `make bench`, or `python -m pip "
+            f"install --no-deps --target {path} megatron-core=={VERSION}`") from exc
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+    if package_info.__version__ != VERSION:
+        raise MegatronMissing(f"megatron-core {package_info.__version__} in {path}; the "
+                              f"reproductions were written against {VERSION}")
+    return megatron.core
+
+
+def available() -> bool:
+    try:
+        load()
+    except MegatronMissing:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def tensor_parallel(world: int, sequence_parallel: bool = False):
+    """Megatron's parallel state with ``world`` tensor-parallel ranks; yields the layers'
+    ``ModelParallelConfig`` (fp32, CPU initialisation, which also marks the sharded weights
+    ``tensor_model_parallel``; the caller then sets the weights)."""
+    load()
+    from megatron.core import parallel_state as ps
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        yield ModelParallelConfig(tensor_model_parallel_size=world,
+                                  sequence_parallel=sequence_parallel,
+                                  use_cpu_initialization=True, perform_initialization=True,
+                                  params_dtype=torch.float32)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def set_shard(param, full: torch.Tensor, dim: int, rank: int, world: int) -> None:
+    """``param`` <- this rank's block of ``full`` along ``dim`` (``dim=None``: all of it)."""
+    with torch.no_grad():
+        param.copy_(full if dim is None else full.chunk(world, dim=dim)[rank])

@@ -1,0 +1,152 @@
+"""Megatron-LM #1446 (found by TTrace): with tensor and sequence parallelism the final
+LayerNorm's gradients differ between TP ranks before ``optimizer.step()``. Under sequence
+parallelism a LayerNorm runs on the rank's slice of the sequence, so its weight and bias get
+one slice's share of their gradient; Megatron sums the shares over the TP group in
+``finalize_model_grads`` for the parameters marked ``sequence_parallel``, and the final
+LayerNorm's were not summed: each rank steps with its own partial gradient.
+
+Here: megatron-core's own ``ColumnParallelLinear`` / ``RowParallelLinear`` with
+``sequence_parallel=True``, its sequence-parallel mappings and vocabulary-parallel cross entropy,
+and its ``_allreduce_non_tensor_model_parallel_grads`` (the step of ``finalize_model_grads``
+that sums those gradients), TP=2 on gloo, one MLP block between an input LayerNorm and the final
+LayerNorm. From the onset the final LayerNorm's parameters are no longer marked.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from . import _megatron
+from ._harness import ONSET, Clock, ReplicaWitness, ShardView, generator, train
+
+NAME = "mcore_sp_final_layernorm"
+TITLE = "Final LayerNorm gradients not summed over TP under sequence parallelism"
+SOURCE = "https://github.com/NVIDIA/Megatron-LM/issues/1446"
+LAYOUT = "TP=2 + SP (Megatron): column/row-parallel MLP, LayerNorms on sequence slices"
+IMPLEMENTATION = ("megatron-core 0.16.1 SP layers, mappings, vocab_parallel_cross_entropy and "
+                  "_allreduce_non_tensor_model_parallel_grads")
+WORLD = 2
+TARGET = ("decoder.final_layernorm.",)
+CONTROL = "fp32"
+
+S, B, DIN, D, FF, V = 8, 4, 16, 32, 64, 48
+LR = 1e-2
+
+
+class Reference(torch.nn.Module):
+    """The one-process model, under Megatron's parameter names."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Linear(DIN, D)
+        layer = torch.nn.Module()
+        layer.input_layernorm = torch.nn.LayerNorm(D)
+        layer.mlp = torch.nn.Module()
+        layer.mlp.linear_fc1 = torch.nn.Linear(D, FF)
+        layer.mlp.linear_fc2 = torch.nn.Linear(FF, D)
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList([layer])
+        self.decoder.final_layernorm = torch.nn.LayerNorm(D)
+        self.output_layer = torch.nn.Linear(D, V, bias=False)
+        with torch.no_grad():  # LayerNorms that act
+            for norm in (layer.input_layernorm, self.decoder.final_layernorm):
+                norm.weight.normal_(1.0, 0.1)
+                norm.bias.normal_(0.0, 0.1)
+
+    def forward(self, x):
+        layer = self.decoder.layers[0]
+        h = self.embedding(x)
+        h = h + layer.mlp.linear_fc2(F.gelu(layer.mlp.linear_fc1(layer.input_layernorm(h))))
+        return self.output_layer(self.decoder.final_layernorm(h))
+
+
+def batch(step: int):
+    g = generator(step)
+    return torch.randn(S, B, DIN, generator=g), torch.randint(0, V, (S, B), generator=g)
+
+
+def single(path, control=None):
+    model = Reference()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step_fn(step):
+        x, labels = batch(step)
+        loss = F.cross_entropy(model(x).reshape(-1, V), labels.reshape(-1))
+        loss.backward()
+        return loss
+
+    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+
+
+def distributed(out, buggy: bool):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    _megatron.load()
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_non_tensor_model_parallel_grads)
+    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                               vocab_parallel_cross_entropy)
+    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+    rank, ref = dist.get_rank(), Reference()
+    rl = ref.decoder.layers[0]
+    with _megatron.tensor_parallel(WORLD, sequence_parallel=True) as config:
+        init = torch.nn.init.zeros_
+        model = Reference()   # the replicated modules; the parallel ones replaced below
+        layer = model.decoder.layers[0]
+        layer.mlp.linear_fc1 = ColumnParallelLinear(D, FF, config=config, init_method=init,
+                                                    bias=True)
+        layer.mlp.linear_fc2 = RowParallelLinear(FF, D, config=config, init_method=init,
+                                                 bias=True, input_is_parallel=True,
+                                                 skip_bias_add=False)
+        model.output_layer = ColumnParallelLinear(D, V, config=config, init_method=init,
+                                                  bias=False)
+        for mine, full, dim in ((layer.mlp.linear_fc1.weight, rl.mlp.linear_fc1.weight, 0),
+                                (layer.mlp.linear_fc1.bias, rl.mlp.linear_fc1.bias, 0),
+                                (layer.mlp.linear_fc2.weight, rl.mlp.linear_fc2.weight, 1),
+                                (layer.mlp.linear_fc2.bias, rl.mlp.linear_fc2.bias, None),
+                                (model.output_layer.weight, ref.output_layer.weight, 0)):
+            _megatron.set_shard(mine, full, dim, rank, WORLD)
+        norms = (layer.input_layernorm, model.decoder.final_layernorm)
+        for norm in norms:    # run on sequence slices: summed over TP by the finalisation
+            for p in norm.parameters():
+                p.sequence_parallel = True
+        model.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+        finalize = SimpleNamespace(sequence_parallel=True, qk_layernorm=False)
+        view = ShardView(model, init_device_mesh("cpu", (WORLD,)), {
+            "decoder.layers.0.mlp.linear_fc1.weight": Shard(0),
+            "decoder.layers.0.mlp.linear_fc1.bias": Shard(0),
+            "decoder.layers.0.mlp.linear_fc2.weight": Shard(1),
+            "output_layer.weight": Shard(0)})
+        opt = torch.optim.AdamW(view.parameters(), lr=LR)
+        witness = ReplicaWitness({n: p for n, p in model.named_parameters()
+                                  if not getattr(p, "tensor_model_parallel", False)})
+        clock = Clock()
+
+        def forward(x):
+            h = scatter_to_sequence_parallel_region(model.embedding(x))  # [S/TP, B, D]
+            a, _ = layer.mlp.linear_fc1(layer.input_layernorm(h))        # all-gathers S
+            m, _ = layer.mlp.linear_fc2(F.gelu(a))                        # reduce-scatters S
+            logits, _ = model.output_layer(model.decoder.final_layernorm(h + m))
+            return logits                                                 # [S, B, V/TP]
+
+        def step_fn(step):
+            x, labels = batch(step)
+            loss = vocab_parallel_cross_entropy(forward(x), labels).mean()
+            loss.backward()
+            if buggy and step == ONSET:   # the final LayerNorm no longer marked
+                for p in model.decoder.final_layernorm.parameters():
+                    p.sequence_parallel = False
+            _allreduce_non_tensor_model_parallel_grads([model], finalize)
+            view.pull_grads()
+            witness.grads(step)
+            return loss
+
+        train(model, opt, step_fn, out, clock=clock, probe_model=view,
+              after_step=witness.params)
+        witness.write(out)
