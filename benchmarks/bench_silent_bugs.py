@@ -70,6 +70,10 @@ def judge(ref: str, run: str, control: str, target=()) -> dict:
 def run_bug(name: str, root: str) -> dict:
     """Record and judge one bug: reference, control, healthy twin and buggy run."""
     bug = load(name)
+    if getattr(bug, "MEGATRON", False):
+        from benchmarks.silent_bugs import _megatron
+
+        _megatron.load()   # MegatronMissing says how to install it
     out = os.path.join(root, name)
     shutil.rmtree(out, ignore_errors=True)
     seconds = {}
@@ -85,7 +89,8 @@ def run_bug(name: str, root: str) -> dict:
     ref, ctrl = os.path.join(out, "reference"), os.path.join(out, "control")
     res = {"name": name, "title": bug.TITLE, "source": bug.SOURCE, "layout": bug.LAYOUT,
            "implementation": bug.IMPLEMENTATION, "world": bug.WORLD, "target": list(bug.TARGET),
-           "onset": ONSET, "steps": STEPS, "seconds": {k: round(v, 2) for k, v in seconds.items()}}
+           "control": bug.CONTROL, "note": bug.NOTE, "onset": ONSET, "steps": STEPS,
+           "seconds": {k: round(v, 2) for k, v in seconds.items()}}
     for twin in ("healthy", "buggy"):
         run = os.path.join(out, twin)
         t0 = time.perf_counter()
@@ -101,12 +106,81 @@ def assess(res: dict) -> dict:
     """Did the comparison (or the replica check) catch the bug, and did the healthy twin stay
     quiet?"""
     h, b = res["healthy"], res["buggy"]
-    probekit_flag = lambda r: bool(r["replicas_probekit"] and r["replicas_probekit"]["disagree"])  # noqa: E731
+    def probekit_flag(r):
+        return bool(r["replicas_probekit"] and r["replicas_probekit"]["disagree"])
+
     at_onset = (b["verdict"] == "beyond" and b["step"] == res["onset"]
                 and b["param"].startswith(tuple(res["target"])))
     caught_by = b["kind"] if at_onset else ("replicas" if probekit_flag(b) else "")
     healthy_ok = h["verdict"] == "within" and not probekit_flag(h)
     return {"caught": bool(caught_by), "caught_by": caught_by, "healthy_ok": healthy_ok}
+
+
+BEGIN = "<!-- silent-bugs: written by bench_silent_bugs.py -->"
+END = "<!-- /silent-bugs -->"
+
+
+def render(rows: list, skipped: dict, notes: str) -> str:
+    """The RESULTS.md section: one row per bug."""
+    lines = [
+        BEGIN, "## Grad probe: public silent distributed-training bugs (issue 35)", "",
+        f"`python benchmarks/bench_silent_bugs.py` ({notes}). Each bug runs on CPU with gloo "
+        f"({', '.join(sorted({str(r['world']) for r in rows}))} processes), tiny models, "
+        f"{STEPS} AdamW steps, the bug switched on from step {ONSET}; its healthy twin is the "
+        "same layout without it. Both are recorded by the grad probe and compared with a "
+        "one-process fp32 reference and a control run of it (`compare_grads(reference, run, "
+        "control=...)`). *Caught by*: what flagged the first diverging parameter at the onset "
+        "step when it lies in the buggy module (signs / scale / NaN), else what happened. "
+        "*Replicas differ*: the harness's own check (digests of every replicated gradient "
+        "and parameter all-gathered each step), the ground truth for probekit's replica check, "
+        "which does not exist yet (`replica_verdict()` answers None). *Time*: reference, "
+        "control and both distributed runs (process start included) plus two comparisons, "
+        "seconds on this shared machine.", "",
+        "| bug | source | layout; what runs | caught by | step | parameter | healthy twin | "
+        "replicas differ (harness) | missed, and why | time |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, h = r["buggy"], r["healthy"]
+        caught = r["caught_by"] or ("nothing (within)" if b["verdict"] == "within" else (
+            f"{b['kind']}, another module first" if b["step"] == r["onset"]
+            else f"{b['kind']} from step {b['step']}"))
+        missed = []
+        if b["verdict"] == "beyond" and not r["caught"] and b["target_at_step"]:
+            missed.append(f"Named `{b['param']}` first; `{b['target_at_step'][0]}` flagged at "
+                          f"the same step, #{b['target_suspect_rank']} in `suspects()`.")
+        if r["note"]:
+            missed.append(r["note"])
+        rep = b.get("replicas_harness") or {}
+        replicas = (f"from step {rep['step']} (`{rep['param']}` {rep['what']}, ranks "
+                    f"{'/'.join(map(str, rep['ranks']))})" if rep.get("step", -1) >= 0 else "no")
+        hrep = h.get("replicas_harness") or {}
+        if hrep.get("step", -1) >= 0:
+            replicas += f"; healthy twin: from step {hrep['step']}"
+        twin = "within" if r["healthy_ok"] else f"{h['verdict']} at step {h['step']} `{h['param']}`"
+        total = sum(r["seconds"].values()) + h["compare_s"] + b["compare_s"]
+        lines.append(
+            f"| {r['title']} | [{_link(r['source'])}]({r['source']}) | {r['layout']}; "
+            f"{r['implementation']} | **{caught}** | {b['step'] if b['step'] >= 0 else '-'} | "
+            f"`{b['param'] or '-'}` | {twin} | {replicas} | {' '.join(missed) or '-'} | "
+            f"{total:.0f} |")
+    for name, why in skipped.items():
+        lines.append(f"| {name} | | | not run: {why} | | | | | | |")
+    n = len(rows)
+    differ = sum((r["buggy"].get("replicas_harness") or {}).get("step", -1) >= 0 for r in rows)
+    lines += ["", f"Caught at the onset in the buggy module: {sum(r['caught'] for r in rows)} "
+              f"of {n}; beyond at the onset step: "
+              f"{sum(r['buggy']['step'] == r['onset'] for r in rows)} of {n}; healthy twins "
+              f"within: {sum(r['healthy_ok'] for r in rows)} of {n}; replicas differ (harness): "
+              f"{differ} of {n}.", END]
+    return "\n".join(lines)
+
+
+def _link(url: str) -> str:
+    """``owner/repo#N`` (or ``owner/repo PR N``) for a GitHub link."""
+    parts = url.rstrip("/").split("/")
+    if "github.com" in url and len(parts) >= 7:
+        return f"{parts[3]}/{parts[4]}{' PR ' if parts[5] == 'pull' else '#'}{parts[6]}"
+    return url
 
 
 def main(argv=None) -> int:
@@ -120,17 +194,39 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     logging.getLogger("probekit").setLevel(logging.ERROR)
+    from benchmarks.silent_bugs._megatron import MegatronMissing
+
     root = args.dir or tempfile.mkdtemp(prefix="probekit-silent-")
-    rows = []
+    rows, skipped = [], {}
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     for name in args.bugs.split(","):
-        res = run_bug(name, root)
+        try:
+            res = run_bug(name, root)
+        except MegatronMissing as exc:
+            skipped[name] = str(exc)
+            print(f"{name}: not run: {exc}", flush=True)
+            continue
         rows.append(res)
         print(json.dumps({k: res[k] for k in ("name", "caught", "caught_by", "healthy_ok")}),
               "| buggy:", res["buggy"]["text"], "| healthy:", res["healthy"]["text"],
               flush=True)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump({"rows": rows, "skipped": skipped}, fh, indent=1)
+    if args.results:
+        import torch
+
+        sys.path.insert(0, HERE)
+        from results_md import write_section
+
+        from benchmarks.silent_bugs._megatron import VERSION
+
+        notes = (f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, megatron-core "
+                 f"{VERSION}, {time.perf_counter() - t0:.0f} s in all; load average "
+                 f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+        write_section(args.results, render(rows, skipped, notes), BEGIN, END)
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -6,10 +6,12 @@ against; it is not part of probekit).
 
 A reproduction module (``benchmarks/silent_bugs/<name>.py``) defines ``NAME``, ``TITLE``,
 ``SOURCE`` (a public link), ``LAYOUT``, ``IMPLEMENTATION`` (what runs: megatron-core, DTensor or
-plain PyTorch, and what is emulated), ``WORLD`` (processes), ``TARGET`` (prefixes of the
-parameters in the buggy module), ``CONTROL`` (the control recipe), ``single(path, control)``
-(the one-process fp32 reference, and with ``control`` the control run) and ``distributed(out,
-buggy)`` (run on every rank of a gloo group of ``WORLD`` processes; records into ``out``).
+plain PyTorch, and what is emulated), ``WORLD`` (processes), ``MEGATRON`` (optional: True when
+it runs megatron-core), ``TARGET`` (prefixes of the parameters in the buggy module; ``""`` where
+the bug scales every gradient), ``CONTROL`` (the control recipe), ``NOTE`` (what the results
+table says beside the measured columns), ``single(path, control)`` (the one-process fp32
+reference, and with ``control`` the control run) and ``distributed(out, buggy)`` (run on every
+rank of a gloo group of ``WORLD`` processes; records into ``out``; the bug on from ``ONSET``).
 """
 from __future__ import annotations
 

@@ -2,10 +2,13 @@
 
 ``make bench`` installs megatron-core 0.16.1 (the newest release for Python 3.11; 0.17 and later
 need Python 3.12) with ``pip install --no-deps --target .venv-megatron-core``: the shared venv is
-untouched, and the package needs nothing beyond torch, numpy and packaging. ``PROBEKIT_MEGATRON_CORE``
-names another folder. Megatron's tensor-parallel mappings allocate their buffers on
-``torch.cuda.current_device()``; on a CPU-only torch that raises, so it is pointed at the CPU
-(the only change: the layers, mappings, cross entropy and gradient finalisation run unchanged).
+untouched, and the package needs nothing beyond torch, numpy and packaging.
+``PROBEKIT_MEGATRON_CORE`` names another folder. Megatron's tensor-parallel mappings allocate
+their buffers on ``torch.cuda.current_device()``; on a CPU-only torch that raises, so it is
+pointed at the CPU (the only change: the layers, mappings, cross entropy and gradient
+finalisation run unchanged). Megatron's gradient-norm and clipping kernels
+(``get_grad_norm_fp32``, ``clip_grad_by_total_norm_fp32``) allocate on ``'cuda'`` by name: the
+reproductions that clip keep Megatron's choice of gradients and do the sums on the CPU.
 """
 from __future__ import annotations
 

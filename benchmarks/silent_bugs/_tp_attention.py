@@ -1,10 +1,10 @@
 """A self-attention block under Megatron's tensor parallelism (heads sharded over 2 ranks), for
-the attention and clipping bugs: a replicated input projection, LayerNorm and head; Megatron's ``ColumnParallelLinear``
-QKV projection (per head ``[q, k, v]``, so a rank's block of the output is whole heads) and
-``RowParallelLinear`` output projection; optionally a learnable attention sink per head
-(``core_attention.softmax_offset``, head-sharded). The one-process reference is the same model
-under the same names with ``nn.Linear`` layers. Tokens run ``[sequence, batch, hidden]`` as in
-Megatron."""
+the attention and clipping bugs: a replicated input projection, LayerNorm and head; Megatron's
+``ColumnParallelLinear`` QKV projection (per head ``[q, k, v]``, so a rank's block of the output
+is whole heads) and ``RowParallelLinear`` output projection; optionally a learnable attention
+sink per head (``core_attention.softmax_offset``, head-sharded). The one-process reference is the
+same model under the same names with ``nn.Linear`` layers. Tokens run ``[sequence, batch,
+hidden]`` as in Megatron."""
 from __future__ import annotations
 
 import math
@@ -61,7 +61,8 @@ def sdpa(q, k, v, sink=None):
 def block(model, x, qkv, proj, attend, heads: int):
     """The forward: ``qkv``/``proj`` map ``[T, B, *]`` (Megatron's layers return a pair)."""
     h = model.inp(x)
-    z = qkv(model.input_layernorm(h)).view(T, BATCH, heads, 3, HD).permute(3, 1, 2, 0, 4)   # [3, B, heads, T, HD]
+    z = qkv(model.input_layernorm(h)).view(T, BATCH, heads, 3, HD)
+    z = z.permute(3, 1, 2, 0, 4)                                   # [3, B, heads, T, HD]
     o = attend(z[0], z[1], z[2]).permute(2, 0, 1, 3).reshape(T, BATCH, heads * HD)
     return model.head(h + proj(o))
 

@@ -24,8 +24,12 @@ LAYOUT = "TP=2 (Megatron): sharded attention, replicated LayerNorm; gradient cli
 IMPLEMENTATION = ("megatron-core 0.16.1 TP layers and param_is_not_tensor_parallel_duplicate; "
                   "DeepSpeed's bf16 optimizer's skip emulated")
 WORLD = _tp_attention.WORLD
+MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("",)   # the clip coefficient scales every gradient
 CONTROL = "fp32"
+NOTE = ("Rank 1 records its shards of the TP weights, whose unclipped gradients show as scale; "
+        "the drift of the replicated LayerNorm's copies on rank 1 (what BLOOM saw) is never read "
+        "by the recording: that part needs the replica check.")
 MAX_NORM = 0.3
 
 

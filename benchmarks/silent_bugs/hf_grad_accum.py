@@ -25,6 +25,7 @@ IMPLEMENTATION = "plain PyTorch DDP; the Trainer's loss normalisation before and
 WORLD = 2
 TARGET = ("",)   # the loss: every gradient is the sum it weighs
 CONTROL = "fp32"
+NOTE = ("Every rank normalises the same wrong way: the replicas agree.")
 
 VOCAB, D, SEQ, ROWS, ACCUM = 32, 16, 16, 2, 2
 LR = 1e-2

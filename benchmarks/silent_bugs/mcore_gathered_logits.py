@@ -22,8 +22,10 @@ LAYOUT = "TP=2 (Megatron): vocab-parallel output layer, replicated input and Lay
 IMPLEMENTATION = ("megatron-core 0.16.1 ColumnParallelLinear + vocab_parallel_cross_entropy "
                   "(finding 2 of the report)")
 WORLD = _lm_head.WORLD
+MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("output_layer.",)
 CONTROL = "fp32"
+NOTE = ""
 
 
 def single(path, control=None):

@@ -28,8 +28,10 @@ LAYOUT = "TP=2 + SP (Megatron): column/row-parallel MLP, LayerNorms on sequence 
 IMPLEMENTATION = ("megatron-core 0.16.1 SP layers, mappings, vocab_parallel_cross_entropy and "
                   "_allreduce_non_tensor_model_parallel_grads")
 WORLD = 2
+MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("decoder.final_layernorm.",)
 CONTROL = "fp32"
+NOTE = ("Rank 0's copy holds its half of the sequence's share: found without a replica check.")
 
 S, B, DIN, D, FF, V = 8, 4, 16, 32, 64, 48
 LR = 1e-2

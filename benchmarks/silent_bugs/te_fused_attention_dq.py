@@ -22,8 +22,11 @@ LAYOUT = "TP=2 (Megatron): heads sharded, column-parallel QKV, row-parallel proj
 IMPLEMENTATION = ("megatron-core 0.16.1 TP layers; the attention kernel emulated with a "
                   "hand-written backward")
 WORLD = _tp_attention.WORLD
+MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("self_attention.linear_qkv.",)
 CONTROL = "fp32"
+NOTE = ("The kernel has no parameters: the error enters at the QKV projection, and the LayerNorm "
+        "below it departs furthest.")
 
 
 def single(path, control=None):

@@ -28,6 +28,8 @@ IMPLEMENTATION = ("plain PyTorch: ring attention with a hand-written backward; t
 WORLD = 2
 TARGET = ("attention.",)
 CONTROL = "fp32"
+NOTE = ("The stale read happens on rank 1 only; the CP all-reduce of the replicated weights "
+        "carries it into rank 0's copy.")
 
 BATCH, T, DIN, D, HEADS, OUT = 4, 16, 8, 32, 4, 8
 LR = 1e-2
