@@ -57,6 +57,44 @@ def train(model, opt, step_fn, path, *, clock: Clock, control=None, steps: int =
     return losses
 
 
+def reference(model, loss_of_step, path, control=None, *, lr: float, after_backward=None):
+    """The one-process run (with ``control``, the control run): AdamW at ``lr``;
+    ``loss_of_step(step)`` gives the loss, ``after_backward(model, step)`` runs before the
+    optimizer step (clipping)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step_fn(step):
+        loss = loss_of_step(step)
+        loss.backward()
+        if after_backward is not None:
+            after_backward(model, step)
+        return loss
+
+    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+
+
+def record(out, model, loss_of_step, *, lr: float, clock: Clock, witness, view=None,
+           finalize=None) -> None:
+    """The distributed run on this rank: the loss's backward, ``finalize(step)`` (what the layout
+    does to the gradients before the step: its reductions, clipping), the gradients handed to
+    ``view`` (a ``ShardView``) when there is one, the witness's check; AdamW at ``lr`` steps the
+    view's parameters (or the model's), the grad probe records them into ``out``."""
+    opt = torch.optim.AdamW((view if view is not None else model).parameters(), lr=lr)
+
+    def step_fn(step):
+        loss = loss_of_step(step)
+        loss.backward()
+        if finalize is not None:
+            finalize(step)
+        if view is not None:
+            view.pull_grads()
+        witness.grads(step)
+        return loss
+
+    train(model, opt, step_fn, out, clock=clock, probe_model=view, after_step=witness.params)
+    witness.write(out)
+
+
 def generator(step: int, salt: int = 0) -> torch.Generator:
     """The data of step ``step``: the same on every rank and in the reference."""
     return torch.Generator().manual_seed(1000 + 7919 * salt + step)

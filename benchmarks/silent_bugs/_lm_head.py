@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._harness import Clock, ReplicaWitness, ShardView, generator, train
+from ._harness import Clock, generator, record, reference
 
 S, B, DIN, D, V = 8, 4, 16, 32, 64
 LR = 1e-2
@@ -37,54 +37,31 @@ def batch(step: int):
 def single(path, control, loss_fn):
     """``loss_fn(logits, labels)``: the per-token loss over the whole vocabulary."""
     model = HeadNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step_fn(step):
+    def loss(step):
         x, labels = batch(step)
-        loss = loss_fn(model.output_layer(model.hidden(x)), labels).mean()
-        loss.backward()
-        return loss
+        return loss_fn(model.output_layer(model.hidden(x)), labels).mean()
 
-    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+    return reference(model, loss, path, control, lr=LR)
 
 
 def distributed(out, loss_fn, *, gather=lambda step: False):
-    """``loss_fn(output_layer, hidden, labels, step)``: the per-token loss on this rank;
-    ``gather(step)``: the output layer gathers the logits over the vocabulary at this step
+    """``loss_fn(logits, labels, step)``: the per-token loss on this rank; ``gather(step)``: the
+    output layer gathers the logits over the vocabulary at this step
     (``runtime_gather_output``)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
-
     from . import _megatron
 
-    rank = dist.get_rank()
     ref = HeadNet()
     with _megatron.tensor_parallel(WORLD) as config:
-        from megatron.core.tensor_parallel import ColumnParallelLinear
-
         model = torch.nn.Module()
         model.inp, model.norm = ref.inp, ref.norm
-        model.output_layer = ColumnParallelLinear(D, V, config=config, bias=False,
-                                                  init_method=torch.nn.init.zeros_)
-        _megatron.set_shard(model.output_layer.weight, ref.output_layer.weight, 0, rank, WORLD)
-        view = ShardView(model, init_device_mesh("cpu", (WORLD,)),
-                         {"output_layer.weight": Shard(0)})
-        opt = torch.optim.AdamW(view.parameters(), lr=LR)
-        clock = Clock()
-        witness = ReplicaWitness({n: p for n, p in model.named_parameters()
-                                  if not n.startswith("output_layer.")})
+        model.output_layer = _megatron.column(ref.output_layer, config)
+        view, witness = _megatron.shard_view(model)
 
-        def step_fn(step):
+        def loss(step):
             x, labels = batch(step)
-            hidden = model.norm(model.inp(x))
-            logits, _ = model.output_layer(hidden, runtime_gather_output=gather(step))
-            loss = loss_fn(logits, labels, step).mean()
-            loss.backward()
-            view.pull_grads()
-            witness.grads(step)
-            return loss
+            logits, _ = model.output_layer(model.norm(model.inp(x)),
+                                           runtime_gather_output=gather(step))
+            return loss_fn(logits, labels, step).mean()
 
-        train(model, opt, step_fn, out, clock=clock, probe_model=view,
-              after_step=witness.params)
-        witness.write(out)
+        record(out, model, loss, lr=LR, clock=Clock(), witness=witness, view=view)

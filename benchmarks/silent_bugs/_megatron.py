@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from ._harness import ROOT
+from ._harness import ROOT, ReplicaWitness, ShardView
 
 VERSION = "0.16.1"
 
@@ -74,7 +74,57 @@ def tensor_parallel(world: int, sequence_parallel: bool = False):
         ps.destroy_model_parallel()
 
 
-def set_shard(param, full: torch.Tensor, dim: int, rank: int, world: int) -> None:
-    """``param`` <- this rank's block of ``full`` along ``dim`` (``dim=None``: all of it)."""
+def column(ref: torch.nn.Linear, config, **options):
+    """Megatron's ``ColumnParallelLinear`` holding this rank's rows of ``ref``."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(ref.in_features, ref.out_features, config=config,
+                                 init_method=torch.nn.init.zeros_, bias=ref.bias is not None,
+                                 **options)
+    _load(layer, ref, weight_dim=0, bias_dim=0)
+    return layer
+
+
+def row(ref: torch.nn.Linear, config, **options):
+    """Megatron's ``RowParallelLinear`` (input already split over the ranks) holding this
+    rank's columns of ``ref``; its bias replicated."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    layer = RowParallelLinear(ref.in_features, ref.out_features, config=config,
+                              init_method=torch.nn.init.zeros_, bias=ref.bias is not None,
+                              input_is_parallel=True, skip_bias_add=False, **options)
+    _load(layer, ref, weight_dim=1, bias_dim=None)
+    return layer
+
+
+def _load(layer, ref, *, weight_dim: int, bias_dim: int | None) -> None:
+    from megatron.core import parallel_state as ps
+
+    rank, world = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     with torch.no_grad():
-        param.copy_(full if dim is None else full.chunk(world, dim=dim)[rank])
+        layer.weight.copy_(ref.weight.chunk(world, dim=weight_dim)[rank])
+        if ref.bias is not None:
+            layer.bias.copy_(ref.bias if bias_dim is None else
+                             ref.bias.chunk(world, dim=bias_dim)[rank])
+
+
+def shard_view(model, extra: dict | None = None):
+    """A ``ShardView`` of ``model`` over the TP group with Megatron's placements (and
+    ``extra``), and a ``ReplicaWitness`` of its replicated parameters over the TP group."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed.device_mesh import init_device_mesh
+
+    places = {**placements(model), **(extra or {})}
+    mesh = init_device_mesh("cpu", (ps.get_tensor_model_parallel_world_size(),))
+    return ShardView(model, mesh, places), ReplicaWitness(
+        {n: p for n, p in model.named_parameters() if n not in places},
+        group=ps.get_tensor_model_parallel_group())
+
+
+def placements(model) -> dict:
+    """``{name: Shard(dim)}`` for the parameters Megatron marks ``tensor_model_parallel`` (their
+    ``partition_dim``): what ``ShardView`` needs; the others are replicated."""
+    from torch.distributed.tensor import Shard
+
+    return {n: Shard(p.partition_dim) for n, p in model.named_parameters()
+            if getattr(p, "tensor_model_parallel", False)}

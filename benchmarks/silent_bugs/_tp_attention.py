@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._harness import Clock, ReplicaWitness, ShardView, generator, train
+from ._harness import Clock, generator, record, reference
 
 T, BATCH, DIN, D, HEADS, OUT = 12, 4, 8, 32, 4, 8
 HD = D // HEADS
@@ -70,76 +70,48 @@ def block(model, x, qkv, proj, attend, heads: int):
 def single(path, control=None, *, sink=False, after_backward=None):
     """``after_backward(model, step)``: what the loop does to the gradients before the step."""
     model = Net(sink)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     att = model.self_attention
     off = att.core_attention.softmax_offset if sink else None
 
-    def step_fn(step):
+    def loss(step):
         x, y = batch(step)
-        out = block(model, x, att.linear_qkv, att.linear_proj,
-                    lambda q, k, v: sdpa(q, k, v, off), HEADS)
-        loss = F.mse_loss(out, y)
-        loss.backward()
-        if after_backward is not None:
-            after_backward(model, step)
-        return loss
+        return F.mse_loss(block(model, x, att.linear_qkv, att.linear_proj,
+                                lambda q, k, v: sdpa(q, k, v, off), HEADS), y)
 
-    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+    return reference(model, loss, path, control, lr=LR, after_backward=after_backward)
 
 
 def distributed(out, attend, *, sink=False, after_backward=None):
     """``attend(q, k, v, offset, step)``: the core attention on this rank's heads;
     ``after_backward(model, step)``: what the layout does to the gradients before the step."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from megatron.core import parallel_state as ps
     from torch.distributed.tensor import Shard
 
     from . import _megatron
 
-    rank, ref = dist.get_rank(), Net(sink)
+    ref = Net(sink)
     with _megatron.tensor_parallel(WORLD) as config:
-        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
         model = Net(sink)
-        att = model.self_attention
-        init = torch.nn.init.zeros_
-        att.linear_qkv = ColumnParallelLinear(D, 3 * D, config=config, init_method=init,
-                                              bias=True, gather_output=False)
-        att.linear_proj = RowParallelLinear(D, D, config=config, init_method=init, bias=True,
-                                            input_is_parallel=True, skip_bias_add=False)
-        ra = ref.self_attention
-        for mine, full, dim in ((att.linear_qkv.weight, ra.linear_qkv.weight, 0),
-                                (att.linear_qkv.bias, ra.linear_qkv.bias, 0),
-                                (att.linear_proj.weight, ra.linear_proj.weight, 1),
-                                (att.linear_proj.bias, ra.linear_proj.bias, None)):
-            _megatron.set_shard(mine, full, dim, rank, WORLD)
-        shards = {"self_attention.linear_qkv.weight": Shard(0),
-                  "self_attention.linear_qkv.bias": Shard(0),
-                  "self_attention.linear_proj.weight": Shard(1)}
-        off = None
+        att, ra = model.self_attention, ref.self_attention
+        att.linear_qkv = _megatron.column(ra.linear_qkv, config, gather_output=False)
+        att.linear_proj = _megatron.row(ra.linear_proj, config)
+        off, extra = None, {}
         if sink:   # head-sharded, as the attention's heads
+            rank = ps.get_tensor_model_parallel_rank()
             off = torch.nn.Parameter(ra.core_attention.softmax_offset.detach().chunk(
                 WORLD)[rank].clone())
             att.core_attention.softmax_offset = off
-            shards["self_attention.core_attention.softmax_offset"] = Shard(0)
-        view = ShardView(model, init_device_mesh("cpu", (WORLD,)), shards)
-        opt = torch.optim.AdamW(view.parameters(), lr=LR)
-        witness = ReplicaWitness({n: p for n, p in model.named_parameters() if n not in shards})
+            extra["self_attention.core_attention.softmax_offset"] = Shard(0)
+        view, witness = _megatron.shard_view(model, extra)
         clock = Clock()
 
-        def step_fn(step):
+        def loss(step):
             x, y = batch(step)
-            out_ = block(model, x, lambda h: att.linear_qkv(h)[0],
-                         lambda o: att.linear_proj(o)[0],
-                         lambda q, k, v: attend(q, k, v, off, step), HEADS // WORLD)
-            loss = F.mse_loss(out_, y)
-            loss.backward()
-            if after_backward is not None:
-                after_backward(model, step)
-            view.pull_grads()
-            witness.grads(step)
-            return loss
+            return F.mse_loss(block(model, x, lambda h: att.linear_qkv(h)[0],
+                                    lambda o: att.linear_proj(o)[0],
+                                    lambda q, k, v: attend(q, k, v, off, step),
+                                    HEADS // WORLD), y)
 
-        train(model, opt, step_fn, out, clock=clock, probe_model=view,
-              after_step=witness.params)
-        witness.write(out)
+        record(out, model, loss, lr=LR, clock=clock, witness=witness, view=view,
+               finalize=None if after_backward is None else (
+                   lambda step: after_backward(model, step)))

@@ -19,7 +19,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ._harness import ONSET, Clock, ReplicaWitness, generator, train
+from ._harness import ONSET, Clock, ReplicaWitness, generator, record, reference
 
 NAME = "fsdp2_tp_reduce_dtype"
 TITLE = "FSDP2 reduce_dtype=fp32 not applied to the TP all-reduce (it runs in bf16)"
@@ -64,16 +64,12 @@ def batch(step: int):
 
 def single(path, control=None):
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step_fn(step):
+    def loss(step):
         x, y = batch(step)
-        dtype = next(model.parameters()).dtype
-        loss = F.mse_loss(model(x.to(dtype)).float(), y)
-        loss.backward()
-        return loss
+        return F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
 
-    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+    return reference(model, loss, path, control, lr=LR)
 
 
 @contextlib.contextmanager
@@ -114,21 +110,15 @@ def distributed(out, buggy: bool):
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
     fully_shard(model, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     clock = Clock()
-    witness = ReplicaWitness({n: p for n, p in model.named_parameters()
-                              if "norm" in n or n.startswith("fc2.bias")})
     n = T // WORLD
 
-    def step_fn(step):
+    def loss(step):
         x, y = batch(step)
-        # residual stream sharded over the sequence: this rank's slice in, its slice of the loss
-        h = model(x[:, rank * n:(rank + 1) * n])
-        loss = F.mse_loss(h.float(), y)
-        loss.backward()
-        witness.grads(step)
-        return loss
+        # residual stream sharded over the sequence: this rank's slice in, the whole output out
+        return F.mse_loss(model(x[:, rank * n:(rank + 1) * n]).float(), y)
 
     with upcast_before_tp_reduce(lambda: not (buggy and clock.step >= ONSET)):
-        train(model, opt, step_fn, out, clock=clock, after_step=witness.params)
-    witness.write(out)
+        record(out, model, loss, lr=LR, clock=clock, witness=ReplicaWitness(
+            {name: p for name, p in model.named_parameters()
+             if "norm" in name or name == "fc2.bias"}))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._harness import ONSET, Clock, ReplicaWitness, generator, train
+from ._harness import ONSET, Clock, ReplicaWitness, generator, reference, train
 
 NAME = "hf_grad_accum"
 TITLE = "Gradient accumulation averages per micro-batch, not per token"
@@ -65,16 +65,13 @@ def token_losses(model, ids, labels):
 
 def single(path, control=None):
     model = LM()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step_fn(step):
+    def loss(step):
         mbs = micro_batches(step)
         ids, labels = torch.cat([m[0] for m in mbs]), torch.cat([m[1] for m in mbs])
-        loss = token_losses(model, ids, labels) / (labels != -100).sum()
-        loss.backward()
-        return loss
+        return token_losses(model, ids, labels) / (labels != -100).sum()
 
-    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+    return reference(model, loss, path, control, lr=LR)
 
 
 def distributed(out, buggy: bool):

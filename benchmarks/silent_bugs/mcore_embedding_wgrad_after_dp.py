@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._harness import ONSET, Clock, ReplicaWitness, ShardView, generator, train
+from ._harness import (ONSET, Clock, ReplicaWitness, ShardView, generator, record,
+                       reference)
 
 NAME = "mcore_embedding_wgrad_after_dp"
 TITLE = "Deferred output-layer weight gradient added after the DP all-reduce"
@@ -51,16 +52,13 @@ def batch(step: int):
 
 def single(path, control=None):
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step_fn(step):
+    def loss(step):
         ids, labels = batch(step)
-        loss = F.cross_entropy(model.output_layer(model.hidden(ids)).reshape(-1, VOCAB),
+        return F.cross_entropy(model.output_layer(model.hidden(ids)).reshape(-1, VOCAB),
                                labels.reshape(-1))
-        loss.backward()
-        return loss
 
-    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+    return reference(model, loss, path, control, lr=LR)
 
 
 class DeferredWgrad(torch.autograd.Function):
@@ -94,15 +92,14 @@ def distributed(out, buggy: bool):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Net()
     view = ShardView(model, init_device_mesh("cpu", (WORLD,)))   # replicated: rank 0 records
-    opt = torch.optim.AdamW(view.parameters(), lr=LR)
-    witness = ReplicaWitness(dict(model.named_parameters()))
     pending = []
 
-    def step_fn(step):
+    def loss(step):
         ids, labels = (t.chunk(world)[rank] for t in batch(step))
         logits = DeferredWgrad.apply(model.hidden(ids), model.output_layer.weight, pending)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-        loss.backward()
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+    def finalize(step):
         late = buggy and step >= ONSET
         if not late:
             finish_wgrad(pending)
@@ -112,9 +109,6 @@ def distributed(out, buggy: bool):
                 p.grad /= world
         if late:
             finish_wgrad(pending)
-        view.pull_grads()
-        witness.grads(step)
-        return loss
 
-    train(model, opt, step_fn, out, clock=Clock(), probe_model=view, after_step=witness.params)
-    witness.write(out)
+    record(out, model, loss, lr=LR, clock=Clock(), view=view, finalize=finalize,
+           witness=ReplicaWitness(dict(model.named_parameters())))

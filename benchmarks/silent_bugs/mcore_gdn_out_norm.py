@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _megatron
-from ._harness import ONSET, Clock, ReplicaWitness, ShardView, generator, train
+from ._harness import ONSET, Clock, generator, record, reference
 
 NAME = "mcore_gdn_out_norm"
 TITLE = "Gated-delta-net out_norm gradient not summed over TP without SP"
@@ -68,64 +68,42 @@ def batch(step: int):
 
 def single(path, control=None):
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step_fn(step):
+    def loss(step):
         x, y = batch(step)
-        loss = F.mse_loss(mix(model, x, model.mixer.in_proj, model.mixer.out_proj, HEADS), y)
-        loss.backward()
-        return loss
+        return F.mse_loss(mix(model, x, model.mixer.in_proj, model.mixer.out_proj, HEADS), y)
 
-    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+    return reference(model, loss, path, control, lr=LR)
 
 
 def distributed(out, buggy: bool):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
 
     _megatron.load()
     from megatron.core import parallel_state as ps
     from megatron.core.distributed.finalize_model_grads import (
         _allreduce_non_tensor_model_parallel_grads)
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    rank, ref = dist.get_rank(), Net()
+    ref = Net()
     with _megatron.tensor_parallel(WORLD) as config:
         model = Net()
-        init = torch.nn.init.zeros_
         mixer = model.mixer
-        mixer.in_proj = ColumnParallelLinear(D, 2 * D, config=config, init_method=init,
-                                             bias=True)
-        mixer.out_proj = RowParallelLinear(D, D, config=config, init_method=init, bias=True,
-                                           input_is_parallel=True, skip_bias_add=False)
-        for mine, full, dim in ((mixer.in_proj.weight, ref.mixer.in_proj.weight, 0),
-                                (mixer.in_proj.bias, ref.mixer.in_proj.bias, 0),
-                                (mixer.out_proj.weight, ref.mixer.out_proj.weight, 1),
-                                (mixer.out_proj.bias, ref.mixer.out_proj.bias, None)):
-            _megatron.set_shard(mine, full, dim, rank, WORLD)
+        mixer.in_proj = _megatron.column(ref.mixer.in_proj, config)
+        mixer.out_proj = _megatron.row(ref.mixer.out_proj, config)
         model.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
-        finalize = SimpleNamespace(sequence_parallel=False, qk_layernorm=False)
-        shards = {"mixer.in_proj.weight": Shard(0), "mixer.in_proj.bias": Shard(0),
-                  "mixer.out_proj.weight": Shard(1)}
-        view = ShardView(model, init_device_mesh("cpu", (WORLD,)), shards)
-        opt = torch.optim.AdamW(view.parameters(), lr=LR)
-        witness = ReplicaWitness({n: p for n, p in model.named_parameters() if n not in shards})
-        clock = Clock()
+        config_for_finalize = SimpleNamespace(sequence_parallel=False, qk_layernorm=False)
+        view, witness = _megatron.shard_view(model)
 
-        def step_fn(step):
+        def loss(step):
             x, y = batch(step)
-            loss = F.mse_loss(mix(model, x, lambda h: mixer.in_proj(h)[0],
+            return F.mse_loss(mix(model, x, lambda h: mixer.in_proj(h)[0],
                                   lambda o: mixer.out_proj(o)[0], HEADS // WORLD), y)
-            loss.backward()
-            _allreduce_non_tensor_model_parallel_grads([model], finalize)
+
+        def finalize(step):
+            _allreduce_non_tensor_model_parallel_grads([model], config_for_finalize)
             if not (buggy and step >= ONSET):   # the fix: out_norm summed over TP
                 dist.all_reduce(mixer.out_norm.weight.grad,
                                 group=ps.get_tensor_model_parallel_group())
-            view.pull_grads()
-            witness.grads(step)
-            return loss
 
-        train(model, opt, step_fn, out, clock=clock, probe_model=view,
-              after_step=witness.params)
-        witness.write(out)
+        record(out, model, loss, lr=LR, clock=Clock(), witness=witness, view=view,
+               finalize=finalize)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _megatron
-from ._harness import ONSET, Clock, ReplicaWitness, ShardView, generator, train
+from ._harness import ONSET, Clock, generator, record, reference
 
 NAME = "mcore_sp_final_layernorm"
 TITLE = "Final LayerNorm gradients not summed over TP under sequence parallelism"
@@ -72,83 +72,49 @@ def batch(step: int):
 
 def single(path, control=None):
     model = Reference()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step_fn(step):
+    def loss(step):
         x, labels = batch(step)
-        loss = F.cross_entropy(model(x).reshape(-1, V), labels.reshape(-1))
-        loss.backward()
-        return loss
+        return F.cross_entropy(model(x).reshape(-1, V), labels.reshape(-1))
 
-    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+    return reference(model, loss, path, control, lr=LR)
 
 
 def distributed(out, buggy: bool):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
-
     _megatron.load()
     from megatron.core.distributed.finalize_model_grads import (
         _allreduce_non_tensor_model_parallel_grads)
-    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                               vocab_parallel_cross_entropy)
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 
-    rank, ref = dist.get_rank(), Reference()
+    ref = Reference()
     rl = ref.decoder.layers[0]
     with _megatron.tensor_parallel(WORLD, sequence_parallel=True) as config:
-        init = torch.nn.init.zeros_
         model = Reference()   # the replicated modules; the parallel ones replaced below
         layer = model.decoder.layers[0]
-        layer.mlp.linear_fc1 = ColumnParallelLinear(D, FF, config=config, init_method=init,
-                                                    bias=True)
-        layer.mlp.linear_fc2 = RowParallelLinear(FF, D, config=config, init_method=init,
-                                                 bias=True, input_is_parallel=True,
-                                                 skip_bias_add=False)
-        model.output_layer = ColumnParallelLinear(D, V, config=config, init_method=init,
-                                                  bias=False)
-        for mine, full, dim in ((layer.mlp.linear_fc1.weight, rl.mlp.linear_fc1.weight, 0),
-                                (layer.mlp.linear_fc1.bias, rl.mlp.linear_fc1.bias, 0),
-                                (layer.mlp.linear_fc2.weight, rl.mlp.linear_fc2.weight, 1),
-                                (layer.mlp.linear_fc2.bias, rl.mlp.linear_fc2.bias, None),
-                                (model.output_layer.weight, ref.output_layer.weight, 0)):
-            _megatron.set_shard(mine, full, dim, rank, WORLD)
-        norms = (layer.input_layernorm, model.decoder.final_layernorm)
-        for norm in norms:    # run on sequence slices: summed over TP by the finalisation
-            for p in norm.parameters():
+        layer.mlp.linear_fc1 = _megatron.column(rl.mlp.linear_fc1, config)
+        layer.mlp.linear_fc2 = _megatron.row(rl.mlp.linear_fc2, config)
+        model.output_layer = _megatron.column(ref.output_layer, config)
+        for norm in (layer.input_layernorm, model.decoder.final_layernorm):
+            for p in norm.parameters():   # on sequence slices: summed by the finalisation
                 p.sequence_parallel = True
         model.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
-        finalize = SimpleNamespace(sequence_parallel=True, qk_layernorm=False)
-        view = ShardView(model, init_device_mesh("cpu", (WORLD,)), {
-            "decoder.layers.0.mlp.linear_fc1.weight": Shard(0),
-            "decoder.layers.0.mlp.linear_fc1.bias": Shard(0),
-            "decoder.layers.0.mlp.linear_fc2.weight": Shard(1),
-            "output_layer.weight": Shard(0)})
-        opt = torch.optim.AdamW(view.parameters(), lr=LR)
-        witness = ReplicaWitness({n: p for n, p in model.named_parameters()
-                                  if not getattr(p, "tensor_model_parallel", False)})
-        clock = Clock()
+        config_for_finalize = SimpleNamespace(sequence_parallel=True, qk_layernorm=False)
+        view, witness = _megatron.shard_view(model)
 
-        def forward(x):
+        def loss(step):
+            x, labels = batch(step)
             h = scatter_to_sequence_parallel_region(model.embedding(x))  # [S/TP, B, D]
             a, _ = layer.mlp.linear_fc1(layer.input_layernorm(h))        # all-gathers S
             m, _ = layer.mlp.linear_fc2(F.gelu(a))                        # reduce-scatters S
             logits, _ = model.output_layer(model.decoder.final_layernorm(h + m))
-            return logits                                                 # [S, B, V/TP]
+            return vocab_parallel_cross_entropy(logits, labels).mean()   # [S, B, V/TP]
 
-        def step_fn(step):
-            x, labels = batch(step)
-            loss = vocab_parallel_cross_entropy(forward(x), labels).mean()
-            loss.backward()
+        def finalize(step):
             if buggy and step == ONSET:   # the final LayerNorm no longer marked
                 for p in model.decoder.final_layernorm.parameters():
                     p.sequence_parallel = False
-            _allreduce_non_tensor_model_parallel_grads([model], finalize)
-            view.pull_grads()
-            witness.grads(step)
-            return loss
+            _allreduce_non_tensor_model_parallel_grads([model], config_for_finalize)
 
-        train(model, opt, step_fn, out, clock=clock, probe_model=view,
-              after_step=witness.params)
-        witness.write(out)
+        record(out, model, loss, lr=LR, clock=Clock(), witness=witness, view=view,
+               finalize=finalize)

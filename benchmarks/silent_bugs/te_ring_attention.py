@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ._attention import backward_blocks, forward_blocks
-from ._harness import ONSET, Clock, ReplicaWitness, ShardView, generator, train
+from ._harness import (ONSET, Clock, ReplicaWitness, ShardView, generator, record,
+                       reference)
 
 NAME = "te_ring_attention"
 TITLE = "Ring attention (context parallel) backward reads a stale K/V buffer"
@@ -61,16 +62,13 @@ def batch(step: int):
 
 def single(path, control=None):
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
 
-    def step_fn(step):
+    def loss(step):
         x, y = batch(step)
-        loss = F.mse_loss(model(x, sdpa), y)
-        loss.backward()
-        return loss
+        return F.mse_loss(model(x, sdpa), y)
 
-    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+    return reference(model, loss, path, control, lr=LR)
 
 
 class RingAttention(torch.autograd.Function):
@@ -118,24 +116,20 @@ def distributed(out, buggy: bool):
     rank = dist.get_rank()
     model = Net()
     view = ShardView(model, init_device_mesh("cpu", (WORLD,)))   # replicated: rank 0 records
-    opt = torch.optim.AdamW(view.parameters(), lr=LR)
-    witness = ReplicaWitness(dict(model.named_parameters()))
     clock = Clock()
     n = T // WORLD
 
     def attend(q, k, v):
         return RingAttention.apply(q, k, v, buggy and clock.step >= ONSET)
 
-    def step_fn(step):
+    def loss(step):
         x, y = batch(step)
         mine = slice(rank * n, (rank + 1) * n)
-        loss = F.mse_loss(model(x[:, mine], attend), y[:, mine], reduction="sum") / y.numel()
-        loss.backward()
+        return F.mse_loss(model(x[:, mine], attend), y[:, mine], reduction="sum") / y.numel()
+
+    def finalize(step):
         for p in model.parameters():   # the replicas' shares, summed over the CP group
             dist.all_reduce(p.grad)
-        view.pull_grads()
-        witness.grads(step)
-        return loss
 
-    train(model, opt, step_fn, out, clock=clock, probe_model=view, after_step=witness.params)
-    witness.write(out)
+    record(out, model, loss, lr=LR, clock=clock, view=view, finalize=finalize,
+           witness=ReplicaWitness(dict(model.named_parameters())))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._harness import ONSET, Clock, ReplicaWitness, generator, settle_grads, train
+from ._harness import (ONSET, Clock, ReplicaWitness, generator, record, reference,
+                       settle_grads)
 
 NAME = "titan_router"
 TITLE = "MoE router under TP: to_local() without Partial grad placements"
@@ -66,15 +67,12 @@ def batch(step: int):
 
 def single(path, control=None):
     model = MoE()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step_fn(step):
+    def loss(step):
         x, y = batch(step)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        return loss
+        return F.mse_loss(model(x), y)
 
-    return train(model, opt, step_fn, path, clock=Clock(), control=control)
+    return reference(model, loss, path, control, lr=LR)
 
 
 def distributed(out, buggy: bool):
@@ -103,17 +101,12 @@ def distributed(out, buggy: bool):
         y = DTensor.from_local(y, mesh, [Partial()]).redistribute(mesh, [Replicate()])
         return model.head(h + y)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     witness = ReplicaWitness({n: p for n, p in model.named_parameters()
                               if tuple(p.placements) == (Replicate(),)})
 
-    def step_fn(step):
+    def loss(step):
         x, y = batch(step)
-        loss = F.mse_loss(forward(x), rep(y)).to_local()
-        loss.backward()
-        settle_grads(model.parameters())
-        witness.grads(step)
-        return loss
+        return F.mse_loss(forward(x), rep(y)).to_local()
 
-    train(model, opt, step_fn, out, clock=clock, after_step=witness.params)
-    witness.write(out)
+    record(out, model, loss, lr=LR, clock=clock, witness=witness,
+           finalize=lambda step: settle_grads(model.parameters()))
