@@ -25,7 +25,8 @@ TITLE = "Head-sharded attention sinks counted on one TP rank in the clip norm"
 SOURCE = "https://github.com/NVIDIA/Megatron-LM/issues/7452"
 LAYOUT = "TP=2 (Megatron): heads and their sink logits sharded; gradient clipping on"
 IMPLEMENTATION = ("megatron-core 0.16.1 TP layers and param_is_not_tensor_parallel_duplicate; "
-                  "the norm's CUDA kernel replaced by a CPU sum (finding 8 of the report)")
+                  "the sink parameter and its missing mark modelled, the norm's CUDA kernel "
+                  "replaced by a CPU sum (finding 8 of the report)")
 WORLD = _tp_attention.WORLD
 MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("",)   # the clip coefficient scales every gradient
