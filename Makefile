@@ -4,7 +4,8 @@
 #   make demo   - same set-up, then run the main job headless; outputs under demo_out/, and the
 #                 README's snippets, whose pictures it redraws in docs/img/
 #   make docs   - only the README's snippets and pictures
-#   make bench  - also create .venv-msprobe (mindstudio-probe 1.0.4) and run the benchmarks
+#   make bench  - also create .venv-msprobe (mindstudio-probe 1.0.4) and .venv-megatron-core
+#                 (megatron-core 0.16.1, for the silent-bug corpus) and run the benchmarks
 #   make test also creates .venv-mindspore (MindSpore's CPU wheel, numpy < 2, torch, probekit)
 #   and runs tests/mindspore there
 #   make lab    - open JupyterLab on notebooks/
@@ -16,6 +17,11 @@ MINDSPORE_VENV ?= .venv-mindspore
 # the one tested; its wheel is built against numpy 1.x (hence numpy<2 in probekit's mindspore extra)
 MINDSPORE ?= mindspore==2.10.0
 TORCH ?= torch==2.13.0
+# the silent-bug corpus runs Megatron's own layers: 0.16.1 is the newest for Python 3.11 (0.17 and
+# later need 3.12); it needs nothing beyond torch, numpy and packaging, so it goes into a folder of
+# its own (pip --target, no deps) that the bench puts on the path: the test venv is untouched
+MEGATRON_CORE ?= megatron-core==0.16.1
+MEGATRON_DIR ?= .venv-megatron-core
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -34,6 +40,10 @@ $(MSPROBE_VENV)/.installed:
 	test -x $(MSPROBE_VENV)/bin/python || $(PYTHON) -m venv $(MSPROBE_VENV)
 	$(MSPROBE_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
 	$(MSPROBE_VENV)/bin/python -m pip --disable-pip-version-check -q install mindstudio-probe==1.0.4
+	touch $@
+
+$(MEGATRON_DIR)/.installed: $(VENV)/.installed
+	$(PIP) install --no-deps --target $(MEGATRON_DIR) "$(MEGATRON_CORE)"
 	touch $@
 
 $(MINDSPORE_VENV)/.installed: pyproject.toml setup.py
@@ -82,10 +92,13 @@ demo: $(VENV)/.installed
 docs: $(VENV)/.installed
 	$(PY) -m probekit.demo --out demo_out --pictures docs/img --no-notebooks
 
-bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed
+bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed \
+  $(MEGATRON_DIR)/.installed
 	$(PY) benchmarks/run.py --msprobe-python $(MSPROBE_VENV)/bin/python
 	$(MINDSPORE_VENV)/bin/python benchmarks/bench_mindspore.py --out bench_out/mindspore.json \
 	  --results benchmarks/RESULTS.md
+	PROBEKIT_MEGATRON_CORE=$(CURDIR)/$(MEGATRON_DIR) $(PY) benchmarks/bench_silent_bugs.py \
+	  --out bench_out/silent_bugs.json --results benchmarks/RESULTS.md
 
 # the venv's python3 kernel runs `python` from PATH: put the venv first; MPLBACKEND would turn
 # off inline plots in the kernels

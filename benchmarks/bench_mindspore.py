@@ -39,6 +39,7 @@ import mindspore as ms  # noqa: E402
 from mindspore import ops  # noqa: E402
 
 from bench_grads import build_model, du, read_time, run_steps, set_grads  # noqa: E402
+from results_md import write_section  # noqa: E402
 
 
 def ms_setup(model: torch.nn.Module, steps: int):
@@ -267,7 +268,7 @@ def main(argv=None) -> int:
         json.dump({"rows": rows, "graph_rows": graph_rows, "versions": versions}, fh, indent=1)
     if args.results:
         if rows:
-            write_section(args.results, render(rows, versions, args))
+            write_section(args.results, render(rows, versions, args), BEGIN, END)
         if graph_rows:
             write_section(args.results, render_graph(graph_rows, versions, load0),
                           GRAPH_BEGIN, GRAPH_END)
@@ -347,20 +348,6 @@ def render_graph(rows, versions, load0: float) -> str:
                      + " |")
     lines.append(GRAPH_END)
     return "\n".join(lines)
-
-
-def write_section(path: str, section: str, begin: str = BEGIN, end: str = END) -> None:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError:
-        text = ""
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""Public silent distributed-training bugs as the grad probe's benchmark (issue 35, point 2).
+
+    python benchmarks/bench_silent_bugs.py [--bugs a,b] [--out FILE.json] [--results RESULTS.md]
+
+Per bug (``benchmarks/silent_bugs/``): a one-process fp32 reference, a control run of it
+(``GradProbe(..., control=...)``), and the distributed layout twice on gloo processes, healthy and
+with the bug switched on from step ``ONSET``; each recorded for ``STEPS`` steps by the grad probe
+and compared with ``compare_grads(reference, run, control=...)``. A bug is caught when its run
+reads "beyond" at ``ONSET`` at a parameter of the buggy module, or when the replicas disagree
+(``replica_verdict``); its healthy twin must read "within" and raise no replica flag.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from benchmarks.silent_bugs import BUGS, load  # noqa: E402
+from benchmarks.silent_bugs._harness import ONSET, STEPS, read_replicas, spawn  # noqa: E402
+
+KINDS = {1: "signs", 2: "scale", 3: "NaN/Inf"}
+
+
+def replica_verdict(run_dir: str) -> dict | None:
+    """probekit's own verdict on whether the replicas of ``run_dir`` agree (issue 35, point 1):
+    ``{"disagree": bool, "text": str}``, or None while probekit has no replica check. The one
+    place the harness asks probekit about replicas: the lead wires the replica check here once
+    it is merged."""
+    return None
+
+
+def judge(ref: str, run: str, control: str, target=()) -> dict:
+    """The comparison's verdict for ``run`` against ``ref`` with ``control``: kind, first step
+    and parameter, what flagged it there, the first line of the verdict; and where the
+    parameters of the buggy module (``target`` prefixes) stand: flagged at the first step, and
+    the rank of their module in ``suspects()``."""
+    from probekit.grads import compare_grads
+    from probekit.grads.compare.verdict import verdict_kind
+
+    cmp = compare_grads(ref, run, control=control, progress=False)
+    r = cmp.isel(rank=0)
+    step, param = int(r["first_step"]), str(r["first_param"].item())
+    kind, at_step, suspect = "", [], None
+    if step >= 0:
+        kind = KINDS.get(int(r["flag_kind"].sel(step=step, param=param)), "?")
+        row = r["flag"].sel(step=step)
+        at_step = [str(p) for p, f in zip(r["param"].values, row.values) if f]
+        modules = list(cmp.probekit.suspects()["module"])
+        suspect = next((i + 1 for i, m in enumerate(modules)
+                        if target and (m + ".").startswith(tuple(target))), None)
+    return {"verdict": verdict_kind(cmp), "step": step, "param": param, "kind": kind,
+            "flagged": int(np.asarray(r["flag"].values).sum()), "flagged_at_step": at_step,
+            "target_at_step": [p for p in at_step if target and p.startswith(tuple(target))],
+            "target_suspect_rank": suspect, "ranks": [int(x) for x in cmp["rank"].values],
+            "text": str(cmp).split("\n")[0]}
+
+
+def run_bug(name: str, root: str) -> dict:
+    """Record and judge one bug: reference, control, healthy twin and buggy run."""
+    bug = load(name)
+    if getattr(bug, "MEGATRON", False):
+        from benchmarks.silent_bugs import _megatron
+
+        _megatron.load()   # MegatronMissing says how to install it
+    out = os.path.join(root, name)
+    shutil.rmtree(out, ignore_errors=True)
+    seconds = {}
+    t0 = time.perf_counter()
+    bug.single(os.path.join(out, "reference"))
+    seconds["reference"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    bug.single(os.path.join(out, "control"), control=bug.CONTROL)
+    seconds["control"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    spawn(name, out, bug.WORLD)
+    seconds["distributed"] = time.perf_counter() - t0  # both runs, process start included
+    ref, ctrl = os.path.join(out, "reference"), os.path.join(out, "control")
+    res = {"name": name, "title": bug.TITLE, "source": bug.SOURCE, "layout": bug.LAYOUT,
+           "implementation": bug.IMPLEMENTATION, "world": bug.WORLD, "target": list(bug.TARGET),
+           "control": bug.CONTROL, "note": bug.NOTE, "onset": ONSET, "steps": STEPS,
+           "seconds": {k: round(v, 2) for k, v in seconds.items()}}
+    for twin in ("healthy", "buggy"):
+        run = os.path.join(out, twin)
+        t0 = time.perf_counter()
+        res[twin] = judge(ref, run, ctrl, bug.TARGET)
+        res[twin]["compare_s"] = round(time.perf_counter() - t0, 2)
+        res[twin]["replicas_probekit"] = replica_verdict(run)
+        res[twin]["replicas_harness"] = read_replicas(run)
+    res.update(assess(res))
+    return res
+
+
+def assess(res: dict) -> dict:
+    """Did the comparison (or the replica check) catch the bug, and did the healthy twin stay
+    quiet?"""
+    h, b = res["healthy"], res["buggy"]
+    def probekit_flag(r):
+        return bool(r["replicas_probekit"] and r["replicas_probekit"]["disagree"])
+
+    at_onset = (b["verdict"] == "beyond" and b["step"] == res["onset"]
+                and b["param"].startswith(tuple(res["target"])))
+    caught_by = b["kind"] if at_onset else ("replicas" if probekit_flag(b) else "")
+    healthy_ok = h["verdict"] == "within" and not probekit_flag(h)
+    return {"caught": bool(caught_by), "caught_by": caught_by, "healthy_ok": healthy_ok}
+
+
+BEGIN = "<!-- silent-bugs: written by bench_silent_bugs.py -->"
+END = "<!-- /silent-bugs -->"
+
+
+def render(rows: list, skipped: dict, notes: str) -> str:
+    """The RESULTS.md section: one row per bug."""
+    lines = [
+        BEGIN, "## Grad probe: public silent distributed-training bugs (issue 35)", "",
+        f"`python benchmarks/bench_silent_bugs.py` ({notes}). Each bug runs on CPU with gloo "
+        f"({', '.join(sorted({str(r['world']) for r in rows}))} processes), tiny models, "
+        f"{STEPS} AdamW steps, the bug switched on from step {ONSET}; its healthy twin is the "
+        "same layout without it. Both are recorded by the grad probe and compared with a "
+        "one-process fp32 reference and a control run of it (`compare_grads(reference, run, "
+        "control=...)`). *Caught by*: what flagged the first diverging parameter at the onset "
+        "step when it lies in the buggy module (signs / scale / NaN), else what happened. "
+        "*Replicas differ*: the harness's own check (digests of every replicated gradient "
+        "and parameter all-gathered each step), the ground truth for probekit's replica check, "
+        "which does not exist yet (`replica_verdict()` answers None). *Time*: reference, "
+        "control and both distributed runs (process start included) plus two comparisons, "
+        "seconds on this shared machine.", "",
+        "| bug | source | layout; what runs | caught by | step | parameter | healthy twin | "
+        "replicas differ (harness) | missed, and why | time |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, h = r["buggy"], r["healthy"]
+        caught = r["caught_by"] or ("nothing (within)" if b["verdict"] == "within" else (
+            f"{b['kind']}, another module first" if b["step"] == r["onset"]
+            else f"{b['kind']} from step {b['step']}"))
+        missed = []
+        if b["verdict"] == "beyond" and not r["caught"] and b["target_at_step"]:
+            missed.append(f"Named `{b['param']}` first; `{b['target_at_step'][0]}` flagged at "
+                          f"the same step, #{b['target_suspect_rank']} in `suspects()`.")
+        if r["note"]:
+            missed.append(r["note"])
+        rep = b.get("replicas_harness") or {}
+        replicas = (f"from step {rep['step']} (`{rep['param']}` {rep['what']}, ranks "
+                    f"{'/'.join(map(str, rep['ranks']))})" if rep.get("step", -1) >= 0 else "no")
+        hrep = h.get("replicas_harness") or {}
+        if hrep.get("step", -1) >= 0:
+            replicas += f"; healthy twin: from step {hrep['step']}"
+        twin = "within" if r["healthy_ok"] else f"{h['verdict']} at step {h['step']} `{h['param']}`"
+        total = sum(r["seconds"].values()) + h["compare_s"] + b["compare_s"]
+        lines.append(
+            f"| {r['title']} | [{_link(r['source'])}]({r['source']}) | {r['layout']}; "
+            f"{r['implementation']} | **{caught}** | {b['step'] if b['step'] >= 0 else '-'} | "
+            f"`{b['param'] or '-'}` | {twin} | {replicas} | {' '.join(missed) or '-'} | "
+            f"{total:.0f} |")
+    for name, why in skipped.items():
+        lines.append(f"| {name} | | | not run: {why} | | | | | | |")
+    n = len(rows)
+    differ = sum((r["buggy"].get("replicas_harness") or {}).get("step", -1) >= 0 for r in rows)
+    lines += ["", f"Caught at the onset in the buggy module: {sum(r['caught'] for r in rows)} "
+              f"of {n}; beyond at the onset step: "
+              f"{sum(r['buggy']['step'] == r['onset'] for r in rows)} of {n}; healthy twins "
+              f"within: {sum(r['healthy_ok'] for r in rows)} of {n}; replicas differ (harness): "
+              f"{differ} of {n}.", END]
+    return "\n".join(lines)
+
+
+def _link(url: str) -> str:
+    """``owner/repo#N`` (or ``owner/repo PR N``) for a GitHub link."""
+    parts = url.rstrip("/").split("/")
+    if "github.com" in url and len(parts) >= 7:
+        return f"{parts[3]}/{parts[4]}{' PR ' if parts[5] == 'pull' else '#'}{parts[6]}"
+    return url
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bugs", default=",".join(BUGS))
+    p.add_argument("--out", help="JSON file for the results")
+    p.add_argument("--dir", help="keep the recorded runs here (default: a temporary folder)")
+    p.add_argument("--results", help="RESULTS.md whose silent-bugs section is (re)written")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("probekit").setLevel(logging.ERROR)
+    from benchmarks.silent_bugs._megatron import MegatronMissing
+
+    root = args.dir or tempfile.mkdtemp(prefix="probekit-silent-")
+    rows, skipped = [], {}
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    for name in args.bugs.split(","):
+        try:
+            res = run_bug(name, root)
+        except MegatronMissing as exc:
+            skipped[name] = str(exc)
+            print(f"{name}: not run: {exc}", flush=True)
+            continue
+        rows.append(res)
+        print(json.dumps({k: res[k] for k in ("name", "caught", "caught_by", "healthy_ok")}),
+              "| buggy:", res["buggy"]["text"], "| healthy:", res["healthy"]["text"],
+              flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump({"rows": rows, "skipped": skipped}, fh, indent=1)
+    if args.results:
+        import torch
+
+        sys.path.insert(0, HERE)
+        from results_md import write_section
+
+        from benchmarks.silent_bugs._megatron import VERSION
+
+        notes = (f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, megatron-core "
+                 f"{VERSION}, {time.perf_counter() - t0:.0f} s in all; load average "
+                 f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+        write_section(args.results, render(rows, skipped, notes), BEGIN, END)
+    if args.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
