@@ -75,8 +75,9 @@ HF_TASKS = (("lm", "CAUSAL_LM"), ("lm", "MASKED_LM"), ("seq2seq", "SEQ_TO_SEQ_CA
 
 #: the known genuine defects of PyTorch's CPU kernels (issue 34 "Measured" 7, docs/
 #: free_benchmark.md, benchmarks/RESULTS.md): a row is one of them when its API is listed, the
-#: run computed in bf16 (bf16 weights or autocast), the stage matches, it came from the accuracy
-#: step (improve_precision) and the float64 analysis found the kernel inaccurate
+#: run computed in bf16 (bf16 weights or autocast), the stage matches and the float64 analysis
+#: found the kernel inaccurate (cause ``inaccurate``: the kernel against float64 on the call's
+#: inputs, whichever step's check flagged the call)
 KNOWN = (
     ("bf16 layer_norm backward", ("Functional.layer_norm", "Torch.layer_norm"), ("backward",)),
     ("bf16 batch_norm backward", ("Functional.batch_norm", "Torch.batch_norm"), ("backward",)),
@@ -584,6 +585,8 @@ def run_item(item: dict, steps: int = STEPS) -> dict:
                 r["identity"] = identity_of(ref, (model, losses, torch.get_rng_state()), fb)
                 r["seconds"] = time.perf_counter() - t2
                 rec["configs"].append(r)
+    if all("error" in v for v in rec["settings"].values()):   # it trains in no setting
+        rec.update(status="failed", error=next(iter(rec["settings"].values()))["error"])
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
@@ -692,8 +695,7 @@ def summary_line(rec: dict) -> str:
         e = rec.get("error", {})
         return f"FAILED ({e.get('where')}: {e.get('type')}: {str(e.get('message'))[:160]})"
     rows = sum(c.get("rows", 0) for c in rec["configs"])
-    other = sum(1 for c in rec["configs"] for f in c.get("findings", ())
-                if known_class(f, c["dtype"], c["stage"]) is None)
+    other = sum(1 for x in rows_of([rec]) if x["category"] != "known")
     ident = all(_identical(c) for c in rec["configs"] if "identity" in c)
     errs = [c for c in rec["configs"] if "error" in c] + [
         s for s in rec["settings"].values() if "error" in s]
@@ -711,14 +713,98 @@ def _identical(c: dict) -> bool:
 
 def known_class(row: dict, setting: str, stage: str):
     """The name of the known genuine defect a finding row is (``KNOWN``), else None."""
-    if setting == "fp32" or row.get("pert_mode") != "improve_precision" or \
-            row.get("cause") != "inaccurate":
+    if setting == "fp32" or row.get("cause") != "inaccurate":
         return None
     api = row["api_name"].rsplit(".", 2)[0]
     for name, apis, stages in KNOWN:
         if api in apis and stage in stages:
             return name
     return None
+
+
+#: the rows outside ``KNOWN`` analysed one class at a time (benchmarks/sweep_classes.md: each
+#: class with a standalone repro and its float64 numbers). ``category``: ``genuine`` (a kernel
+#: defect not in KNOWN), ``false`` (a probekit verdict or coverage defect), ``model`` (the
+#: computation is ill-conditioned as the sweep sized the model: a fix to the model). ``match``:
+#: the row fields a row of the class has, each a tuple of the accepted values (absent: any).
+#: Matched before ``KNOWN`` (a family's rows of another mechanism on a listed API)
+_KINKS = ("Functional.hardswish", "Functional.relu6", "Functional.hardtanh",
+          "Functional.hardsigmoid", "Functional.leaky_relu", "Torch.clamp", "Tensor.clamp",
+          "Torch.abs", "Tensor.abs")
+_BF16 = ("bf16", "autocast")
+ANALYSED = (
+    {"id": "A", "category": "false", "label": "autocast's cached cast of a parameter that "
+     "several calls use (probekit defect A)",
+     "match": {"family": ("coat", "albert"), "setting": ("autocast",), "stage": ("backward",),
+               "api": ("Functional.linear", "Torch.conv2d")}},
+    {"id": "K", "category": "false", "label": "a piecewise function's kink crossed by the "
+     "bit_noise nudge (backward)",
+     "match": {"api": _KINKS, "stage": ("backward",), "pert_mode": ("bit_noise",),
+               "cause": ("ill-conditioned",)}},
+    {"id": "I", "category": "false", "label": "resampling: fp32 source coordinates' rounding "
+     "(u |x_src| |dy/dx_src|) outside the bound",
+     "match": {"api": ("Functional.interpolate",), "setting": ("fp32", "autocast"),
+               "stage": ("forward",), "cause": ("inaccurate",)}},
+    {"id": "N", "category": "false", "label": "a norm over one element (LayerNorm(1)): exact "
+     "0, the kernel's u |x| rstd",
+     "match": {"family": ("csatv2",), "api": ("Functional.layer_norm",)}},
+    {"id": "M", "category": "false", "label": "norm statistics far above their spread: the "
+     "fp32 mean's rounding outside S, unseen by same-direction nudges",
+     "match": {"two_sample": (True,), "cause": ("inaccurate",), "setting": ("fp32",)}},
+    {"id": "M2", "category": "model", "label": "batch-norm statistics over 2 values (batch 2, "
+     "1x1 map): x - mean cancels",
+     "match": {"two_sample": (True,), "cause": ("ill-conditioned",)}},
+    {"id": "M3", "category": "genuine", "label": "bf16 batch_norm forward (training) rounds "
+     "the batch mean to bf16 before x - mean",
+     "match": {"two_sample": (True,), "cause": ("inaccurate",), "setting": _BF16,
+               "stage": ("forward",)}},
+    {"id": "U", "category": "false", "label": "subnormal results: the bound has no underflow "
+     "floor (softmax of scores 100-500 apart: exp(-100) = 3.7e-44)",
+     "match": {"family": ("swin_transformer", "cpmant"), "cause": ("inaccurate",),
+               "api": ("Tensor.__matmul__", "Torch.matmul", "Functional.linear",
+                       "Functional.softmax", "Tensor.__truediv__")}},
+    {"id": "Z", "category": "false", "label": "an exact zero under bit_noise (1 - mask of an "
+     "all-ones mask)",
+     "match": {"family": ("canine", "funnel"), "api": ("Tensor.__rsub__",),
+               "pert_mode": ("bit_noise",), "cause": ("ill-conditioned",)}},
+    {"id": "O", "category": "false", "label": "bit_noise moves a mask's finfo.min past the "
+     "finite range: a NaN/Inf mismatch of the perturbation's own making",
+     "match": {"pert_mode": ("bit_noise",), "kind": ("nan_inf",), "cause": ("unconfirmed",)}},
+    {"id": "F", "category": "model", "label": "sinusoidal position embeddings computed in bf16: "
+     "sin/cos of arguments whose last bit is worth radians",
+     "match": {"family": ("funnel",), "api": ("Torch.sin", "Torch.cos"), "setting": ("bf16",),
+               "cause": ("ill-conditioned",)}},
+    {"id": "C", "category": "genuine", "label": "oneDNN bf16 convolution: wrong results for "
+     "some shapes (up to 87 % of S)",
+     "match": {"api": ("Torch.conv1d", "Torch.conv2d", "Torch.conv3d"), "setting": _BF16,
+               "stage": ("forward",), "cause": ("inaccurate",)}},
+    {"id": "P", "category": "genuine", "label": "bf16 pooling backward sums in bf16",
+     "match": {"api": ("Functional.adaptive_avg_pool2d", "Functional.avg_pool2d",
+                       "Functional.adaptive_avg_pool1d", "Functional.avg_pool1d"),
+               "setting": _BF16, "stage": ("backward",), "cause": ("inaccurate",)}},
+    {"id": "H", "category": "genuine", "label": "bf16 SDPA backward sums dK/dV over query "
+     "blocks in bf16",
+     "match": {"api": ("Functional.scaled_dot_product_attention",), "setting": _BF16,
+               "stage": ("backward",), "cause": ("inaccurate",)}},
+    {"id": "BM", "category": "genuine", "label": "bf16 broadcast matmul backward: per-slice "
+     "bf16 products summed over the broadcast dims",
+     "match": {"family": ("gemma4_vit",), "api": ("Tensor.__matmul__",), "setting": _BF16,
+               "stage": ("backward",), "cause": ("inaccurate",)}},
+)
+
+
+def analysed_class(row: dict):
+    """The ``ANALYSED`` class of a flattened row (``rows_of``), else None."""
+    for cls in ANALYSED:
+        if all(row.get(k) in v for k, v in cls["match"].items()):
+            return cls
+    return None
+
+
+def ratio(row: dict) -> float:
+    """A row's ratio; pandas writes an infinite one (a NaN/Inf mismatch, a 0 threshold) as
+    null."""
+    return float("inf") if row.get("ratio") is None else row["ratio"]
 
 
 def load(results: str) -> list[dict]:
@@ -740,26 +826,57 @@ def rows_of(recs: list[dict]) -> list[dict]:
     for r in recs:
         for c in r.get("configs", ()):
             for f in c.get("findings", ()):
-                out.append({"library": r["library"], "family": r["family"],
-                            "model": r["spec"]["model"], "setting": c["dtype"],
-                            "stage": c["stage"], **f,
-                            "api": f["api_name"].rsplit(".", 2)[0],
-                            "known": known_class(f, c["dtype"], c["stage"])})
+                row = {"library": r["library"], "family": r["family"],
+                       "model": r["spec"]["model"], "setting": c["dtype"], "stage": c["stage"],
+                       **f, "api": f["api_name"].rsplit(".", 2)[0]}
+                out.append(row)
+    two = {(x["family"], x.get("call_site"), _shape(x)[1]) for x in out
+           if x["api"] == "Functional.batch_norm" and _two_sample(_shape(x))}
+    for x in out:
+        shape = _shape(x)
+        x["two_sample"] = x["api"] == "Functional.batch_norm" and (_two_sample(shape) or (
+            len(shape) == 1 and (x["family"], x.get("call_site"), shape[0]) in two))
+        cls = analysed_class(x)
+        known = None if cls else known_class(x, x["setting"], x["stage"])
+        x.update(known=known, cls=cls["id"] if cls else ("known" if known else "?"),
+                 category=cls["category"] if cls else ("known" if known else "unclassified"),
+                 label=cls["label"] if cls else (known or "unclassified"))
     return out
 
 
+def _shape(row: dict) -> tuple:
+    """A row's shape (``"(2, 192, 1, 1)"`` in the JSON) as a tuple of ints."""
+    return tuple(int(v) for v in re.findall(r"\d+", str(row.get("shape", ""))))
+
+
+def _two_sample(shape: tuple) -> bool:
+    """A batch norm's output or input gradient whose statistics are over 2 values per channel:
+    batch 2 and a 1x1 map (or no map)."""
+    return len(shape) >= 2 and shape[0] == 2 and all(v == 1 for v in shape[2:])
+
+
+CATEGORIES = ("known", "genuine", "model", "false", "unclassified")
+
+
 def render(recs: list[dict], wall: float | None = None) -> str:
+    for r in recs:   # results written before run_item marked a model that trains in no setting
+        sets = r.get("settings") or {}
+        if r.get("status") == "ok" and sets and all("error" in v for v in sets.values()):
+            r.update(status="failed", error=next(iter(sets.values()))["error"])
     ok = [r for r in recs if r.get("status") == "ok"]
     failed = [r for r in recs if r.get("status") != "ok"]
     rows = rows_of(recs)
-    other = [x for x in rows if x["known"] is None]
+    by_cat = {c: [x for x in rows if x["category"] == c] for c in CATEGORIES}
     heads = [f"{s} {st[:3]}" for s in SETTINGS for st in STAGES]
     lines = [f"{len(recs)} families ({sum(r['library'] == 'timm' for r in recs)} timm modules, "
              f"{sum(r['library'] == 'transformers' for r in recs)} transformers model types): "
              f"{len(ok)} built and trained, {len(failed)} not. "
-             f"{len(rows)} finding rows: {len(rows) - len(other)} of the known genuine "
-             f"defects, **{len(other)} other** (false or unexplained)."
-             + (f" Wall time {wall / 3600:.2f} h." if wall else ""), ""]
+             f"{len(rows)} finding rows: {len(by_cat['known'])} of the known genuine defects, "
+             f"**{len(rows) - len(by_cat['known'])} other**: {len(by_cat['genuine'])} of new "
+             f"genuine defects, {len(by_cat['model'])} of computations ill-conditioned as the "
+             f"sweep sizes the model, **{len(by_cat['false'])} false** "
+             f"(probekit verdict or coverage defects), {len(by_cat['unclassified'])} not "
+             f"classified." + (f" Wall time {wall / 3600:.2f} h." if wall else ""), ""]
     ident = [c for r in ok for c in r["configs"] if "identity" in c]
     broken = [(r["family"], c["dtype"], c["stage"]) for r in ok for c in r["configs"]
               if "identity" in c and not _identical(c)]
@@ -772,12 +889,14 @@ def render(recs: list[dict], wall: float | None = None) -> str:
               + (f"; **differs**: {', '.join('/'.join(b) for b in broken)}" if broken else "")
               + f". Probed runs that raised where the unprobed run did not: {len(cfg_err)}. "
               f"Settings the model cannot train in without the probe: {len(set_err)}.", ""]
-    lines += ["Rows per family (cells: finding rows, the known defects' in brackets; "
-              "`other`: rows that are not a known defect):", "",
+    lines += ["Rows per family (cells: finding rows, the known defects' in brackets; `other`: "
+              "rows that are not a known defect, `unclassified`: of those, the ones no class "
+              "below explains):", "",
               "| library | family | model | params | " + " | ".join(heads) +
-              " | other | checked | identity |",
-              "|---|---|---|---:|" + "---:|" * len(heads) + "---:|---:|---|"]
+              " | other | unclassified | checked | identity |",
+              "|---|---|---|---:|" + "---:|" * len(heads) + "---:|---:|---:|---|"]
     for r in ok:
+        mine = [x for x in rows if x["family"] == r["family"] and x["library"] == r["library"]]
         cells = []
         for s in SETTINGS:
             for st in STAGES:
@@ -788,30 +907,32 @@ def render(recs: list[dict], wall: float | None = None) -> str:
                 elif "error" in c:
                     cells.append("error")
                 else:
-                    k = sum(1 for f in c.get("findings", ()) if known_class(f, s, st))
+                    k = sum(1 for x in mine if x["setting"] == s and x["stage"] == st
+                            and x["category"] == "known")
                     cells.append(f"{c['rows']}" + (f" [{k}]" if k else ""))
-        n_other = sum(1 for x in other if x["family"] == r["family"]
-                      and x["library"] == r["library"])
+        n_other = sum(1 for x in mine if x["category"] != "known")
+        n_unc = sum(1 for x in mine if x["category"] == "unclassified")
         checked = sum(c.get("checked", 0) for c in r["configs"])
         ids = [c for c in r["configs"] if "identity" in c]
         lines.append(f"| {r['library']} | {r['family']} | {r['spec']['model']} | "
                      f"{r['spec']['params'] / 1e6:.2f}M | " + " | ".join(cells) +
-                     f" | {'**' + str(n_other) + '**' if n_other else 0} | {checked} | "
+                     f" | {n_other} | {'**' + str(n_unc) + '**' if n_unc else 0} | {checked} | "
                      f"{sum(_identical(c) for c in ids)}/{len(ids)} |")
-    lines += ["", "Rows by class (known genuine defects first):", "",
-              "| class | API | dtype | stage | pert_mode | cause | rows | families | worst × |",
-              "|---|---|---|---|---|---|---:|---|---:|"]
+    lines += ["", "Rows by class (`benchmarks/sweep_classes.md` has each class's repro):", "",
+              "| class | category | what | API | dtype | stage | pert_mode | cause | rows | "
+              "families | worst × |", "|---|---|---|---|---|---|---|---|---:|---|---:|"]
     groups: dict = {}
     for x in rows:
-        key = (x["known"] or "other", x["api"], x["setting"], x["stage"], x.get("pert_mode"),
-               x.get("cause"))
+        key = (CATEGORIES.index(x["category"]), x["cls"], x["label"], x["api"], x["setting"],
+               x["stage"], x.get("pert_mode"), x.get("cause"))
         groups.setdefault(key, []).append(x)
-    for key in sorted(groups, key=lambda k: (k[0] == "other", k)):
+    for key in sorted(groups, key=lambda k: tuple(str(v) for v in k)):
         g = groups[key]
         fams = sorted({x["family"] for x in g})
-        lines.append(f"| {key[0]} | `{key[1]}` | {key[2]} | {key[3]} | {key[4]} | {key[5]} | "
-                     f"{len(g)} | {', '.join(fams[:6])}{' +' + str(len(fams) - 6) if len(fams) > 6 else ''}"
-                     f" | {max(x['ratio'] for x in g):.3g} |")
+        more = f" +{len(fams) - 6}" if len(fams) > 6 else ""
+        lines.append(f"| {key[1]} | {CATEGORIES[key[0]]} | {key[2]} | `{key[3]}` | {key[4]} | "
+                     f"{key[5]} | {key[6]} | {key[7]} | {len(g)} | {', '.join(fams[:6])}{more} "
+                     f"| {max(ratio(x) for x in g):.3g} |")
     lines += ["", "Not built or not run (the step that failed, the exception):", "",
               "| library | family | where | error |", "|---|---|---|---|"]
     for r in failed:
@@ -826,9 +947,6 @@ def render(recs: list[dict], wall: float | None = None) -> str:
         msg = " ".join(str(e.get("message", "")).split())[:220].replace("|", "\\|")
         lines.append(f"| | {fam} ({s} {st}, probed only) | {e['where']} | {e['type']}: {msg} |")
     return "\n".join(lines)
-
-
-SECTION = "### Free benchmark swept over whole model libraries (issue 34, point 7)"
 
 
 def report(results: str, md: str | None = None, wall: float | None = None,
