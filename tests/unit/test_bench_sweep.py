@@ -122,3 +122,23 @@ def test_resume_skips_done_items_and_records_failures(tmp_path):
     open(marker, "w").close()
     assert B.drive(res, "timm", 0, 1, timeout=60, python="/nonexistent") == 0
     assert not os.path.exists(marker)
+
+
+def test_analysed_classes_come_before_the_known_list():
+    def f(api, shape, cause="ill-conditioned", mode="bit_noise", site="norm_act.py:136"):
+        return {"api_name": f"{api}.0.backward", "shape": shape, "cause": cause, "pert_mode": mode,
+                "call_site": site, "ratio": None, "kind": "rel_error"}
+    rec = {"library": "timm", "family": "inception_v3", "spec": {"model": "m"}, "configs": [
+        {"dtype": "bf16", "stage": "backward", "findings": [
+            f("Functional.batch_norm", "(2, 192, 1, 1)"),            # 2 values per channel
+            f("Functional.batch_norm", "(192,)"),                    # its weight gradient
+            f("Functional.batch_norm", "(64,)"),                     # another layer's
+            f("Functional.batch_norm", "(64,)", cause="inaccurate", mode="improve_precision")]}]}
+    csat = {"library": "timm", "family": "csatv2", "spec": {"model": "c"}, "configs": [
+        {"dtype": "bf16", "stage": "backward", "findings": [
+            f("Functional.layer_norm", "(1,)", cause="inaccurate", mode="improve_precision")]}]}
+    rows = B.rows_of([rec, csat])
+    assert [(x["two_sample"], x["cls"], x["category"]) for x in rows] == [
+        (True, "M2", "model"), (True, "M2", "model"), (False, "?", "unclassified"),
+        (False, "known", "known"), (False, "N", "false")]
+    assert B.ratio(rows[0]) == float("inf")
