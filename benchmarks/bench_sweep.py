@@ -487,15 +487,27 @@ def hf_spec(item: dict) -> tuple[dict, list]:
     return {"model": item["cls"], "overrides": overrides, "params": n}, []
 
 
-def factory(item: dict, spec: dict):
-    """``(make(setting) -> fresh model in training mode, seeded; batch(kind, gen))``."""
+def _seed() -> None:
+    """Seed every generator a model may draw from: torch's, and numpy's and Python's (the
+    SpecAugment masks of HuBERT and Data2Vec-Audio in training are drawn with ``np.random``), so
+    the unprobed and the probed run of a model see the same draws."""
+    import random
+
+    import numpy as np
     import torch
 
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+
+
+def factory(item: dict, spec: dict):
+    """``(make(setting) -> fresh model in training mode, seeded; batch(kind, gen))``."""
     if item["library"] == "timm":
         import timm
 
         def make(setting):
-            torch.manual_seed(0)
+            _seed()
             net = timm.create_model(spec["model"], pretrained=False, num_classes=4,
                                     **spec["kwargs"])
             return _cast(_classifier(net).train(), setting)
@@ -506,7 +518,7 @@ def factory(item: dict, spec: dict):
     cls = getattr(transformers, item["cls"])
 
     def make(setting):
-        torch.manual_seed(0)
+        _seed()
         return _cast(cls(cfg_cls(**spec["overrides"])).train(), setting)
     return make, hf_batch(item["task"], cfg_cls(**spec["overrides"]))
 
@@ -773,6 +785,11 @@ ANALYSED = (
     {"id": "F", "category": "model", "label": "sinusoidal position embeddings computed in bf16: "
      "sin/cos of arguments whose last bit is worth radians",
      "match": {"family": ("funnel",), "api": ("Torch.sin", "Torch.cos"), "setting": ("bf16",),
+               "cause": ("ill-conditioned",)}},
+    {"id": "L", "category": "model", "label": "bf16 computations that cancel or amplify by "
+     "design: a softmax over scores of +-260 (CPM-Ant), lambda_1 - lambda_2 (DiffLlama)",
+     "match": {"family": ("cpmant", "diffllama"), "api": ("Functional.softmax", "Tensor.__sub__"),
+               "setting": _BF16, "stage": ("forward",), "pert_mode": ("bit_noise",),
                "cause": ("ill-conditioned",)}},
     {"id": "C", "category": "genuine", "label": "oneDNN bf16 convolution: wrong results for "
      "some shapes (up to 87 % of S)",
