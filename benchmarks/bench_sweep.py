@@ -747,7 +747,10 @@ _BF16 = ("bf16", "autocast")
 ANALYSED = (
     {"id": "A", "category": "false", "label": "autocast's cached cast of a parameter that "
      "several calls use (probekit defect A)",
-     "match": {"family": ("coat", "albert"), "setting": ("autocast",), "stage": ("backward",),
+     "match": {"family": ("coat", "albert", "neomme", "pegasus_x", "sew-d", "t5gemma2",
+                          "prophetnet", "hrm_text"),
+               "setting": ("autocast",),
+               "stage": ("backward",),
                "api": ("Functional.linear", "Torch.conv2d")}},
     {"id": "K", "category": "false", "label": "a piecewise function's kink crossed by the "
      "bit_noise nudge (backward)",
@@ -766,6 +769,10 @@ ANALYSED = (
     {"id": "M2", "category": "model", "label": "batch-norm statistics over 2 values (batch 2, "
      "1x1 map): x - mean cancels",
      "match": {"two_sample": (True,), "cause": ("ill-conditioned",)}},
+    {"id": "M4", "category": "model", "label": "bf16 batch-norm channels whose spread is about "
+     "one bf16 ulp of their mean",
+     "match": {"family": ("mobilevitv2",), "api": ("Functional.batch_norm",), "setting": _BF16,
+               "cause": ("ill-conditioned",)}},
     {"id": "M3", "category": "genuine", "label": "bf16 batch_norm forward (training) rounds "
      "the batch mean to bf16 before x - mean",
      "match": {"two_sample": (True,), "cause": ("inaccurate",), "setting": _BF16,
@@ -776,12 +783,18 @@ ANALYSED = (
                "api": ("Tensor.__matmul__", "Torch.matmul", "Functional.linear",
                        "Functional.softmax", "Tensor.__truediv__")}},
     {"id": "Z", "category": "false", "label": "an exact zero under bit_noise (1 - mask of an "
-     "all-ones mask)",
-     "match": {"family": ("canine", "funnel"), "api": ("Tensor.__rsub__",),
+     "all-ones mask; x - max(x, c) of bit-identical operands; log(1))",
+     "match": {"family": ("canine", "funnel", "pegasus_x", "rwkv", "layoutlm", "markuplm",
+                          "switch_transformers", "ministral3"),
+               "api": ("Tensor.__rsub__", "Tensor.__sub__", "Torch.log"),
                "pert_mode": ("bit_noise",), "cause": ("ill-conditioned",)}},
     {"id": "O", "category": "false", "label": "bit_noise moves a mask's finfo.min past the "
      "finite range: a NaN/Inf mismatch of the perturbation's own making",
      "match": {"pert_mode": ("bit_noise",), "kind": ("nan_inf",), "cause": ("unconfirmed",)}},
+    {"id": "O2", "category": "false", "label": "fp32 finfo.min + finfo.min overflows to -inf, "
+     "the float64 re-run does not: a NaN/Inf row of the upcast's wider range",
+     "match": {"family": ("gpt_neo",), "api": ("Tensor.__add__",), "kind": ("nan_inf",),
+               "pert_mode": ("improve_precision",)}},
     {"id": "F", "category": "model", "label": "sinusoidal position embeddings computed in bf16: "
      "sin/cos of arguments whose last bit is worth radians",
      "match": {"family": ("funnel",), "api": ("Torch.sin", "Torch.cos"), "setting": ("bf16",),
@@ -936,20 +949,20 @@ def render(recs: list[dict], wall: float | None = None) -> str:
                      f" | {n_other} | {'**' + str(n_unc) + '**' if n_unc else 0} | {checked} | "
                      f"{sum(_identical(c) for c in ids)}/{len(ids)} |")
     lines += ["", "Rows by class (`benchmarks/sweep_classes.md` has each class's repro):", "",
-              "| class | category | what | API | dtype | stage | pert_mode | cause | rows | "
-              "families | worst × |", "|---|---|---|---|---|---|---|---|---:|---|---:|"]
+              "| class | category | what | API | dtype | stage | pert_mode | kind | cause | rows | "
+              "families | worst × |", "|---|---|---|---|---|---|---|---|---|---:|---|---:|"]
     groups: dict = {}
     for x in rows:
         key = (CATEGORIES.index(x["category"]), x["cls"], x["label"], x["api"], x["setting"],
-               x["stage"], x.get("pert_mode"), x.get("cause"))
+               x["stage"], x.get("pert_mode"), x.get("kind"), x.get("cause"))
         groups.setdefault(key, []).append(x)
     for key in sorted(groups, key=lambda k: tuple(str(v) for v in k)):
         g = groups[key]
         fams = sorted({x["family"] for x in g})
         more = f" +{len(fams) - 6}" if len(fams) > 6 else ""
         lines.append(f"| {key[1]} | {CATEGORIES[key[0]]} | {key[2]} | `{key[3]}` | {key[4]} | "
-                     f"{key[5]} | {key[6]} | {key[7]} | {len(g)} | {', '.join(fams[:6])}{more} "
-                     f"| {max(ratio(x) for x in g):.3g} |")
+                     f"{key[5]} | {key[6]} | {key[7]} | {key[8]} | {len(g)} | "
+                     f"{', '.join(fams[:6])}{more} | {max(ratio(x) for x in g):.3g} |")
     lines += ["", "Not built or not run (the step that failed, the exception):", "",
               "| library | family | where | error |", "|---|---|---|---|"]
     for r in failed:
