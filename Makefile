@@ -4,8 +4,10 @@
 #   make demo   - same set-up, then run the main job headless; outputs under demo_out/, and the
 #                 README's snippets, whose pictures it redraws in docs/img/
 #   make docs   - only the README's snippets and pictures
-#   make bench  - also create .venv-msprobe (mindstudio-probe 1.0.4) and .venv-megatron-core
-#                 (megatron-core 0.16.1, for the silent-bug corpus) and run the benchmarks
+#   make bench  - also create .venv-msprobe (mindstudio-probe 1.0.4), .venv-megatron-core
+#                 (megatron-core 0.16.1, for the silent-bug corpus) and .venv-sweep (timm's stack:
+#                 torch 2.14.1 + torchvision 0.29.1) and run the benchmarks, the library sweep
+#                 (benchmarks/bench_sweep.py) among them
 #   make test also creates .venv-mindspore (MindSpore's CPU wheel, numpy < 2, torch, probekit)
 #   and runs tests/mindspore there
 #   make lab    - open JupyterLab on notebooks/
@@ -14,6 +16,10 @@ PYTHON ?= python3
 VENV ?= .venv
 MSPROBE_VENV ?= .venv-msprobe
 MINDSPORE_VENV ?= .venv-mindspore
+# benchmarks/bench_sweep.py's timm half: timm imports torchvision, whose PyPI build does not load
+# beside the CPU torch of .venv, so it gets a venv of its own with a matching pair
+SWEEP_VENV ?= .venv-sweep
+SWEEP_TORCH ?= torch==2.14.1 torchvision==0.29.1
 # the one tested; its wheel is built against numpy 1.x (hence numpy<2 in probekit's mindspore extra)
 MINDSPORE ?= mindspore==2.10.0
 TORCH ?= torch==2.13.0
@@ -52,6 +58,13 @@ $(MINDSPORE_VENV)/.installed: pyproject.toml setup.py
 	$(MINDSPORE_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
 	$(MINDSPORE_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[mindspore]" \
 	  "$(MINDSPORE)" pytest pytest-timeout
+	touch $@
+
+$(SWEEP_VENV)/.installed: pyproject.toml setup.py
+	test -x $(SWEEP_VENV)/bin/python || $(PYTHON) -m venv $(SWEEP_VENV)
+	$(SWEEP_VENV)/bin/python -m pip --disable-pip-version-check -q install -U pip
+	$(SWEEP_VENV)/bin/python -m pip --disable-pip-version-check -q install $(SWEEP_TORCH)
+	$(SWEEP_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[bench]"
 	touch $@
 
 chromium:
@@ -93,8 +106,9 @@ docs: $(VENV)/.installed
 	$(PY) -m probekit.demo --out demo_out --pictures docs/img --no-notebooks
 
 bench: $(VENV)/.installed $(MSPROBE_VENV)/.installed $(MINDSPORE_VENV)/.installed \
-  $(MEGATRON_DIR)/.installed
-	$(PY) benchmarks/run.py --msprobe-python $(MSPROBE_VENV)/bin/python
+  $(MEGATRON_DIR)/.installed $(SWEEP_VENV)/.installed
+	$(PY) benchmarks/run.py --msprobe-python $(MSPROBE_VENV)/bin/python \
+	  --sweep-timm-python $(SWEEP_VENV)/bin/python
 	$(MINDSPORE_VENV)/bin/python benchmarks/bench_mindspore.py --out bench_out/mindspore.json \
 	  --results benchmarks/RESULTS.md
 	PROBEKIT_MEGATRON_CORE=$(CURDIR)/$(MEGATRON_DIR) $(PY) benchmarks/bench_silent_bugs.py \

@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import struct
 import sys
 import tempfile
 import time
@@ -145,7 +146,8 @@ def _record(kind, setting, mode, stage, dropout, fb) -> dict:
             out["apis"][name] = {"rows": int(len(g)), "max_ratio": float(g["ratio"].max()),
                                  "causes": sorted(set(g["cause"].fillna("")))}
         cols = [c for c in ("api_name", "ratio", "cause", "dtype", "shape", "max_rel",
-                            "threshold") if c in res.columns]
+                            "threshold", "pert_mode", "step", "output_index", "kind", "max_abs",
+                            "call_site") if c in res.columns]
         out["findings"] = json.loads(res[cols].to_json(orient="records"))
     hot = fb.hotspots
     out["hotspots"] = int(len(hot))
@@ -173,16 +175,25 @@ def identity(kind, setting, mode, stage, steps, dump) -> dict:
     losses = unseen_train(model, kind, setting, steps=steps, probe=fb)
     rng = torch.get_rng_state()
     rec = _record(kind, setting, mode, stage, True, fb)
-    same_loss = ref_losses == losses
+    rec["identity"] = identity_of((ref_model, ref_losses, ref_rng), (model, losses, rng), fb)
+    return rec
+
+
+def identity_of(ref, probed, fb) -> dict:
+    """Bit-identity of a probed run against an unprobed one, each ``(model, losses, rng state
+    after the steps)``: the losses and every parameter compared by their bits (two equal NaNs
+    are equal), and the global RNG state."""
+    (ref_model, ref_losses, ref_rng), (model, losses, rng) = ref, probed
+    bits = lambda xs: [struct.pack("<d", float(x)) for x in xs]   # noqa: E731
+    raw = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)   # noqa: E731
     diff_params = [n for (n, a), (_, b) in zip(ref_model.named_parameters(),
                                                 model.named_parameters())
-                   if not torch.equal(a, b)]
-    rec["identity"] = {"losses_equal": same_loss, "params_differing": diff_params,
-                       "n_params": sum(1 for _ in model.parameters()),
-                       "rng_equal": bool(torch.equal(ref_rng, rng)),
-                       "losses": [float(x) for x in losses],
-                       "replayed": int(fb.summary.get("replayed", 0))}
-    return rec
+                   if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(raw(a), raw(b))]
+    return {"losses_equal": bits(ref_losses) == bits(losses), "params_differing": diff_params,
+            "n_params": sum(1 for _ in model.parameters()),
+            "rng_equal": bool(torch.equal(ref_rng, rng)),
+            "losses": [float(x) for x in losses],
+            "replayed": int(fb.summary.get("replayed", 0))}
 
 
 def main(argv=None) -> int:

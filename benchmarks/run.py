@@ -136,6 +136,34 @@ def zoo(pk: str, tmp: str, quick: bool) -> str:
         res["markdown"]])
 
 
+def sweep(pk: str, timm_python: str, quick: bool) -> str:
+    """The free benchmark over whole model libraries (issue 34, point 7): rows per family, dtype
+    and stage, the known defects apart, what could not be built. Results are kept per commit
+    in bench_out/sweep-<commit>/ (an interrupted sweep resumes; delete it to run again)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip() or "nogit"
+    results = os.path.join(ROOT, "bench_out", f"sweep-{commit}{'-quick' if quick else ''}")
+    md = os.path.join(results, "sweep.md")
+    only = ["--only", "timm.resnet,timm.vision_transformer,transformers.gpt2"] if quick else []
+    proc = subprocess.run([pk, os.path.join(HERE, "bench_sweep.py"), "all", "--results", results,
+                           "--python-timm", timm_python, "--md", md, *only], text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_sweep failed (exit status {proc.returncode})")
+    with open(md) as fh:
+        body = fh.read().strip()
+    return "\n".join([
+        "## Free benchmark: whole model libraries", "",
+        "`python benchmarks/bench_sweep.py all`: one model per timm architecture module (the "
+        "smallest that trains at 64-224 px) and every transformers model type with an LM, "
+        "classification, CTC or seq2seq head (config shrunk: width 64, 2 layers, vocabulary "
+        "256), random init; 2 SGD steps, batch 2, in fp32, bf16 and bf16 autocast; "
+        "`pert_mode=\"combined\"` (step 0 improve_precision, step 1 bit_noise), forward and "
+        "backward stage; every probed run compared bit for bit with an unprobed one. timm runs "
+        "in .venv-sweep (torch 2.14.1: timm needs torchvision), transformers in .venv.", "",
+        body])
+
+
 def models(pk: str, tmp: str, quick: bool) -> dict:
     args = ["--steps", "3", "--layers", "2", "--width", "64"] if quick else []
     return run_json(pk, [os.path.join(HERE, "bench_models.py"), *args], tmp, "models")
@@ -209,7 +237,8 @@ def targets(hooks, cmp) -> list[str]:
     return out
 
 
-def render(hooks, cmp, fb, args, notes, model_md=None, kept="", zoo_md="") -> str:
+def render(hooks, cmp, fb, args, notes, model_md=None, kept="", zoo_md="",
+           sweep_md="") -> str:
     lines = [
         "# probekit benchmarks", "",
         f"Produced by `{args.command}` on {datetime.date.today().isoformat()}.", "",
@@ -253,6 +282,8 @@ def render(hooks, cmp, fb, args, notes, model_md=None, kept="", zoo_md="") -> st
             lines += ["", fb["costs"]]
     if zoo_md:
         lines += ["", zoo_md]
+    if sweep_md:
+        lines += ["", sweep_md]
     if model_md:
         lines += ["", "## Real models (Hugging Face transformers, random weights)", "", model_md]
     lines += ["", "## Targets", "", *targets(hooks, cmp),
@@ -268,6 +299,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-freebench", action="store_true")
+    parser.add_argument("--sweep-timm-python",
+                        help="the interpreter of .venv-sweep (timm); without it no library sweep")
     args = parser.parse_args(argv)
     args.command = "make bench" if not args.quick else "python benchmarks/run.py --quick"
     pk = sys.executable
@@ -285,7 +318,8 @@ def main(argv=None) -> int:
         fb["costs"] = freebench_costs(pk, args.quick)
     model_md = models(pk, tmp, args.quick)["markdown"]
     zoo_md = zoo(pk, tmp, args.quick)
-    text = render(hooks, cmp, fb, args, notes, model_md, kept_notes(args.out), zoo_md)
+    sweep_md = sweep(pk, args.sweep_timm_python, args.quick) if args.sweep_timm_python else ""
+    text = render(hooks, cmp, fb, args, notes, model_md, kept_notes(args.out), zoo_md, sweep_md)
     with open(args.out, "w") as fh:
         fh.write(text)
     print(f"written {args.out}")
