@@ -187,6 +187,7 @@ def _assemble(runs: dict, names: list, pieces: dict, label: int):
             data["dist"] = (("step", "param", "interval"), d)
     if hashes is not None:
         data["hash"] = (("step", "param"), hashes.astype(str))
+    data.update(_replica_vars(runs, names, pieces, shard_values, n_steps))
     coords = {"step": steps, "param": np.array(names, dtype=str), "numel": ("param", numels),
               "shape": ("param", np.array([_global_shape(pieces[n], runs) for n in names],
                                           dtype=str))}
@@ -208,11 +209,63 @@ def _assemble(runs: dict, names: list, pieces: dict, label: int):
                      for name, o, n in zip(names, offsets, nbits)],
                     fill=255 if var == "significant" else 0)
                 data[var] = bits_variable(("step", "byte"), bits, steps)
-    attrs = {k: v for k, v in first.attrs.items() if k != "placement"}
+    attrs = {k: v for k, v in first.attrs.items() if k not in ("placement", "replica_check")}
+    check = _replica_attrs(runs, names, pieces)
+    if check is not None:
+        attrs["replica_check"] = check
     attrs.update(rank=int(label), committed_steps=int(n_steps), assembled_from=list(used))
     if per_shard_hash:
         attrs["hash_per_shard"] = per_shard_hash
     return xr.Dataset(data, coords=coords, attrs=attrs)
+
+
+def _replica_vars(runs, names, pieces, shard_values, n_steps) -> dict:
+    """The replica check's variables of full parameters: a parameter's replicas disagree where
+    a shard's do (codes OR-ed; the lowest differing rank; the largest gap); none when no shard
+    group holds them."""
+    holders = [r for r in runs if "replicas" in runs[r]]
+    if not holders:
+        return {}
+    p = len(names)
+    code = np.zeros((n_steps, p), np.uint8)
+    other = np.full((n_steps, p), -1, np.int64)
+    gap = np.full((n_steps, p), np.nan)
+    for k, name in enumerate(names):
+        for r, j, _ in pieces[name]:
+            if "replicas" not in runs[r]:
+                continue
+            code[:, k] |= shard_values("replicas", r, j).astype(np.uint8)
+            o = shard_values("replica_rank", r, j).astype(np.int64)
+            other[:, k] = np.where((other[:, k] < 0) | ((o >= 0) & (o < other[:, k])), o,
+                                   other[:, k])
+            with np.errstate(invalid="ignore"):
+                gap[:, k] = np.fmax(gap[:, k], shard_values("replica_gap", r, j))
+    return {"replicas": (("step", "param"), code), "replica_rank": (("step", "param"), other),
+            "replica_gap": (("step", "param"), gap)}
+
+
+def _replica_attrs(runs, names, pieces):
+    """``replica_check`` of full parameters: each one's label from its first shard's group."""
+    checks = {r: _as_dict(runs[r].attrs.get("replica_check")) for r in runs}
+    if not any(checks.values()):
+        return None
+    base = next(c for c in checks.values() if c)
+    labels = []
+    for name in names:
+        label = None
+        for r, j, _ in pieces[name]:
+            got = (checks.get(r) or {}).get("labels") or []
+            if j < len(got) and got[j]:
+                label = got[j]
+                break
+        labels.append(label)
+    return json.dumps(dict(base, labels=labels))
+
+
+def _as_dict(value):
+    if isinstance(value, str):
+        return json.loads(value)
+    return dict(value) if value else None
 
 
 def _piece(runs, r, j, place, sample: int = 0):
