@@ -138,9 +138,18 @@ def replica_disagreements(run, *, storage_options=None):
     is read group by group, only these arrays (every segment of a restarted store)."""
     if not isinstance(run, (str, os.PathLike)):
         return from_datasets(run)
+    from ...errors import GradStoreError
+    from . import msprobe
+
     fs, path = location(run, storage_options)
+    if not fs.remote and os.path.isdir(path) and msprobe.is_grad_dump(path):
+        return _frame([])  # msprobe's dumps hold no replica check
+    try:
+        segs = segments(path, fs=fs, shards=True)
+    except GradStoreError:
+        return _frame([])  # not a store: the reader that opens it says what it is
     rows = []
-    for seg in segments(path, fs=fs, shards=True):
+    for seg in segs:
         for rank, group in seg.groups.items():
             attrs = seg.attrs.get(rank) or {}
             if attrs.get("replica_check") is None:
