@@ -53,6 +53,12 @@ class Unsupported(Exception):
     """A layout the range planner does not handle (the comparison reads Datasets instead)."""
 
 
+class AmbiguousRuns(GradCompareError):
+    """Several runs of one recording that are neither copies nor disjoint parts of one model
+    (``pair_labels``). The planner hands such a recording to the Dataset path (which assembles
+    shards the planner keeps apart, and says this if they still are)."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _shape(text: str) -> tuple:
     value = ast.literal_eval(text)
@@ -351,9 +357,10 @@ def pair_labels(labels_a, labels_b, ranks=None, names_a=None, names_b=None) -> t
     none = {"first": [], "second": []}
     if len(labels_a) == 1 and len(labels_b) == 1:
         return [(labels_a[0], labels_b[0])], none
-    kind_a = _kind(labels_a, names_a, "first")
-    kind_b = _kind(labels_b, names_b, "second")
-    if len(labels_b) == 1 or len(labels_a) == 1:
+    strict = len(labels_a) == 1 or len(labels_b) == 1  # one against several: must be clear
+    kind_a = _kind(labels_a, names_a, "first", strict)
+    kind_b = _kind(labels_b, names_b, "second", strict)
+    if strict:
         one, many, kind = ((labels_b[0], labels_a, kind_a) if len(labels_b) == 1
                            else (labels_a[0], labels_b, kind_b))
         if kind == "disjoint":
@@ -382,9 +389,10 @@ def pair_label(la, lb, n_a: int, n_b: int) -> int:
     return min(x) if isinstance(x, tuple) else x
 
 
-def _kind(labels, names, which: str) -> str:
+def _kind(labels, names, which: str, strict: bool = True) -> str:
     """How several runs of one recording relate by their parameters: "disjoint" (pipeline
-    stages: compared as one), "same" (copies), or an error naming the overlap."""
+    stages: compared as one), "same" (copies), or (``strict``) an error naming the overlap;
+    not ``strict``: "mixed" instead."""
     if names is None or len(labels) < 2:
         return "same"
     sets = [set(names[x]) for x in labels]
@@ -397,15 +405,17 @@ def _kind(labels, names, which: str) -> str:
                 overlap = (x, y, sorted(sx & sy)[0], sx == sy)
     if overlap is None:
         return "disjoint"
+    if not strict:
+        return "mixed"
     ra, rb, name, same = overlap
     if same:
-        raise GradCompareError(
+        raise AmbiguousRuns(
             f"the {which} run's ranks {ra} and {rb} record the same parameters (copies) while "
             "others record other parameters (pipeline stages): a mix this comparison cannot "
             "pair on its own; pick the ranks of one copy with ranks=[...]")
     only_a = sorted(set(names[ra]) - set(names[rb]))[:2]
     only_b = sorted(set(names[rb]) - set(names[ra]))[:2]
-    raise GradCompareError(
+    raise AmbiguousRuns(
         f"the {which} run's ranks {ra} and {rb} record overlapping but different parameters "
         f"(both hold {name!r}; rank {ra} also {only_a}, rank {rb} also {only_b}), so they are "
         "neither copies of one model nor parts of one: pipeline stages recorded with their "
@@ -465,7 +475,10 @@ def plan(run_a: list, run_b: list, *, ranks=None, block_bytes: int = 8 << 20,
             raise GradCompareError(f"the {'first' if not labels[0] else 'second'} run holds no "
                                    "committed step")
         names = [_label_names(side, rename) for side in sides]
-        pairs, unpaired = pair_labels(labels[0], labels[1], ranks, names[0], names[1])
+        try:
+            pairs, unpaired = pair_labels(labels[0], labels[1], ranks, names[0], names[1])
+        except AmbiguousRuns as exc:
+            raise Unsupported(str(exc)) from None
         out = []
         for la, lb in pairs:
             mine = []
