@@ -448,7 +448,7 @@ class GradProbe:
         (``no_grad``); ``str()`` of it is the line ``stop()`` logs."""
         check = self._replicas or None
         replicas = None if check is None else {
-            "checked": len({name for _, name in check.labels}), "disagree": check.events()}
+            "checked": check.checked, "disagree": check.events()}
         return probe_summary(self._writer, len(self.param_names),
                              no_grad=int((~self._had_grad).sum()), replicas=replicas)
 

@@ -269,6 +269,9 @@ class ReplicaCheck:
                 members.setdefault(key, []).append((r, slot))
                 labels.setdefault(key, (label, name))
         self.keys = sorted(k for k, m in members.items() if len(m) > 1)
+        # the parameters checked anywhere (a tied group's every name)
+        self.checked = len({name for t in tables for key, _, name in t["pieces"]
+                            if len(members[key]) > 1})
         self.labels = [labels[k] for k in self.keys]
         self.slots = max((len(t["pieces"]) for t in tables), default=0)
         key_index = {k: j for j, k in enumerate(self.keys)}
