@@ -284,14 +284,17 @@ class GradProbe:
         table = rep.table(mine, self._monitored, section.tied, section.check_replicas,
                           layout=own)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        tables = rep.exchange(str(self.dump_path), table) if world > 1 else [table]
-        self._rec_index = {id(p): i for i, p in enumerate(self._params)}
+        tables = rep.exchange(table) if world > 1 else [table]
         if tables is None:  # some rank came not: each its own (the warning said so)
             self._job_key, self._replicas = own, None
             return
         keys = [t["layout"] for t in tables]
         self._job_key = own if len(set(keys)) == 1 else layout_key({"ranks": keys})
         self._replicas = rep.ReplicaCheck.build(mine, tables, self._monitored, section.tied)
+        if self._replicas is not None:  # each piece's position in the recorded parameters
+            rec = {id(p): i for i, p in enumerate(self._params)}
+            self._piece_rec = np.array([rec.get(id(p), -1) for p in self._replicas.params],
+                                       np.int64)
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -691,17 +694,22 @@ class GradProbe:
         ``replica_gap``). The gradients' max and min come from ``stats`` where it holds them
         (``grad_point="step"``, taken at this step: ``live``)."""
         check = self._replicas
-        at_step = self.config.grad_probe.grad_point == "step"
-        grads, known = [], []
+        grads = []
         for p in check.params:
             g = self._grad_of(p)
             if g is not None and is_dtensor(g):
                 g = g.to_local() if tuple(g.placements) == tuple(p.placements) else "partial"
             grads.append(g)
-            i = self._rec_index.get(id(p))
-            ok = (stats is not None and at_step and i is not None and i in live
-                  and bool(stats.present[i]) and not isinstance(g, str))
-            known.append((float(stats.max[i]), float(stats.min[i])) if ok else None)
+        rec = self._piece_rec
+        known = None
+        if stats is not None and self.config.grad_probe.grad_point == "step" and rec.size:
+            held = rec >= 0
+            at = np.where(held, rec, 0)
+            took = np.zeros(len(self._params), bool)
+            took[list(live)] = True
+            have = held & took[at] & np.asarray(stats.present, bool)[at] & np.array(
+                [not isinstance(g, str) for g in grads], bool)
+            known = (have, np.asarray(stats.max)[at], np.asarray(stats.min)[at])
         got = check.run(optimizer, grads, known)
         if stats is None:
             return
@@ -709,12 +717,10 @@ class GradProbe:
         stats.replicas = np.zeros(n, np.uint8)
         stats.replica_rank = np.full(n, -1, np.int64)
         stats.replica_gap = np.full(n, np.nan)
-        for k, p in enumerate(check.params):
-            i = self._rec_index.get(id(p))
-            if i is not None and got["code"][k]:
-                stats.replicas[i] = got["code"][k]
-                stats.replica_rank[i] = got["other"][k]
-                stats.replica_gap[i] = got["gap"][k]
+        on = (rec >= 0) & (got["code"] > 0)
+        stats.replicas[rec[on]] = got["code"][on]
+        stats.replica_rank[rec[on]] = got["other"][on]
+        stats.replica_gap[rec[on]] = got["gap"][on]
 
     def _no_grad_message(self, idx) -> str:
         """The warning for an optimizer step at which none of the parameters ``idx`` it takes has

@@ -35,7 +35,6 @@ non-deterministic kernels can part them by rounding, and what ``replica_gap`` th
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import weakref
@@ -72,23 +71,32 @@ def describe_code(code: int) -> str:
     return " and ".join(what)
 
 
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT_OF: dict = {}  # dtype -> the integer dtype of its width
+
+
 def _int_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        t.element_size()])
+    dtype = _INT_OF.get(t.dtype)
+    if dtype is None:
+        dtype = _INT_OF[t.dtype] = _INTS[t.element_size()]
+    return t.view(dtype)
 
 
 class SampleHash:
     """An exact, order-independent hash of a fixed sample of each of a list of tensors: the
     elements at ``SAMPLE`` evenly strided positions (all of a smaller tensor), their bit
     patterns as integers times odd weights ``2j + 1``, summed in int64 (wrapping): any change
-    of a sampled element changes it. One concatenation per device and element width."""
+    of a sampled element changes it. CPU tensors: numpy views of the samples (cached for a
+    tensor whose memory stays put, as a parameter's), one concatenation and one segmented
+    sum per element width; accelerator tensors: the same in torch on their device."""
 
     def __init__(self, numels) -> None:
         self.numels = [int(n) for n in numels]
         self.counts = [min(n, SAMPLE) for n in self.numels]
         self.strides = [max(1, n // SAMPLE) for n in self.numels]
+        self._weights = np.arange(SAMPLE, dtype=np.int64) * 2 + 1
+        self._views: dict = {}  # i -> (data_ptr, numpy view of the sample)
         self._plans: dict = {}
-        self._zeros: dict = {}
 
     def _sample(self, i: int, t: torch.Tensor) -> torch.Tensor:
         flat = t.detach().reshape(-1)
@@ -97,28 +105,54 @@ class SampleHash:
                              f"started with {self.numels[i]}")
         return _int_view(flat[::self.strides[i]][:self.counts[i]])
 
-    def __call__(self, tensors) -> torch.Tensor:
-        """int64 hashes (CPU), one per tensor; 0 where a tensor is None."""
-        out = torch.zeros(len(tensors), dtype=torch.int64)
-        groups: dict = {}
+    def _host(self, i: int, t: torch.Tensor, keep: bool) -> np.ndarray:
+        got = self._views.get(i) if keep else None
+        if got is not None and got[0] == t.data_ptr():
+            return got[1]
+        flat = _int_view(t.detach()).numpy().reshape(-1)  # numpy: cheaper per call than torch
+        if flat.size != self.numels[i]:
+            raise ValueError(f"replica check: tensor {i} has {flat.size} elements, the check "
+                             f"started with {self.numels[i]}")
+        view = flat[::self.strides[i]][:self.counts[i]]
+        if keep:  # a parameter: its memory stays (a gradient's view would keep it alive)
+            self._views[i] = (t.data_ptr(), view)
+        return view
+
+    def __call__(self, tensors, keep: bool = False) -> np.ndarray:
+        """int64 hashes, one per tensor; 0 where a tensor is None. ``keep``: the tensors keep
+        their memory from call to call (parameters): their sample views are reused."""
+        out = np.zeros(len(tensors), np.int64)
+        host: dict = {}
+        device: dict = {}
         for i, t in enumerate(tensors):
             if t is None or self.counts[i] == 0:
                 continue
-            s = self._sample(i, t)
-            groups.setdefault((s.device, s.dtype), []).append((i, s))
-        for (device, dtype), items in groups.items():
+            if t.device.type == "cpu":
+                v = self._host(i, t, keep)
+                host.setdefault(v.dtype, []).append((i, v))
+            else:
+                s = self._sample(i, t)
+                device.setdefault((s.device, s.dtype), []).append((i, s))
+        with np.errstate(over="ignore"):
+            for items in host.values():
+                idx = [i for i, _ in items]
+                x = np.concatenate([v for _, v in items]).astype(np.int64)
+                x *= np.concatenate([self._weights[:self.counts[i]] for i in idx])
+                starts = np.cumsum([0] + [self.counts[i] for i in idx[:-1]])
+                out[idx] = np.add.reduceat(x, starts)
+        for (dev, _), items in device.items():
             idx = tuple(i for i, _ in items)
-            plan = self._plans.get((device, idx))
+            plan = self._plans.get((dev, idx))
             if plan is None:
-                w = torch.cat([torch.arange(self.counts[i], dtype=torch.int64) * 2 + 1
-                               for i in idx])
+                w = torch.from_numpy(np.concatenate([self._weights[:self.counts[i]]
+                                                     for i in idx]))
                 seg = torch.cat([torch.full((self.counts[i],), k, dtype=torch.int64)
                                  for k, i in enumerate(idx)])
-                plan = self._plans[(device, idx)] = (w.to(device), seg.to(device))
+                plan = self._plans[(dev, idx)] = (w.to(dev), seg.to(dev))
             w, seg = plan
             x = torch.cat([s for _, s in items]).to(torch.int64) * w
-            sums = torch.zeros(len(idx), dtype=torch.int64, device=device).index_add_(0, seg, x)
-            out[list(idx)] = sums.cpu()
+            sums = torch.zeros(len(idx), dtype=torch.int64, device=dev).index_add_(0, seg, x)
+            out[list(idx)] = sums.cpu().numpy()
         return out
 
 
@@ -200,7 +234,7 @@ def pieces(model, named, places, tied=()) -> list:
 
 
 # -- the agreement at start(): every rank's table ----------------------------------------------
-_HANDSHAKES: dict = {}  # store -> handshakes this process began (the key's counter)
+_HANDSHAKES = [0]  # probes this process started under torch.distributed (the key's counter)
 
 
 def table(mine: list, named, tied, check: bool, **extra) -> dict:
@@ -215,22 +249,22 @@ def table(mine: list, named, tied, check: bool, **extra) -> dict:
             "tied": {n: held[n] for n in wanted if n in held}, "check": bool(check), **extra}
 
 
-def exchange(tag: str, mine: dict) -> list | None:
+def exchange(mine: dict) -> list | None:
     """Every rank's ``mine`` (a JSON-able dict), through the default process group's key-value
     store: each rank sets its own key and waits for the others' (``HANDSHAKE_SECONDS``); the
     first rank to finish decides for all whether everyone came (``compare_set`` on one key), so
     every rank gets the same answer: the list by rank, or None (someone never came: the check
-    is off everywhere)."""
+    is off everywhere). The key counts the probes this process started: the ranks of a job
+    start theirs in the same order (their dump paths may differ)."""
     import datetime
 
     import torch.distributed as dist
 
     kv = dist.distributed_c10d._get_default_store()
     world = dist.get_world_size()
-    n = _HANDSHAKES[tag] = _HANDSHAKES.get(tag, 0) + 1
-    base = "probekit/replicas/{}/{}/{}".format(
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-        hashlib.sha1(tag.encode()).hexdigest()[:16], n)
+    _HANDSHAKES[0] += 1
+    base = "probekit/replicas/{}/{}".format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                                            _HANDSHAKES[0])
     kv.set(f"{base}/rank{get_rank()}", json.dumps(mine))
     keys = [f"{base}/rank{r}" for r in range(world)]
     try:
@@ -285,6 +319,17 @@ class ReplicaCheck:
         self.ranks = [sorted({int(r) for r in self.m_rank[self.m_key == j]})
                       for j in range(len(self.keys))]
         self.my_key = np.array([key_index.get(e["key"], -1) for e in mine], np.int64)
+        # per key its members' rows; per replicated piece of this rank, those rows one after
+        # the other (``idx``, ``piece``: which piece, ``piece_starts``): one vectorised compare
+        self.start = np.searchsorted(self.m_key, np.arange(len(self.keys) + 1))
+        self.mine = np.flatnonzero(self.my_key >= 0)
+        lo, hi = self.start[self.my_key[self.mine]], self.start[self.my_key[self.mine] + 1]
+        lens = hi - lo
+        self.piece = np.repeat(np.arange(self.mine.size), lens)
+        self.piece_starts = (np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+                             if lens.size else np.zeros(0, np.int64))
+        self.idx = (np.repeat(lo, lens) + np.arange(int(lens.sum()))
+                    - np.repeat(self.piece_starts, lens)).astype(np.int64)
         self.hash = SampleHash([p.to_local().numel() if type(p).__name__ == "DTensor"
                                 else p.numel() for p in params])
         self._owned = weakref.WeakKeyDictionary()
@@ -347,8 +392,9 @@ class ReplicaCheck:
     def run(self, optimizer, grads, known=None) -> dict:
         """One step: digest this rank's pieces stepped by ``optimizer``, gather every rank's
         (one collective), compare. ``grads``: per piece the local gradient the optimizer uses
-        (None: none; ``"partial"``: still a pending reduction, not compared); ``known``: per
-        piece (max, min) already computed (the recorded statistics) or None. Returns, per piece
+        (None: none; ``"partial"``: still a pending reduction, not compared); ``known``: (which
+        pieces' max and min are already computed, their max, their min) as arrays (the
+        recorded statistics), or None. Returns, per piece
         of this rank, ``code`` (``CHECKED`` | ``GRAD_DIFFERS`` | ``PARAM_DIFFERS``; 0 not
         checked), ``other`` (the lowest rank whose digest differs from this one's; -1) and
         ``gap`` (the largest relative difference of the gradient's max or min from another
@@ -361,14 +407,11 @@ class ReplicaCheck:
         local = [g if mask[k] and not isinstance(g, str) else None
                  for k, g in enumerate(grads)]
         ext = np.full((n, 2), np.nan)
-        todo = []
-        for k, g in enumerate(local):
-            if g is None:
-                continue
-            if known is not None and known[k] is not None:
-                ext[k] = known[k]
-            elif g.numel():
-                todo.append(k)
+        have = np.zeros(n, bool)
+        if known is not None:
+            have, mx, mn = known
+            ext[have, 0], ext[have, 1] = mx[have], mn[have]
+        todo = [k for k, g in enumerate(local) if g is not None and not have[k] and g.numel()]
         if todo:  # the pieces this rank does not record: one pass each, on their device
             mm = torch.stack([torch.stack(torch.aminmax(local[k].detach())).double()
                               for k in todo]).cpu().numpy()
@@ -382,8 +425,8 @@ class ReplicaCheck:
         row = np.zeros((max(1, self.slots), DIGEST), np.int64)
         row[:n, 0] = flags
         row[:n, 1:3] = ext.view(np.int64)
-        row[:n, 3] = self.hash(local).numpy()
-        row[:n, 4] = self.hash(vals).numpy()
+        row[:n, 3] = self.hash(local)
+        row[:n, 4] = self.hash(vals, keep=True)
         if self.world > 1:
             device = _comm_device()
             size = len(self.members)
@@ -399,35 +442,37 @@ class ReplicaCheck:
 
     def _compare(self, table: np.ndarray, n: int) -> dict:
         vals = table[self.m_rank, self.m_slot]  # (members, DIGEST)
-        nk = len(self.keys)
-        start = np.searchsorted(self.m_key, np.arange(nk + 1))
+        # every key against its first member: what the probe's summary keeps
+        g_diff, p_diff = _differ(vals, vals[self.start[self.m_key]])
+        bad = g_diff | p_diff
+        self.pending = {}
+        if bad.any():  # rare: said once per key (``note``)
+            for j in np.unique(self.m_key[bad]):
+                lo, hi = self.start[j], self.start[j + 1]
+                odd = self.m_rank[lo:hi][bad[lo:hi]]
+                self.pending[int(j)] = {
+                    "what": describe_code((GRAD_DIFFERS if g_diff[lo:hi].any() else 0)
+                                          | (PARAM_DIFFERS if p_diff[lo:hi].any() else 0)),
+                    "ranks": [int(self.m_rank[lo]), int(odd[0])]}
+        # this rank's pieces against every replica of theirs: what its store keeps
         code = np.zeros(n, np.uint8)
         other = np.full(n, -1, np.int64)
         gap = np.full(n, np.nan)
-        # every key against its first member: what the probe's summary keeps
-        g_diff, p_diff = _differ(vals, vals[start[self.m_key]])
-        bad = g_diff | p_diff
-        self.pending = {}
-        for j in np.unique(self.m_key[bad]):
-            lo, hi = start[j], start[j + 1]
-            odd = self.m_rank[lo:hi][bad[lo:hi]]
-            self.pending[int(j)] = {
-                "what": describe_code((GRAD_DIFFERS if g_diff[lo:hi].any() else 0)
-                                      | (PARAM_DIFFERS if p_diff[lo:hi].any() else 0)),
-                "ranks": [int(self.m_rank[lo]), int(odd[0])]}
-        # this rank's pieces against each of their replicas: what its store keeps
-        for k in np.flatnonzero(self.my_key >= 0):
-            mine_row = table[self.rank, k]
-            if not mine_row[0] & _CHECKED:
-                continue
-            j = self.my_key[k]
-            sub = vals[start[j]:start[j + 1]]
-            gd, pd = _differ(sub, np.broadcast_to(mine_row, sub.shape))
-            code[k] = CHECKED | (GRAD_DIFFERS if gd.any() else 0) | (
-                PARAM_DIFFERS if pd.any() else 0)
-            odd = self.m_rank[start[j]:start[j + 1]][gd | pd]
-            other[k] = int(odd.min()) if odd.size else -1
-            gap[k] = _gap(sub, mine_row)
+        if not self.mine.size:
+            return {"code": code, "other": other, "gap": gap}
+        ref = table[self.rank, self.mine[self.piece]]
+        sub = vals[self.idx]
+        gd, pd = _differ(sub, ref)
+        starts = self.piece_starts
+        any_g = np.logical_or.reduceat(gd, starts)
+        any_p = np.logical_or.reduceat(pd, starts)
+        ranks = np.where(gd | pd, self.m_rank[self.idx], np.iinfo(np.int64).max)
+        low = np.minimum.reduceat(ranks, starts)
+        checked = (table[self.rank, self.mine, 0] & _CHECKED) > 0
+        code[self.mine] = np.where(checked, CHECKED | np.where(any_g, GRAD_DIFFERS, 0)
+                                   | np.where(any_p, PARAM_DIFFERS, 0), 0)
+        other[self.mine] = np.where(checked & (low < np.iinfo(np.int64).max), low, -1)
+        gap[self.mine] = np.where(checked, _gaps(sub, ref, starts), np.nan)
         return {"code": code, "other": other, "gap": gap}
 
     def note(self, step: int) -> None:
@@ -464,20 +509,21 @@ def _differ(vals, ref):
     return g_diff, p_diff
 
 
-def _gap(vals, mine) -> float:
-    """The largest relative difference of the gradient's max or min between ``mine`` and the
-    replicas ``vals`` (NaN when no gradient was compared; inf: NaN on one side only)."""
-    ok = ((vals[:, 0] & _GRAD) > 0) & ((mine[0] & _GRAD) > 0)
-    if not ok.any():
-        return float("nan")
-    a = np.ascontiguousarray(vals[ok][:, 1:3]).view(np.float64)
-    b = np.ascontiguousarray(mine[1:3]).view(np.float64)
+def _gaps(vals, ref, starts) -> np.ndarray:
+    """Per run of rows (``starts``): the largest relative difference of the gradient's max or
+    min between ``ref`` and ``vals`` row by row (NaN where no gradient was compared in the run;
+    inf: NaN on one side only)."""
+    ok = ((vals[:, 0] & _GRAD) > 0) & ((ref[:, 0] & _GRAD) > 0)
+    a = np.ascontiguousarray(vals[:, 1:3]).view(np.float64)
+    b = np.ascontiguousarray(ref[:, 1:3]).view(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         scale = np.maximum(np.abs(a), np.abs(b))
         rel = np.where(scale > 0, np.abs(a - b) / np.where(scale > 0, scale, 1.0), 0.0)
     rel = np.where(np.isnan(a) & np.isnan(b), 0.0, rel)
-    rel = np.where(np.isnan(rel), np.inf, rel)
-    return float(rel.max())
+    rel = np.where(np.isnan(rel), np.inf, rel).max(axis=1)
+    rel = np.where(ok, rel, -1.0)
+    out = np.maximum.reduceat(rel, starts)
+    return np.where(out < 0, np.nan, out)
 
 
 def _comm_device():

@@ -1,0 +1,200 @@
+"""What the replica check costs (issue 35): recording with it against recording without it,
+under torchrun (gloo), DDP and tensor parallel at 2 ranks.
+
+One torchrun job per layout; inside it, ``--repeats`` rounds alternate a probe with the check
+(``check_replicas=True``, the default) and one without (``False``) on the same model
+(``bench_grads_dist.build``: nanoGPT-shaped, 12.2M parameters in 76 tensors by default), each
+for ``--steps`` steps (the first dropped: the store's creation and the run's start). Per
+round and setting: the median hook time per step of the recording rank (rank 0: statistics,
+the check, buffering; ``GradProbe.hook_seconds``), the slowest rank's median hook time, and the
+median wall time of a training step (forward, backward, the step with its hooks) on rank 0.
+Reported: the medians over rounds and the ratios with/without (the issue's bound: 1.05x of the
+recording), and the collectives a profiled step adds with the check.
+
+    python benchmarks/bench_grads_replicas.py --out bench_out/grads_replicas.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import profile
+
+    sys.path.insert(0, HERE)
+    from bench_grads_dist import build
+
+    import probekit
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    model = build(args.layers, args.width, args.vocab, args.ctx)
+    if args.mode == "ddp":
+        train_model = torch.nn.parallel.DistributedDataParallel(model)
+    else:  # tensor parallel: every block's linears column/row-wise, its norms replicated
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        plan = {}
+        for i in range(args.layers):
+            plan[f"h.{i}.c_fc"] = ColwiseParallel()
+            plan[f"h.{i}.mlp_proj"] = RowwiseParallel()
+        train_model = parallelize_module(model, mesh, plan)
+    opt = torch.optim.AdamW(train_model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, args.vocab, (args.batch, args.ctx), generator=gen)
+
+    def step():
+        opt.zero_grad()
+        logits = train_model(idx)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+        opt.step()
+
+    rounds = []
+    for r in range(args.repeats):
+        for check in ((False, True) if r % 2 == 0 else (True, False)):  # interleaved, ABBA
+            dump = os.path.join(args.work, f"{args.mode}-{r}-{int(check)}")
+            probe = probekit.GradProbe(train_model, grad_level="L1", dump_path=dump,
+                                       flush_every=1000, check_replicas=check).start()
+            walls = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step()
+                walls.append(time.perf_counter() - t0)
+            with profile() as prof:
+                step()
+            collectives = sum(1 for e in prof.events() if e.name.startswith("gloo:"))
+            probe.stop()
+            hooks = probe.hook_seconds[1:args.steps]
+            rounds.append({"round": r, "check": check, "rank": rank,
+                           "hook_s": statistics.median(hooks) if hooks else 0.0,
+                           "step_s": statistics.median(walls[1:]),
+                           "collectives": collectives})
+    with open(os.path.join(args.result_dir, f"{rank}.json"), "w") as fh:
+        json.dump({"rank": rank, "world": world, "rounds": rounds,
+                   "params": sum(p.numel() for p in model.parameters()),
+                   "tensors": len(list(model.parameters()))}, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, mode: str) -> dict:
+    work = tempfile.mkdtemp(prefix="probekit_replicas_")
+    result_dir = tempfile.mkdtemp(dir=work)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--worker",
+           "--mode", mode, "--result-dir", result_dir, "--work", work,
+           "--steps", str(args.steps), "--repeats", str(args.repeats),
+           "--layers", str(args.layers), "--width", str(args.width),
+           "--vocab", str(args.vocab), "--ctx", str(args.ctx), "--batch", str(args.batch)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
+    ranks = []
+    for name in sorted(os.listdir(result_dir)):
+        with open(os.path.join(result_dir, name)) as fh:
+            ranks.append(json.load(fh))
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return summarise(mode, ranks)
+
+
+def summarise(mode: str, ranks: list) -> dict:
+    def med(check, key, rank=None, agg=max):
+        per_round = {}
+        for r in ranks:
+            if rank is not None and r["rank"] != rank:
+                continue
+            for x in r["rounds"]:
+                if x["check"] == check:
+                    per_round.setdefault(x["round"], []).append(x[key])
+        return statistics.median(agg(v) for v in per_round.values())
+
+    out = {"mode": mode, "ranks": len(ranks), "params": ranks[0]["params"],
+           "tensors": ranks[0]["tensors"],
+           "rounds": max(len(r["rounds"]) for r in ranks) // 2}
+    for key, rank in (("hook_s", 0), ("step_s", 0)):
+        a, b = med(False, key, rank), med(True, key, rank)
+        out[f"{key}_rank0_without"], out[f"{key}_rank0_with"] = a, b
+        out[f"{key}_rank0_ratio"] = b / a if a else float("nan")
+    a, b = med(False, "hook_s"), med(True, "hook_s")
+    out["hook_s_slowest_without"], out["hook_s_slowest_with"] = a, b
+    out["hook_s_slowest_ratio"] = b / a if a else float("nan")
+    out["extra_collectives"] = (med(True, "collectives", 0) - med(False, "collectives", 0))
+    return out
+
+
+def markdown(results: list) -> str:
+    lines = ["| layout | ranks | params (tensors) | hook/step rank 0: without → with (ratio) | "
+             "slowest rank's hook (ratio) | training step rank 0 (ratio) | + collectives |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(
+            f"| {r['mode']} | {r['ranks']} | {r['params'] / 1e6:.1f}M ({r['tensors']}) | "
+            f"{r['hook_s_rank0_without'] * 1e3:.1f} → {r['hook_s_rank0_with'] * 1e3:.1f} ms "
+            f"({r['hook_s_rank0_ratio']:.3f}x) | {r['hook_s_slowest_ratio']:.3f}x | "
+            f"{r['step_s_rank0_without']:.3f} → {r['step_s_rank0_with']:.3f} s "
+            f"({r['step_s_rank0_ratio']:.3f}x) | +{r['extra_collectives']:g} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="ddp", help=argparse.SUPPRESS)
+    p.add_argument("--result-dir", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--modes", nargs="+", default=["ddp", "tp"])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--width", type=int, default=384)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--ctx", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--out", help="JSON results (and a .md table beside it)")
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    results = [launch(args, mode) for mode in args.modes]
+    for r in results:
+        print(json.dumps(r), flush=True)
+    table = markdown(results)
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as fh:
+            fh.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
