@@ -6,8 +6,10 @@ One torchrun job per layout; inside it, ``--repeats`` rounds alternate a probe w
 (``bench_grads_dist.build``: nanoGPT-shaped, 12.2M parameters in 76 tensors by default), each
 for ``--steps`` steps (the first dropped: the store's creation and the run's start). Per
 round and setting: the median hook time per step of the recording rank (rank 0: statistics,
-the check, buffering; ``GradProbe.hook_seconds``), the slowest rank's median hook time, and the
-median wall time of a training step (forward, backward, the step with its hooks) on rank 0.
+the check, buffering; ``GradProbe.hook_seconds``, wall) and its CPU time (the training thread's
+in the optimizer's pre-step hook: what the check computes, without the waits a machine shared
+with other work adds), the slowest rank's median hook time, and the median wall and CPU time
+of a training step (forward, backward, the step with its hooks) on rank 0.
 Reported: the medians over rounds and the ratios with/without (the issue's bound: 1.05x of the
 recording), and the collectives a profiled step adds with the check.
 
@@ -38,7 +40,19 @@ def worker(args) -> None:
     from bench_grads_dist import build
 
     import probekit
+    from probekit.grads.record import recorder
 
+    hook_cpu = []  # CPU time of the optimizer pre-step hook (statistics, the check) per step
+    pre_step = recorder.GradProbe._pre_step
+
+    def timed(self, *a, **k):
+        t0 = time.thread_time()
+        try:
+            return pre_step(self, *a, **k)
+        finally:
+            hook_cpu.append(time.thread_time() - t0)
+
+    recorder.GradProbe._pre_step = timed
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -72,11 +86,14 @@ def worker(args) -> None:
             dump = os.path.join(args.work, f"{args.mode}-{r}-{int(check)}")
             probe = probekit.GradProbe(train_model, grad_level="L1", dump_path=dump,
                                        flush_every=1000, check_replicas=check).start()
-            walls = []
+            walls, cpus = [], []
+            hook_cpu.clear()
             for _ in range(args.steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 step()
                 walls.append(time.perf_counter() - t0)
+                cpus.append(time.thread_time() - c0)
+            hooks_cpu = list(hook_cpu[1:args.steps])
             with profile() as prof:
                 step()
             collectives = sum(1 for e in prof.events() if e.name.startswith("gloo:"))
@@ -84,7 +101,9 @@ def worker(args) -> None:
             hooks = probe.hook_seconds[1:args.steps]
             rounds.append({"round": r, "check": check, "rank": rank,
                            "hook_s": statistics.median(hooks) if hooks else 0.0,
+                           "hook_cpu_s": statistics.median(hooks_cpu) if hooks_cpu else 0.0,
                            "step_s": statistics.median(walls[1:]),
+                           "step_cpu_s": statistics.median(cpus[1:]),
                            "collectives": collectives})
     with open(os.path.join(args.result_dir, f"{rank}.json"), "w") as fh:
         json.dump({"rank": rank, "world": world, "rounds": rounds,
@@ -138,7 +157,7 @@ def summarise(mode: str, ranks: list) -> dict:
     out = {"mode": mode, "ranks": len(ranks), "params": ranks[0]["params"],
            "tensors": ranks[0]["tensors"],
            "rounds": max(len(r["rounds"]) for r in ranks) // 2}
-    for key, rank in (("hook_s", 0), ("step_s", 0)):
+    for key, rank in (("hook_s", 0), ("step_s", 0), ("hook_cpu_s", 0), ("step_cpu_s", 0)):
         a, b = med(False, key, rank), med(True, key, rank)
         out[f"{key}_rank0_without"], out[f"{key}_rank0_with"] = a, b
         out[f"{key}_rank0_ratio"] = b / a if a else float("nan")
@@ -150,14 +169,18 @@ def summarise(mode: str, ranks: list) -> dict:
 
 
 def markdown(results: list) -> str:
-    lines = ["| layout | ranks | params (tensors) | hook/step rank 0: without → with (ratio) | "
-             "slowest rank's hook (ratio) | training step rank 0 (ratio) | + collectives |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| layout | ranks | params (tensors) | hook CPU/step rank 0: without → with "
+             "(ratio) | hook wall rank 0 (ratio) | slowest rank's hook wall (ratio) | training "
+             "step CPU rank 0 (ratio) | training step wall rank 0 (ratio) | + collectives |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(
             f"| {r['mode']} | {r['ranks']} | {r['params'] / 1e6:.1f}M ({r['tensors']}) | "
+            f"{r['hook_cpu_s_rank0_without'] * 1e3:.1f} → "
+            f"{r['hook_cpu_s_rank0_with'] * 1e3:.1f} ms ({r['hook_cpu_s_rank0_ratio']:.3f}x) | "
             f"{r['hook_s_rank0_without'] * 1e3:.1f} → {r['hook_s_rank0_with'] * 1e3:.1f} ms "
             f"({r['hook_s_rank0_ratio']:.3f}x) | {r['hook_s_slowest_ratio']:.3f}x | "
+            f"{r['step_cpu_s_rank0_ratio']:.3f}x | "
             f"{r['step_s_rank0_without']:.3f} → {r['step_s_rank0_with']:.3f} s "
             f"({r['step_s_rank0_ratio']:.3f}x) | +{r['extra_collectives']:g} |")
     return "\n".join(lines)
