@@ -182,47 +182,6 @@ def _shapes(ds, pos):
     return out
 
 
-def union_datasets(dss: list):
-    """Runs of disjoint parameters (pipeline stages, one Dataset each) as one Dataset: their
-    parameters one after the other over the steps they all hold, each one's sign (and
-    significance) bits placed after the previous one's (read here: the Dataset path's
-    fallback)."""
-    import xarray as xr
-
-    if len(dss) == 1:
-        return dss[0]
-    steps = dss[0]["step"].values
-    for ds in dss[1:]:
-        steps = np.intersect1d(steps, ds["step"].values)
-    dss = [ds.sel(step=steps) for ds in dss]
-    per_param = [v for v in dss[0].data_vars if "param" in dss[0][v].dims
-                 and all(v in ds for ds in dss)]
-    data = {v: xr.concat([ds[v] for ds in dss], dim="param") for v in per_param}
-    coords = {"step": steps, "param": np.concatenate([ds["param"].values for ds in dss])}
-    for c in ("numel", "shape", "nbits"):
-        if all(c in ds.coords for ds in dss):
-            coords[c] = ("param", np.concatenate([ds[c].values for ds in dss]))
-    out = xr.Dataset(data, coords=coords)
-    if "interval" in dss[0].coords:
-        out = out.assign_coords(interval=dss[0]["interval"].values)
-    if all("offset" in ds.coords for ds in dss):
-        base, offsets = 0, []
-        for ds in dss:
-            offsets.append(np.asarray(ds["offset"].values, np.int64) + base)
-            base += int(ds.sizes["byte"])
-        out = out.assign_coords(offset=("param", np.concatenate(offsets)))
-        for var in ("direction", "significant"):
-            if all(var in ds for ds in dss):
-                out[var] = (("step", "byte"), np.concatenate(
-                    [np.asarray(ds[var].values) for ds in dss], axis=1))
-    out.attrs = {k: v for k, v in dss[0].attrs.items() if k not in ("placement",)}
-    out.attrs["union_of"] = [int(ds.attrs.get("rank", i)) for i, ds in enumerate(dss)]
-    left = [n for ds in dss for n in _left_out(ds)]
-    if left:
-        out.attrs["left_out"] = left
-    return out
-
-
 def bit_sources(a, b, plan) -> tuple:
     """(direction a, direction b, significant a, significant b) as readers of rows: the chunk
     files straight (``RawChunks``, an assembled sharded run's ``AssembledBits``) while the
@@ -460,6 +419,8 @@ def _pairs(runs_a: dict, runs_b: dict, ranks=None, rename=None) -> tuple:
                                 "compare_grads(rename=)")) for r, ds in runs.items()}
 
     pairs, unpaired = pair_labels(runs_a, runs_b, ranks, names(runs_a), names(runs_b))
+
+    from ..store.assemble import union_datasets
 
     def one(runs, label):
         if isinstance(label, tuple):

@@ -161,7 +161,7 @@ def _stats(runs: dict, result) -> dict:
             continue
         if len(runs) > 1 and not set(params) <= {str(p) for p in ds["param"].values}:
             # pipeline stages compared as one run (their union): the other stages' too
-            from .compare import union_datasets
+            from ..store.assemble import union_datasets
 
             held = [runs[x] for x in sorted(runs) if x == r or not set(
                 str(p) for p in runs[x]["param"].values) & set(
