@@ -157,8 +157,7 @@ def launch(args, mode: str, nranks: int, probe: bool, work: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nranks}",
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--worker",
            "--mode", mode, "--result-dir", result_dir, "--dump", dump,
-           "--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width),
-           "--vocab", str(args.vocab), "--ctx", str(args.ctx), "--batch", str(args.batch)]
+           "--steps", str(args.steps), *model_flags(args)]
     if probe:
         cmd.append("--probe")
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -222,6 +221,21 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def model_arguments(p) -> None:
+    """The model's shape (``build``) and batch, as both distributed benchmarks take them."""
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--width", type=int, default=384)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--ctx", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+
+
+def model_flags(args) -> list:
+    """``model_arguments``' values as command-line flags (for the torchrun workers)."""
+    return ["--layers", str(args.layers), "--width", str(args.width), "--vocab",
+            str(args.vocab), "--ctx", str(args.ctx), "--batch", str(args.batch)]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -232,11 +246,7 @@ def main(argv=None) -> None:
     p.add_argument("--modes", nargs="+", default=["fsdp2", "ddp"])
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--width", type=int, default=384)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--ctx", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2)
+    model_arguments(p)
     p.add_argument("--out", help="JSON results (and a .md table beside it)")
     args = p.parse_args(argv)
     if args.worker:

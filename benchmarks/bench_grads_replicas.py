@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,15 +28,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from bench_grads_dist import _free_port, build, model_arguments, model_flags  # noqa: E402
 
 
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
     from torch.profiler import profile
-
-    sys.path.insert(0, HERE)
-    from bench_grads_dist import build
 
     import probekit
     from probekit.grads.record import recorder
@@ -113,21 +111,13 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args, mode: str) -> dict:
     work = tempfile.mkdtemp(prefix="probekit_replicas_")
     result_dir = tempfile.mkdtemp(dir=work)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--worker",
            "--mode", mode, "--result-dir", result_dir, "--work", work,
-           "--steps", str(args.steps), "--repeats", str(args.repeats),
-           "--layers", str(args.layers), "--width", str(args.width),
-           "--vocab", str(args.vocab), "--ctx", str(args.ctx), "--batch", str(args.batch)]
+           "--steps", str(args.steps), "--repeats", str(args.repeats), *model_flags(args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -196,11 +186,7 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--width", type=int, default=384)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--ctx", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2)
+    model_arguments(p)
     p.add_argument("--out", help="JSON results (and a .md table beside it)")
     args = p.parse_args(argv)
     if args.worker:

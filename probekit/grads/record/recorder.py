@@ -480,10 +480,11 @@ class GradProbe:
         self._owned.update(idx)
         return True
 
-    def _nested(self) -> bool:
+    def _nested(self, outer=False) -> bool:
         """True inside an outer ``step()`` of an optimizer: a subclass whose ``step`` calls
-        ``super().step()`` runs the hooks twice, and that is one optimizer step."""
-        outer = self._step_frame
+        ``super().step()`` runs the hooks twice, and that is one optimizer step. ``outer``: the
+        frame that called the outer call's hook (default: the recording's)."""
+        outer = self._step_frame if outer is False else outer
         frame = sys._getframe(2)
         while outer is not None and frame is not None:
             if frame is outer:
@@ -518,8 +519,6 @@ class GradProbe:
         self._updates += 1
 
     def _post_step(self, optimizer, args, kwargs) -> None:
-        if self._check_frame is not None and sys._getframe(1) is self._check_frame:
-            self._check_frame = None
         # the outer step() call's hooks run in one frame (torch's wrapper): only its post-hook
         # ends the step; the gradients as the update left them are the reference for _fresh
         if optimizer in self._owners and sys._getframe(1) is self._step_frame:
@@ -529,7 +528,7 @@ class GradProbe:
     def _pre_step(self, optimizer, args, kwargs):
         if self._check_only or (self._replicas is not None and not self._owns(optimizer)):
             # an optimizer stepping replicas this rank does not record: the check alone
-            if self._check_frame is None:
+            if not self._nested(self._check_frame):  # one check per outer step() call
                 self._check_frame = sys._getframe(1)
                 if self._check_only and self._sharded:
                     self._reduce_pending(optimizer)  # the recording ranks' reductions
