@@ -109,7 +109,7 @@ class SampleHash:
         got = self._views.get(i) if keep else None
         if got is not None and got[0] == t.data_ptr():
             return got[1]
-        flat = _int_view(t.detach()).numpy().reshape(-1)  # numpy: cheaper per call than torch
+        flat = _int_view(t if not t.requires_grad else t.detach()).numpy().reshape(-1)
         if flat.size != self.numels[i]:
             raise ValueError(f"replica check: tensor {i} has {flat.size} elements, the check "
                              f"started with {self.numels[i]}")
@@ -134,12 +134,15 @@ class SampleHash:
                 s = self._sample(i, t)
                 device.setdefault((s.device, s.dtype), []).append((i, s))
         with np.errstate(over="ignore"):
-            for items in host.values():
-                idx = [i for i, _ in items]
-                x = np.concatenate([v for _, v in items]).astype(np.int64)
-                x *= np.concatenate([self._weights[:self.counts[i]] for i in idx])
-                starts = np.cumsum([0] + [self.counts[i] for i in idx[:-1]])
-                out[idx] = np.add.reduceat(x, starts)
+            for dtype, items in host.items():
+                idx = tuple(i for i, _ in items)
+                plan = self._plans.get((dtype, idx))
+                if plan is None:  # the weights and the segments' starts, once per layout
+                    plan = self._plans[(dtype, idx)] = (
+                        np.concatenate([self._weights[:self.counts[i]] for i in idx]),
+                        np.cumsum([0] + [self.counts[i] for i in idx[:-1]]))
+                x = np.concatenate([v for _, v in items]) * plan[0]  # int64 (the weights')
+                out[list(idx)] = np.add.reduceat(x, plan[1])
         for (dev, _), items in device.items():
             idx = tuple(i for i, _ in items)
             plan = self._plans.get((dev, idx))
@@ -330,8 +333,9 @@ class ReplicaCheck:
                              if lens.size else np.zeros(0, np.int64))
         self.idx = (np.repeat(lo, lens) + np.arange(int(lens.sum()))
                     - np.repeat(self.piece_starts, lens)).astype(np.int64)
-        self.hash = SampleHash([p.to_local().numel() if type(p).__name__ == "DTensor"
-                                else p.numel() for p in params])
+        self._dtensor = [type(p).__name__ == "DTensor" for p in params]
+        self.hash = SampleHash([p.to_local().numel() if dt else p.numel()
+                                for p, dt in zip(params, self._dtensor)])
         self._owned = weakref.WeakKeyDictionary()
         # the ranks holding some replicated piece: the all-gather's group (all: the default)
         self.members = sorted({int(r) for r in self.m_rank})
@@ -416,8 +420,8 @@ class ReplicaCheck:
             mm = torch.stack([torch.stack(torch.aminmax(local[k].detach())).double()
                               for k in todo]).cpu().numpy()
             ext[todo] = mm[:, ::-1]  # aminmax gives (min, max)
-        vals = [(p.to_local() if type(p).__name__ == "DTensor" else p) if mask[k] else None
-                for k, p in enumerate(self.params)]
+        vals = [(p.to_local() if dt else p) if on else None
+                for p, dt, on in zip(self.params, self._dtensor, mask)]
         flags = np.where(mask, _CHECKED, 0) | np.array(
             [_GRAD if g is not None else 0 for g in local], np.int64).reshape(n)
         ext = ext + 0.0  # -0.0 -> 0.0
