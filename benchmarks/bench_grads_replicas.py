@@ -51,6 +51,17 @@ def worker(args) -> None:
             hook_cpu.append(time.thread_time() - t0)
 
     recorder.GradProbe._pre_step = timed
+    check_cpu = []  # CPU time of the replica check alone (digests, all-gather, compare)
+    replica_step = recorder.GradProbe._replica_step
+
+    def timed_check(self, *a, **k):
+        t0 = time.thread_time()
+        try:
+            return replica_step(self, *a, **k)
+        finally:
+            check_cpu.append(time.thread_time() - t0)
+
+    recorder.GradProbe._replica_step = timed_check
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -86,12 +97,14 @@ def worker(args) -> None:
                                        flush_every=1000, check_replicas=check).start()
             walls, cpus = [], []
             hook_cpu.clear()
+            check_cpu.clear()
             for _ in range(args.steps):
                 t0, c0 = time.perf_counter(), time.thread_time()
                 step()
                 walls.append(time.perf_counter() - t0)
                 cpus.append(time.thread_time() - c0)
             hooks_cpu = list(hook_cpu[1:args.steps])
+            checks_cpu = list(check_cpu[1:args.steps])
             with profile() as prof:
                 step()
             collectives = sum(1 for e in prof.events() if e.name.startswith("gloo:"))
@@ -100,6 +113,7 @@ def worker(args) -> None:
             rounds.append({"round": r, "check": check, "rank": rank,
                            "hook_s": statistics.median(hooks) if hooks else 0.0,
                            "hook_cpu_s": statistics.median(hooks_cpu) if hooks_cpu else 0.0,
+                           "check_cpu_s": statistics.median(checks_cpu) if checks_cpu else 0.0,
                            "step_s": statistics.median(walls[1:]),
                            "step_cpu_s": statistics.median(cpus[1:]),
                            "collectives": collectives})
@@ -155,14 +169,17 @@ def summarise(mode: str, ranks: list) -> dict:
     out["hook_s_slowest_without"], out["hook_s_slowest_with"] = a, b
     out["hook_s_slowest_ratio"] = b / a if a else float("nan")
     out["extra_collectives"] = (med(True, "collectives", 0) - med(False, "collectives", 0))
+    out["check_cpu_s_rank0"] = med(True, "check_cpu_s", 0)
+    out["check_cpu_s_slowest"] = med(True, "check_cpu_s")
     return out
 
 
 def markdown(results: list) -> str:
     lines = ["| layout | ranks | params (tensors) | hook CPU/step rank 0: without → with "
              "(ratio) | hook wall rank 0 (ratio) | slowest rank's hook wall (ratio) | training "
-             "step CPU rank 0 (ratio) | training step wall rank 0 (ratio) | + collectives |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "step CPU rank 0 (ratio) | training step wall rank 0 (ratio) | + collectives | "
+             "the check's own CPU/step: rank 0, slowest rank (per tensor) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(
             f"| {r['mode']} | {r['ranks']} | {r['params'] / 1e6:.1f}M ({r['tensors']}) | "
@@ -172,7 +189,9 @@ def markdown(results: list) -> str:
             f"({r['hook_s_rank0_ratio']:.3f}x) | {r['hook_s_slowest_ratio']:.3f}x | "
             f"{r['step_cpu_s_rank0_ratio']:.3f}x | "
             f"{r['step_s_rank0_without']:.3f} → {r['step_s_rank0_with']:.3f} s "
-            f"({r['step_s_rank0_ratio']:.3f}x) | +{r['extra_collectives']:g} |")
+            f"({r['step_s_rank0_ratio']:.3f}x) | +{r['extra_collectives']:g} | "
+            f"{r['check_cpu_s_rank0'] * 1e3:.2f} ms, {r['check_cpu_s_slowest'] * 1e3:.2f} ms "
+            f"({r['check_cpu_s_slowest'] / r['tensors'] * 1e6:.0f} µs) |")
     return "\n".join(lines)
 
 

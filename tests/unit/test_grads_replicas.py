@@ -104,7 +104,10 @@ def test_sample_hash_is_exact_and_sees_any_sampled_change():
     h = SampleHash([10, 1000, 3])
     t = [torch.randn(10), torch.randn(1000), torch.randn(3, dtype=torch.float64)]
     base = h(t)
-    assert base.tolist() == h([x.clone() for x in t]).tolist() == h(t, keep=True).tolist()  # the same bits: the same hash
+    kept = SampleHash([10, 1000, 3], keep=[0, 1, 2])  # the views kept from call to call
+    assert base.tolist() == h([x.clone() for x in t]).tolist() == kept(t).tolist()
+    t[0][0] += 1  # in place (an optimizer's update): the kept view sees it
+    assert kept(t).tolist()[0] == h(t).tolist()[0] != base.tolist()[0]  # the same bits: the same hash
     flipped = t[1].clone()
     flipped[h.strides[1] * 7] *= -1  # one sampled element's sign
     assert h([t[0], flipped, t[2]]).tolist()[1] != base.tolist()[1]

@@ -28,6 +28,7 @@ from ..store.names import canonical_names, check_rename, renamed
 from .placement import (
     amax_reducer, ddp_first_rank, dtensor_placement, first_replica, is_dtensor, local_grad)
 from .rawgrads import BackwardTap
+from .replicas import local_tensor
 from ..store.restarts import plan_run
 from ..store.store import GradWriter, layout_key
 from .summary import ProbeSummary, probe_summary
@@ -697,7 +698,8 @@ class GradProbe:
         for p in check.params:
             g = self._grad_of(p)
             if g is not None and is_dtensor(g):
-                g = g.to_local() if tuple(g.placements) == tuple(p.placements) else "partial"
+                g = (local_tensor(g) if tuple(g.placements) == tuple(p.placements)
+                     else "partial")
             grads.append(g)
         rec = self._piece_rec
         known = None

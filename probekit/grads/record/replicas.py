@@ -75,6 +75,13 @@ _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _INT_OF: dict = {}  # dtype -> the integer dtype of its width
 
 
+def local_tensor(t):
+    """A DTensor's local tensor (its ``_local_tensor``, the tensor ``to_local()`` returns a view
+    of, without the autograd function's cost per call)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t.to_local()
+
+
 def _int_view(t: torch.Tensor) -> torch.Tensor:
     dtype = _INT_OF.get(t.dtype)
     if dtype is None:
@@ -90,8 +97,9 @@ class SampleHash:
     tensor whose memory stays put, as a parameter's), one concatenation and one segmented
     sum per element width; accelerator tensors: the same in torch on their device."""
 
-    def __init__(self, numels) -> None:
+    def __init__(self, numels, keep=()) -> None:
         self.numels = [int(n) for n in numels]
+        self.keep = set(keep)  # tensors whose memory stays from call to call (parameters)
         self.counts = [min(n, SAMPLE) for n in self.numels]
         self.strides = [max(1, n // SAMPLE) for n in self.numels]
         self._weights = np.arange(SAMPLE, dtype=np.int64) * 2 + 1
@@ -118,9 +126,10 @@ class SampleHash:
             self._views[i] = (t.data_ptr(), view)
         return view
 
-    def __call__(self, tensors, keep: bool = False) -> np.ndarray:
-        """int64 hashes, one per tensor; 0 where a tensor is None. ``keep``: the tensors keep
-        their memory from call to call (parameters): their sample views are reused."""
+    def __call__(self, tensors) -> np.ndarray:
+        """int64 hashes, one per tensor; 0 where a tensor is None. The tensors of ``keep``
+        (positions given at construction) keep their memory from call to call (parameters):
+        their sample views are reused."""
         out = np.zeros(len(tensors), np.int64)
         host: dict = {}
         device: dict = {}
@@ -128,7 +137,7 @@ class SampleHash:
             if t is None or self.counts[i] == 0:
                 continue
             if t.device.type == "cpu":
-                v = self._host(i, t, keep)
+                v = self._host(i, t, i in self.keep)
                 host.setdefault(v.dtype, []).append((i, v))
             else:
                 s = self._sample(i, t)
@@ -334,8 +343,10 @@ class ReplicaCheck:
         self.idx = (np.repeat(lo, lens) + np.arange(int(lens.sum()))
                     - np.repeat(self.piece_starts, lens)).astype(np.int64)
         self._dtensor = [type(p).__name__ == "DTensor" for p in params]
-        self.hash = SampleHash([p.to_local().numel() if dt else p.numel()
-                                for p, dt in zip(params, self._dtensor)])
+        numels = [local_tensor(p).numel() if dt else p.numel()
+                  for p, dt in zip(params, self._dtensor)]
+        # the gradients' samples, then the parameters' (kept: their memory stays), one call
+        self.hash = SampleHash(numels + numels, keep=range(len(numels), 2 * len(numels)))
         self._owned = weakref.WeakKeyDictionary()
         # the ranks holding some replicated piece: the all-gather's group (all: the default)
         self.members = sorted({int(r) for r in self.m_rank})
@@ -420,7 +431,7 @@ class ReplicaCheck:
             mm = torch.stack([torch.stack(torch.aminmax(local[k].detach())).double()
                               for k in todo]).cpu().numpy()
             ext[todo] = mm[:, ::-1]  # aminmax gives (min, max)
-        vals = [(p.to_local() if dt else p) if on else None
+        vals = [(local_tensor(p) if dt else p) if on else None
                 for p, dt, on in zip(self.params, self._dtensor, mask)]
         flags = np.where(mask, _CHECKED, 0) | np.array(
             [_GRAD if g is not None else 0 for g in local], np.int64).reshape(n)
@@ -429,8 +440,9 @@ class ReplicaCheck:
         row = np.zeros((max(1, self.slots), DIGEST), np.int64)
         row[:n, 0] = flags
         row[:n, 1:3] = ext.view(np.int64)
-        row[:n, 3] = self.hash(local)
-        row[:n, 4] = self.hash(vals, keep=True)
+        hashes = self.hash(local + vals)
+        row[:n, 3] = hashes[:n]
+        row[:n, 4] = hashes[n:]
         if self.world > 1:
             device = _comm_device()
             size = len(self.members)
