@@ -601,7 +601,7 @@ class GradProbe:
         if self._sharded:  # DTensor: this rank's shards (gathered whole where no placement)
             part = self._local_grads(part, optimizer)
             if self._writer is None:  # a rank outside the rank filter: gathered, not recorded
-                if self._replicas is not None:
+                if self._replicas is not None and self._replicas.owned(optimizer).any():
                     self._replica_step(optimizer, None, ())
                     self._replicas.note(self.steps_seen)
                 return
@@ -621,8 +621,8 @@ class GradProbe:
             if views:
                 stats = _stats.merge([stats, *views], self.layout)
             extra, self._tap_seconds = self._tap.seconds - self._tap_seconds, self._tap.seconds
-        if self._replicas is not None:  # one all-gather: every replica's digest, compared
-            self._replica_step(optimizer, stats, live)
+        if self._replicas is not None and self._replicas.owned(optimizer).any():
+            self._replica_step(optimizer, stats, live)  # one all-gather: every replica's digest
         key = id(optimizer)
         cur = self._iter
         if cur is None or key in cur["stepped"] or (
