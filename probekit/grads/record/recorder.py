@@ -272,7 +272,9 @@ class GradProbe:
         through torch.distributed's key-value store, no collective): the replica check
         (``replicas.py``; None when off or nothing is replicated anywhere) and the job's layout
         key (``self._job_key``: the ranks' own keys, one for all when they differ, as pipeline
-        stages' do, so the stages record into one layout folder)."""
+        stages' do, so the stages record into one layout folder). With ``check_replicas=False``
+        nothing is exchanged (a job may then run a probe on some ranks only): each rank keeps
+        its own layout key."""
         import torch.distributed as dist
 
         from . import replicas as rep
@@ -285,6 +287,9 @@ class GradProbe:
         table = rep.table(mine, self._monitored, section.tied, section.check_replicas,
                           layout=own)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1 and not section.check_replicas:  # no exchange: a rank may run no probe
+            self._job_key, self._replicas = own, None
+            return
         tables = rep.exchange(table) if world > 1 else [table]
         if tables is None:  # some rank came not: each its own (the warning said so)
             self._job_key, self._replicas = own, None
