@@ -21,15 +21,31 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_grads_dist import _free_port, build, model_arguments, model_flags  # noqa: E402
+from bench_grads_dist import (  # noqa: E402
+    build, model_arguments, model_flags, torchrun, write_results)
+
+
+def _cpu_timed(cls, name: str) -> list:
+    """Wrap ``cls.name`` to append each call's CPU time (the calling thread's) to the list
+    returned."""
+    times: list = []
+    method = getattr(cls, name)
+
+    def timed(self, *a, **k):
+        t0 = time.thread_time()
+        try:
+            return method(self, *a, **k)
+        finally:
+            times.append(time.thread_time() - t0)
+
+    setattr(cls, name, timed)
+    return times
 
 
 def worker(args) -> None:
@@ -40,28 +56,10 @@ def worker(args) -> None:
     import probekit
     from probekit.grads.record import recorder
 
-    hook_cpu = []  # CPU time of the optimizer pre-step hook (statistics, the check) per step
-    pre_step = recorder.GradProbe._pre_step
-
-    def timed(self, *a, **k):
-        t0 = time.thread_time()
-        try:
-            return pre_step(self, *a, **k)
-        finally:
-            hook_cpu.append(time.thread_time() - t0)
-
-    recorder.GradProbe._pre_step = timed
-    check_cpu = []  # CPU time of the replica check alone (digests, all-gather, compare)
-    replica_step = recorder.GradProbe._replica_step
-
-    def timed_check(self, *a, **k):
-        t0 = time.thread_time()
-        try:
-            return replica_step(self, *a, **k)
-        finally:
-            check_cpu.append(time.thread_time() - t0)
-
-    recorder.GradProbe._replica_step = timed_check
+    # CPU time of the optimizer pre-step hook (statistics, the check) and of the replica check
+    # alone (digests, all-gather, comparison), per call
+    hook_cpu = _cpu_timed(recorder.GradProbe, "_pre_step")
+    check_cpu = _cpu_timed(recorder.GradProbe, "_replica_step")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -128,19 +126,9 @@ def worker(args) -> None:
 def launch(args, mode: str) -> dict:
     work = tempfile.mkdtemp(prefix="probekit_replicas_")
     result_dir = tempfile.mkdtemp(dir=work)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--worker",
-           "--mode", mode, "--result-dir", result_dir, "--work", work,
-           "--steps", str(args.steps), "--repeats", str(args.repeats), *model_flags(args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode:
-        raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
-    ranks = []
-    for name in sorted(os.listdir(result_dir)):
-        with open(os.path.join(result_dir, name)) as fh:
-            ranks.append(json.load(fh))
+    ranks = torchrun(__file__, args.ranks, ["--mode", mode, "--work", work, "--steps",
+                                            str(args.steps), "--repeats", str(args.repeats),
+                                            *model_flags(args)], result_dir)
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)
@@ -214,15 +202,7 @@ def main(argv=None) -> None:
     results = [launch(args, mode) for mode in args.modes]
     for r in results:
         print(json.dumps(r), flush=True)
-    table = markdown(results)
-    print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(results, fh, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as fh:
-            fh.write(table + "\n")
-
+    write_results(args.out, results, markdown(results))
 
 if __name__ == "__main__":
     main()
