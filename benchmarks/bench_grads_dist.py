@@ -150,17 +150,12 @@ def du(path: str) -> int:
     return total
 
 
-def launch(args, mode: str, nranks: int, probe: bool, work: str) -> list[dict]:
-    result_dir = tempfile.mkdtemp(dir=work)
-    dump = os.path.join(work, f"dump-{mode}-{nranks}")
-    shutil.rmtree(dump, ignore_errors=True)
+def torchrun(script: str, nranks: int, flags: list, result_dir: str) -> list[dict]:
+    """Run ``script --worker --result-dir result_dir *flags`` under torchrun (gloo, one thread
+    per rank); the JSON files its ranks wrote there, in name order."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nranks}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", __file__, "--worker",
-           "--mode", mode, "--result-dir", result_dir, "--dump", dump,
-           "--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width),
-           "--vocab", str(args.vocab), "--ctx", str(args.ctx), "--batch", str(args.batch)]
-    if probe:
-        cmd.append("--probe")
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", script, "--worker",
+           "--result-dir", result_dir, *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -170,6 +165,16 @@ def launch(args, mode: str, nranks: int, probe: bool, work: str) -> list[dict]:
     for name in sorted(os.listdir(result_dir)):
         with open(os.path.join(result_dir, name)) as fh:
             rows.append(json.load(fh))
+    return rows
+
+
+def launch(args, mode: str, nranks: int, probe: bool, work: str) -> list[dict]:
+    result_dir = tempfile.mkdtemp(dir=work)
+    dump = os.path.join(work, f"dump-{mode}-{nranks}")
+    shutil.rmtree(dump, ignore_errors=True)
+    rows = torchrun(__file__, nranks, ["--mode", mode, "--dump", dump, "--steps",
+                                       str(args.steps), *model_flags(args)]
+                    + (["--probe"] if probe else []), result_dir)
     if probe:
         store = os.path.join(dump, "grads.zarr")
         for r in rows:
@@ -222,6 +227,32 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def write_results(out, data, table: str) -> None:
+    """Print ``table``; with ``out``, the JSON there and the table beside it (``.md``)."""
+    print(table)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(data, fh, indent=1)
+        with open(os.path.splitext(out)[0] + ".md", "w") as fh:
+            fh.write(table + "\n")
+
+
+def model_arguments(p) -> None:
+    """The model's shape (``build``) and batch, as both distributed benchmarks take them."""
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--width", type=int, default=384)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--ctx", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+
+
+def model_flags(args) -> list:
+    """``model_arguments``' values as command-line flags (for the torchrun workers)."""
+    return ["--layers", str(args.layers), "--width", str(args.width), "--vocab",
+            str(args.vocab), "--ctx", str(args.ctx), "--batch", str(args.batch)]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -232,25 +263,14 @@ def main(argv=None) -> None:
     p.add_argument("--modes", nargs="+", default=["fsdp2", "ddp"])
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--width", type=int, default=384)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--ctx", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2)
+    model_arguments(p)
     p.add_argument("--out", help="JSON results (and a .md table beside it)")
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return
     data = measure(args)
-    table = markdown(data)
-    print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(data, fh, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as fh:
-            fh.write(table + "\n")
+    write_results(args.out, data, markdown(data))
 
 
 if __name__ == "__main__":

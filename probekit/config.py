@@ -244,6 +244,14 @@ class GradProbeConfig:
     #: random by a generator of its own, seeded by ``control_seed`` (``grads/control.py``)
     control: str | None = None
     control_seed: int = 0
+    #: replica agreement (``grads/record/replicas.py``): every parameter replicated over a
+    #: group (DDP, HSDP, a DTensor ``Replicate`` mesh dimension, ``tied``) is checked across it
+    #: at every step, the gradient the optimizer uses and the parameter, in one all-gather
+    check_replicas: bool = True
+    #: parameters that hold the same values wherever they are held, e.g. an embedding tied to
+    #: the output layer of the last pipeline stage: a list of lists of names (with or without
+    #: wrapper prefixes); a list of one name: that parameter is a replica on every rank holding it
+    tied: tuple = ()
 
     def __post_init__(self) -> None:
         s = "grad_probe."
@@ -274,6 +282,28 @@ class GradProbeConfig:
                       f"followed by :{', :'.join(CONTROL_RECIPES)} (e.g. bf16, bf16:cast)")
         if not _is_int(self.control_seed) or self.control_seed < 0:
             _fail(s + "control_seed", self.control_seed, "an integer >= 0")
+        _bool(s + "check_replicas", self.check_replicas)
+        _set(self, "tied", _tied(s + "tied", self.tied))
+
+
+def _tied(key: str, value: Any) -> tuple:
+    """``grad_probe.tied``: a list of lists of parameter names, no name in two of them."""
+    accepted = ("a list of lists of parameter names (each list: parameters holding the same "
+                "values wherever they are held, e.g. [[\"embed.weight\", \"head.weight\"]])")
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        _fail(key, value, accepted)
+    out, seen = [], {}
+    for group in value:
+        if isinstance(group, str) or not isinstance(group, (list, tuple)) or not group:
+            _fail(key, group, accepted)
+        names = _str_tuple(key, group)
+        for n in names:
+            if n in seen:
+                _fail(key, n, f"each name in one list only ({n!r} is in {list(seen[n])!r} "
+                      f"and {list(names)!r})")
+            seen[n] = names
+        out.append(names)
+    return tuple(out)
 
 
 def _bounds(key: str, value: Any) -> tuple:

@@ -268,9 +268,23 @@ def similarity(cmp, params=None, *, rank=None, ax=None, max_lines: int = 12,
     if first:
         ax.text(0.01, 0.02, first, transform=ax.transAxes, fontsize="small", color=FLAG_COLOR,
                 va="bottom")
+    _replica_note(ax, cmp)
     ax.grid(True, alpha=0.3)
     _legend(ax, len(names), legend)
     return ax.figure
+
+
+def _replica_note(ax, cmp) -> None:
+    """What the runs' replica checks found (``verdict.replica_text``), in red at the top of the
+    plot: replicas that disagree are a bug whatever the similarity shows."""
+    from .grads.compare.verdict import replica_text
+
+    lines = replica_text(cmp)
+    if not lines:
+        return
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} (+{len(lines) - 1} more)"
+    ax.text(0.01, 0.98, text, transform=ax.transAxes, fontsize="small", color=FLAG_COLOR,
+            va="top", wrap=True, gid="replicas")
 
 
 def _first_flag(ds) -> str:
@@ -323,6 +337,7 @@ def total_similarity(cmp, *, rank=None, ax=None):
     ax.set_ylabel("similarity (element-weighted)" if name == "total" else
                   "similarity (significant, element-weighted)")
     ax.set_title("Total gradient direction similarity")
+    _replica_note(ax, cmp)
     ax.grid(True, alpha=0.3)
     _legend(ax, len(ranks))
     return ax.figure
@@ -332,6 +347,23 @@ def _flag_steps(ax, steps, flag_steps, *, label=True):
     for i, s in enumerate(sorted(set(int(s) for s in flag_steps))):
         ax.axvspan(s - 0.5, s + 0.5, color=FLAG_COLOR, alpha=0.12, linewidth=0,
                    label="flagged step" if (label and i == 0) else None, gid=f"flagstep:{s}")
+
+
+def _replica_steps(ax, ds, param, steps) -> None:
+    """The steps at which ``param``'s replicas disagreed (the run's replica check: hatched),
+    labelled with what differed."""
+    if "replicas" not in ds:
+        return
+    from .grads.store.replicas import what_text
+
+    from matplotlib.colors import to_rgba
+
+    code = np.asarray(ds["replicas"].sel(param=param).values, np.int64)
+    bad = (code & 6) > 0
+    for i, s in enumerate(np.asarray(steps)[bad]):
+        ax.axvspan(s - 0.5, s + 0.5, facecolor="none", edgecolor=to_rgba(FLAG_COLOR, 0.35),
+                   hatch="//", linewidth=0, label=(f"replicas disagree ({what_text(code[bad][0])} first)"
+                                       if i == 0 else None), gid=f"replicas:{int(s)}")
 
 
 def interval_distribution(ds, param: str, *, ax=None, flag_steps=(), cmap="viridis"):
@@ -384,6 +416,7 @@ def grad_stats(ds, param: str, *, ax=None, stats=("max", "min", "norm"), flag_st
         ax.plot(steps, ds[name].sel(param=param).values, color=color, marker=marker,
                 markersize=3, linewidth=1.5, label=name, gid=f"stat:{name}")
     _flag_steps(ax, steps, flag_steps)
+    _replica_steps(ax, ds, param, steps)
     ax.axhline(0, color=THRESHOLD_COLOR, linewidth=0.8)
     _step_ticks(ax, steps)
     ax.set_xlabel("optimizer step")

@@ -129,13 +129,17 @@ def widen(name: str, up: int) -> str:
     return name
 
 
-def scoped_suspects(cmp, model, top: int, up: int):
-    """``suspects(cmp, model)`` widened ``up`` levels, merged, the first ``top`` kept."""
+def scoped_suspects(cmp, model, top: int, up: int, order=None):
+    """``suspects(cmp, model)`` widened ``up`` levels, merged, the first ``top`` kept; with a
+    forward ``order`` (the model's modules in the order they run: ``named_modules()``'s,
+    construction order, is the forward's for most models), the first suspect's nearest flagged
+    module before it (``walk_back``) is kept too, where the divergence it shows may start."""
     import pandas as pd
 
-    from .grads.compare.suspects import suspects
+    from .grads.compare.suspects import suspects, walk_back
 
-    df = suspects(cmp, model=model)
+    df = suspects(cmp, model=model, order=order)
+    back = walk_back(df)[:1] if order is not None else []
     rows: dict[str, dict] = {}
     for _, row in df.iterrows():
         if not row["module"]:
@@ -144,7 +148,7 @@ def scoped_suspects(cmp, model, top: int, up: int):
             continue
         name = widen(row["module"], up)
         if name not in rows:
-            if len(rows) == top:
+            if len(rows) >= top and row["module"] not in back:
                 continue
             rows[name] = {"module": name, "step": row["step"], "similarity": row["similarity"],
                           "params": list(row["params"]), "owners": [row["module"]],
@@ -188,6 +192,9 @@ class TriageReport:
     stopped: str = ""
     #: the comparison's verdict in words (``grads.verdict.verdict_line``) or a caveat
     verdict: str = ""
+    #: the suspects flagged at the first step that run before the first one in the forward
+    #: pass, in words (``suspects.walk_back_text``): where the divergence may start
+    walk_back: str = ""
 
     @property
     def calibrated(self) -> bool:
@@ -217,6 +224,8 @@ class TriageReport:
         if self.suspects.empty:
             lines.append("No module to check.")
             return "\n".join(lines)
+        if self.walk_back:
+            lines.append(self.walk_back)
         modes = list(dict.fromkeys(r["pert_mode"] for r in self.runs))
         lines.append(f"Checked {len(self.suspects)} suspect module(s) with "
                      f"{', '.join(modes)}, forward and backward:")
@@ -271,6 +280,8 @@ class TriageReport:
             return "".join(out) + f"<p>{esc(self.stopped)}</p></div>"
         if self.suspects.empty:
             return "".join(out) + "<p>No module to check.</p></div>"
+        if self.walk_back:
+            out.append(f"<p>{esc(self.walk_back)}</p>")
         table = "<table style='table-layout:auto;max-width:100%'>"
         out.append(table + "<thead><tr>" + "".join(
             f"<th style='{th}'>{h}</th>" for h in ("#", "flagged calls",
@@ -410,7 +421,13 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
         comparison = compare_grads(run_a, run_b, control=control)
     divergence = _divergence(comparison, rank)
     verdict, stopped = _plan(comparison, divergence)
-    sus = scoped_suspects(comparison, model, top, up)
+    order, walk = None, ""
+    if divergence["step"] >= 0 and not stopped:  # where to walk back to: the modules in
+        from .grads.compare.suspects import suspects as _suspects, walk_back_text
+
+        order = [name for name, _ in model.named_modules()]  # construction (forward) order
+        walk = walk_back_text(_suspects(comparison, model=model, order=order))
+    sus = scoped_suspects(comparison, model, top, up, order)
     modules = list(sus["module"]) if not stopped else []
     if pert_modes is None:
         pert_modes = pert_modes_for(model, modules) if modules else ()
@@ -451,7 +468,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
     sus["findings"] = [counts.get(m, (0, 0))[0] for m in sus["module"]]
     sus["minor"] = [counts.get(m, (0, 0))[1] for m in sus["module"]]
     return TriageReport(divergence, sus, findings, runs, comparison, float(min_ratio), stopped,
-                        verdict)
+                        verdict, walk)
 
 
 def _plan(cmp, divergence) -> tuple:

@@ -43,10 +43,11 @@ class GradExplorer(w.VBox):
         self.comparison = comparison
         self.rank = self._rank(rank)
         self.params = [str(p) for p in self.run["param"].values]
-        flagged = self.flagged_params()
+        flagged = set(self.flagged_params()) | set(self.replica_params())
         options = [(("⚠ " if p in flagged else "") + p, p) for p in self.params]
         if param is None:
-            param = self._first_flagged() or self.params[0]
+            param = (self._first_flagged() or next(iter(self.replica_params()), None)
+                     or self.params[0])
         self.dropdown = w.Dropdown(options=options, value=param, description="parameter",
                                    style={"description_width": "80px"},
                                    layout=w.Layout(width="560px"))
@@ -81,6 +82,24 @@ class GradExplorer(w.VBox):
         any_flag = cmp["flag"].any("step")
         return [str(p) for p, f in zip(cmp["param"].values, any_flag.values) if f]
 
+    def replica_lines(self) -> list:
+        """What the replica checks found: the run's own (``store.replicas``) and, compared,
+        the other run's (``verdict.replica_text``)."""
+        from ..grads.compare.verdict import replica_text
+        from ..grads.store.replicas import from_datasets, replica_lines
+
+        if self.comparison is not None and replica_text(self.comparison):
+            return replica_text(self.comparison)
+        return replica_lines(from_datasets(self.run), limit=5)
+
+    def replica_params(self) -> list:
+        """Parameters of the run whose replicas disagreed at some step."""
+        if "replicas" not in self.run:
+            return []
+        bad = (np.asarray(self.run["replicas"].transpose("step", "param").values,
+                          np.int64) & 6) > 0
+        return [p for p, b in zip(self.params, bad.any(axis=0)) if b]
+
     def flagged_steps(self, param: str) -> list:
         cmp = self._cmp()
         if cmp is None or param not in set(str(p) for p in cmp["param"].values):
@@ -111,7 +130,11 @@ class GradExplorer(w.VBox):
             else:
                 parts.append("<span style='color:#2e7d32;font-weight:600'>✓ no step flagged"
                              "</span>")
-        return " — ".join(parts)
+        head = " — ".join(parts)
+        for line in self.replica_lines():  # replicas that disagree: a bug, no reference needed
+            head += (f"<br><span style='color:#c62828;font-weight:600'>⚠ "
+                     f"{html.escape(line)}</span>")
+        return head
 
     def select(self, param: str) -> None:
         """Show ``param`` (also what choosing it in the dropdown does)."""
@@ -163,6 +186,11 @@ class GradExplorer(w.VBox):
         for name in ("max", "min", "norm", "zeros"):
             if name in ds:
                 cols[name] = ds[name].values
+        if "replicas" in ds:  # the replica check: what differed from another replica's copy
+            from ..grads.store.replicas import what_text
+
+            cols["replicas"] = [("agree" if c == 1 else what_text(c) or "") if c else ""
+                                for c in np.asarray(ds["replicas"].values, np.int64)]
         flags = set(self.flagged_steps(param))
         head = "".join(f"<th style='padding:2px 8px'>{h}</th>" for h in ["step", *cols])
         rows = []
@@ -188,5 +216,7 @@ class GradExplorer(w.VBox):
 
 
 def _num(v) -> str:
+    if isinstance(v, str):
+        return html.escape(v)
     v = float(v)
     return "" if np.isnan(v) else f"{v:.4g}"

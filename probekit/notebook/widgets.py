@@ -68,6 +68,10 @@ HELP = {
                "with each low-precision op rounded at random (compare_grads(..., control=)); "
                "off: a plain run",
     "control_seed": "Seed of the control's own rounding generator (two controls: 0 and 1)",
+    "check_replicas": "Check every replicated parameter (DDP, HSDP, DTensor Replicate, tied) "
+                      "against its copies on the other ranks at every step (one all-gather)",
+    "tied": "Parameters holding the same values wherever held, e.g. an embedding and the last "
+            "stage's output layer: names separated by commas, groups by semicolons",
 }
 
 LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "device",
@@ -75,6 +79,7 @@ LABELS = {"handler_type": "handler", "fuzz_stage": "stage", "fuzz_device": "devi
           "max_sample": "max samples", "dump_path": "dump path", "param_list": "params",
           "grad_level": "level", "flush_every": "flush every", "flush_seconds": "flush after s",
           "grad_point": "gradients", "start_step": "start step", "control_seed": "control seed",
+          "check_replicas": "check replicas", "tied": "tied",
           "pert_mode": "perturbation", "list": "API names", "module": "modules"}
 
 _DESC = {"description_width": "100px"}
@@ -200,6 +205,9 @@ class ConfigPanel(w.VBox):
         elif key in ("bounds", "rank", "step"):
             control = w.Text(value=", ".join(str(v) for v in value),
                              placeholder="all" if key != "bounds" else "-1, 0, 1", **common)
+        elif key == "tied":
+            control = w.Text(value="; ".join(", ".join(g) for g in value),
+                             placeholder="none (embed.weight, head.weight; ...)", **common)
         else:
             control = w.Text(value=str(value), **common)
         self.controls[key] = control
@@ -216,6 +224,9 @@ class ConfigPanel(w.VBox):
                 out[key] = parse_ints(key, control.value)
             elif key == "bounds":
                 out[key] = parse_numbers(f"{self.TASK}.bounds", control.value)
+            elif key == "tied":
+                out[key] = [[n.strip() for n in group.split(",") if n.strip()]
+                            for group in control.value.split(";") if group.strip()]
             elif key == "budget":
                 out[key] = _optional_number(f"{self.TASK}.budget", control.value)
             elif key == "start_step":
@@ -389,6 +400,7 @@ class GradProbePanel(ConfigPanel):
         ("Where", ["dump_path", "rank", "step"]),
         ("Restarts", ["start_step", "overwrite", "durable"]),
         ("Control run", ["control", "control_seed"]),
+        ("Distributed", ["check_replicas", "tied"]),
     )
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from probekit.grads import compare_grads, open_grads
+from probekit.grads import compare_grads, open_grads, replica_disagreements
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_ddp_train.py")
 
@@ -167,8 +167,20 @@ def test_two_ranks_fsdp2_tp_ddp_record_one_copy_of_shards(tmp_path, single_ref):
     assert len(counts) == 8, res.stdout[-2000:]
     for layout in ("fsdp2", "tp"):  # the shards' largest |g|, for the significance threshold
         assert res.stdout.count(f"{layout} amax ok=True") == 2, res.stdout[-2000:]
-    for (rank, layout), (plain, probe) in counts.items():  # sharded: the threshold's all-reduce
-        assert probe == plain + (layout in ("fsdp2", "tp")), (rank, layout, plain, probe)
+    for (rank, layout), (plain, probe) in counts.items():
+        # sharded: the significance threshold's all-reduce; replicas (DDP's, the TP layers'
+        # replicated biases): the replica check's one all-gather
+        extra = int(layout in ("fsdp2", "tp")) + int(layout in ("tp", "ddp", "ddp_all"))
+        assert probe == plain + extra, (rank, layout, plain, probe)
+    assert "replicas" not in open_grads(tmp_path / "fsdp2")  # FSDP2 alone: nothing replicated
+    for layout in ("tp", "ddp", "ddp_all"):  # healthy: every replica agrees at every step
+        assert replica_disagreements(tmp_path / layout).empty, layout
+    tp = open_grads(tmp_path / "tp")
+    checked = np.asarray(tp["replicas"].values)  # replicated over TP: the Rowwise biases
+    assert [str(p) for p, c in zip(tp["param"].values, checked.T) if c.all()] == [
+        "1.0.bias", "3.bias"]
+    assert np.all(checked[:, [0, 1, 2, 4, 5, 6]] == 0)  # shards: not replicated, not checked
+    assert np.all(open_grads(tmp_path / "ddp")["replicas"].values == 1)
     for layout in ("fsdp2", "tp"):
         store = tmp_path / layout / "grads.zarr"
         assert sorted(os.listdir(store)) == ["rank0", "rank1", "zarr.json"]
@@ -199,9 +211,14 @@ def test_four_ranks_fsdp2_hsdp_ddp_and_layouts_compare(tmp_path, single_ref):
         assert res.stdout.count(f"{layout} amax ok=True") == 4, res.stdout[-2000:]
     for (rank, layout), (plain, probe) in collectives(res.stdout).items():
         # FSDP2 and replica 0 of HSDP: one MAX all-reduce (the significance threshold);
-        # HSDP's second replica records nothing and joins no collective
-        extra = int(layout == "fsdp2" or (layout == "hsdp" and rank < 2))
+        # HSDP's replicas and DDP's ranks: the replica check's all-gather (HSDP's second
+        # replica records nothing but takes part in it)
+        extra = (int(layout == "fsdp2" or (layout == "hsdp" and rank < 2))
+                 + int(layout in ("hsdp", "ddp")))
         assert probe == plain + extra, (rank, layout, plain, probe)
+    for layout in ("hsdp", "ddp"):
+        assert replica_disagreements(tmp_path / layout).empty, layout
+        assert np.all(open_grads(tmp_path / layout)["replicas"].values == 1), layout
     assert sorted(os.listdir(tmp_path / "fsdp2" / "grads.zarr")) == [
         "rank0", "rank1", "rank2", "rank3", "zarr.json"]
     assert sorted(os.listdir(tmp_path / "hsdp" / "grads.zarr")) == ["rank0", "rank1",
@@ -257,8 +274,12 @@ def test_a_rank_killed_mid_step_leaves_the_others_steps_readable(tmp_path):
 
 
 def store_bytes(path) -> int:
+    """Bytes of a store's files, the replica check's arrays aside (a fixed few KB here, which a
+    single process does not write: nothing is replicated there)."""
+    skip = ("replicas", "replica_rank", "replica_gap")
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path)
-               for f in files)
+               for f in files if not any(part in skip for part in
+                                         os.path.relpath(root, path).split(os.sep)))
 
 
 @pytest.mark.slow

@@ -78,6 +78,12 @@ def test_planted_op_found_in_its_module_and_clean_blocks_clean(runs):
     assert "1. blocks.2 (flagged at step 0" in text
     assert "Tensor.__sub__.0.forward [add_noise]" in text
     assert "2. blocks.0 (flagged at step 0" in text and ": no flagged call\n" in text + "\n"
+    # the first suspect may sit after where the divergence starts: the flagged modules before
+    # it in the forward pass are named, nearest first (here the defect is in the first one)
+    assert report.walk_back.startswith("blocks.2.fc1 departs most at step 0, but a wrong "
+                                       "forward output changes the gradients")
+    assert "earlier in the forward pass: blocks.2.norm" not in report.walk_back
+    assert report.walk_back in text
     page = report._repr_html_().replace("<wbr>", "")  # names wrap at their dots
     assert "<code>blocks.2.fc1.weight</code>" in page and "Tensor.__sub__.0.forward" in page
     assert page.count("<tr>") == 2 + 3 + len(f)          # two header rows

@@ -105,3 +105,29 @@ def test_explorer_on_two_recorded_runs(tmp_path):
     assert [ax.get_title() for ax in ex.figure.axes if ax.get_title()][0] == (
         f"Direction similarity: {ex.param}")
     assert "first flag at step 3" in ex.header.value
+
+
+def test_explorer_says_the_replica_check(tmp_path):
+    """A run whose replicas disagree (issue 35): said in the header, the parameter marked and
+    opened first, its steps hatched in the statistics plot, what differed in the table."""
+    import torch
+
+    from probekit.grads import GradProbe, open_grads
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3)})
+    model["b"].load_state_dict(model["a"].state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 3)
+    with GradProbe(model, dump_path=str(tmp_path / "run"), tied=[["a.weight", "b.weight"]]):
+        for _ in range(2):
+            opt.zero_grad()
+            (model["a"](x).sum() + model["b"](2 * x).sum()).backward()
+            opt.step()
+    ex = GradExplorer(open_grads(tmp_path / "run"))
+    assert ("⚠ replicas of `a.weight` disagree from step 0 (tied `a.weight`/`b.weight` rank 0: "
+            "gradients)") in ex.header.value.replace("&#x27;", "'")
+    assert ex.param == "a.weight" and ex.dropdown.options[0] == ("⚠ a.weight", "a.weight")
+    assert gids(ex.figure, "replicas:") == ["replicas:0", "replicas:1"]
+    assert "<th style='padding:2px 8px'>replicas</th>" in ex.table.value
+    assert "gradients and parameters" in ex.table.value  # step 1: the weights parted too

@@ -214,3 +214,13 @@ def test_budget_control_empty_means_no_budget():
     assert panel.controls["budget"].value == "" and panel.config.free_benchmark.budget is None
     panel.controls["budget"].value = "0.2"
     assert panel.error == "" and panel.config.free_benchmark.budget == 0.2
+
+
+def test_tied_groups_as_text():
+    """``grad_probe.tied`` edited as text: names by commas, groups by semicolons."""
+    gp = GradProbePanel()
+    assert gp.controls["tied"].value == "" and gp.controls["check_replicas"].value is True
+    gp.controls["tied"].value = "embed.weight, head.weight; final_norm.weight"
+    assert gp.values()["tied"] == [["embed.weight", "head.weight"], ["final_norm.weight"]]
+    assert gp.config.grad_probe.tied == (("embed.weight", "head.weight"),
+                                         ("final_norm.weight",))

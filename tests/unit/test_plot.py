@@ -247,3 +247,24 @@ def test_plot_imports_no_ipython():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_replica_check_in_the_plots(grads_cmp, grads_l2):
+    """What the runs' replica checks found: a red line at the top of the comparison plots; the
+    steps where a parameter's replicas disagree hatched in its statistics (issue 35)."""
+    line = "replicas of `head.weight` disagree from step 4 (DDP ranks 0/1: gradients)"
+    cmp = grads_cmp.copy()
+    cmp.attrs["replicas_second"] = [line]
+    for fig in (plot.similarity(cmp), plot.total_similarity(cmp)):
+        notes = [t for t in fig.axes[0].texts if t.get_gid() == "replicas"]
+        assert [t.get_text() for t in notes] == [f"the second run: {line}"]
+    assert not [t for t in plot.similarity(grads_cmp).axes[0].texts if t.get_gid() == "replicas"]
+    param = str(grads_l2["param"].values[0])
+    code = np.zeros((grads_l2.sizes["step"], grads_l2.sizes["param"]), np.uint8)
+    code[3:, 0] = [3] + [7] * (code.shape[0] - 4)
+    ds = grads_l2.assign(replicas=(("step", "param"), code))
+    ax = plot.grad_stats(ds, param).axes[0]
+    steps = [int(s) for s in ds["step"].values[3:]]
+    assert [p.get_gid() for p in ax.patches] == [f"replicas:{s}" for s in steps]
+    assert "replicas disagree (gradients first)" in [t.get_text()
+                                                    for t in ax.get_legend().get_texts()]

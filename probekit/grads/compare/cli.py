@@ -30,6 +30,7 @@ def _declare_compare(p):
                         "(tcp://host:8786); default: the local cores")
     unmatched_argument(p)
     _storage_argument(p)
+    _declare_rename(p)
 
 
 def unmatched_argument(p):
@@ -77,6 +78,12 @@ def _json_object(text):
     return value
 
 
+def _declare_rename(p):
+    p.add_argument("--rename", metavar="JSON", type=_json_object, default=None,
+                   help="a JSON object of parameter names to names, applied to both runs "
+                        "(runs naming the same parameters differently)")
+
+
 @command("grads", "compare", "compare the gradient signs of two runs, per rank/step/param")
 def compare(args) -> int:
     from .report import GradComparator
@@ -84,9 +91,12 @@ def compare(args) -> int:
     result = GradComparator.compare_distributed(
         args.run_a, args.run_b, args.output, plots=args.plots,
         step0_threshold=args.step0_threshold, drop_threshold=args.drop_threshold,
-        scheduler=args.scheduler, storage_options=args.storage_options, control=args.control)
-    from .verdict import judged_total_name, verdict_line
+        scheduler=args.scheduler, storage_options=args.storage_options, control=args.control,
+        rename=args.rename)
+    from .verdict import judged_total_name, replica_text, unpaired_text, verdict_line
 
+    for line in replica_text(result) + unpaired_text(result):  # said before any rank's verdict
+        print(line)
     name = judged_total_name(result)     # the similarity the flags are judged on
     label = " (significant signs)" if name == "total_significant" else ""
     for rank in result["rank"].values:
@@ -118,9 +128,15 @@ def _declare_summary(p):
 
 @command("grads", "summary", "describe a recorded run: ranks, steps, params, last statistics")
 def summary(args) -> int:
+    from ..store.replicas import from_datasets, replica_lines
     from ..store.sources import load_runs, without_grad
 
     runs = load_runs(args.run, storage_options=args.storage_options)
+    table = from_datasets(runs)  # the replica check, said first: a bug with no reference
+    for line in replica_lines(table, limit=10):
+        print(line)
+    if not len(table) and any("replicas" in ds for ds in runs.values()):
+        print("replicas agree at every recorded step")
     for rank, ds in sorted(runs.items()):
         if args.rank is not None and rank != args.rank:
             continue

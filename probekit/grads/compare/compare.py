@@ -24,7 +24,7 @@ import numpy as np
 from ...errors import GradCompareError
 from ...log import get_logger
 from ..store.chunks import bit_reader
-from .planner import check_sizes, match_params, pair_labels, ranges_text
+from .planner import check_sizes, match_params, pair_label, pair_labels, ranges_text
 from ..numerics.sampling import CONFIDENCE, stratified_interval, wilson
 from .unmatched import unmatched_vars
 
@@ -96,7 +96,7 @@ def match_samples(a, b) -> tuple:
 
 
 def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES, *,
-              label: str = "") -> dict:
+              label: str = "", rename=None) -> dict:
     """What the comparison of two Datasets needs besides the sign bits (small arrays): shared
     parameters and steps, word layout, presence, blocks of steps, and the parameters found in
     one run only (logged as a warning, prefixed with ``label``). Raises on runs that cannot be
@@ -112,10 +112,11 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
     raw_a = [str(x) for x in a["param"].values]
     raw_b = [str(x) for x in b["param"].values]
     common, pos_a, pos_b, only_a, only_b, n_a, n_b = match_params(
-        raw_a, raw_b, _left_out(a), _left_out(b), label)
+        raw_a, raw_b, _left_out(a), _left_out(b), label, rename=rename)
     numel_a = np.asarray(a["numel"].values, np.int64)[pos_a]
     numel_b = np.asarray(b["numel"].values, np.int64)[pos_b]
-    check_sizes(common, numel_a, numel_b)
+    check_sizes(common, numel_a, numel_b, _shapes(a, pos_a), _shapes(b, pos_b),
+                names_a=[raw_a[i] for i in pos_a], names_b=[raw_b[i] for i in pos_b])
     bits_a, bits_b = _bits(a)[pos_a], _bits(b)[pos_b]
     if a.attrs.get("sample", 0) != b.attrs.get("sample", 0) or np.any(bits_a != bits_b):
         raise GradCompareError(
@@ -163,6 +164,22 @@ def plan_pair(a, b, block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYT
         "block": block, "blocks": [(s0, min(s0 + per_task, steps.size))
                                    for s0 in range(0, steps.size, per_task)],
         "nbytes": (nbytes_a, nbytes_b)}
+
+
+def _shapes(ds, pos):
+    """The recorded shapes of the parameters at ``pos`` (None where not recorded or not a
+    shape: an msprobe dump's are text the planner parses too)."""
+    if "shape" not in ds.coords:
+        return None
+    from .planner import _shape
+
+    out = []
+    for x in np.asarray(ds["shape"].values)[pos]:
+        try:
+            out.append(_shape(str(x)))
+        except (ValueError, SyntaxError):
+            out.append(None)
+    return out
 
 
 def bit_sources(a, b, plan) -> tuple:
@@ -383,18 +400,46 @@ def first_divergence(result) -> tuple[int, str]:
     return int(result["step"].values[i]), str(result["param"].values[int(np.argmin(sims))])
 
 
-def pair_runs(runs_a: dict, runs_b: dict, ranks=None) -> list:
-    """[(rank, Dataset a, Dataset b)] to compare. Two runs of one Dataset each (a single
-    process, a DDP run written by one rank, a sharded run assembled) pair whatever rank recorded
-    them: FSDP2 at 2 or 4 ranks, DDP and a single process line up parameter by parameter.
-    Otherwise (one Dataset per rank: pipeline stages, independent ranks) rank r pairs with r."""
-    return [(ra, runs_a[ra], runs_b[rb]) for ra, rb in pair_labels(runs_a, runs_b, ranks)]
+def pair_runs(runs_a: dict, runs_b: dict, ranks=None, rename=None) -> list:
+    """[(rank, Dataset a, Dataset b)] to compare (``planner.pair_labels``' rule). Two runs of
+    one Dataset each (a single process, a DDP run written by one rank, a sharded run assembled)
+    pair whatever rank recorded them: FSDP2 at 2 or 4 ranks, DDP and a single process line up
+    parameter by parameter. One run against several: pipeline stages (disjoint parameters)
+    as one Dataset (``union_datasets``), copies (every rank the whole model) each against the
+    one. Several against several: rank r with rank r."""
+    return _pairs(runs_a, runs_b, ranks, rename)[0]
+
+
+def _pairs(runs_a: dict, runs_b: dict, ranks=None, rename=None) -> tuple:
+    """(``pair_runs``' pairs, the labels compared with nothing: {"first", "second"})."""
+    from ..store.names import canonical_names, renamed
+
+    def names(runs):
+        return {r: list(renamed(canonical_names(str(p) for p in ds["param"].values), rename,
+                                "compare_grads(rename=)")) for r, ds in runs.items()}
+
+    pairs, unpaired = pair_labels(runs_a, runs_b, ranks, names(runs_a), names(runs_b))
+
+    from ..store.assemble import union_datasets
+
+    def one(runs, label):
+        if isinstance(label, tuple):
+            return min(label), union_datasets([runs[x] for x in label])
+        return label, runs[label]
+
+    out = []
+    for la, lb in pairs:
+        _, ds_a = one(runs_a, la)
+        _, ds_b = one(runs_b, lb)
+        out.append((pair_label(la, lb, len(runs_a), len(runs_b)), ds_a, ds_b))
+    return out, unpaired
 
 
 def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOLD,
                   drop_threshold: float = DROP_THRESHOLD, ranks=None, noise_aware: bool = True,
                   client=None, scheduler=None, progress=None, storage_options=None,
-                  block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES):
+                  block_bytes: int = _BLOCK_BYTES, task_bytes: int = _TASK_BYTES,
+                  rename=None):
     """Compare two runs (paths or fsspec URLs of probekit or msprobe dumps, or Datasets) ->
     xarray Dataset.
 
@@ -426,7 +471,17 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
     (uncalibrated). Either way the result's ``str`` and HTML begin with the verdict in words.
 
     Runs of one Dataset each (single process, DDP, a sharded run assembled) pair parameter by
-    parameter whatever rank recorded them; runs of several ranks pair rank r with rank r.
+    parameter whatever rank recorded them. A run recorded as several (pipeline stages, ranks
+    recording their own copy) against one: stages whose parameters are disjoint are compared
+    as one run (their union; record each stage under the model's names:
+    ``GradProbe(..., rename=layer_offset(first_layer))``), copies each against the one, so
+    every rank that recorded is compared; several against several pair rank r with rank r,
+    and a rank with no counterpart is named (the attributes ``unpaired_first`` and
+    ``unpaired_second``, and a warning), never dropped silently. ``rename``: a dict of names
+    to names, or a function of a name (applied to both runs' names, after the wrapper
+    prefixes are removed), for runs that name the same parameters differently (Megatron's
+    names against a Hugging Face reference); a parameter paired by name whose shape differs
+    between the runs is an error naming both sides.
 
     Two probekit stores (paths or URLs) are compared shard by shard: the counts are taken
     over the element ranges the two runs' rank groups share (``planner.py``), segment by
@@ -447,6 +502,62 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
     False never. ``storage_options``: for URLs (credentials, endpoint). ``block_bytes`` (8 MiB)
     and ``task_bytes`` (64 MiB): sign bytes of one run read at once, and per task.
     """
+    from ..store.names import check_rename
+
+    result = _compare_grads(a, b, control=control, step0_threshold=step0_threshold,
+                            drop_threshold=drop_threshold, ranks=ranks,
+                            noise_aware=noise_aware, client=client, scheduler=scheduler,
+                            progress=progress, storage_options=storage_options,
+                            block_bytes=block_bytes, task_bytes=task_bytes,
+                            rename=check_rename(rename, "compare_grads(rename=)"))
+    _check_rename_used(rename, result)
+    return replica_attrs(result, a, b, storage_options)
+
+
+def _check_rename_used(rename, result) -> None:
+    """A dict ``rename`` whose keys name no parameter of either run is a mistake (a misspelt
+    name leaves its parameter unpaired): an error naming them. A key was used when its new name
+    was compared, or when the name itself is among the parameters of one run only."""
+    from collections.abc import Mapping
+
+    from ..store.names import canonical_name
+
+    if not isinstance(rename, Mapping):
+        return
+    compared = {str(p) for p in result["param"].values}
+    alone = set()
+    for var in ("only_in_first", "only_in_second"):
+        if var in result:
+            alone |= {canonical_name(str(x)) for x in np.asarray(result[var].values).ravel()
+                      if str(x)}
+    unused = sorted(k for k, v in rename.items()
+                    if v not in compared and canonical_name(k) not in alone)
+    if unused:
+        raise GradCompareError(f"compare_grads(rename=): {unused[:5]!r} name no parameter of "
+                               "either run; accepted: names the runs record (open_grads(run)"
+                               "['param'])")
+
+
+def replica_attrs(result, a, b, storage_options=None):
+    """``result`` with what each run's replica check says (``store/replicas.py``): the
+    attributes ``replicas_first`` and ``replicas_second``, lines such as "replicas of `p`
+    disagree from step 0 (tp ranks 0/1: gradients)" (absent when the run's replicas always
+    agreed or were not checked); the verdict in words begins with them."""
+    from ..store.replicas import replica_disagreements, replica_lines
+
+    for key, run in (("replicas_first", a), ("replicas_second", b)):
+        table = replica_disagreements(run, storage_options=storage_options)
+        if len(table):
+            result.attrs[key] = replica_lines(table, limit=5)
+    return result
+
+
+def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOLD,
+                   drop_threshold: float = DROP_THRESHOLD, ranks=None,
+                   noise_aware: bool = True, client=None, scheduler=None, progress=None,
+                   storage_options=None, block_bytes: int = _BLOCK_BYTES,
+                   task_bytes: int = _TASK_BYTES, rename=None):
+    """``compare_grads`` without the replica check's attributes (``rename``: checked)."""
     from .engine import Session
 
     if control is not None:   # the comparisons with the test and each control, then judged
@@ -468,8 +579,8 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
                        ranks=ranks, noise_aware=noise_aware, client=client,
                        scheduler=scheduler, progress=progress,
                        storage_options=storage_options, block_bytes=block_bytes,
-                       task_bytes=task_bytes)
-        results = [compare_grads(sources[0], x, **options) for x in sources[1:]]
+                       task_bytes=task_bytes, rename=rename)
+        results = [_compare_grads(sources[0], x, **options) for x in sources[1:]]
         return calibrate(results[0], results[1:], runs[0], runs[1], runs[2:],
                          storage_options=storage_options)
     with Session(client=client, scheduler=scheduler, progress=progress,
@@ -480,14 +591,32 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
             results = _compare_stores(*stores, session=session, ranks=ranks,
                                       block_bytes=block_bytes, task_bytes=task_bytes,
                                       thresholds=(step0_threshold, drop_threshold),
-                                      noise_aware=noise_aware)
+                                      noise_aware=noise_aware, rename=rename)
         if results is None:
             results = _compare_datasets(a, b, session=session, ranks=ranks,
                                         block_bytes=block_bytes, task_bytes=task_bytes,
                                         thresholds=(step0_threshold, drop_threshold),
                                         noise_aware=noise_aware,
-                                        storage_options=storage_options)
-    return _combine(results, step0_threshold, drop_threshold)
+                                        storage_options=storage_options, rename=rename)
+    results, unpaired = results
+    out = _combine(results, step0_threshold, drop_threshold)
+    return _unpaired(out, unpaired)
+
+
+def _unpaired(result, unpaired: dict):
+    """The ranks of each run compared with nothing, named in the result (``unpaired_first``,
+    ``unpaired_second``) and in a warning."""
+    for key, who in (("first", "first"), ("second", "second")):
+        ranks = [int(r) for r in unpaired.get(key, [])]
+        if ranks:
+            result.attrs[f"unpaired_{key}"] = ranks
+            log.warning("compare: rank%s %s of the %s run ha%s no counterpart in the other "
+                        "run and %s not compared (the ranks compared: %s); ranks=[...] picks "
+                        "ranks to compare", "s" if len(ranks) > 1 else "",
+                        ", ".join(map(str, ranks)), who, "ve" if len(ranks) > 1 else "s",
+                        "are" if len(ranks) > 1 else "is",
+                        ", ".join(str(int(r)) for r in result["rank"].values))
+    return result
 
 
 def _stores(a, b, storage_options):
@@ -500,7 +629,8 @@ def _stores(a, b, storage_options):
     return None if sb is None else (sa, sb)
 
 
-def _plan_task(segs_a, segs_b, n_a: int, ranks, block_bytes, task_bytes, *batches) -> dict:
+def _plan_task(segs_a, segs_b, n_a: int, ranks, block_bytes, task_bytes, rename,
+               *batches) -> dict:
     """The comparison's plan from both runs' segments (``restarts.Segment``) and their opened
     rank groups (``opening.open_batch`` of each segment's ranks in order; a task of the
     graph)."""
@@ -513,7 +643,7 @@ def _plan_task(segs_a, segs_b, n_a: int, ranks, block_bytes, task_bytes, *batche
 
     with gc_held():  # many small containers: no collection of everything alive meanwhile
         return plan(runs(segs_a, batches[:n_a]), runs(segs_b, batches[n_a:]), ranks=ranks,
-                    block_bytes=block_bytes, task_bytes=task_bytes)
+                    block_bytes=block_bytes, task_bytes=task_bytes, rename=rename)
 
 
 def _plan_shape(plan: dict):
@@ -550,7 +680,7 @@ def _tree_add(parts: list, fan: int = 32):
 
 
 def plan_stage(sa, sb, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
-               task_bytes: int = _TASK_BYTES):
+               task_bytes: int = _TASK_BYTES, rename=None):
     """The first stages of a comparison of two stores (``opening.store_of``), as tasks of
     ``session``'s graph: each store's layout segments (``restarts.segments``), then their rank
     groups opened in batches, then the plan; the plan (on a cluster: its future)."""
@@ -568,19 +698,28 @@ def plan_stage(sa, sb, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
                        for i, (_, _, rks) in enumerate(session.value(shape, handle))
                        for batch in batches(rks)])
     planned = dask.delayed(_plan_task, pure=False)(segs[0], segs[1], len(opened[0]), ranks,
-                                                   block_bytes, task_bytes, *opened[0],
+                                                   block_bytes, task_bytes, rename, *opened[0],
                                                    *opened[1])
     handle, = session.run([planned], keep=True, inner=opened[0] + opened[1])
     return handle
 
 
 def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,
-                    noise_aware):
-    """The range comparison of two stores (``planner.py``, ``counting.py``): [(rank, result)]
-    or None when the planner declines (the Dataset path then)."""
+                    noise_aware, rename=None):
+    """The range comparison of two stores (``planner.py``, ``counting.py``): ([(rank,
+    result)], the ranks compared with nothing) or None when the planner declines (the Dataset
+    path then)."""
     handle = plan_stage(sa, sb, session=session, ranks=ranks, block_bytes=block_bytes,
-                        task_bytes=task_bytes)
-    return count_stage(handle, session=session, thresholds=thresholds, noise_aware=noise_aware)
+                        task_bytes=task_bytes, rename=rename)
+    results = count_stage(handle, session=session, thresholds=thresholds,
+                          noise_aware=noise_aware)
+    if results is None:
+        return None
+    return results, session.value(_plan_unpaired, handle)
+
+
+def _plan_unpaired(plan: dict) -> dict:
+    return plan.get("unpaired") or {"first": [], "second": []}
 
 
 def count_stage(handle, *, session, thresholds=(STEP0_THRESHOLD, DROP_THRESHOLD),
@@ -657,7 +796,7 @@ def _finished(plan, parts, thresholds, noise_aware) -> tuple:
 
 
 def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, thresholds,
-                      noise_aware, storage_options):
+                      noise_aware, storage_options, rename=None):
     """Datasets (or stores read as Datasets: ``load_runs``): per rank pair ``plan_pair`` here,
     then one task per block of steps."""
     import dask
@@ -666,11 +805,12 @@ def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, threshol
 
     runs_a = load_runs(a, storage_options=storage_options)
     runs_b = load_runs(b, storage_options=storage_options)
-    pairs = pair_runs(runs_a, runs_b, ranks)
+    pairs, unpaired = _pairs(runs_a, runs_b, ranks, rename)
     plans, tasks = [], []
     for r, ds_a, ds_b in pairs:
         ds_a, ds_b = match_samples(ds_a, ds_b)
-        plan = plan_pair(ds_a, ds_b, block_bytes, task_bytes, label=f"rank {r}: ")
+        plan = plan_pair(ds_a, ds_b, block_bytes, task_bytes, label=f"rank {r}: ",
+                         rename=rename)
         src = dask.delayed(bit_sources(ds_a, ds_b, plan), pure=False, traverse=False)
         lazy_plan = dask.delayed(plan, pure=False, traverse=False)
         plans.append(plan)
@@ -678,7 +818,7 @@ def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, threshol
                   for s0, s1 in plan["blocks"]]
     counts = iter(session.run(tasks))
     return [(r, _finished(plan, [next(counts) for _ in plan["blocks"]], thresholds,
-                          noise_aware)) for (r, _, _), plan in zip(pairs, plans)]
+                          noise_aware)) for (r, _, _), plan in zip(pairs, plans)], unpaired
 
 
 def _combine(results: list, step0_threshold: float, drop_threshold: float):

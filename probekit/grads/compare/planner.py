@@ -39,7 +39,7 @@ import numpy as np
 from ...errors import GradCompareError
 from ...log import get_logger
 from ..numerics import geometry
-from ..store.names import canonical_names
+from ..store.names import canonical_names, renamed
 from ..numerics.sampling import sample_run
 from .unmatched import unmatched_text
 
@@ -53,18 +53,27 @@ class Unsupported(Exception):
     """A layout the range planner does not handle (the comparison reads Datasets instead)."""
 
 
+class AmbiguousRuns(GradCompareError):
+    """Several runs of one recording that are neither copies nor disjoint parts of one model
+    (``pair_labels``). The planner hands such a recording to the Dataset path (which assembles
+    shards the planner keeps apart, and says this if they still are)."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _shape(text: str) -> tuple:
     value = ast.literal_eval(text)
     return tuple(int(x) for x in (value if isinstance(value, (tuple, list)) else (value,)))
 
 
-def match_params(raw_a: list, raw_b: list, left_a: list, left_b: list, label: str = ""):
-    """Parameters of two runs paired by name without wrapper prefixes: (common names in the
-    first run's order, their positions in a, in b, names of a only, of b only, parameter count
-    of a, of b). Raises when none is shared; logs the unmatched ones (after ``label``; None:
-    not logged, a caller that logged them already)."""
-    names_a, names_b = list(canonical_names(raw_a)), list(canonical_names(raw_b))
+def match_params(raw_a: list, raw_b: list, left_a: list, left_b: list, label: str = "",
+                 rename=None):
+    """Parameters of two runs paired by name without wrapper prefixes (then through ``rename``,
+    ``names.check_rename``'s function, applied to both runs' names): (common names in the first
+    run's order, their positions in a, in b, names of a only, of b only, parameter count of a,
+    of b). Raises when none is shared; logs the unmatched ones (after ``label``; None: not
+    logged, a caller that logged them already)."""
+    names_a = list(renamed(canonical_names(raw_a), rename, "compare_grads(rename=)"))
+    names_b = list(renamed(canonical_names(raw_b), rename, "compare_grads(rename=)"))
     index_a = {n: i for i, n in enumerate(names_a)}
     index_b = {n: i for i, n in enumerate(names_b)}
     common = [n for n in names_a if n in index_b]
@@ -81,12 +90,43 @@ def match_params(raw_a: list, raw_b: list, left_a: list, left_b: list, label: st
     return common, pos_a, pos_b, only_a, only_b, n_a, n_b
 
 
-def check_sizes(common, numel_a, numel_b) -> None:
-    if np.any(numel_a != numel_b):
-        bad = [(common[i], int(numel_a[i]), int(numel_b[i])) for i in
-               np.flatnonzero(numel_a != numel_b)[:5]]
-        raise GradCompareError("parameter sizes differ between the runs (name, first, second): "
-                               + "; ".join(f"{n}: {x} vs {y}" for n, x, y in bad))
+def check_sizes(common, numel_a, numel_b, shapes_a=None, shapes_b=None, *, names_a=None,
+                names_b=None) -> None:
+    """A ``GradCompareError`` naming both sides where a paired parameter's size, or its shape
+    (``shapes_a``/``shapes_b``: the full parameters' shapes, when both runs know them), differs
+    between the runs; ``names_a``/``names_b``: each side's own names of the parameters (as
+    recorded), said where they differ from the paired name."""
+    bad = [int(i) for i in np.flatnonzero(numel_a != numel_b)]
+    if shapes_a is not None and shapes_b is not None:
+        bad += [i for i, (x, y) in enumerate(zip(shapes_a, shapes_b))
+                if i not in bad and _differ(x, y)]
+    if not bad:
+        return
+
+    def side(i, names, shapes, numel):
+        own = f" (recorded as {names[i]!r})" if names is not None and str(names[i]) != \
+            common[i] else ""
+        shape = (f"shape {tuple(int(v) for v in shapes[i])}" if shapes is not None
+                 else f"{int(numel[i])} elements")
+        return f"{shape}{own}"
+
+    parts = [f"{common[i]!r}: {side(i, names_a, shapes_a, numel_a)} in the first run, "
+             f"{side(i, names_b, shapes_b, numel_b)} in the second" for i in sorted(bad)[:5]]
+    raise GradCompareError("parameter shapes differ between the runs: " + "; ".join(parts)
+                           + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+                           + ". Paired by name, they must be the same tensor: check the "
+                           "names (rename=) and the layouts (a transposed or fused weight)")
+
+
+def _differ(x, y) -> bool:
+    """Two shapes of one size that are not the same tensor's: both of two or more dimensions
+    (size-1 ones aside) and different. A flat one (a tool that records parameters flattened)
+    is compared element by element in C order."""
+    if x is None or y is None:
+        return False
+    x = tuple(int(v) for v in x if int(v) != 1)
+    y = tuple(int(v) for v in y if int(v) != 1)
+    return len(x) >= 2 and len(y) >= 2 and x != y
 
 
 def ranges_text(values) -> str:
@@ -283,27 +323,135 @@ def _as_recorded(g: dict) -> dict:
             "pieces": _by_name(t, len(shapes)), "steps": g["steps"], "used": [0]}
 
 
-def pair_labels(labels_a, labels_b, ranks=None) -> list:
-    """[(label of a, label of b)]: which runs of two recordings are compared with which. A
-    recording of one run each: those two, whatever rank recorded them; else rank r with rank r
-    (``ranks``: only those). ``compare.pair_runs`` pairs Datasets by it too."""
+def pair_labels(labels_a, labels_b, ranks=None, names_a=None, names_b=None) -> tuple:
+    """Which runs of two recordings are compared with which: ``(pairs, unpaired)``, ``pairs`` a
+    list of (label of a, label of b), where a label may be a tuple of labels (those runs
+    compared as one: their union), and ``unpaired`` {"first": [...], "second": [...]}: the
+    labels of each recording compared with nothing (named in the result and a warning, never
+    dropped silently). ``names_a``/``names_b``: {label: its parameter names} (as compared:
+    without wrapper prefixes, renamed).
+
+    * One run each: those two, whatever rank recorded them.
+    * One run against several (``ranks``: only those): several runs whose parameters are
+      disjoint (pipeline stages, recorded with global names) are one run, their union;
+      several holding the same parameters (copies: every rank recorded the whole model) are
+      each compared with the one; anything else is an error naming the overlap (stages
+      recorded with their local layer names: ``rename=layer_offset(n)``).
+    * Several against several: disjoint on both sides, the unions; else rank r with rank r.
+    ``compare.pair_runs`` pairs Datasets by it too."""
     labels_a, labels_b = sorted(labels_a), sorted(labels_b)
-    if len(labels_a) == 1 and len(labels_b) == 1 and (ranks is None
-                                                      or set(labels_a) & set(ranks)):
-        return [(labels_a[0], labels_b[0])]
-    common = sorted(set(labels_a) & set(labels_b))
     if ranks is not None:
-        common = [r for r in common if r in set(ranks)]
+        want = set(ranks)
+        keep_a = [x for x in labels_a if x in want]
+        keep_b = [x for x in labels_b if x in want]
+        if len(labels_a) == 1 and len(labels_b) == 1:
+            if not (keep_a or keep_b):
+                raise GradCompareError(f"the runs share no rank (first: {labels_a}, second: "
+                                       f"{labels_b}, asked: {list(ranks)})")
+            return [(labels_a[0], labels_b[0])], {"first": [], "second": []}
+        labels_a = keep_a if len(labels_a) > 1 else labels_a
+        labels_b = keep_b if len(labels_b) > 1 else labels_b
+        if not labels_a or not labels_b:
+            raise GradCompareError(f"the runs share no rank (first: {sorted(keep_a)}, second: "
+                                   f"{sorted(keep_b)}, asked: {list(ranks)})")
+    none = {"first": [], "second": []}
+    if len(labels_a) == 1 and len(labels_b) == 1:
+        return [(labels_a[0], labels_b[0])], none
+    strict = len(labels_a) == 1 or len(labels_b) == 1  # one against several: must be clear
+    kind_a = _kind(labels_a, names_a, "first", strict)
+    kind_b = _kind(labels_b, names_b, "second", strict)
+    if strict:
+        one, many, kind = ((labels_b[0], labels_a, kind_a) if len(labels_b) == 1
+                           else (labels_a[0], labels_b, kind_b))
+        if kind == "disjoint":
+            pairs = [(tuple(many), one)]
+        else:  # copies: each one compared with the single run
+            pairs = [(m, one) for m in many]
+        if len(labels_a) == 1:
+            pairs = [(x, y) for y, x in pairs]
+        return pairs, none
+    if kind_a == "disjoint" and kind_b == "disjoint":
+        return [(tuple(labels_a), tuple(labels_b))], none
+    common = sorted(set(labels_a) & set(labels_b))
     if not common:
         raise GradCompareError(f"the runs share no rank (first: {labels_a}, second: "
                                f"{labels_b}" + (f", asked: {list(ranks)}" if ranks else "")
                                + ")")
-    return [(r, r) for r in common]
+    unpaired = {"first": [x for x in labels_a if x not in common],
+                "second": [x for x in labels_b if x not in common]}
+    return [(r, r) for r in common], unpaired
+
+
+def pair_label(la, lb, n_a: int, n_b: int) -> int:
+    """The rank a pair's result is labelled with: the label of the side of several runs (a
+    union: its lowest), the first run's otherwise."""
+    x = lb if n_a == 1 and n_b > 1 else la
+    return min(x) if isinstance(x, tuple) else x
+
+
+def _kind(labels, names, which: str, strict: bool = True) -> str:
+    """How several runs of one recording relate by their parameters: "disjoint" (pipeline
+    stages: compared as one), "same" (copies), or (``strict``) an error naming the overlap;
+    not ``strict``: "mixed" instead."""
+    if names is None or len(labels) < 2:
+        return "same"
+    sets = [set(names[x]) for x in labels]
+    if all(s == sets[0] for s in sets):
+        return "same"
+    overlap = None
+    for i, (x, sx) in enumerate(zip(labels, sets)):
+        for y, sy in zip(labels[i + 1:], sets[i + 1:]):
+            if sx & sy and (overlap is None or (overlap[3] and sx != sy)):
+                overlap = (x, y, sorted(sx & sy)[0], sx == sy)
+    if overlap is None:
+        return "disjoint"
+    if not strict:
+        return "mixed"
+    ra, rb, name, same = overlap
+    if same:
+        raise AmbiguousRuns(
+            f"the {which} run's ranks {ra} and {rb} record the same parameters (copies) while "
+            "others record other parameters (pipeline stages): a mix this comparison cannot "
+            "pair on its own; pick the ranks of one copy with ranks=[...]")
+    only_a = sorted(set(names[ra]) - set(names[rb]))[:2]
+    only_b = sorted(set(names[rb]) - set(names[ra]))[:2]
+    raise AmbiguousRuns(
+        f"the {which} run's ranks {ra} and {rb} record overlapping but different parameters "
+        f"(both hold {name!r}; rank {ra} also {only_a}, rank {rb} also {only_b}), so they are "
+        "neither copies of one model nor parts of one: pipeline stages recorded with their "
+        "local layer names? Record each stage with GradProbe(..., rename=probekit.grads."
+        "layer_offset(first_layer)), or compare with rename=, or pick ranks with ranks=[...]")
+
+
+def union_run(runs: list) -> dict:
+    """Runs of disjoint parameters (``logical_runs``' runs of pipeline stages) as one run: their
+    groups one after the other, their pieces in one table, the steps they all hold."""
+    if len(runs) == 1:
+        return runs[0]
+    groups, names, tabs, used, steps = [], [], [], [], None
+    for run in runs:
+        g0, k0 = len(groups), len(names)
+        t = {k: v for k, v in run["pieces"].items() if k != "start"}
+        t["gi"] = t["gi"] + g0
+        t["k"] = t["k"] + k0
+        tabs.append(t)
+        groups += run["groups"]
+        names += list(run["names"])
+        used += [g0 + u for u in run["used"]]
+        steps = run["steps"] if steps is None else np.intersect1d(steps, run["steps"])
+    width = max(t["off"].shape[1] for t in tabs)
+    table = {}
+    for key in tabs[0]:
+        fill = {"off": 0, "ext": 1, "gshape": 1}.get(key)
+        table[key] = np.concatenate([_pad(t[key], width, fill) if fill is not None else t[key]
+                                     for t in tabs])
+    return {"label": runs[0]["label"], "groups": groups, "names": names,
+            "pieces": _by_name(table, len(names)), "steps": steps, "used": used}
 
 
 # -- one comparison --------------------------------------------------------------------------
 def plan(run_a: list, run_b: list, *, ranks=None, block_bytes: int = 8 << 20,
-         task_bytes: int = 64 << 20) -> dict:
+         task_bytes: int = 64 << 20, rename=None) -> dict:
     """The comparison of two runs, each given as its layout segments with their rank groups:
     ``[(restarts.Segment, [opening.open_group of each of its ranks])]`` -> {"pairs": [pair
     plan]} or {"unsupported": reason}.
@@ -326,23 +474,32 @@ def plan(run_a: list, run_b: list, *, ranks=None, block_bytes: int = 8 << 20,
         if not labels[0] or not labels[1]:
             raise GradCompareError(f"the {'first' if not labels[0] else 'second'} run holds no "
                                    "committed step")
+        names = [_label_names(side, rename) for side in sides]
+        try:
+            pairs, unpaired = pair_labels(labels[0], labels[1], ranks, names[0], names[1])
+        except AmbiguousRuns as exc:
+            raise Unsupported(str(exc)) from None
         out = []
-        for la, lb in pair_labels(labels[0], labels[1], ranks):
+        for la, lb in pairs:
             mine = []
+            label = pair_label(la, lb, len(labels[0]), len(labels[1]))
             for seg_a, runs_a in sides[0]:
                 for seg_b, runs_b in sides[1]:
-                    if la not in runs_a or lb not in runs_b:
+                    ra, rb = _runs_of(runs_a, la), _runs_of(runs_b, lb)
+                    if ra is None or rb is None:
                         continue
                     window = _overlap(seg_a, seg_b)
                     if window is None:
                         continue
-                    got = plan_pair(la, runs_a[la], runs_b[lb], block_bytes, task_bytes,
-                                    prefix=None if mine else f"rank {la}: ", window=window)
+                    got = plan_pair(label, ra, rb, block_bytes, task_bytes,
+                                    prefix=None if mine else f"rank {label}: ", window=window,
+                                    rename=rename)
                     if got is not None:
                         mine.append(got)
             if not mine:
-                steps = [np.concatenate([r[label]["steps"] for _, r in side if label in r])
-                         for side, label in zip(sides, (la, lb))]
+                steps = [np.concatenate([_runs_of(r, x)["steps"] for _, r in side
+                                         if _runs_of(r, x) is not None])
+                         for side, x in zip(sides, (la, lb))]
                 raise GradCompareError(f"the runs share no step (first: "
                                        f"{ranges_text(steps[0])}; second: "
                                        f"{ranges_text(steps[1])})")
@@ -351,9 +508,29 @@ def plan(run_a: list, run_b: list, *, ranks=None, block_bytes: int = 8 << 20,
                 if int(prev["steps"][-1]) >= int(nxt["steps"][0]):
                     raise Unsupported("layout segments of one run holding the same steps")
             out += mine
-        return {"pairs": out}
+        return {"pairs": out, "unpaired": unpaired}
     except Unsupported as exc:
         return {"unsupported": str(exc)}
+
+
+def _label_names(side, rename) -> dict:
+    """{label: its parameter names as compared} over a recording's segments."""
+    out: dict = {}
+    for _, runs in side:
+        for label, run in runs.items():
+            if label not in out:
+                names = canonical_names(run["names"])
+                out[label] = list(renamed(names, rename, "compare_grads(rename=)"))
+    return out
+
+
+def _runs_of(runs: dict, label):
+    """The run of ``label`` in one segment's runs (a tuple: the union of those runs), or
+    None when the segment holds none of them."""
+    if not isinstance(label, tuple):
+        return runs.get(label)
+    got = [runs[x] for x in label if x in runs]
+    return union_run(got) if got else None
 
 
 def _overlap(a, b):
@@ -385,7 +562,7 @@ def _numel(run, k: int) -> int:
 
 
 def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
-              prefix: str | None = "", window=None) -> dict | None:
+              prefix: str | None = "", window=None, rename=None) -> dict | None:
     """The plan of one pair of runs (see the module docstring); ``prefix`` starts the
     unmatched-parameter warning (None: none logged); ``window``: (first, last) steps of a pair
     of layout segments, None when the runs share none of them."""
@@ -405,10 +582,12 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
             f"{samples[1]}); accepted: runs recording the same sample, or one recording every "
             "element (compare_grads samples it)")
     common, pos_a, pos_b, only_a, only_b, n_a, n_b = match_params(
-        ra["names"], rb["names"], [], [], prefix)
+        ra["names"], rb["names"], [], [], prefix, rename=rename)
     numel_a = np.array([_numel(ra, k) for k in pos_a], np.int64)
     numel_b = np.array([_numel(rb, k) for k in pos_b], np.int64)
-    check_sizes(common, numel_a, numel_b)
+    check_sizes(common, numel_a, numel_b, [_gshape(ra, k) for k in pos_a],
+                [_gshape(rb, k) for k in pos_b], names_a=[ra["names"][k] for k in pos_a],
+                names_b=[rb["names"][k] for k in pos_b])
     nbits = np.array([math.prod(_gshape(ra, k)) for k in pos_a], np.int64)
     steps, _, _ = np.intersect1d(ra["steps"], rb["steps"], assume_unique=True,
                                  return_indices=True)

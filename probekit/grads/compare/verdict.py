@@ -159,6 +159,14 @@ def _stats(runs: dict, result) -> dict:
         ds = next(iter(runs.values())) if len(runs) == 1 else runs.get(r)
         if ds is None:
             continue
+        if len(runs) > 1 and not set(params) <= {str(p) for p in ds["param"].values}:
+            # pipeline stages compared as one run (their union): the other stages' too
+            from ..store.assemble import union_datasets
+
+            held = [runs[x] for x in sorted(runs) if x == r or not set(
+                str(p) for p in runs[x]["param"].values) & set(
+                str(p) for p in ds["param"].values)]
+            ds = union_datasets(held) if len(held) > 1 else ds
         canon = list(canonical_names(str(p) for p in ds["param"].values))
         col = {n: j for j, n in enumerate(canon)}
         have = np.asarray(ds["step"].values)
@@ -447,14 +455,44 @@ def _fmt(x) -> str:
     return "n/a (no element significant in both runs)" if math.isnan(x) else f"{x:.4f}"
 
 
+def replica_text(cmp) -> list:
+    """What the two runs' replica checks found (``compare.replica_attrs``): one line per
+    disagreement, naming the run."""
+    out = []
+    for key, who in (("replicas_first", "the first run"), ("replicas_second", "the second run")):
+        lines = cmp.attrs.get(key)
+        if isinstance(lines, str):
+            lines = [lines]
+        out += [f"{who}: {line}" for line in (lines or [])]
+    return out
+
+
+def unpaired_text(cmp) -> list:
+    """The ranks of either run compared with nothing (``compare._unpaired``), in words."""
+    out = []
+    for key, who in (("unpaired_first", "first"), ("unpaired_second", "second")):
+        ranks = cmp.attrs.get(key)
+        if ranks is None:
+            continue
+        ranks = [int(r) for r in np.atleast_1d(ranks)]
+        if ranks:
+            out.append(f"not compared: rank{'s' * (len(ranks) > 1)} "
+                       f"{', '.join(map(str, ranks))} of the {who} run (no counterpart in the "
+                       "other run; ranks=[...] picks ranks)")
+    return out
+
+
 def verdict_text(cmp) -> str:
-    """The verdict of every rank of a comparison, one line each."""
+    """The verdict of every rank of a comparison, one line each, after what the runs' replica
+    checks found (replicas that disagree are a bug whatever the reference says)."""
+    head = replica_text(cmp) + unpaired_text(cmp)
     if "rank" not in cmp.dims:
-        return verdict_line(cmp)
-    ranks = [int(r) for r in cmp["rank"].values]
-    if len(ranks) == 1:
-        return verdict_line(cmp.isel(rank=0))
-    return "\n".join(verdict_line(cmp.sel(rank=r), r) for r in ranks)
+        lines = [verdict_line(cmp)]
+    else:
+        ranks = [int(r) for r in cmp["rank"].values]
+        lines = ([verdict_line(cmp.isel(rank=0))] if len(ranks) == 1
+                 else [verdict_line(cmp.sel(rank=r), r) for r in ranks])
+    return "\n".join(head + lines)
 
 
 def verdict_kind(cmp) -> str:
@@ -498,7 +536,7 @@ class GradComparison(xr.Dataset):
         body = xr.Dataset._repr_html_(self)
         if not head:
             return body
-        kind = verdict_kind(self)
+        kind = "beyond" if replica_text(self) else verdict_kind(self)
         color = {"beyond": "#b71c1c", "within": "#1b5e20"}.get(kind, "#8a6d00")
         lines = "<br>".join(html.escape(x) for x in head.splitlines())
         return (f"<p class='probekit-verdict' style='color:{color}'><b>probekit grads</b>: "

@@ -120,6 +120,12 @@ class StepStats:
     #: (nbytes,) uint8 packed bits, same layout: |grad| > significance_unit * its module's
     #: largest |grad| (``compute``): its sign is above the rounding level of the gradients
     significant: np.ndarray | None = None
+    #: the replica check (``grads/record/replicas.py``), where the run checks it: (P,) uint8
+    #: code (0 not checked, 1 agree, | 2 the gradients differ, | 4 the parameters differ), the
+    #: lowest rank whose digest differs (-1: none), the relative max/min gap (NaN: none)
+    replicas: np.ndarray | None = None
+    replica_rank: np.ndarray | None = None
+    replica_gap: np.ndarray | None = None
 
 
 def merge(parts, layout: Layout) -> StepStats:
@@ -129,6 +135,15 @@ def merge(parts, layout: Layout) -> StepStats:
     out = copy.deepcopy(parts[0])
     offsets, numels = layout.offsets, layout.bits
     for part in parts[1:]:
+        if part.replicas is not None:  # checked where its optimizer stepped
+            if out.replicas is None:
+                out.replicas, out.replica_rank, out.replica_gap = (
+                    part.replicas.copy(), part.replica_rank.copy(), part.replica_gap.copy())
+            else:
+                on = part.replicas > 0
+                out.replicas[on] = part.replicas[on]
+                out.replica_rank[on] = part.replica_rank[on]
+                out.replica_gap[on] = part.replica_gap[on]
         for i in np.flatnonzero(part.present):
             for name in ("present", "max", "min", "norm", "hash", "zeros", "dist"):
                 arr = getattr(out, name)

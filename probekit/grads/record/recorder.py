@@ -24,10 +24,11 @@ from ...config import ConfigError, config_for, grad_probe_options
 from ...dist import get_rank, rank_selected
 from ...log import Once, ensure_handler, get_logger
 from ..numerics import stats as _stats
-from ..store.names import canonical_names
+from ..store.names import canonical_names, check_rename, renamed
 from .placement import (
     amax_reducer, ddp_first_rank, dtensor_placement, first_replica, is_dtensor, local_grad)
 from .rawgrads import BackwardTap
+from .replicas import local_tensor
 from ..store.restarts import plan_run
 from ..store.store import GradWriter, layout_key
 from .summary import ProbeSummary, probe_summary
@@ -92,7 +93,7 @@ class GradProbe:
 
     def __init__(self, model: torch.nn.Module, optimizer=None, *, config=None, scaler=None,
                  storage_options: dict | None = None, control=None, control_seed=None,
-                 **options):
+                 rename=None, **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
@@ -106,6 +107,8 @@ class GradProbe:
         self.optimizer = optimizer
         self.scaler = scaler
         self.storage_options = dict(storage_options or {})
+        self._rename_arg = rename
+        self._rename = check_rename(rename, "GradProbe(rename=)")
         self._control = None
         section = self.config.grad_probe
         if section.control is not None:
@@ -130,6 +133,11 @@ class GradProbe:
         self._tap = None  # grad_point "backward": the statistics at the end of each backward
         self._tap_seconds = 0.0
         self._run = None  # this recording's run in the store (``_begin_run``, at its first step)
+        self._replicas = False  # the replica check (``replicas.py``): built at start(); None: off
+        self._check_only = False
+        self._check_frame = None
+        self._opt_ids = weakref.WeakKeyDictionary()  # optimizer -> ids of its parameters
+        self._checks = 0  # replica checks run (the step of a rank that records nothing)
         self._select_params()
         # empty recordings are warned about (_warn_*): which parameters ever had a gradient at
         # a recorded step, and the steps of optimizers owning none of them
@@ -148,6 +156,13 @@ class GradProbe:
         section = self.config.grad_probe
         named = list(self.model.named_parameters())
         clean = canonical_names(n for n, _ in named)
+        if self._rename is not None:  # the logical names: a pipeline stage's global ones
+            self._check_rename_keys(named, clean)
+            try:
+                clean = renamed(clean, self._rename, "GradProbe(rename=)")
+            except ValueError as exc:
+                raise ConfigError(str(exc), key="rename", value=self._rename_arg,
+                                  accepted="a rename keeping the names apart") from None
         named = [(c, n, p) for c, (n, p) in zip(clean, named)]
         wanted = set(section.param_list)
         if wanted:
@@ -168,6 +183,9 @@ class GradProbe:
         if not named:
             raise ValueError("grad_probe: the model has no parameter to monitor")
         self._layout_desc = self._describe(named)
+        # every monitored parameter of this rank, replicas it does not record included: the
+        # replica check digests them all (``replicas.py``)
+        self._monitored = named
         named, self._placement = self._shard_plan(named)
         self.param_names = tuple(c for c, _, _ in named)
         self.recorded_names = tuple(n for _, n, _ in named)
@@ -190,6 +208,26 @@ class GradProbe:
             self.param_names, numels,
             tuple(tuple(pl["local_shape"]) if pl else tuple(p.shape)
                   for pl, p in zip(local, self._params)), nbits)
+
+    def _check_rename_keys(self, named, clean) -> None:
+        """A dict ``rename`` names parameters of the model: a key that is none is an error
+        naming it and the model's names (the name it would rename may be misspelt)."""
+        from collections.abc import Mapping
+
+        if not isinstance(self._rename_arg, Mapping):
+            return
+        known = set(clean) | {n for n, _ in named}
+        missing = sorted(set(self._rename_arg) - known)
+        if missing:
+            sample = ", ".join(sorted(clean)[:8])
+            raise ConfigError(f"GradProbe(rename=): {missing!r} not found in the model; "
+                              f"accepted: names from model.named_parameters() (e.g. {sample})",
+                              key="rename", value=missing,
+                              accepted=f"names from model.named_parameters() (e.g. {sample})")
+        # the keys may be the recorded names: look them up by the cleaned name too
+        raw = dict(zip((n for n, _ in named), clean))
+        table = {raw.get(k, k): v for k, v in self._rename_arg.items()}
+        self._rename = check_rename(table)
 
     def _describe(self, named) -> dict:
         """What every rank of the run records, computed alike on each (the layout key of
@@ -229,6 +267,41 @@ class GradProbe:
                      "replicas recorded by another rank)", get_rank(), len(keep), len(named))
         return [named[i] for i in keep], [places[i] for i in keep]
 
+    def _agree_start(self) -> None:
+        """What every rank records, agreed at the first ``start()`` (``replicas.exchange``:
+        through torch.distributed's key-value store, no collective): the replica check
+        (``replicas.py``; None when off or nothing is replicated anywhere) and the job's layout
+        key (``self._job_key``: the ranks' own keys, one for all when they differ, as pipeline
+        stages' do, so the stages record into one layout folder). With ``check_replicas=False``
+        nothing is exchanged (a job may then run a probe on some ranks only): each rank keeps
+        its own layout key."""
+        import torch.distributed as dist
+
+        from . import replicas as rep
+
+        section = self.config.grad_probe
+        own = layout_key(self._layout_desc)
+        places = [dtensor_placement(p) if is_dtensor(p) else None for _, _, p in self._monitored]
+        mine = (rep.pieces(self.model, self._monitored, places, section.tied)
+                if section.check_replicas else [])
+        table = rep.table(mine, self._monitored, section.tied, section.check_replicas,
+                          layout=own)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1 and not section.check_replicas:  # no exchange: a rank may run no probe
+            self._job_key, self._replicas = own, None
+            return
+        tables = rep.exchange(table) if world > 1 else [table]
+        if tables is None:  # some rank came not: each its own (the warning said so)
+            self._job_key, self._replicas = own, None
+            return
+        keys = [t["layout"] for t in tables]
+        self._job_key = own if len(set(keys)) == 1 else layout_key({"ranks": keys})
+        self._replicas = rep.ReplicaCheck.build(mine, tables, self._monitored, section.tied)
+        if self._replicas is not None:  # each piece's position in the recorded parameters
+            rec = {id(p): i for i, p in enumerate(self._params)}
+            self._piece_rec = np.array([rec.get(id(p), -1) for p in self._replicas.params],
+                                       np.int64)
+
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def dump_path(self) -> str:
@@ -247,23 +320,33 @@ class GradProbe:
         ensure_handler()
         if self._handles:
             return self
+        if self._replicas is False:  # once per probe: every rank's table (no collective)
+            self._agree_start()
+        checking = self._replicas is not None
         selected = rank_selected(self.config.rank)
+        self._check_only = False  # hooks only for the replica check: nothing recorded here
         if not selected:
             log.info("grad_probe: rank %d is not in rank filter %s; nothing is recorded",
                      get_rank(), list(self.config.rank))
-            if not self._gathers:
+            if not self._gathers and not checking:
                 return self
-            # gradients gathered whole are gathered by every rank together: this rank takes
-            # part in the gathers and writes nothing
+            self._check_only = not self._gathers
+            # gradients gathered whole are gathered by every rank together, and the replica
+            # check's digests are gathered from every rank: this rank takes part, writes nothing
         elif not self.config.rank and ddp_first_rank(self.model) is False:
             log.info("grad_probe: rank %d holds the same gradients as the first rank of its DDP "
                      "group, which records them; nothing is recorded here (rank=[...] records "
-                     "chosen ranks)", get_rank())
-            return self
+                     "chosen ranks)%s", get_rank(),
+                     "; its replicas are checked against the others'" if checking else "")
+            if not checking:
+                return self
+            selected, self._check_only = False, True
         elif not self._params:
             log.info("grad_probe: rank %d holds only replicas of shards other ranks record; "
                      "nothing is recorded here", get_rank())
-            return self
+            if not checking:
+                return self
+            selected, self._check_only = False, True
         if self._writer is None and selected:  # the store exists (0 committed steps) once recording starts
             section = self.config.grad_probe
             attrs = {"recorded_params": list(self.recorded_names),
@@ -275,14 +358,17 @@ class GradProbe:
                 attrs["placement"] = list(self._placement)
             if self._sample is not None:  # sampled sign bits (sampling.py)
                 attrs.update(sample=int(section.sample), sample_bits=list(self.layout.bits))
+            if self._replicas is not None:  # the replica check's arrays (replicas.py)
+                attrs["replica_check"] = self._replicas.attrs(self._params)
             self._writer = GradWriter(self.dump_path, get_rank(), self.layout,
                                       section.grad_level, section.bounds, section.hash,
                                       section.flush_every, section.flush_seconds,
                                       attrs=attrs, significance=section.significance,
                                       storage_options=self.storage_options,
-                                      layout_key=layout_key(self._layout_desc),
+                                      layout_key=self._job_key,
                                       durable=section.durable, overwrite=section.overwrite,
-                                      world=_world_size())
+                                      world=_world_size(),
+                                      replicas=self._replicas is not None)
             self._run = None
             self._scratch = _stats.Workspace()
         elif self._writer is not None:
@@ -303,6 +389,10 @@ class GradProbe:
             self._handles.append(register_optimizer_step_post_hook(self._post_step))
         if self.scaler is not None:
             self._handles.append(_count_calls(self.scaler, "update", self._on_update))
+        if self._check_only:
+            log.info("grad_probe: rank %d checks its replicas of %d parameters at every step",
+                     get_rank(), len(self._replicas.entries))
+            return self
         if self._control is not None:  # its forward pre-hook enters autocast before ours reads it
             self._handles.append(self._control.start())
         self._handles.append(self.model.register_forward_pre_hook(_autocast_hook(self)))
@@ -365,8 +455,11 @@ class GradProbe:
         """Steps written (all of them after ``stop()``), parameters, bytes of this rank's store,
         where it is and how many parameters never had a gradient at a recorded step
         (``no_grad``); ``str()`` of it is the line ``stop()`` logs."""
+        check = self._replicas or None
+        replicas = None if check is None else {
+            "checked": check.checked, "disagree": check.events()}
         return probe_summary(self._writer, len(self.param_names),
-                             no_grad=int((~self._had_grad).sum()))
+                             no_grad=int((~self._had_grad).sum()), replicas=replicas)
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -393,10 +486,11 @@ class GradProbe:
         self._owned.update(idx)
         return True
 
-    def _nested(self) -> bool:
+    def _nested(self, outer=False) -> bool:
         """True inside an outer ``step()`` of an optimizer: a subclass whose ``step`` calls
-        ``super().step()`` runs the hooks twice, and that is one optimizer step."""
-        outer = self._step_frame
+        ``super().step()`` runs the hooks twice, and that is one optimizer step. ``outer``: the
+        frame that called the outer call's hook (default: the recording's)."""
+        outer = self._step_frame if outer is False else outer
         frame = sys._getframe(2)
         while outer is not None and frame is not None:
             if frame is outer:
@@ -438,6 +532,18 @@ class GradProbe:
             self._grad_sig = self._signature(self._grads())
 
     def _pre_step(self, optimizer, args, kwargs):
+        if self._check_only or (self._replicas is not None and not self._owns(optimizer)):
+            # an optimizer stepping replicas this rank does not record: the check alone
+            if not self._nested(self._check_frame):  # one check per outer step() call
+                self._check_frame = sys._getframe(1)
+                if self._check_only and self._sharded:
+                    self._reduce_pending(optimizer)  # the recording ranks' reductions
+                if self._replicas is not None and self._replicas.owned(optimizer).any():
+                    self._checks += 1
+                    self._replica_step(optimizer, None, ())
+                    self._replicas.note(self._checks - 1)
+            if self._check_only:
+                return None
         if not self._owns(optimizer):
             if self._once(("other-optimizer", id(optimizer))):
                 log.debug("grad_probe: ignoring an optimizer that does not own the model's "
@@ -498,9 +604,11 @@ class GradProbe:
         live = mine.difference(raw)  # the others are taken here, as at grad_point "step"
         part = [g if i in live else None for i, g in enumerate(grads)]
         if self._sharded:  # DTensor: this rank's shards (gathered whole where no placement)
-            part = [local_grad(g, p, pl)
-                    for g, p, pl in zip(part, self._params, self._placement)]
+            part = self._local_grads(part, optimizer)
             if self._writer is None:  # a rank outside the rank filter: gathered, not recorded
+                if self._replicas is not None and self._replicas.owned(optimizer).any():
+                    self._replica_step(optimizer, None, ())
+                    self._replicas.note(self.steps_seen)
                 return
         if mine and all(grads[i] is None for i in mine) and self._once("no-grad-at-all"):
             log.warning("%s", self._no_grad_message(mine))
@@ -518,6 +626,8 @@ class GradProbe:
             if views:
                 stats = _stats.merge([stats, *views], self.layout)
             extra, self._tap_seconds = self._tap.seconds - self._tap_seconds, self._tap.seconds
+        if self._replicas is not None and self._replicas.owned(optimizer).any():
+            self._replica_step(optimizer, stats, live)  # one all-gather: every replica's digest
         key = id(optimizer)
         cur = self._iter
         if cur is None or key in cur["stepped"] or (
@@ -542,8 +652,81 @@ class GradProbe:
             cur["captures"].append((key, self._epoch, stats))
             cur["stepped"].add(key)
             self._emit(cur, amend=True)
+        if self._replicas is not None:
+            self._replicas.note(cur["step"])
         # the step's hook time includes the statistics taken at the backward passes before it
         self.hook_seconds.append(time.perf_counter() - t0 + extra)
+
+    def _local_grads(self, part, optimizer):
+        """This rank's shards of the gradients ``part`` (``placement.local_grad``), the pending
+        reductions of ``_reduce_pending`` taken from it."""
+        reduced = self._reduce_pending(optimizer)
+        return [None if g is None else reduced[id(p)] if id(p) in reduced
+                else local_grad(g, p, pl)
+                for g, p, pl in zip(part, self._params, self._placement)]
+
+    def _reduce_pending(self, optimizer) -> dict:
+        """{id(parameter): its reduced local gradient} for the DTensor parameters stepped by
+        ``optimizer`` whose gradient's placement is not theirs (a sequence-parallel norm's
+        ``Partial``: the reduction the optimizer's own ops do later). Every rank holding such
+        a parameter reduces it here, recording it or not, in the order of the monitored
+        parameters, so each collective has all its members (a rank recording nothing but
+        holding replicas calls this at every step too)."""
+        ids = self._opt_ids.get(optimizer)
+        if ids is None:
+            ids = self._opt_ids[optimizer] = {id(p) for g in optimizer.param_groups
+                                              for p in g["params"]}
+        reduced = {}
+        for _, _, p in self._monitored:
+            if id(p) not in ids or not is_dtensor(p):
+                continue
+            g = self._grad_of(p)
+            if (g is None or not is_dtensor(g) or tuple(g.placements) == tuple(p.placements)
+                    or dtensor_placement(p) is None):
+                continue
+            with torch.no_grad():
+                reduced[id(p)] = g.redistribute(g.device_mesh, p.placements).to_local()
+        return reduced
+
+    @staticmethod
+    def _grad_of(p):
+        g = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else None
+        return g if g is not None else p.grad
+
+    def _replica_step(self, optimizer, stats, live) -> None:
+        """The replica check of one optimizer step (``replicas.ReplicaCheck.run``): its codes go
+        into ``stats`` (the recorded parameters' ``replicas``, ``replica_rank``,
+        ``replica_gap``). The gradients' max and min come from ``stats`` where it holds them
+        (``grad_point="step"``, taken at this step: ``live``)."""
+        check = self._replicas
+        grads = []
+        for p in check.params:
+            g = self._grad_of(p)
+            if g is not None and is_dtensor(g):
+                g = (local_tensor(g) if tuple(g.placements) == tuple(p.placements)
+                     else "partial")
+            grads.append(g)
+        rec = self._piece_rec
+        known = None
+        if stats is not None and self.config.grad_probe.grad_point == "step" and rec.size:
+            held = rec >= 0
+            at = np.where(held, rec, 0)
+            took = np.zeros(len(self._params), bool)
+            took[list(live)] = True
+            have = held & took[at] & np.asarray(stats.present, bool)[at] & np.array(
+                [not isinstance(g, str) for g in grads], bool)
+            known = (have, np.asarray(stats.max)[at], np.asarray(stats.min)[at])
+        got = check.run(optimizer, grads, known)
+        if stats is None:
+            return
+        n = len(self._params)
+        stats.replicas = np.zeros(n, np.uint8)
+        stats.replica_rank = np.full(n, -1, np.int64)
+        stats.replica_gap = np.full(n, np.nan)
+        on = (rec >= 0) & (got["code"] > 0)
+        stats.replicas[rec[on]] = got["code"][on]
+        stats.replica_rank[rec[on]] = got["other"][on]
+        stats.replica_gap[rec[on]] = got["gap"][on]
 
     def _no_grad_message(self, idx) -> str:
         """The warning for an optimizer step at which none of the parameters ``idx`` it takes has

@@ -24,18 +24,22 @@ class ProbeSummary(dict):
     """``{"steps": committed steps, "params": parameters recorded, "bytes": bytes the rank
     group holds on its storage, "store": its location (None: this rank records nothing)}``, and
     where the recorder knows it ``"no_grad"``: parameters that never had a gradient at a
-    recorded step; ``str()`` is the one-line summary."""
+    recorded step, and ``"replicas"``: the replica check's ``{"checked": replicated parameters
+    checked, "disagree": [their first disagreements, by step]}``; ``str()`` is the one-line
+    summary."""
 
     def __str__(self) -> str:
         steps, params = self["steps"], self["params"]
         if self["store"] is None:
-            return f"grad_probe: nothing recorded on this rank ({params} params monitored)"
+            return (f"grad_probe: nothing recorded on this rank ({params} params monitored)"
+                    + replicas_text(self.get("replicas")))
         size = human_bytes(self["bytes"])
         return (f"grad_probe: {steps} step{'' if steps == 1 else 's'} x {params} "
                 f"param{'' if params == 1 else 's'} recorded, "
                 + (size if self["bytes"] < 1024 else f"{size} ({self['bytes']:,} bytes)")
                 + f" in {shown_location(self['store'])}"
-                + (no_grad_text(self.get("no_grad"), params) if steps else ""))
+                + (no_grad_text(self.get("no_grad"), params) if steps else "")
+                + replicas_text(self.get("replicas")))
 
 
 def shown_location(store: str) -> str:
@@ -59,11 +63,28 @@ def no_grad_text(no_grad, params: int) -> str:
     return f"; {no_grad} of {params} param{'' if params == 1 else 's'} never had a gradient"
 
 
-def probe_summary(writer, params: int, no_grad: int | None = None) -> ProbeSummary:
+def replicas_text(replicas) -> str:
+    """``"; replicas of `p` disagree from step 0 (tp ranks 0/1: gradients)"`` (the first,
+    the others counted), ``"; the replicas of 4 params agree"``, or empty (no check)."""
+    if not replicas:
+        return ""
+    from ..store.replicas import replica_lines
+
+    events = replicas.get("disagree") or []
+    if events:
+        return "; " + "; ".join(replica_lines(events, limit=1))
+    n = int(replicas.get("checked", 0))
+    return f"; the replicas of {n} param{'' if n == 1 else 's'} agree" if n else ""
+
+
+def probe_summary(writer, params: int, no_grad: int | None = None,
+                  replicas: dict | None = None) -> ProbeSummary:
     """The summary of a probe writing through ``writer`` (a ``store.GradWriter``, or None for a
     rank that records nothing): its committed steps, the bytes its rank group holds now, and
     ``no_grad`` when given (parameters that never had a gradient at a recorded step)."""
     extra = {} if no_grad is None else {"no_grad": int(no_grad)}
+    if replicas is not None:
+        extra["replicas"] = replicas
     if writer is None:
         return ProbeSummary(steps=0, params=int(params), bytes=0, store=None)
     return ProbeSummary(steps=int(writer.committed), params=int(params),

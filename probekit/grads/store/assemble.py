@@ -187,6 +187,7 @@ def _assemble(runs: dict, names: list, pieces: dict, label: int):
             data["dist"] = (("step", "param", "interval"), d)
     if hashes is not None:
         data["hash"] = (("step", "param"), hashes.astype(str))
+    data.update(_replica_vars(runs, names, pieces, shard_values, n_steps))
     coords = {"step": steps, "param": np.array(names, dtype=str), "numel": ("param", numels),
               "shape": ("param", np.array([_global_shape(pieces[n], runs) for n in names],
                                           dtype=str))}
@@ -208,11 +209,104 @@ def _assemble(runs: dict, names: list, pieces: dict, label: int):
                      for name, o, n in zip(names, offsets, nbits)],
                     fill=255 if var == "significant" else 0)
                 data[var] = bits_variable(("step", "byte"), bits, steps)
-    attrs = {k: v for k, v in first.attrs.items() if k != "placement"}
+    attrs = {k: v for k, v in first.attrs.items() if k not in ("placement", "replica_check")}
+    check = _replica_attrs(runs, names, pieces)
+    if check is not None:
+        attrs["replica_check"] = check
     attrs.update(rank=int(label), committed_steps=int(n_steps), assembled_from=list(used))
     if per_shard_hash:
         attrs["hash_per_shard"] = per_shard_hash
     return xr.Dataset(data, coords=coords, attrs=attrs)
+
+
+def _replica_vars(runs, names, pieces, shard_values, n_steps) -> dict:
+    """The replica check's variables of full parameters: a parameter's replicas disagree where
+    a shard's do (codes OR-ed; the lowest differing rank; the largest gap); none when no shard
+    group holds them."""
+    holders = [r for r in runs if "replicas" in runs[r]]
+    if not holders:
+        return {}
+    p = len(names)
+    code = np.zeros((n_steps, p), np.uint8)
+    other = np.full((n_steps, p), -1, np.int64)
+    gap = np.full((n_steps, p), np.nan)
+    for k, name in enumerate(names):
+        for r, j, _ in pieces[name]:
+            if "replicas" not in runs[r]:
+                continue
+            code[:, k] |= shard_values("replicas", r, j).astype(np.uint8)
+            o = shard_values("replica_rank", r, j).astype(np.int64)
+            other[:, k] = np.where((other[:, k] < 0) | ((o >= 0) & (o < other[:, k])), o,
+                                   other[:, k])
+            with np.errstate(invalid="ignore"):
+                gap[:, k] = np.fmax(gap[:, k], shard_values("replica_gap", r, j))
+    return {"replicas": (("step", "param"), code), "replica_rank": (("step", "param"), other),
+            "replica_gap": (("step", "param"), gap)}
+
+
+def _replica_attrs(runs, names, pieces):
+    """``replica_check`` of full parameters: each one's label from its first shard's group."""
+    checks = {r: _as_dict(runs[r].attrs.get("replica_check")) for r in runs}
+    if not any(checks.values()):
+        return None
+    base = next(c for c in checks.values() if c)
+    labels = []
+    for name in names:
+        label = None
+        for r, j, _ in pieces[name]:
+            got = (checks.get(r) or {}).get("labels") or []
+            if j < len(got) and got[j]:
+                label = got[j]
+                break
+        labels.append(label)
+    return json.dumps(dict(base, labels=labels))
+
+
+def _as_dict(value):
+    if isinstance(value, str):
+        return json.loads(value)
+    return dict(value) if value else None
+
+
+def union_datasets(dss: list):
+    """Runs of disjoint parameters (pipeline stages, one Dataset each) as one Dataset: their
+    parameters one after the other over the steps they all hold, each one's sign (and
+    significance) bits placed after the previous one's (read here: the Dataset path's
+    fallback)."""
+    import xarray as xr
+
+    if len(dss) == 1:
+        return dss[0]
+    steps = dss[0]["step"].values
+    for ds in dss[1:]:
+        steps = np.intersect1d(steps, ds["step"].values)
+    dss = [ds.sel(step=steps) for ds in dss]
+    per_param = [v for v in dss[0].data_vars if "param" in dss[0][v].dims
+                 and all(v in ds for ds in dss)]
+    data = {v: xr.concat([ds[v] for ds in dss], dim="param") for v in per_param}
+    coords = {"step": steps, "param": np.concatenate([ds["param"].values for ds in dss])}
+    for c in ("numel", "shape", "nbits"):
+        if all(c in ds.coords for ds in dss):
+            coords[c] = ("param", np.concatenate([ds[c].values for ds in dss]))
+    out = xr.Dataset(data, coords=coords)
+    if "interval" in dss[0].coords:
+        out = out.assign_coords(interval=dss[0]["interval"].values)
+    if all("offset" in ds.coords for ds in dss):
+        base, offsets = 0, []
+        for ds in dss:
+            offsets.append(np.asarray(ds["offset"].values, np.int64) + base)
+            base += int(ds.sizes["byte"])
+        out = out.assign_coords(offset=("param", np.concatenate(offsets)))
+        for var in ("direction", "significant"):
+            if all(var in ds for ds in dss):
+                out[var] = (("step", "byte"), np.concatenate(
+                    [np.asarray(ds[var].values) for ds in dss], axis=1))
+    out.attrs = {k: v for k, v in dss[0].attrs.items() if k not in ("placement",)}
+    out.attrs["union_of"] = [int(ds.attrs.get("rank", i)) for i, ds in enumerate(dss)]
+    left = [str(n) for ds in dss for n in (ds.attrs.get("left_out") or [])]
+    if left:
+        out.attrs["left_out"] = left
+    return out
 
 
 def _piece(runs, r, j, place, sample: int = 0):

@@ -80,6 +80,10 @@ _MAX_BUFFER_BYTES = 256 << 20
 _LAYOUT_ATTRS = ("format", "level", "bounds", "hash_algorithm", "params", "numels", "shapes",
                  "offsets", "intervals", "placement", "grad_point", "layout_key", "sample",
                  "sample_bits")
+#: the replica check's arrays (``grads/record/replicas.py``) over (step, param): dtype, fill
+#: value (what a row of an unchecked step, or of a step recorded before the check, reads as)
+REPLICA_ARRAYS = {"replicas": ("uint8", 0), "replica_rank": ("int64", -1),
+                  "replica_gap": ("float64", float("nan"))}
 #: layout attributes that do not choose the layout folder (a run of another sample is refused,
 #: not given a folder of its own: ``restarts.plan_run``)
 _UNKEYED = ("format", "layout_key", "sample", "sample_bits")
@@ -184,7 +188,7 @@ class GradWriter:
                  attrs: dict | None = None, significance: bool = False,
                  storage_options: dict | None = None, layout_key: str | None = None,
                  durable: bool = False, overwrite: bool = False,
-                 world: int | None = None) -> None:
+                 world: int | None = None, replicas: bool = False) -> None:
         # a URL is checked (protocol, package, bucket) before anything is written
         self.fs, root_path = location(dump_path, storage_options, for_writing=True)
         fs = self.fs
@@ -195,6 +199,7 @@ class GradWriter:
         self.bounds = tuple(bounds)
         self.hash_name = hash_name
         self.significance = bool(significance) and level != "L0"
+        self.replicas = bool(replicas)  # the replica check's arrays (``REPLICA_ARRAYS``)
         self.durable = bool(durable)
         self.overwrite = bool(overwrite)
         self.world = int(world) if world else None
@@ -329,6 +334,9 @@ class GradWriter:
             arrays.append(self._growing("zeros", (p,), ("step", "param"), "float64"))
             arrays.append(self._growing("dist", (p, len(labels)),
                                         ("step", "param", "interval"), "float64"))
+        if self.replicas:
+            arrays += [self._growing(name, (p,), ("step", "param"), dtype, fill=fill)
+                       for name, (dtype, fill) in REPLICA_ARRAYS.items()]
         self.arrays = {a.name: a for a in arrays}
 
     def _open_existing(self, attrs: dict) -> None:
@@ -346,6 +354,11 @@ class GradWriter:
         names += ["hash"] if self.level == "L0" else ["direction"]
         names += ["significant"] if self.significance else []
         names += ["zeros", "dist"] if self.level == "L2" else []
+        if not self.replicas and fs.isfile(fs.join(self.path, "replicas", "zarr.json")):
+            self.replicas = True  # the group has them: its rows go on (as not checked)
+        elif self.replicas:  # a group recorded before the check had none: made here, empty
+            self._add_replica_arrays(attrs)
+            names += list(REPLICA_ARRAYS)
         stray = ["significant"] if not self.significance and fs.isfile(
             fs.join(self.path, "significant", "zarr.json")) else []
         if differ or stray:
@@ -382,6 +395,26 @@ class GradWriter:
         if commit.get("runs") is None and self.committed:
             bounds = step_bounds(self.path, self.committed, fs)
         self._runs = [dict(r) for r in runs_of(commit, bounds)]
+
+    def _add_replica_arrays(self, attrs: dict) -> None:
+        """The replica check's arrays in a group recorded without them (an older probekit, or
+        the check off): created with the group's committed rows, which read as not checked
+        (the fill value), and the group's ``replica_check`` attribute set."""
+        import zarr
+
+        fs = self.fs
+        if all(fs.isfile(fs.join(self.path, n, "zarr.json")) for n in REPLICA_ARRAYS):
+            return
+        group = zarr.open_group(zarr_store(fs, self.path), mode="r+", zarr_format=3)
+        rows = read_commit(self.path, fs)["steps"]
+        p = len(self.layout.names)
+        for name, (dtype, fill) in REPLICA_ARRAYS.items():
+            if name not in group:
+                group.create_array(name, shape=(rows, p), chunks=(min(self.block, 16), p),
+                                   dtype=dtype, dimension_names=("step", "param"),
+                                   fill_value=fill, compressors=None)
+        if "replica_check" in attrs:
+            group.attrs["replica_check"] = attrs["replica_check"]
 
     # -- the training thread's side -----------------------------------------------------------
     def begin(self, run: dict) -> None:
@@ -597,6 +630,9 @@ class GradWriter:
         if name == "step":
             return np.int64(step)
         value = getattr(stats, name)
+        if value is None and name in REPLICA_ARRAYS:  # not checked at this step
+            dtype, fill = REPLICA_ARRAYS[name]
+            return np.full(len(self.layout.names), fill, dtype)
         if value is None and name in ("direction", "significant"):
             # statistics without significance bits (another writer): every element counts
             value = np.full(self.layout.nbytes, 255, np.uint8)
@@ -696,7 +732,7 @@ _BITS = ("direction", "significant")  # packed bits per element, read through Ra
 
 #: members of a rank group, in the order a Dataset lists them
 _MEMBERS = ("step", "param", "numel", "shape", "offset", "interval", "present", "max", "min",
-            "norm", "zeros", "dist", "direction", "significant", "hash")
+            "norm", "zeros", "dist", "direction", "significant", "hash", *REPLICA_ARRAYS)
 _COORDS = ("param", "numel", "shape", "offset", "interval")
 #: coordinate -> the group attribute holding it too (one JSON read gives them all)
 _STATIC_ATTRS = {"param": "params", "numel": "numels", "shape": "shapes", "offset": "offsets",
@@ -772,6 +808,8 @@ def open_group(group_path: str, chunks=None, fs=LOCAL, *, rank=None, steps=None)
         attrs.pop(k, None)
     if isinstance(attrs.get("placement"), list):  # a shard group (assemble.py reads it)
         attrs["placement"] = json.dumps(attrs["placement"])
+    if isinstance(attrs.get("replica_check"), dict):  # the replica check's (replicas.py)
+        attrs["replica_check"] = json.dumps(attrs["replica_check"])
     if rank is not None:
         attrs["rank"] = int(rank)
     attrs["committed_steps"] = int(r1 - r0)
