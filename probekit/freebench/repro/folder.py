@@ -174,8 +174,8 @@ def _spec(js):
 
 
 def _template(meta) -> list:
-    env = {"torch": torch, "math": math}
-    return [None if t is None else eval(t, env) for t in meta["leaves"]]  # noqa: S307
+    """The call's non-tensor arguments, parsed from their texts (never evaluated)."""
+    return [None if t is None else repro_record.parse_literal(t) for t in meta["leaves"]]
 
 
 class _Case:
@@ -194,7 +194,10 @@ class _Case:
             self.func = self._on_copies(self.func)   # as the script differentiates it
         self.spec = _spec(meta["spec"])
         self.template = _template(meta)
-        self.call = repro_script.compile_call(meta)
+        # the script's ``call`` as a function: the API on the parsed arguments (what the
+        # script's source says, built without executing any text)
+        self.call = repro_record.make_call(api, self.spec, self.template,
+                                           meta["case"]["tensor_pos"])
         self.case = dict(meta["case"])
         self.entries = {e["index"]: e for e in meta["judged"]}
 

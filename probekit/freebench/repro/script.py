@@ -72,15 +72,6 @@ def call_source(meta) -> str:
             f"    return {call_expression(meta)}\n")
 
 
-def compile_call(meta):
-    """The script's ``call`` as a function (its own source, executed)."""
-    import torch
-
-    ns = {"torch": torch, "math": math}
-    exec(compile(call_source(meta), f"<repro call {meta['api_name']}>", "exec"), ns)  # noqa: S102
-    return ns["call"]
-
-
 # -- words --------------------------------------------------------------------------------------------
 def pow2(u: float) -> str:
     e = math.log2(u) if u > 0 else 0
