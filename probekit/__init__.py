@@ -28,6 +28,7 @@ _LAZY = {
     "perturb": "probekit.grads",         # a control run's rounding, without a probe
     "GradComparator": "probekit.grads",
     "suspects": "probekit.grads",
+    "Verdict": "probekit.grads",         # cmp.probekit.verdict, TriageReport.verdict
     "triage": "probekit.triaging",       # a module named probekit.triage would shadow the function
     "TriageReport": "probekit.triaging",
 }

@@ -186,8 +186,12 @@ class TriageReport:
     min_ratio: float = MIN_RATIO
     #: why the free benchmark did not run ("" when it ran, or when nothing diverges)
     stopped: str = ""
-    #: the comparison's verdict in words (``grads.verdict.verdict_line``) or a caveat
-    verdict: str = ""
+    #: the comparison's verdict (``grads.compare.verdict.Verdict``: kind, step, parameter,
+    #: reason; ``str()`` of it is the line), the same object as ``comparison.probekit.verdict``
+    #: (of the rank triaged)
+    verdict: object = None
+    #: what the uncalibrated verdict cannot say ("" when calibrated or nothing is flagged)
+    caveat: str = ""
 
     @property
     def calibrated(self) -> bool:
@@ -200,8 +204,8 @@ class TriageReport:
             return [f"Triage: {self.verdict}"]
         lines = [f"Triage: runs diverge first at step {d['step']}, parameter {d['param']!r} "
                  f"(similarity {d['similarity']:.3f}, rank {d['rank']})."]
-        if self.verdict:
-            lines.append(self.verdict)
+        if self.caveat:
+            lines.append(self.caveat)
         return lines
 
     def summary(self, top: int = 5) -> str:
@@ -260,13 +264,13 @@ class TriageReport:
                     f"{esc(self.summary().removeprefix('Triage: '))}</p>")
         if self.calibrated:
             out = [f"<div class='probekit-triage'><p><b>probekit triage</b>: "
-                   f"{esc(self.verdict)}</p>"]
+                   f"{esc(str(self.verdict))}</p>"]
         else:
             out = [f"<div class='probekit-triage'><p><b>probekit triage</b>: runs diverge first "
                    f"at step <b>{d['step']}</b>, parameter <code>{esc(d['param'])}</code> "
                    f"(similarity {d['similarity']:.3f}, rank {d['rank']}).</p>"]
-            if self.verdict:
-                out.append(f"<p>{esc(self.verdict)}</p>")
+            if self.caveat:
+                out.append(f"<p>{esc(self.caveat)}</p>")
         if self.stopped:
             return "".join(out) + f"<p>{esc(self.stopped)}</p></div>"
         if self.suspects.empty:
@@ -409,7 +413,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
 
         comparison = compare_grads(run_a, run_b, control=control)
     divergence = _divergence(comparison, rank)
-    verdict, stopped = _plan(comparison, divergence)
+    verdict, caveat, stopped = _plan(comparison, divergence, rank)
     sus = scoped_suspects(comparison, model, top, up)
     modules = list(sus["module"]) if not stopped else []
     if pert_modes is None:
@@ -451,33 +455,35 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
     sus["findings"] = [counts.get(m, (0, 0))[0] for m in sus["module"]]
     sus["minor"] = [counts.get(m, (0, 0))[1] for m in sus["module"]]
     return TriageReport(divergence, sus, findings, runs, comparison, float(min_ratio), stopped,
-                        verdict)
+                        verdict, caveat)
 
 
-def _plan(cmp, divergence) -> tuple:
-    """(the verdict line or an uncalibrated caveat, why the free benchmark stops or "")."""
-    from .grads.compare.verdict import verdict_line
+def _plan(cmp, divergence, rank=None) -> tuple:
+    """(the ``Verdict`` (of the rank triaged), an uncalibrated caveat or "", why the free
+    benchmark stops or "")."""
+    from .grads.compare.verdict import verdict_line, verdict_of
 
-    r = divergence["rank"]
-    sub = cmp.sel(rank=r) if "rank" in cmp.dims else cmp
-    line = verdict_line(sub)
+    verdict = verdict_of(cmp, rank)
     if cmp.attrs.get("calibrated"):
         if divergence["step"] >= 0:
-            return line, ""
-        return line, ("Nothing to check: the free benchmark was not run (the test departs from "
-                      "the reference no further than rounding at the control's precision "
-                      "does).")
+            return verdict, "", ""
+        return verdict, "", ("Nothing to check: the free benchmark was not run (the test "
+                             "departs from the reference no further than rounding at the "
+                             "control's precision does).")
     if divergence["step"] < 0:
-        return "", ""
+        return verdict, "", ""
     if divergence["step"] == 0 and cmp.attrs.get("noise_aware"):
-        return ("Uncalibrated (no control run): a flag at step 0 is judged on the significant "
-                "signs, which keep rounding noise out; after step 0 a control is needed."), ""
+        return verdict, ("Uncalibrated (no control run): a flag at step 0 is judged on the "
+                         "significant signs, which keep rounding noise out; after step 0 a "
+                         "control is needed."), ""
+    r = divergence["rank"]
+    line = verdict_line(cmp.sel(rank=r) if "rank" in cmp.dims else cmp)
     how = line[line.index("To calibrate:"):] if "To calibrate:" in line else ""
     why = (f"the first flag is at step {divergence['step']}, after step 0, where rounding "
            "drift alone parts two runs" if cmp.attrs.get("noise_aware") else
            "the comparison is judged on plain signs, which rounding noise flips")
-    return "", (f"Stopped before the free benchmark: the comparison is uncalibrated and {why}. "
-                + how)
+    return verdict, "", (f"Stopped before the free benchmark: the comparison is uncalibrated "
+                         f"and {why}. " + how)
 
 
 def _divergence(cmp, rank) -> dict:

@@ -281,7 +281,7 @@ class FreeBench:
         """What the dtype predicts, kept apart from the findings (never in ``results`` or the
         CSV): one row per call site and output whose check moved by more than a correct kernel's
         rounding explains without being a finding -- a sensitivity mode's output that moved by
-        more than ``16 u`` of its scale but kept most of its bits, or an accuracy mode's error that
+        more than twice a correct kernel's rounding bound but kept most of its bits, or an accuracy mode's error that
         the inputs' own conditioning explains (``cause``), or, on an accelerator, one waiting
         for its call site's analysis (cause ``pending`` inside a block, ``unexplained`` after
         ``stop()``: ``judging.py``). The worst check is shown, ``count`` says how many there
