@@ -292,6 +292,30 @@ COMMON_KEYS = ("task", "dump_path", "rank", "step", "level", "seed", "is_determi
                "enable_dataloader", "acl_config")
 
 
+def _unusable_folder(path: str) -> str:
+    """Why a run cannot write into ``path`` ("" when it can: an existing writable folder, or
+    one that can be created because its nearest existing ancestor is a writable folder). URLs
+    (``s3://...``) are checked by the store when it opens them."""
+    if "://" in path:
+        return ""
+    here = os.path.abspath(path)
+    if os.path.exists(here):
+        if not os.path.isdir(here):
+            return "it is a file"
+        return "" if os.access(here, os.W_OK | os.X_OK) else "it is not writable"
+    parent = here
+    while not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            return "none of its parents exists"
+        parent = up
+    if not os.path.isdir(parent):
+        return f"{parent} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return ""
+
+
 @dataclass(frozen=True)
 class Config:
     """A whole probekit/msprobe configuration: common keys plus the section of ``task``."""
@@ -316,9 +340,10 @@ class Config:
         if not isinstance(self.dump_path, (str, os.PathLike)) or not str(self.dump_path):
             _fail("dump_path", self.dump_path, "a non-empty path string")
         _set(self, "dump_path", os.fspath(self.dump_path))
-        if os.path.exists(self.dump_path) and not os.path.isdir(self.dump_path):
-            _fail("dump_path", self.dump_path, "a folder or a path that does not exist yet "
-                  "(this one is a file)")
+        why = _unusable_folder(self.dump_path)
+        if why:
+            _fail("dump_path", self.dump_path, f"a folder that exists or can be created "
+                  f"(this one cannot: {why})")
         _set(self, "rank", _index_tuple("rank", self.rank))
         _set(self, "step", _index_tuple("step", self.step))
         _choice("level", self.level, LEVELS)
