@@ -120,6 +120,11 @@ class FreeBenchmarkConfig:
     #: probekit extension: checks may cost at most this fraction of the plain step time
     #: (None: every call is checked)
     budget: float | None = None
+    #: probekit extension: a run into a dump folder that holds an earlier run's findings
+    #: replaces them unless it is a restart (``resume``, or an elastic restart); ``overwrite``
+    #: replaces them even when that run did not end cleanly (``freebench/report/runs.py``)
+    resume: bool = False
+    overwrite: bool = False
 
     JSON_KEYS = {"api_list": "list"}
 
@@ -135,6 +140,13 @@ class FreeBenchmarkConfig:
         _bool(s + "if_preheat", self.if_preheat)
         _positive_int(s + "preheat_step", self.preheat_step)
         _positive_int(s + "max_sample", self.max_sample)
+        _bool(s + "resume", self.resume)
+        _bool(s + "overwrite", self.overwrite)
+        if self.resume and self.overwrite:
+            raise ConfigError("free_benchmark.resume and free_benchmark.overwrite: both true; "
+                              "accepted: one of them (append to the dump, or replace it)",
+                              key="free_benchmark.resume", value=True,
+                              accepted="resume or overwrite, not both")
         if self.scope and self.api_list:
             raise ConfigError(
                 f"free_benchmark.scope {list(self.scope)!r} and free_benchmark.list "
@@ -239,6 +251,10 @@ class GradProbeConfig:
     start_step: int | None = None
     overwrite: bool = False
     durable: bool = False
+    #: this run continues the store (a restart), whatever else says so or not; without it a run
+    #: appends only when it is a restart (start_step, an elastic restart, an optimizer state
+    #: restored from a checkpoint) and otherwise replaces a store whose last run ended cleanly
+    resume: bool = False
     #: record this run as a control for a test at that precision (``CONTROL_DTYPES``, optionally
     #: ``:recipe``): every low-precision op of the test's recipe computed wider and rounded at
     #: random by a generator of its own, seeded by ``control_seed`` (``grads/control.py``)
@@ -264,6 +280,12 @@ class GradProbeConfig:
             _fail(s + "start_step", self.start_step, "an integer >= 0, or null (resuming a "
                   "store: the optimizer's step count, else the step after its newest)")
         _bool(s + "overwrite", self.overwrite)
+        _bool(s + "resume", self.resume)
+        if self.resume and self.overwrite:
+            raise ConfigError("grad_probe.resume and grad_probe.overwrite: both true; accepted: "
+                              "one of them (continue the store, or replace it)",
+                              key="grad_probe.resume", value=True,
+                              accepted="resume or overwrite, not both")
         _bool(s + "durable", self.durable)
         if self.control is not None:
             name, _, recipe = (self.control.partition(":") if isinstance(self.control, str)

@@ -438,8 +438,9 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
             for mode in pert_modes:
                 for stage in stages:
                     state.restore()
+                    # one dump for the whole triage: the later runs append to the first's
                     fb = FreeBench(dump_path=folder, pert_mode=mode, fuzz_stage=stage,
-                                   model=model, module=modules)
+                                   model=model, module=modules, resume=bool(runs))
                     with fb:
                         step_fn()
                     runs.append({"pert_mode": mode, "stage": stage, **fb.summary})

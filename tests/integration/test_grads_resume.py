@@ -77,8 +77,8 @@ def test_fsdp2_killed_at_4_ranks_resumes_at_2_or_4_into_the_same_store(tmp_path,
 
     res = torchrun(2, tmp_path / "run", ckpt, "resume")  # elastic: 2 ranks from step 3
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "this run records from step 3 (the step count of AdamW's state); steps 3..4 " \
-           "recorded before are superseded" in res.stderr
+    assert "(a restart: AdamW's state is at step 3 (resumed)) records from step 3 (the step " \
+           "count of AdamW's state); steps 3..4 recorded before are superseded" in res.stderr
     segs = segments(tmp_path / "run")
     assert [(s.first_step, s.last_step, s.ranks, s.sharded) for s in segs] == [
         (0, 2, [0, 1, 2, 3], True), (3, 5, [0, 1], True)]

@@ -29,6 +29,7 @@ from .compiled import CompileGuard, CompiledModelError, is_compiled_module
 from ..engine.intercept import Engine, make_mode
 from .modules import ModuleScope
 from ..repro.record import Recorder
+from ..report.runs import DumpRun
 from ..report.view import Findings, Summary, summary_line
 
 log = get_logger("probekit.freebench")
@@ -72,6 +73,7 @@ class FreeBench:
         self._step_start = coverage.counters(self._engine)
         self._block_start = None
         self._started = False  # start() was called (step() before it is warned about)
+        self._run = None  # this session's run in its dump folder (report/runs.py), from start()
         # verdicts still pending when the process exits (a run that never called stop()) are
         # read back and written then; a weak reference: the hook does not keep this alive
         self._exit_hook = functools.partial(_gather_at_exit, weakref.ref(self))
@@ -118,6 +120,10 @@ class FreeBench:
                       list(self.config.rank))
             return
         self._engine.rank = get_rank()
+        if self._run is None:  # the dump folder: append (a restart), replace, or refuse
+            self._run = DumpRun.begin(self.config, get_rank())
+        else:
+            self._run.mark(False)  # running again
         if self._engine.budget is not None:
             self._engine.budget.started()
         self._sink.open()
@@ -150,7 +156,12 @@ class FreeBench:
     def stop(self) -> None:
         """Stop intercepting; pending backward checks are dropped (counted ``no_gradient``),
         global hooks removed, the verdicts read back and every flag settled: a finding, a hot
-        spot, or (an accelerator's verdict whose inputs are gone) ``unexplained``."""
+        spot, or (an accelerator's verdict whose inputs are gone) ``unexplained``. The run
+        ended cleanly: its dump folder says so (the next run, unless a restart, replaces its
+        findings; ``report/runs.py``)."""
+        self._stop(clean=True)
+
+    def _stop(self, clean: bool) -> None:
         mode, self._mode = self._mode, None
         if mode is None:
             return
@@ -177,6 +188,15 @@ class FreeBench:
             self._report(coverage.block_findings(self.config, self._block_start,
                                                  coverage.counters(self._engine), watched))
             self._block_start = None
+        self._end_run(clean)
+
+    def _end_run(self, clean: bool) -> None:
+        if self._run is not None:
+            try:
+                self._run.stopped(self._sink, self._engine.repro_capture.written.values(), clean)
+            except OSError as exc:
+                log.warning("Free benchmark: could not update %s: %s", self.config.dump_path,
+                            exc)
 
     def _report(self, findings) -> None:
         """Log each coverage finding once per session (kind: rank, step, scope, backward...)."""
@@ -235,12 +255,14 @@ class FreeBench:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self._stop(clean=exc[0] is None)  # left by an exception: the run did not end cleanly
 
     # -- results ---------------------------------------------------------------------------------
     def _emit(self, rows: list[dict]) -> None:
         self._rows.extend(rows)
         try:
+            if self._run is not None:  # a replaced run's rows go before this run's first
+                self._run.settle(self._sink, self._engine.repro_capture.written.values())
             self._sink.write(rows)
         except OSError as exc:
             log.warning("Free benchmark: could not append to %s: %s", self._sink.path, exc)
@@ -347,6 +369,10 @@ def _gather_at_exit(ref) -> None:
     try:
         fb._gather()
         fb._engine.settle()
+        if fb.active:  # never stopped: it ended with the process, cleanly unless on an error
+            import sys
+
+            fb._end_run(clean=getattr(sys, "last_value", None) is None)
     except Exception:
         pass
 
