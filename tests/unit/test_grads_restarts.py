@@ -321,7 +321,7 @@ def test_a_replacement_is_seen_whole_or_not_at_all(tmp_path):
     record(tmp_path, 1, range(4))                  # a clean run (closed)
     before = open_grads(tmp_path)["step"].values.tolist()
     run = plan_run(str(tmp_path), rank=0)          # not a restart: replace
-    assert run["from"] is None and run["replaced"] == [0, 3] and run["by"] == 0
+    assert run["from"] == 0 and run["replaced"] == [0, 3] and run["by"] == 0
     assert (tmp_path / ASIDE).is_dir() and not (tmp_path / "grads.zarr").exists()
     assert open_grads(tmp_path)["step"].values.tolist() == before     # the old store, aside
     w = GradWriter(str(tmp_path), 0, LAYOUT, "L2", (-1, 0, 1), "md5", 2, significance=True)

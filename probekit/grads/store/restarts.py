@@ -525,10 +525,15 @@ def plan_run(dump_path, *, start=None, inferred=None, why: str = "",
                 f"step {begin} ({how}), so it would replace every one of them. Pass "
                 "overwrite=True to replace the recording, start_step=N to continue it from step "
                 "N (the step your checkpoint resumes at), or record into another dump_path")
-    if replace and job and holds_steps(state):
+    moved = replace and job and holds_steps(state)
+    if moved:
         move_aside(main, aside, run, fs)
         has_aside = True
-    run.update(start=begin, **{"from": None if replace else begin}, scope=scope, how=how,
+    # a replacement into a store moved aside records into a new one: nothing there to
+    # supersede, and the store is then what a first run makes, byte for byte; a process
+    # recording alone replaces its own steps in place (``from`` None: all of them)
+    run.update(start=begin, **{"from": None if replace and not job else begin}, scope=scope,
+               how=how,
                held=None if first is None else [int(first), int(last)], replaced=replaced,
                restart=why_restart if restart else "")
     if has_aside:
