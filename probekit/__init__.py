@@ -31,6 +31,8 @@ _LAZY = {
     "Verdict": "probekit.grads",         # cmp.probekit.verdict, TriageReport.verdict
     "triage": "probekit.triaging",       # a module named probekit.triage would shadow the function
     "TriageReport": "probekit.triaging",
+    "impact": "probekit.impacting",      # does a finding matter? (fb.impact)
+    "Impact": "probekit.impacting",
 }
 
 __all__ = ["__version__", "Config", "FreeBenchmarkConfig", "GradProbeConfig", "PrecisionDebugger",

@@ -36,17 +36,16 @@ the report with its text, HTML and plot) reads top to bottom here.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import html
 import logging
 import math
-import random
 import tempfile
 
 import torch
 
 from .log import ROOT as LOG_ROOT, get_logger
+from .trainstate import TrainingState, check_step, tensors
 
 log = get_logger(__name__)
 
@@ -54,69 +53,6 @@ STAGES = ("forward", "backward")
 #: every finding is listed: each means a defect or a loss of most significant bits (issue 19)
 MIN_RATIO = 1.0
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-# -- state: saved and restored around every step_fn run ------------------------------------------
-class _State:
-    """Parameters, buffers, grads (objects and values), train flags, optimizer state, RNG."""
-
-    def __init__(self, model, optimizer=None) -> None:
-        self.model = model
-        self.tensors = [(t, t.detach().clone()) for t in _tensors(model)]
-        self.grads = []
-        for p in model.parameters():
-            g = p.grad
-            self.grads.append((p, g, None if g is None else g.detach().clone()))
-        self.training = [(m, m.training) for m in model.modules()]
-        self.optimizer = optimizer
-        self.opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
-        self.rng = _rng_state()
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for t, saved in self.tensors:
-                t.copy_(saved)
-            for p, g, saved in self.grads:
-                if g is not None:
-                    g.copy_(saved)
-                p.grad = g
-        for m, flag in self.training:
-            m.training = flag
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(copy.deepcopy(self.opt_state))
-        _set_rng_state(self.rng)
-
-
-def _tensors(model):
-    seen = set()
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            yield t
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["random"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
 
 
 # -- suspects ------------------------------------------------------------------------------------
@@ -163,7 +99,7 @@ def pert_modes_for(model, modules) -> tuple:
     """``improve_precision`` and ``add_noise``; ``add_noise`` alone when every floating
     parameter/buffer of ``modules`` is float64 (nothing wider to re-run in)."""
     named = dict(model.named_modules())
-    dtypes = {t.dtype for m in modules for t in _tensors(named[m]) if t.is_floating_point()}
+    dtypes = {t.dtype for m in modules for t in tensors(named[m]) if t.is_floating_point()}
     if dtypes and dtypes <= {torch.float64}:
         return ("add_noise",)
     return ("improve_precision", "add_noise")
@@ -391,12 +327,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
     from .freebench import FreeBench
     from .freebench.report.results import COLUMNS
 
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
-                        "torch.nn.Module")
-    if not callable(step_fn):
-        raise TypeError(f"step_fn: {step_fn!r} is not valid; accepted: a callable running one "
-                        "training step (forward and backward) of model")
+    check_step(model, step_fn)
     for name, value in (("top", top), ("up", up)):
         if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "top"
                                                                              else 0):
@@ -429,7 +360,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
         tmp = tempfile.TemporaryDirectory(prefix="probekit-triage-") if dump_path is None \
             else None
         folder = tmp.name if tmp is not None else dump_path
-        state = _State(model, optimizer)
+        state = TrainingState(model, optimizer)
         logger = logging.getLogger(LOG_ROOT)
         level = logger.level
         if not verbose:

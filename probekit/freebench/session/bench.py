@@ -74,6 +74,8 @@ class FreeBench:
         self._block_start = None
         self._started = False  # start() was called (step() before it is warned about)
         self._run = None  # this session's run in its dump folder (report/runs.py), from start()
+        #: ``impact`` results by api_name (the findings view's ``impact`` column)
+        self.impacts: dict = {}
         # verdicts still pending when the process exits (a run that never called stop()) are
         # read back and written then; a weak reference: the hook does not keep this alive
         self._exit_hook = functools.partial(_gather_at_exit, weakref.ref(self))
@@ -297,6 +299,26 @@ class FreeBench:
         self._gather()
         return repro.for_row(self.config.dump_path, row, out, results=self.results,
                              shrink=shrink, check=check)
+
+    def impact(self, row, model, step_fn, **options):
+        """Does this finding matter for the training? Re-run the steps of ``step_fn`` (forward
+        and backward of ``model``; ``optimizer=`` when it steps one) with the finding's call
+        fixed (computed wider and cast back, as ``handler_type="fix"`` does) and judge the
+        change in the gradients against a control's rounding noise, in the grad comparison's
+        words: "fixing `layer_norm` backward moves the gradients within what bf16 rounding
+        explains". ``row``: a row of ``results``, its position, or its ``api_name``; options:
+        ``steps``, ``optimizer``, ``control``, ``seeds``, ``every_call``, ``dump_path``,
+        ``verbose`` (``probekit.impact``). Returns the ``Impact`` (``kind``, ``verdict``,
+        ``text``), also kept in ``impacts`` for the findings view's ``impact`` column. The
+        model, grads, optimizer and random generators are left as they were."""
+        from ...impacting import impact as _impact
+        from ..repro.folder import select
+
+        self._gather()
+        finding = select(self.results, row)
+        done = _impact(model, step_fn, finding, **options)
+        self.impacts[finding["api_name"]] = done
+        return done
 
     @property
     def hotspots(self):
