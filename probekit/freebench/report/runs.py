@@ -163,9 +163,11 @@ class DumpRun:
             raise DumpError(f"free benchmark: dump_path {self.dump_path!r} cannot be created "
                             f"({exc.strerror or exc}); accepted: a folder that exists or can "
                             "be created") from None
+        # not fsync'd: it changes at every start()/stop() (msprobe's loop: every step), and it
+        # only steers the next run's decision; the findings themselves are the CSV's
         atomic_write(marker_path(self.dump_path, self.rank), json.dumps(
             {"format": FORMAT, "run": self.run["run"], "time": self.run["time"],
-             "rank": self.rank, "closed": bool(closed)}))
+             "rank": self.rank, "closed": bool(closed)}), fsync=False)
         self.closed = closed
 
     def settle(self, sink, written=()) -> None:
