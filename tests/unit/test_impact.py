@@ -3,10 +3,12 @@ call fixed, as they are, and under two controls; ``compare_grads(fixed, as_is, c
 judges the change in the gradients with the grad comparison's words.
 
 The defect: PyTorch's CPU bf16 ``layer_norm`` backward sums its weight and bias gradients over
-the rows in bf16. Over 4096 rows its weight gradient's norm is off by 2.7 % (measured), under
-the 3.1 % a bf16 control allows (2 x 4 bf16 units): within rounding. Over 65536 rows the sum
-stagnates (bf16 cannot add a small term to a large one) and the norm is 0.31x the exact one:
-beyond."""
+the rows in bf16. Over 512 rows the findings are 4-13x their bound, yet the gradient norms move
+by 0.4 % at most (measured, 1 and 2 threads), under the 3.1 % a bf16 control allows (2 x 4 bf16
+units): within rounding. Over 16384 rows the sum stagnates (bf16 cannot add a small term to a
+large one) and the weight gradient's norm is 0.49x the exact one (1 thread): beyond. (Between the two the
+verdict depends on the thread count, which sets the summation order: 4096 rows were within on
+2 threads, beyond on 1; the tests run on 1.)"""
 import pytest
 import torch
 
@@ -15,6 +17,14 @@ from probekit.errors import ConfigError
 from probekit.freebench import FreeBench
 from probekit.freebench.report.view import Findings
 from probekit.impacting import control_for
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def setup(rows):
@@ -42,7 +52,7 @@ def findings(dump, model, step_fn):
 
 
 def test_a_small_defect_is_within_rounding_and_the_training_is_left_as_it_was(tmp_path):
-    model, step_fn = setup(4096)
+    model, step_fn = setup(512)
     fb = findings(tmp_path, model, step_fn)
     for p in model.parameters():
         p.grad = torch.full_like(p, 3.0)
@@ -55,11 +65,12 @@ def test_a_small_defect_is_within_rounding_and_the_training_is_left_as_it_was(tm
                              "similarity ")
     assert r.control == "bf16:none" and r.fixed == "Functional.layer_norm.0.forward"
     assert r.calls_fixed == 1 and r.steps == 1
-    # the numbers behind it: the weight gradient's norm moved 2.7 %, the control allows 3.1 %
-    w = r.comparison.isel(rank=0, step=0).sel(param="1.weight")
-    assert abs(float(w["norm_ratio"]) - 1) > 0.01
-    assert float(w["norm_dev"]) < float(w["norm_allowed"]) == pytest.approx(
-        2 * 4 * 2 ** -8, rel=1e-12)
+    # the numbers behind it: the norms moved, by less than the 3.1 % the controls allow
+    cell = r.comparison.isel(rank=0, step=0)
+    assert float(cell["norm_dev"].sel(param="1.bias")) > 0
+    assert (cell["norm_dev"] < cell["norm_allowed"]).all()
+    assert float(cell["norm_allowed"].sel(param="1.bias")) == pytest.approx(2 * 4 * 2 ** -8,
+                                                                            rel=1e-12)
     # nothing changed: parameters, gradients (the same objects' values), the random stream
     for p, (v, g) in zip(model.parameters(), before):
         assert torch.equal(p, v) and torch.equal(p.grad, g)
@@ -73,14 +84,14 @@ def test_a_small_defect_is_within_rounding_and_the_training_is_left_as_it_was(tm
 
 
 def test_a_large_defect_is_beyond_rounding(tmp_path):
-    model, step_fn = setup(65536)
+    model, step_fn = setup(16384)
     r = probekit.impact(model, step_fn, {"api_name": "Functional.layer_norm.0.backward",
                                          "dtype": "torch.bfloat16"})
     assert r.kind == "beyond"
     v = r.verdict
     assert (v.step, v.parameter, v.reason) == (0, "1.weight", "scale")
     ratio = float(r.comparison["norm_ratio"].sel(rank=0, step=0, param="1.weight"))
-    assert ratio < 0.5                               # the bf16 sum stagnated
+    assert ratio < 0.6                               # the bf16 sum stagnated
     assert r.text == (f"fixing `layer_norm` backward moves the gradients beyond what bf16 "
                       f"rounding explains: from step 0 at 1.weight (its gradient norm "
                       f"{ratio:.4g}x the fixed run's, the bf16 control's "
