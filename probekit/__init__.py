@@ -28,8 +28,11 @@ _LAZY = {
     "perturb": "probekit.grads",         # a control run's rounding, without a probe
     "GradComparator": "probekit.grads",
     "suspects": "probekit.grads",
+    "Verdict": "probekit.grads",         # cmp.probekit.verdict, TriageReport.verdict
     "triage": "probekit.triaging",       # a module named probekit.triage would shadow the function
     "TriageReport": "probekit.triaging",
+    "impact": "probekit.impacting",      # does a finding matter? (fb.impact)
+    "Impact": "probekit.impacting",
 }
 
 __all__ = ["__version__", "Config", "FreeBenchmarkConfig", "GradProbeConfig", "PrecisionDebugger",

@@ -120,6 +120,11 @@ class FreeBenchmarkConfig:
     #: probekit extension: checks may cost at most this fraction of the plain step time
     #: (None: every call is checked)
     budget: float | None = None
+    #: probekit extension: a run into a dump folder that holds an earlier run's findings
+    #: replaces them unless it is a restart (``resume``, or an elastic restart); ``overwrite``
+    #: replaces them even when that run did not end cleanly (``freebench/report/runs.py``)
+    resume: bool = False
+    overwrite: bool = False
 
     JSON_KEYS = {"api_list": "list"}
 
@@ -135,6 +140,13 @@ class FreeBenchmarkConfig:
         _bool(s + "if_preheat", self.if_preheat)
         _positive_int(s + "preheat_step", self.preheat_step)
         _positive_int(s + "max_sample", self.max_sample)
+        _bool(s + "resume", self.resume)
+        _bool(s + "overwrite", self.overwrite)
+        if self.resume and self.overwrite:
+            raise ConfigError("free_benchmark.resume and free_benchmark.overwrite: both true; "
+                              "accepted: one of them (append to the dump, or replace it)",
+                              key="free_benchmark.resume", value=True,
+                              accepted="resume or overwrite, not both")
         if self.scope and self.api_list:
             raise ConfigError(
                 f"free_benchmark.scope {list(self.scope)!r} and free_benchmark.list "
@@ -239,6 +251,10 @@ class GradProbeConfig:
     start_step: int | None = None
     overwrite: bool = False
     durable: bool = False
+    #: this run continues the store (a restart), whatever else says so or not; without it a run
+    #: appends only when it is a restart (start_step, an elastic restart, an optimizer state
+    #: restored from a checkpoint) and otherwise replaces a store whose last run ended cleanly
+    resume: bool = False
     #: record this run as a control for a test at that precision (``CONTROL_DTYPES``, optionally
     #: ``:recipe``): every low-precision op of the test's recipe computed wider and rounded at
     #: random by a generator of its own, seeded by ``control_seed`` (``grads/control.py``)
@@ -272,6 +288,12 @@ class GradProbeConfig:
             _fail(s + "start_step", self.start_step, "an integer >= 0, or null (resuming a "
                   "store: the optimizer's step count, else the step after its newest)")
         _bool(s + "overwrite", self.overwrite)
+        _bool(s + "resume", self.resume)
+        if self.resume and self.overwrite:
+            raise ConfigError("grad_probe.resume and grad_probe.overwrite: both true; accepted: "
+                              "one of them (continue the store, or replace it)",
+                              key="grad_probe.resume", value=True,
+                              accepted="resume or overwrite, not both")
         _bool(s + "durable", self.durable)
         if self.control is not None:
             name, _, recipe = (self.control.partition(":") if isinstance(self.control, str)
@@ -322,6 +344,30 @@ COMMON_KEYS = ("task", "dump_path", "rank", "step", "level", "seed", "is_determi
                "enable_dataloader", "acl_config")
 
 
+def _unusable_folder(path: str) -> str:
+    """Why a run cannot write into ``path`` ("" when it can: an existing writable folder, or
+    one that can be created because its nearest existing ancestor is a writable folder). URLs
+    (``s3://...``) are checked by the store when it opens them."""
+    if "://" in path:
+        return ""
+    here = os.path.abspath(path)
+    if os.path.exists(here):
+        if not os.path.isdir(here):
+            return "it is a file"
+        return "" if os.access(here, os.W_OK | os.X_OK) else "it is not writable"
+    parent = here
+    while not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            return "none of its parents exists"
+        parent = up
+    if not os.path.isdir(parent):
+        return f"{parent} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return ""
+
+
 @dataclass(frozen=True)
 class Config:
     """A whole probekit/msprobe configuration: common keys plus the section of ``task``."""
@@ -346,9 +392,10 @@ class Config:
         if not isinstance(self.dump_path, (str, os.PathLike)) or not str(self.dump_path):
             _fail("dump_path", self.dump_path, "a non-empty path string")
         _set(self, "dump_path", os.fspath(self.dump_path))
-        if os.path.exists(self.dump_path) and not os.path.isdir(self.dump_path):
-            _fail("dump_path", self.dump_path, "a folder or a path that does not exist yet "
-                  "(this one is a file)")
+        why = _unusable_folder(self.dump_path)
+        if why:
+            _fail("dump_path", self.dump_path, f"a folder that exists or can be created "
+                  f"(this one cannot: {why})")
         _set(self, "rank", _index_tuple("rank", self.rank))
         _set(self, "step", _index_tuple("step", self.step))
         _choice("level", self.level, LEVELS)

@@ -71,11 +71,20 @@ def readme_pictures(text: str) -> list:
 
 def snippet_env() -> dict:
     """The environment of a README snippet: this checkout's probekit first on the path, no
-    buffering (stdout and stderr interleave as in a terminal), matplotlib headless."""
+    buffering (stdout and stderr interleave as in a terminal), matplotlib headless and on its
+    own defaults (no user ``matplotlibrc``: ``MPLCONFIGDIR`` a folder of probekit's in the
+    temporary directory, which keeps only matplotlib's font cache), so a picture is the same
+    bytes wherever it is drawn with the same matplotlib."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH"))
                                         if p)
     env.update(PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    env.pop("MATPLOTLIBRC", None)
+    import tempfile
+
+    config = Path(tempfile.gettempdir()) / "probekit-mplconfig"
+    config.mkdir(parents=True, exist_ok=True)
+    env["MPLCONFIGDIR"] = str(config)
     return env
 
 

@@ -76,5 +76,10 @@ class ReproError(ProbekitError, ValueError):
     an argument a script cannot spell, a row that names no finding)."""
 
 
+class DumpError(ProbekitError, ValueError):
+    """A free-benchmark dump folder cannot take this run as asked (its last run did not end
+    cleanly and this run is not a restart: its findings would be replaced)."""
+
+
 __all__ = ["ProbekitError", "ConfigError", "GradStoreError", "GradCompareError",
-           "MsprobeDumpError", "UnsafePathError", "ReproError", "MISSING"]
+           "MsprobeDumpError", "UnsafePathError", "ReproError", "DumpError", "MISSING"]

@@ -51,12 +51,22 @@ def _figure_class():
     Made on first use (matplotlib is imported by the plot functions only). However it comes to
     be displayed -- as a cell's last expression, by the inline backend at the end of the cell, by
     ``display(fig)`` -- it shows as one PNG and leaves pyplot, so nothing draws it a second
-    time (the inline backend closes its figures after a cell anyway)."""
+    time (the inline backend closes its figures after a cell anyway). ``savefig`` writes no
+    metadata that changes from run to run or version to version (matplotlib's version in a
+    PNG, a date in an SVG or PDF) unless given ``metadata=``: the same figure is the same bytes
+    (the README's pictures, redrawn by ``make demo``, stay what is committed)."""
     global _FIGURE_CLASS
     if _FIGURE_CLASS is None:
         from matplotlib.figure import Figure
 
         class PlotFigure(Figure):
+            def savefig(self, fname, *args, **kwargs):
+                if "metadata" not in kwargs:
+                    fmt = _save_format(fname, kwargs.get("format"))
+                    if fmt in _NO_METADATA:
+                        kwargs["metadata"] = dict(_NO_METADATA[fmt])
+                return super().savefig(fname, *args, **kwargs)
+
             def _ipython_display_(self):
                 import io
 
@@ -73,6 +83,27 @@ def _figure_class():
 
         _FIGURE_CLASS = PlotFigure
     return _FIGURE_CLASS
+
+
+#: the metadata a saved figure leaves out, per format (matplotlib writes its version, dates)
+_NO_METADATA = {"png": {"Software": None}, "svg": {"Date": None, "Creator": None},
+                "pdf": {"CreationDate": None, "Creator": None, "Producer": None}}
+
+
+def _save_format(fname, fmt) -> str:
+    """The format ``savefig`` writes: ``format=``, else the file's extension, else
+    ``savefig.format``."""
+    import os
+
+    from matplotlib import rcParams
+
+    if fmt:
+        return str(fmt).lower()
+    if isinstance(fname, (str, os.PathLike)):
+        ext = os.path.splitext(os.fspath(fname))[1].lstrip(".").lower()
+        if ext:
+            return ext
+    return str(rcParams["savefig.format"]).lower()
 
 
 def short_name(name: str, width: int = 36) -> str:

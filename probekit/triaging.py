@@ -36,17 +36,16 @@ the report with its text, HTML and plot) reads top to bottom here.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import html
 import logging
 import math
-import random
 import tempfile
 
 import torch
 
 from .log import ROOT as LOG_ROOT, get_logger
+from .trainstate import TrainingState, check_step, tensors
 
 log = get_logger(__name__)
 
@@ -54,69 +53,6 @@ STAGES = ("forward", "backward")
 #: every finding is listed: each means a defect or a loss of most significant bits (issue 19)
 MIN_RATIO = 1.0
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-# -- state: saved and restored around every step_fn run ------------------------------------------
-class _State:
-    """Parameters, buffers, grads (objects and values), train flags, optimizer state, RNG."""
-
-    def __init__(self, model, optimizer=None) -> None:
-        self.model = model
-        self.tensors = [(t, t.detach().clone()) for t in _tensors(model)]
-        self.grads = []
-        for p in model.parameters():
-            g = p.grad
-            self.grads.append((p, g, None if g is None else g.detach().clone()))
-        self.training = [(m, m.training) for m in model.modules()]
-        self.optimizer = optimizer
-        self.opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
-        self.rng = _rng_state()
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for t, saved in self.tensors:
-                t.copy_(saved)
-            for p, g, saved in self.grads:
-                if g is not None:
-                    g.copy_(saved)
-                p.grad = g
-        for m, flag in self.training:
-            m.training = flag
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(copy.deepcopy(self.opt_state))
-        _set_rng_state(self.rng)
-
-
-def _tensors(model):
-    seen = set()
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            yield t
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["random"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
 
 
 # -- suspects ------------------------------------------------------------------------------------
@@ -167,7 +103,7 @@ def pert_modes_for(model, modules) -> tuple:
     """``improve_precision`` and ``add_noise``; ``add_noise`` alone when every floating
     parameter/buffer of ``modules`` is float64 (nothing wider to re-run in)."""
     named = dict(model.named_modules())
-    dtypes = {t.dtype for m in modules for t in _tensors(named[m]) if t.is_floating_point()}
+    dtypes = {t.dtype for m in modules for t in tensors(named[m]) if t.is_floating_point()}
     if dtypes and dtypes <= {torch.float64}:
         return ("add_noise",)
     return ("improve_precision", "add_noise")
@@ -190,8 +126,12 @@ class TriageReport:
     min_ratio: float = MIN_RATIO
     #: why the free benchmark did not run ("" when it ran, or when nothing diverges)
     stopped: str = ""
-    #: the comparison's verdict in words (``grads.verdict.verdict_line``) or a caveat
-    verdict: str = ""
+    #: the comparison's verdict (``grads.compare.verdict.Verdict``: kind, step, parameter,
+    #: reason; ``str()`` of it is the line), the same object as ``comparison.probekit.verdict``
+    #: (of the rank triaged)
+    verdict: object = None
+    #: what the uncalibrated verdict cannot say ("" when calibrated or nothing is flagged)
+    caveat: str = ""
     #: the suspects flagged at the first step that run before the first one in the forward
     #: pass, in words (``suspects.walk_back_text``): where the divergence may start
     walk_back: str = ""
@@ -207,8 +147,8 @@ class TriageReport:
             return [f"Triage: {self.verdict}"]
         lines = [f"Triage: runs diverge first at step {d['step']}, parameter {d['param']!r} "
                  f"(similarity {d['similarity']:.3f}, rank {d['rank']})."]
-        if self.verdict:
-            lines.append(self.verdict)
+        if self.caveat:
+            lines.append(self.caveat)
         return lines
 
     def summary(self, top: int = 5) -> str:
@@ -269,13 +209,13 @@ class TriageReport:
                     f"{esc(self.summary().removeprefix('Triage: '))}</p>")
         if self.calibrated:
             out = [f"<div class='probekit-triage'><p><b>probekit triage</b>: "
-                   f"{esc(self.verdict)}</p>"]
+                   f"{esc(str(self.verdict))}</p>"]
         else:
             out = [f"<div class='probekit-triage'><p><b>probekit triage</b>: runs diverge first "
                    f"at step <b>{d['step']}</b>, parameter <code>{esc(d['param'])}</code> "
                    f"(similarity {d['similarity']:.3f}, rank {d['rank']}).</p>"]
-            if self.verdict:
-                out.append(f"<p>{esc(self.verdict)}</p>")
+            if self.caveat:
+                out.append(f"<p>{esc(self.caveat)}</p>")
         if self.stopped:
             return "".join(out) + f"<p>{esc(self.stopped)}</p></div>"
         if self.suspects.empty:
@@ -398,12 +338,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
     from .freebench import FreeBench
     from .freebench.report.results import COLUMNS
 
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
-                        "torch.nn.Module")
-    if not callable(step_fn):
-        raise TypeError(f"step_fn: {step_fn!r} is not valid; accepted: a callable running one "
-                        "training step (forward and backward) of model")
+    check_step(model, step_fn)
     for name, value in (("top", top), ("up", up)):
         if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "top"
                                                                              else 0):
@@ -420,7 +355,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
 
         comparison = compare_grads(run_a, run_b, control=control)
     divergence = _divergence(comparison, rank)
-    verdict, stopped = _plan(comparison, divergence)
+    verdict, caveat, stopped = _plan(comparison, divergence, rank)
     order, walk = None, ""
     if divergence["step"] >= 0 and not stopped:  # where to walk back to: the modules in
         from .grads.compare.suspects import suspects as _suspects, walk_back_text
@@ -442,7 +377,7 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
         tmp = tempfile.TemporaryDirectory(prefix="probekit-triage-") if dump_path is None \
             else None
         folder = tmp.name if tmp is not None else dump_path
-        state = _State(model, optimizer)
+        state = TrainingState(model, optimizer)
         logger = logging.getLogger(LOG_ROOT)
         level = logger.level
         if not verbose:
@@ -451,8 +386,9 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
             for mode in pert_modes:
                 for stage in stages:
                     state.restore()
+                    # one dump for the whole triage: the later runs append to the first's
                     fb = FreeBench(dump_path=folder, pert_mode=mode, fuzz_stage=stage,
-                                   model=model, module=modules)
+                                   model=model, module=modules, resume=bool(runs))
                     with fb:
                         step_fn()
                     runs.append({"pert_mode": mode, "stage": stage, **fb.summary})
@@ -468,33 +404,35 @@ def triage(model, step_fn, run_a=None, run_b=None, *, control=None, comparison=N
     sus["findings"] = [counts.get(m, (0, 0))[0] for m in sus["module"]]
     sus["minor"] = [counts.get(m, (0, 0))[1] for m in sus["module"]]
     return TriageReport(divergence, sus, findings, runs, comparison, float(min_ratio), stopped,
-                        verdict, walk)
+                        verdict, caveat, walk)
 
 
-def _plan(cmp, divergence) -> tuple:
-    """(the verdict line or an uncalibrated caveat, why the free benchmark stops or "")."""
-    from .grads.compare.verdict import verdict_line
+def _plan(cmp, divergence, rank=None) -> tuple:
+    """(the ``Verdict`` (of the rank triaged), an uncalibrated caveat or "", why the free
+    benchmark stops or "")."""
+    from .grads.compare.verdict import verdict_line, verdict_of
 
-    r = divergence["rank"]
-    sub = cmp.sel(rank=r) if "rank" in cmp.dims else cmp
-    line = verdict_line(sub)
+    verdict = verdict_of(cmp, rank)
     if cmp.attrs.get("calibrated"):
         if divergence["step"] >= 0:
-            return line, ""
-        return line, ("Nothing to check: the free benchmark was not run (the test departs from "
-                      "the reference no further than rounding at the control's precision "
-                      "does).")
+            return verdict, "", ""
+        return verdict, "", ("Nothing to check: the free benchmark was not run (the test "
+                             "departs from the reference no further than rounding at the "
+                             "control's precision does).")
     if divergence["step"] < 0:
-        return "", ""
+        return verdict, "", ""
     if divergence["step"] == 0 and cmp.attrs.get("noise_aware"):
-        return ("Uncalibrated (no control run): a flag at step 0 is judged on the significant "
-                "signs, which keep rounding noise out; after step 0 a control is needed."), ""
+        return verdict, ("Uncalibrated (no control run): a flag at step 0 is judged on the "
+                         "significant signs, which keep rounding noise out; after step 0 a "
+                         "control is needed."), ""
+    r = divergence["rank"]
+    line = verdict_line(cmp.sel(rank=r) if "rank" in cmp.dims else cmp)
     how = line[line.index("To calibrate:"):] if "To calibrate:" in line else ""
     why = (f"the first flag is at step {divergence['step']}, after step 0, where rounding "
            "drift alone parts two runs" if cmp.attrs.get("noise_aware") else
            "the comparison is judged on plain signs, which rounding noise flips")
-    return "", (f"Stopped before the free benchmark: the comparison is uncalibrated and {why}. "
-                + how)
+    return verdict, "", (f"Stopped before the free benchmark: the comparison is uncalibrated "
+                         f"and {why}. " + how)
 
 
 def _divergence(cmp, rank) -> dict:

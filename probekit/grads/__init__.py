@@ -8,6 +8,7 @@ public face: it imports the public names from their homes.
 from .compare.compare import GradCompareError, compare_grads, first_divergence
 from .compare.report import GradComparator
 from .compare.suspects import suspects  # also registers the ``cmp.probekit`` accessor
+from .compare.verdict import Verdict, verdict_of
 from .record.control import perturb
 from .record.recorder import GradProbe
 from .store.names import layer_offset
@@ -18,4 +19,4 @@ from .store.store import GradStoreError
 
 __all__ = ["GradProbe", "open_grads", "compare_grads", "first_divergence", "perturb",
            "GradComparator", "GradCompareError", "GradStoreError", "suspects", "segments",
-           "layer_offset", "replica_disagreements"]
+           "layer_offset", "replica_disagreements", "Verdict", "verdict_of"]

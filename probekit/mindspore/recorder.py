@@ -31,6 +31,7 @@ check_numpy()  # before MindSpore is imported: numpy 2 beside its numpy-1 wheel
 import mindspore as ms  # noqa: E402
 
 from ..config import ConfigError, config_for, grad_probe_options
+from ..dist import restart_count
 from ..grads.numerics import stats as host_stats
 from ..grads.numerics.sampling import whole_sample
 from ..grads.numerics.stats import Layout, StepStats, padded_nbytes
@@ -218,15 +219,21 @@ class GradProbe:
                                       section.flush_seconds, significance=section.significance,
                                       attrs=self._store_attrs(),
                                       durable=section.durable, overwrite=section.overwrite)
-            # a restarted run continues the store: from start_step, else the optimizer's
-            # global_step (restored with a checkpoint), else after the store's newest step
+            # a restart continues the store: from start_step, else the optimizer's global_step
+            # (restored with a checkpoint), else after the store's newest step; any other run
+            # replaces a store whose last run ended cleanly (restarts.plan_run)
             gs = _graph.global_step(self.optimizer) if section.start_step is None else None
             alone = int(os.environ.get("WORLD_SIZE", os.environ.get("RANK_SIZE", "1")) or 1) <= 1
+            why = ("resume=True" if section.resume else "start_step"
+                   if section.start_step is not None else
+                   f"an elastic restart (restart count {restart_count()})" if restart_count()
+                   else f"the optimizer's global_step is {gs} (resumed)" if gs else "")
             try:
                 run = plan_run(self.dump_path, start=section.start_step, inferred=gs,
                                why="the optimizer's global_step", overwrite=section.overwrite,
                                scope="job" if alone else "rank", rank=rank,
-                               sample=int(self._store_attrs().get("sample", 0)))
+                               sample=int(self._store_attrs().get("sample", 0)),
+                               restart=bool(why), why_restart=why)
             except Exception:
                 self._writer.close()
                 self._writer = None
@@ -275,8 +282,9 @@ class GradProbe:
                                 modules=self.layout.modules, sample=self._sample,
                                 sample_size=section.sample)
 
-    def stop(self) -> None:
-        """Detach from the optimizer and write every buffered step.
+    def stop(self, *, clean: bool = True) -> None:
+        """Detach from the optimizer and write every buffered step (``clean``: the run ended as
+        planned, which its commit says: the next run, unless a restart, replaces it).
 
         Raises ``GraphModeError`` (after writing) when the optimizer ran steps the probe did
         not see: a train step compiled before ``monitor()`` holds no tap. Logs the one-line
@@ -303,7 +311,7 @@ class GradProbe:
         finally:
             try:
                 if self._writer is not None:
-                    self._writer.close()
+                    self._writer.close(clean=clean)
             finally:
                 if self._plan is not None:
                     self._plan.close()
@@ -335,7 +343,7 @@ class GradProbe:
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.stop(clean=exc[0] is None)
 
     # -- the tap's entry points (graph.py) -----------------------------------------------------
     def _selected(self, step: int) -> bool:

@@ -31,7 +31,7 @@ OPTION_KEYS = {
     "--device": "fuzz_device", "--scope": "scope", "--list": "list", "--preheat": "if_preheat",
     "--preheat-step": "preheat_step", "--max-sample": "max_sample", "--threshold": "thresholds",
     "--dump-path": "dump_path", "--rank": "rank", "--step": "step", "--module": "module",
-    "--budget": "budget",
+    "--budget": "budget", "--resume": "resume", "--overwrite": "overwrite",
 }
 _KEY_OPTIONS = {key: opt for opt, key in OPTION_KEYS.items()}
 _KEY_OPTIONS["api_list"] = "--list"
@@ -69,6 +69,12 @@ def _config_options(func):
                  help="overhead budget: check only as many calls per step as this fraction of "
                       "the plain step time allows, rotating through the call sites (e.g. 0.2)"),
         argument("--dump-path", metavar="PATH", help="folder for free_benchmark.csv"),
+        argument("--resume", action="store_true", default=None,
+                 help="append to the dump folder's findings (default: a cell run again "
+                      "replaces those of the last run, if it ended cleanly)"),
+        argument("--overwrite", action="store_true", default=None,
+                 help="replace the dump folder's findings even if their run did not end "
+                      "cleanly"),
         argument("--rank", metavar="RANKS", help="ranks to probe, comma separated (default all)"),
         argument("--step", metavar="STEPS", help="steps to probe, comma separated (default all)"),
         argument("--config", metavar="FILE", help="msprobe/probekit config.json to start from"),
@@ -103,7 +109,8 @@ def changes_from_args(args) -> dict:
     simple = {"pert_mode": args.pert_mode, "handler_type": args.handler,
               "fuzz_stage": args.stage, "fuzz_device": args.device, "if_preheat": args.preheat,
               "preheat_step": args.preheat_step, "max_sample": args.max_sample,
-              "dump_path": args.dump_path, "budget": args.budget}
+              "dump_path": args.dump_path, "budget": args.budget, "resume": args.resume,
+              "overwrite": args.overwrite}
     changes.update({k: v for k, v in simple.items() if v is not None})
     if args.scope is not None:
         changes["scope"] = _names(args.scope)

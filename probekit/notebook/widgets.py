@@ -60,9 +60,11 @@ HELP = {
                   "the raw ones at the end of the last backward pass before it",
     "sample": "Sign bits of at most this many elements per parameter, a fixed sample chosen "
               "by global index (0 = every element; 65536 keeps a 7B model at ~4 MB per step)",
-    "start_step": "First step of this run; empty: resuming a store that holds steps, the "
-                  "optimizer's step count (else after its newest); a new store, 0",
-    "overwrite": "Replace the store's recording (never done otherwise)",
+    "start_step": "First step of this run (a restart); empty: a restart starts at the "
+                  "optimizer's step count (else after the store's newest); a new store, 0",
+    "overwrite": "Replace what the dump folder holds, even when its last run crashed",
+    "resume": "Continue what the dump folder holds (a restart); off: a run that is not a "
+              "restart replaces it when its last run ended cleanly",
     "durable": "fsync every commit: the steps survive a power loss, not only the process",
     "control": "Record this run as a control for a test at that precision: the reference's code "
                "with each low-precision op rounded at random (compare_grads(..., control=)); "
@@ -357,7 +359,7 @@ class FreeBenchPanel(ConfigPanel):
         ("Preheat", ["if_preheat", "preheat_step", "max_sample"]),
         ("Overhead budget", ["budget"]),
         ("Threshold overrides (0: from the dtype)", ["thresholds"]),
-        ("Where", ["dump_path", "rank", "step"]),
+        ("Where", ["dump_path", "rank", "step", "resume", "overwrite"]),
     )
 
     def __init__(self, config=None, *, on_apply=None, use_for_magic: bool = True):
@@ -398,7 +400,7 @@ class GradProbePanel(ConfigPanel):
                             "sample", "flush_every", "flush_seconds"]),
         ("Which parameters", ["param_list"]),
         ("Where", ["dump_path", "rank", "step"]),
-        ("Restarts", ["start_step", "overwrite", "durable"]),
+        ("Restarts", ["resume", "start_step", "overwrite", "durable"]),
         ("Control run", ["control", "control_seed"]),
         ("Distributed", ["check_replicas", "tied"]),
     )

@@ -93,6 +93,23 @@ def test_both_probes_under_torchrun(tmp_path):
     assert sorted(rows["rank"].unique().tolist()) == [0, 1]
     assert sorted(rows["step"].unique().tolist()) == [0, 1, 2, 3]
     assert sorted(os.listdir(tmp_path / "all" / "grads.zarr")) == ["rank0", "zarr.json"]
+    # the same job again into the same folder: not a restart, so both probes replace what the
+    # first run left (it ended cleanly), every rank deciding alike (issue 36): the same rows,
+    # the same store, nothing left aside
+    csv = (tmp_path / "all" / "free_benchmark.csv").read_text().splitlines()
+    grads = open_grads(tmp_path / "all")
+    listing = sorted(os.listdir(tmp_path / "all"))
+    torchrun(tmp_path / "all", "", "freebench")
+    again = (tmp_path / "all" / "free_benchmark.csv").read_text().splitlines()
+    assert again[0] == csv[0] and sorted(again[1:]) == sorted(csv[1:])
+    assert sorted(os.listdir(tmp_path / "all")) == listing == [
+        "free_benchmark.csv", "free_benchmark.rank0.run.json", "free_benchmark.rank1.run.json",
+        "grads.zarr", "repro"]
+    assert sorted(os.listdir(tmp_path / "all" / "grads.zarr")) == ["rank0", "zarr.json"]
+    second = open_grads(tmp_path / "all")
+    assert second["step"].values.tolist() == [0, 1, 2, 3]
+    for name in ("norm", "max", "direction", "dist"):
+        assert np.array_equal(second[name].values, grads[name].values), name
     out = torchrun(tmp_path / "one", "1", "freebench")
     assert "rank 0 done steps=0 world=2 checked=0" in out
     rows = pd.read_csv(tmp_path / "one" / "free_benchmark.csv")

@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from probekit.demo import PROJECT_ROOT, README, readme_blocks, readme_pictures, run_readme
 
@@ -25,9 +24,27 @@ def test_every_snippet_runs_and_prints_what_the_readme_shows(tmp_path):
         if block.output is not None:
             assert printed == block.output, f"README line {block.line}"
     assert sum(b.lang == "bash" for b, _ in ran) == 2  # the two probekit command lines
-    for picture in readme_pictures(TEXT):
-        drawn, shown = Image.open(tmp_path / Path(picture).name), Image.open(PROJECT_ROOT / picture)
-        assert drawn.size == shown.size, picture  # `make docs` redraws them
+    pictures = {p: (tmp_path / Path(p).name).read_bytes() for p in readme_pictures(TEXT)}
+    for picture, drawn in pictures.items():
+        # `make demo` redraws them: the committed bytes are what the snippets draw
+        assert drawn == (PROJECT_ROOT / picture).read_bytes(), picture
+    # run again in the same folder (`make demo` twice): each run is not a restart, so it
+    # replaces the last one's recording and findings (one line each says so) and draws the
+    # same pictures, byte for byte (issue 36)
+    again = run_readme(tmp_path, text=TEXT)
+    replaced = re.compile(r"\[probekit\] (grad_probe: \S+ held steps 0\.\.\d+ of a run that ended "
+                          r"cleanly; this run is not a restart, so it replaces them|Free "
+                          r"benchmark: \S+ held 1 finding\(s\) of an earlier run; this run is "
+                          r"not a restart and the last one ended cleanly, so this run replaces "
+                          r"them) \(resume=True (continues a store|appends)\)\n")
+    assert [b for b, _ in again] == [b for b, _ in ran]
+    lines = 0
+    for (block, first), (_, second) in zip(ran, again):
+        lines += len(replaced.findall(second))
+        assert replaced.sub("", second) == first, f"README line {block.line}"
+    assert lines == 4  # fb_run, run_fp32, run_bf16, msprobe_run
+    for picture, drawn in pictures.items():
+        assert (tmp_path / Path(picture).name).read_bytes() == drawn, picture
 
 
 def test_the_readme_is_a_front_page():

@@ -43,17 +43,26 @@ EXPECT = {
         r"Free benchmark \(add_noise, check, forward\): 2 findings in 2 API calls"]),
 }
 _executed = {}
+_folder = []
 #: an image embedded in the page (the template's own icons are CSS, not <img>)
 IMG = re.compile(r"<img[^>]*src=[\"']data:image/png;base64,")
 
 
+def _shared(tmp_path_factory):
+    """One folder for every notebook of the session, as Jupyter runs them side by side."""
+    if not _folder:
+        _folder.append(tmp_path_factory.mktemp("notebooks"))
+    return _folder[0]
+
+
 @pytest.fixture
 def executed(tmp_path_factory):
-    """Run a notebook once per session (in its own temporary folder) and reuse the result."""
+    """Run a notebook once per session and reuse the result; all of them in one folder, in the
+    order asked (the tests ask 01 -> 04), as a user runs them one after the other."""
     def get(path):
         if path.name not in _executed:
-            cwd = tmp_path_factory.mktemp(path.stem)
-            _executed[path.name] = run_notebook(path, cwd=cwd, timeout=240, allow_errors=True)
+            _executed[path.name] = run_notebook(path, cwd=_shared(tmp_path_factory),
+                                                timeout=240, allow_errors=True)
         return _executed[path.name]
     return get
 
@@ -84,6 +93,23 @@ def test_notebook_runs_clean(path, executed):
     text = "\n".join(json.dumps(o.get("data", {})) + o.get("text", "") for o in outputs(nb))
     for pattern in patterns:
         assert re.search(pattern, text), (pattern, headlines(nb))
+
+
+@pytest.mark.slow
+def test_the_notebooks_run_again_in_the_same_folder(executed, tmp_path_factory):
+    """All four in order in one folder, then all four again there (issue 36): each run into a
+    store or dump folder that an earlier notebook wrote replaces it (none is a restart), so
+    every notebook runs clean both times and shows what it promised, the same lines again."""
+    first = [executed(path) for path in NOTEBOOKS]          # 01 -> 04, in one folder
+    for path, nb in zip(NOTEBOOKS, first):
+        again = run_notebook(path, cwd=_shared(tmp_path_factory), timeout=240,
+                             allow_errors=True)
+        assert errors(nb) == [] and errors(again) == [], path.name
+        text = "\n".join(json.dumps(o.get("data", {})) + o.get("text", "")
+                         for o in outputs(again))
+        for pattern in EXPECT[path.name][2]:
+            assert re.search(pattern, text), (path.name, pattern, headlines(again))
+        assert headlines(again) == headlines(nb), path.name
 
 
 @pytest.mark.slow

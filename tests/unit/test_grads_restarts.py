@@ -221,9 +221,10 @@ def test_the_probe_takes_its_first_step_from_the_optimizer_or_start_step(tmp_pat
     for st in opt.state.values():  # a checkpoint of step 4 loaded into the optimizer
         st["step"] = torch.tensor(4.0)
     with caplog.at_level("INFO", logger="probekit"):
-        train(tmp_path, None, 3, model, opt)
+        train(tmp_path, None, 3, model, opt)   # a restart: the optimizer's state says so
     assert open_grads(tmp_path)["step"].values.tolist() == list(range(7))
-    assert "holds steps 0..5; this run records from step 4" in caplog.text
+    assert ("holds steps 0..5; this run (a restart: AdamW's state is at step 4 (resumed)) "
+            "records from step 4") in caplog.text
     assert "steps 4..5 recorded before are superseded" in caplog.text
     train(tmp_path, torch.optim.SGD, 2, start_step=9)
     assert open_grads(tmp_path)["step"].values.tolist() == [0, 1, 2, 3, 4, 5, 6, 9, 10]
@@ -235,25 +236,114 @@ def test_a_new_store_numbers_steps_from_the_start_of_the_recording(tmp_path):
     assert open_grads(tmp_path / "new")["step"].values.tolist() == [0, 1]  # msprobe's numbering
 
 
-def test_a_run_that_cannot_know_its_step_continues_the_store(tmp_path, caplog):
+def _values(path):
+    ds = open_grads(path)
+    return ds["step"].values.tolist(), ds["norm"].values.copy()
+
+
+def test_a_run_that_is_not_a_restart_replaces_a_store_that_ended_cleanly(tmp_path, caplog):
+    """Run the same thing twice: the second run replaces the first (one line says so), so the
+    store, its files and its values are the first run's (issue 36)."""
+    train(tmp_path, torch.optim.SGD, 3)
+    steps, norms = _values(tmp_path)
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    with caplog.at_level("INFO", logger="probekit"):
+        train(tmp_path, torch.optim.SGD, 3)          # the same run again: not a restart
+    assert ("held steps 0..2 of a run that ended cleanly; this run is not a restart, so it "
+            "replaces them (resume=True continues a store)") in caplog.text
+    again, norms2 = _values(tmp_path)
+    assert again == steps == [0, 1, 2] and np.array_equal(norms, norms2)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == files
+    train(tmp_path, torch.optim.Adam, 2)             # a fresh Adam (step 0): replaces too
+    assert open_grads(tmp_path)["step"].values.tolist() == [0, 1]
+
+
+def test_resume_continues_a_store(tmp_path, caplog):
     train(tmp_path, torch.optim.SGD, 3)
     with caplog.at_level("INFO", logger="probekit"):
-        train(tmp_path, torch.optim.SGD, 2)  # SGD keeps no step count
+        train(tmp_path, torch.optim.SGD, 2, resume=True)  # SGD keeps no step count
     assert open_grads(tmp_path)["step"].values.tolist() == [0, 1, 2, 3, 4]
-    assert "pass start_step= when resuming" in caplog.text
-
-
-def test_replacing_every_step_needs_overwrite(tmp_path):
-    train(tmp_path, torch.optim.Adam, 4)
-    with pytest.raises(GradStoreError, match=r"holds steps 0\.\.3, and this run starts at step "
+    assert "pass start_step= to say where the checkpoint resumes" in caplog.text
+    with pytest.raises(GradStoreError, match=r"holds steps 0\.\.4, and this run starts at step "
                                              r"0 .*Pass overwrite=True"):
-        train(tmp_path, torch.optim.Adam, 2)  # a fresh optimizer: step 0
-    assert open_grads(tmp_path)["step"].values.tolist() == [0, 1, 2, 3]  # untouched
-    train(tmp_path, torch.optim.Adam, 2, overwrite=True)
-    assert open_grads(tmp_path)["step"].values.tolist() == [0, 1]
+        train(tmp_path, torch.optim.Adam, 2, resume=True)  # a fresh optimizer: step 0
+    assert open_grads(tmp_path)["step"].values.tolist() == [0, 1, 2, 3, 4]  # untouched
     with pytest.raises(GradStoreError, match="would replace every one"):
         plan_run(str(tmp_path), start=0)
     assert plan_run(str(tmp_path), start=1)["from"] == 1
+
+
+def test_a_crashed_run_is_not_replaced_silently(tmp_path, monkeypatch):
+    """A run that ended on an exception is crash evidence: a run that is not a restart is
+    refused, naming resume=True and overwrite=True; either then works."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with GradProbe(model, optimizer=opt, dump_path=str(tmp_path), flush_every=1):
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+            raise RuntimeError("boom")
+    commit = json.loads((tmp_path / "grads.zarr" / "rank0" / "commit.json").read_text())
+    assert commit["runs"][-1]["closed"] is False
+    with pytest.raises(GradStoreError, match=r"holds steps 0\.\.2, and its last run \(begun "
+                       r".*\) did not end cleanly: it crashed, was killed, or is still running"
+                       r".*Pass resume=True to continue that recording, overwrite=True to "
+                       r"replace it"):
+        train(tmp_path, torch.optim.SGD, 2)
+    assert open_grads(tmp_path)["step"].values.tolist() == [0, 1, 2]    # untouched
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")                # an elastic restart
+    train(tmp_path, torch.optim.SGD, 1)
+    assert open_grads(tmp_path)["step"].values.tolist() == [0, 1, 2, 3]
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    train(tmp_path, torch.optim.SGD, 2)           # that restart ended cleanly: replaced
+    assert open_grads(tmp_path)["step"].values.tolist() == [0, 1]
+
+
+def test_overwrite_replaces_a_crashed_store(tmp_path):
+    record(tmp_path, 1, range(4), commit=False)    # killed: never closed
+    with pytest.raises(GradStoreError, match="did not end cleanly"):
+        train(tmp_path, torch.optim.SGD, 2)
+    train(tmp_path, torch.optim.SGD, 2, overwrite=True)
+    assert open_grads(tmp_path)["step"].values.tolist() == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == ["grads.zarr"]     # nothing left aside
+
+
+def test_a_replacement_is_seen_whole_or_not_at_all(tmp_path):
+    """Until the replacing run commits its first step the old store is what readers read (it
+    waits aside); a replacing run that dies before that leaves it, and the next run puts it
+    back; once the replacement commits, the old store is deleted."""
+    from probekit.grads.store.live import LIVE
+    from probekit.grads.store.restarts import ASIDE
+
+    record(tmp_path, 1, range(4))                  # a clean run (closed)
+    before = open_grads(tmp_path)["step"].values.tolist()
+    run = plan_run(str(tmp_path), rank=0)          # not a restart: replace
+    assert run["from"] == 0 and run["replaced"] == [0, 3] and run["by"] == 0
+    assert (tmp_path / ASIDE).is_dir() and not (tmp_path / "grads.zarr").exists()
+    assert open_grads(tmp_path)["step"].values.tolist() == before     # the old store, aside
+    w = GradWriter(str(tmp_path), 0, LAYOUT, "L2", (-1, 0, 1), "md5", 2, significance=True)
+    w.begin(run)
+    w.append(0, stats(2, 0))                       # handed over, not committed: killed
+    LIVE.wait(w, None)
+    LIVE.remove(w)
+    assert_values(open_grads(tmp_path), [(s, 1) for s in range(4)])   # still the old one
+    assert (tmp_path / ASIDE).is_dir()
+    run = plan_run(str(tmp_path), rank=0, restart=True, why_restart="resume=True")
+    assert run["start"] == 4 and not (tmp_path / ASIDE).exists()     # put back, continued
+    assert_values(open_grads(tmp_path), [(s, 1) for s in range(4)])
+    w = GradWriter(str(tmp_path), 0, LAYOUT, "L2", (-1, 0, 1), "md5", 1, significance=True)
+    w.begin(plan_run(str(tmp_path), rank=0))       # replaces again, and commits this time
+    assert (tmp_path / ASIDE).is_dir()
+    w.append(0, stats(3, 0))
+    w.append(1, stats(3, 1))
+    w.close()
+    assert not (tmp_path / ASIDE).exists()
+    assert_values(open_grads(tmp_path), [(0, 3), (1, 3)])
+    commit = json.loads((tmp_path / "grads.zarr" / "rank0" / "commit.json").read_text())
+    assert len(commit["runs"]) == 1 and commit["runs"][0]["closed"] is True
 
 
 def test_overwrite_at_another_layout_removes_this_ranks_older_groups(tmp_path):
@@ -272,9 +362,10 @@ def test_overwrite_at_another_layout_removes_this_ranks_older_groups(tmp_path):
 def test_continuing_a_group_of_another_layout_is_refused(tmp_path):
     record(tmp_path, 1, range(3), key="k")
     other = Layout(("w", "b"), (30, 6), ((6, 5), (6,)))
-    with pytest.raises(GradStoreError, match=r"another layout \(differs in: params|numels"):
-        GradWriter(str(tmp_path), 0, other, "L2", (-1, 0, 1), "md5", 2, significance=True,
+    w = GradWriter(str(tmp_path), 0, other, "L2", (-1, 0, 1), "md5", 2, significance=True,
                    layout_key="k")
+    with pytest.raises(GradStoreError, match=r"another layout \(differs in: params|numels"):
+        w.begin({"run": "r2", "time": 5000.0, "start": 3, "from": 3, "scope": "job"})
 
 
 def test_the_options_are_validated():
@@ -287,3 +378,6 @@ def test_the_options_are_validated():
         make_config("grad_probe", start_step=-1)
     with pytest.raises(ConfigError, match=r"grad_probe\.durable"):
         make_config("grad_probe", durable="yes")
+    assert make_config("grad_probe", resume=True).grad_probe.resume is True
+    with pytest.raises(ConfigError, match=r"grad_probe\.resume and grad_probe\.overwrite: both"):
+        make_config("grad_probe", resume=True, overwrite=True)

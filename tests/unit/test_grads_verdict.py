@@ -287,3 +287,44 @@ def test_ranks_steps_without_control_and_a_control_without_significance(runs):
 
 def _low(cmp) -> str:
     return f"{float(cmp['similarity'].min()):.4f}"
+
+
+def test_the_verdict_as_data(runs):
+    """``cmp.probekit.verdict`` (issue 36, point 5): kind, step, parameter, reason, the numbers
+    behind them and the words; the same object in triage's report."""
+    import torch
+
+    import probekit
+    from probekit.grads import Verdict, verdict_of
+
+    ref, test, ctrl = runs
+    cmp = compare_grads(ref, test, control=ctrl, progress=False)
+    v = cmp.probekit.verdict
+    assert isinstance(v, Verdict) and v is not None and probekit.Verdict is Verdict
+    sim = float(cmp["similarity"].sel(rank=0, step=2, param="enc.weight"))
+    assert (v.kind, v.step, v.parameter, v.reason, v.rank, v.control) == (
+        "beyond", 2, "enc.weight", "sign", 0, "bf16")
+    assert v.beyond and v.similarity == sim and v.control_similarity == 1 - 41 / 4096
+    assert v.band == float(cmp["similarity_band"].sel(rank=0, step=2, param="enc.weight"))
+    assert str(v) == v.text == verdict_text(cmp) and verdict_of(cmp) == v
+    only = [dict(step) for step in _grads()]
+    for s in range(3, STEPS):
+        only[s]["head.weight"] = only[s]["head.weight"] * 0.5
+    scaled = compare_grads(ref, _run(only), control=ctrl, progress=False).probekit.verdict
+    assert (scaled.kind, scaled.step, scaled.parameter, scaled.reason) == (
+        "beyond", 3, "head.weight", "scale")
+    within = compare_grads(ref, ctrl, control=ctrl, progress=False).probekit.verdict
+    assert (within.kind, within.step, within.parameter, within.reason) == (
+        "within", None, None, "")
+    assert within.text.startswith("within what bf16 rounding explains over 5 steps")
+    plain = compare_grads(ref, test, progress=False).probekit.verdict
+    assert (plain.kind, plain.step, plain.reason) == ("uncalibrated", 0, "threshold")
+    assert math.isnan(plain.band) and plain.text.startswith("uncalibrated: the fixed threshold")
+
+    model = torch.nn.Module()
+    model.enc, model.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 16)
+    report = probekit.triage(model, lambda: None, comparison=cmp, pert_modes=(),
+                             stages=("forward",))
+    assert report.verdict == v and str(report).startswith(f"Triage: {v.text}")
+    report = probekit.triage(model, lambda: None, ref, ctrl, control=ctrl)
+    assert report.verdict.kind == "within" and report.verdict == within

@@ -21,7 +21,7 @@ combined                                             npu           improve_preci
 * ``noise``: moves an input by one ulp: a sensitivity mode, judged against ``sqrt(u)`` of the
   output's scale (``scales.py``), as are the other modes that are neither upcast nor exact.
 * ``upcast``: re-runs at a higher precision (or on the CPU in fp32/fp64): an accuracy mode (judged
-  against ``16 u`` of the call's scale); autocast is turned off for the re-run, and
+  against a correct kernel's bound, ``2 (u_out |y| + gamma_k(u_acc) S)``: ``scales.py``); autocast is turned off for the re-run, and
   ``handler_type="fix"`` may swap its result in.
 * ``exact``: re-runs on an exact copy, so any difference is non-determinism: threshold 0.
 * ``swap_back``: reorders elements; outputs (and, in the backward stage, gradients) are swapped

@@ -42,10 +42,12 @@ HEADER = _line(COLUMNS)
 class CsvSink:
     """Appends rows to ``{dump_path}/free_benchmark.csv``: header once, whole lines, flushed.
 
-    Each batch of rows is one ``os.write`` on a descriptor opened with ``O_APPEND``, so a line is
-    never split and lines from several ranks sharing the folder do not interleave. A file holding
-    a different header (e.g. msprobe's nine columns) is left alone: rows go to
-    ``free_benchmark.1.csv`` (the first free or compatible name) and a warning says so.
+    Each batch of rows is one ``os.write`` on a descriptor opened with ``O_APPEND``, under the
+    dump folder's lock (``flock`` on the folder), so a line is never split, lines from several
+    ranks sharing the folder do not interleave, and ``drop_rows`` (a run replacing an earlier
+    one's rows: ``runs.py``) never loses a row another rank appends. A file holding a different
+    header (e.g. msprobe's nine columns) is left alone: rows go to ``free_benchmark.1.csv`` (the
+    first free or compatible name) and a warning says so.
     """
 
     def __init__(self, dump_path: str) -> None:
@@ -65,12 +67,15 @@ class CsvSink:
             self.path = path
         return self.path
 
-    @staticmethod
-    def _claim(path: str) -> bool:
+    def _claim(self, path: str) -> bool:
         """Write the header into an empty/new file; True when the file is ours to append to."""
+        with folder_lock(self.dump_path):
+            return self._claim_locked(path)
+
+    @staticmethod
+    def _claim_locked(path: str) -> bool:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            _lock(fd)
             size = os.fstat(fd).st_size
             if size == 0:
                 os.write(fd, HEADER.encode("utf-8"))
@@ -88,22 +93,97 @@ class CsvSink:
         csv.writer(buf, lineterminator="\n").writerows(
             [_cell(r.get(c, "")) for c in COLUMNS] for r in rows)
         data = buf.getvalue().encode("utf-8")
-        fd = os.open(self.open(), os.O_WRONLY | os.O_APPEND)
-        try:
-            view = memoryview(data)
-            while view:  # one write in practice; a short write (disk full...) is completed
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        path = self.open()
+        with folder_lock(self.dump_path):
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            try:
+                view = memoryview(data)
+                while view:  # one write in practice; a short write (disk full...) is completed
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+
+    def _paths(self) -> list:
+        """The CSVs of this folder probekit writes (``free_benchmark.csv`` and the numbered
+        ones used beside a file of another header)."""
+        import glob
+
+        base = os.path.join(self.dump_path, CSV_NAME)
+        return [base] + sorted(glob.glob(os.path.join(glob.escape(self.dump_path),
+                                                      "free_benchmark.[0-9]*.csv")))
+
+    def count_rows(self, ranks=None) -> int:
+        """Rows (of ``ranks``, or all) in the folder's probekit CSVs."""
+        n = 0
+        for path in self._paths():
+            for row in _rows(path):
+                n += ranks is None or _rank(row) in ranks
+        return n
+
+    def drop_rows(self, gone) -> int:
+        """Remove the rows whose rank ``gone(rank)`` holds, under the folder's lock, each CSV
+        replaced whole (``atomic_write``); how many were removed."""
+        from ...atomic import atomic_write
+
+        removed = 0
+        if not os.path.isdir(self.dump_path):
+            return 0
+        with folder_lock(self.dump_path):
+            for path in self._paths():
+                rows = _rows(path)
+                keep = [r for r in rows if not gone(_rank(r))]
+                if len(keep) == len(rows):
+                    continue
+                removed += len(rows) - len(keep)
+                buf = io.StringIO()
+                csv.writer(buf, lineterminator="\n").writerows([COLUMNS, *keep])
+                atomic_write(path, buf.getvalue().encode("utf-8"))
+        return removed
 
 
-def _lock(fd: int) -> None:
+def _rows(path: str) -> list:
+    """The data rows of a probekit CSV (none for a missing file or another header)."""
     try:
-        import fcntl
+        with open(path, encoding="utf-8-sig", newline="") as fh:
+            reader = csv.reader(fh)
+            head = next(reader, None)
+            if head != list(COLUMNS):
+                return []
+            return [r for r in reader if r]
+    except FileNotFoundError:
+        return []
 
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes
-    except (ImportError, OSError):
-        pass
+
+def _rank(row) -> int | None:
+    try:
+        return int(row[0])
+    except (ValueError, IndexError):
+        return None
+
+
+class folder_lock:
+    """An exclusive ``flock`` on the dump folder (released on exit); no lock where the system
+    has none (the appends then rely on ``O_APPEND`` alone, as before)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.fd = folder, None
+
+    def __enter__(self):
+        try:
+            import fcntl
+
+            self.fd = os.open(self.folder, os.O_RDONLY)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            if self.fd is not None:
+                os.close(self.fd)
+            self.fd = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+            self.fd = None
 
 
 def _cell(value):

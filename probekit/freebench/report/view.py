@@ -136,6 +136,15 @@ def summary_line(summary: dict | None, n_rows: int = 0) -> str:
     return " · ".join(parts)
 
 
+def impact_cell(impact) -> str:
+    """A finding's ``impact`` column: "beyond bf16 noise" / "within bf16 noise", "" when not
+    measured (``fb.impact``)."""
+    if impact is None:
+        return ""
+    prec = str(getattr(impact, "control", "")).partition(":")[0]
+    return f"{impact.kind} {prec} noise".strip()
+
+
 class Summary(dict):
     """``FreeBench.summary``: the counts, a dict whose ``str()`` is ``summary_line``."""
 
@@ -147,9 +156,11 @@ class Findings:
     """Free-benchmark results as a table by severity plus a summary line."""
 
     def __init__(self, results, summary: dict | None = None, *, top: int = 25, name: str = "",
-                 mode: str = "", hotspots=None):
+                 mode: str = "", hotspots=None, impacts=None):
         self.results = results
         self.summary = summary
+        #: ``FreeBench.impacts``: {api_name: ``Impact``} of the findings ``fb.impact`` measured
+        self.impacts = dict(impacts or {})
         #: ``FreeBench.hotspots`` to show under the findings (None: not shown, the default)
         self.hotspots = hotspots
         self.top = top
@@ -165,6 +176,7 @@ class Findings:
         section = bench.config.free_benchmark
         kwargs.setdefault("mode", f"{section.pert_mode}, {section.handler_type}, "
                                   f"{section.fuzz_stage}")
+        kwargs.setdefault("impacts", getattr(bench, "impacts", None))
         return cls(bench.results, bench.summary, hotspots=bench.hotspots if hotspots else None,
                    **kwargs)
 
@@ -173,8 +185,14 @@ class Findings:
 
     @property
     def calls(self):
-        """One row per flagged API call, most severe first (``plot.merged_findings``)."""
-        return merged_findings(self.results)
+        """One row per flagged API call, most severe first (``plot.merged_findings``), and,
+        where ``fb.impact`` measured it, its ``impact``: "beyond" or "within" what rounding at
+        its precision explains."""
+        calls = merged_findings(self.results)
+        if self.impacts and len(calls):
+            calls = calls.assign(impact=[impact_cell(self.impacts.get(n))
+                                         for n in calls["api_name"]])
+        return calls
 
     def _flagged(self) -> int:
         if self.summary and "flagged" in self.summary:
@@ -251,6 +269,8 @@ class Findings:
             cols = [(h, c) for h, c in cols if c != "output_index"]
         if "module" in calls and not (calls["module"].fillna("") != "").any():
             cols = [(h, c) for h, c in cols if c != "module"]   # no module scope
+        if "impact" in calls and (calls["impact"] != "").any():   # fb.impact measured some
+            cols.insert(4, ("impact", "impact"))
         return cols
 
     @staticmethod
@@ -277,7 +297,8 @@ class Findings:
                          f"max_rel={_fmt('max_rel', row['max_rel'])} "
                          f"threshold={_fmt('threshold', row['threshold'])} "
                          f"{_fmt('dtype', row['dtype'])} {row['shape']} "
-                         f"{self._cell('call_site', row['call_site'])}")
+                         f"{self._cell('call_site', row['call_site'])}"
+                         + (f" [impact: {row['impact']}]" if row.get("impact") else ""))
         if len(calls) > self.top:
             lines.append("  " + self._more(calls))
         return "\n".join(lines)

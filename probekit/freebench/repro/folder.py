@@ -174,8 +174,8 @@ def _spec(js):
 
 
 def _template(meta) -> list:
-    env = {"torch": torch, "math": math}
-    return [None if t is None else eval(t, env) for t in meta["leaves"]]  # noqa: S307
+    """The call's non-tensor arguments, parsed from their texts (never evaluated)."""
+    return [None if t is None else repro_record.parse_literal(t) for t in meta["leaves"]]
 
 
 class _Case:
@@ -194,7 +194,10 @@ class _Case:
             self.func = self._on_copies(self.func)   # as the script differentiates it
         self.spec = _spec(meta["spec"])
         self.template = _template(meta)
-        self.call = repro_script.compile_call(meta)
+        # the script's ``call`` as a function: the API on the parsed arguments (what the
+        # script's source says, built without executing any text)
+        self.call = repro_record.make_call(api, self.spec, self.template,
+                                           meta["case"]["tensor_pos"])
         self.case = dict(meta["case"])
         self.entries = {e["index"]: e for e in meta["judged"]}
 
@@ -452,13 +455,20 @@ def _write(rec, out: str, *, row: dict | None, shrink: bool, check: bool) -> Rep
 
 
 def run_here(script_path: str, meta) -> dict:
-    """Run the written script's own ``load`` and ``measure`` in this process (function modes
-    off, the CPU generator set back): what it prints, as numbers."""
+    """Run the written script's own ``load`` and ``measure`` in this process as its ``main``
+    runs them (the recorded run's thread count, ``THREADS``: a CPU reduction's order depends on
+    it; function modes off, the CPU generator and this process's thread count set back): what it
+    prints, as numbers."""
     ns = runpy.run_path(script_path, run_name="probekit_repro")
     device = meta["case"]["device"]
-    with modes_off(), _rng_kept(torch.get_rng_state()):
-        fresh, g, S, expected, rng = ns["load"](device)
-        return ns["measure"](ns["call"], fresh, meta["case"], S, g, rng, expected)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(ns["THREADS"]))
+    try:
+        with modes_off(), _rng_kept(torch.get_rng_state()):
+            fresh, g, S, expected, rng = ns["load"](device)
+            return ns["measure"](ns["call"], fresh, meta["case"], S, g, rng, expected)
+    finally:
+        torch.set_num_threads(threads)
 
 
 #: runs a script in a fresh Python with probekit made unimportable (an editable install puts it

@@ -33,11 +33,13 @@ only (a few KB each).
 """
 from __future__ import annotations
 
+import ast
 import io
 import json
 import math
 import os
 import platform
+import re
 
 import torch
 
@@ -145,10 +147,103 @@ def literal(v) -> str:
         raise ReproError(f"an argument of type {type(v).__name__} ({v!r:.60}) cannot be written "
                          "into a script; accepted: tensors, numbers, strings, None, dtypes, "
                          "devices, sizes, slices, and lists/tuples/dicts of them")
-    back = eval(text, {"torch": torch, "math": math})  # noqa: S307 (our own literal)
+    back = parse_literal(text)
     if not (back == v or (isinstance(v, float) and math.isnan(v) and math.isnan(back))):
         raise ReproError(f"the argument {v!r:.60} does not survive being written as {text!r}")
     return text
+
+
+#: what ``literal`` writes besides Python's own literals: names of ``torch`` and ``math``
+_NAMES = {"math.nan": math.nan, "math.inf": math.inf}
+_CALLS = {"slice": slice, "range": range}
+
+
+def parse_literal(text: str):
+    """The value of a text ``literal`` wrote, parsed, never evaluated (a record is data: a dump
+    folder comes from elsewhere). Accepted: numbers (a sign, ``math.nan``/``math.inf``, a
+    complex ``(a+bj)``), strings, booleans, None, ``...``, ``torch.<dtype>`` (and memory
+    formats, layouts), ``torch.device('...')``, ``torch.Size([ints])``, ``slice(...)`` and
+    ``range(...)`` of integers or None; anything else raises ``ReproError`` naming it."""
+    import ast
+
+    if not isinstance(text, str) or len(text) > 4096:
+        raise ReproError(f"{text!r:.80} is not a literal a repro record holds (a string of at "
+                         "most 4096 characters)")
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        raise ReproError(f"{text!r:.80} is not a literal a repro record holds") from None
+
+    def bad():
+        return ReproError(f"{text!r:.80} is not a literal a repro record holds; accepted: "
+                          "numbers, strings, booleans, None, torch dtypes, torch.device('...'), "
+                          "torch.Size([...]), slice(...), range(...)")
+
+    def number(n):
+        if isinstance(n, ast.Constant) and type(n.value) in (int, float, complex):
+            return n.value
+        if isinstance(n, ast.Attribute) and _dotted(n) in _NAMES:
+            return _NAMES[_dotted(n)]
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd)):
+            v = number(n.operand)
+            return -v if isinstance(n.op, ast.USub) else +v
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub)):
+            a, b = number(n.left), number(n.right)   # a complex: (a+bj)
+            if not (isinstance(b, complex) and not isinstance(a, complex)):
+                raise bad()
+            return a + b if isinstance(n.op, ast.Add) else a - b
+        raise bad()
+
+    def small(n):   # an argument of slice / range: an integer or None
+        if isinstance(n, ast.Constant) and n.value is None:
+            return None
+        v = number(n)
+        if type(v) is not int:
+            raise bad()
+        return v
+
+    if isinstance(node, ast.Constant):
+        if node.value is Ellipsis or type(node.value) in (str, bool, int, float,
+                                                          complex, type(None)):
+            return node.value
+        raise bad()
+    if isinstance(node, ast.Name) and node.id == "Ellipsis":
+        return Ellipsis
+    if isinstance(node, ast.Attribute):
+        name = _dotted(node)
+        if name in _NAMES:
+            return _NAMES[name]
+        if name and name.count(".") == 1 and name.startswith("torch."):
+            value = getattr(torch, name[6:], None)
+            if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
+                return value
+        raise bad()
+    if isinstance(node, ast.Call) and not node.keywords:
+        name = _dotted(node.func)
+        args = node.args
+        if name == "torch.device" and len(args) == 1 and isinstance(args[0], ast.Constant) \
+                and isinstance(args[0].value, str):
+            return torch.device(args[0].value)
+        if name == "torch.Size" and len(args) == 1 and isinstance(args[0], ast.List):
+            dims = [small(a) for a in args[0].elts]
+            if any(d is None for d in dims):
+                raise bad()
+            return torch.Size(dims)
+        if name in _CALLS and 1 <= len(args) <= 3:
+            return _CALLS[name](*[small(a) for a in args])
+        raise bad()
+    return number(node)
+
+
+def _dotted(node) -> str | None:
+    """``a.b.c`` of a chain of names, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
 
 
 def spec_json(spec):
@@ -480,6 +575,142 @@ def _clones(leaves: list) -> list:
     return out
 
 
+# -- a record read from disk is data: every field checked before it is used -----------------------
+_API = re.compile(r"[A-Za-z0-9_.]{1,200}")
+_EXPR = re.compile(r"torch(\.[A-Za-z_][A-Za-z0-9_]*){1,4}")
+_TENSOR = re.compile(r"x[0-9]{1,6}|g")
+_DEVICE = re.compile(r"[a-z_]{1,16}(:[0-9]{1,4})?")
+
+
+def validate(meta) -> dict:
+    """``meta`` of a record read from disk, checked field by field: what a script's call is made
+    of (the torch expression, the argument texts, the keyword names) must be exactly what
+    ``capture`` writes, so a crafted record cannot put code into the script or into probekit
+    (``ReproError`` naming the field and the value). The argument texts are parsed
+    (``parse_literal``) and written again by ``literal``: the script holds probekit's text of
+    the value, never the record's."""
+    def fail(field, value, accepted):
+        raise ReproError(f"repro record: {field} {value!r:.80} is not valid; accepted: "
+                         f"{accepted}")
+
+    def ints(field, value, low=0):
+        if not isinstance(value, list) or not all(type(v) is int and v >= low for v in value):
+            fail(field, value, f"a list of integers >= {low}")
+        return value
+
+    def dtype(field, value, none=False):
+        if none and value is None:
+            return value
+        if not (isinstance(value, str) and isinstance(getattr(torch, value, None),
+                                                      torch.dtype)):
+            fail(field, value, "a torch dtype's name (float32, bfloat16, ...)")
+        return value
+
+    if not isinstance(meta, dict):
+        fail("meta", meta, "a JSON object")
+    for field in ("api_name", "key", "api"):
+        if not (isinstance(meta.get(field), str) and _API.fullmatch(meta[field])):
+            fail(field, meta.get(field), "letters, digits, '_' and '.'")
+    expr = meta.get("expr")
+    if not (isinstance(expr, str) and _EXPR.fullmatch(expr) and _resolve(expr) is not None
+            and callable(_resolve(expr))):
+        fail("expr", expr, "a callable torch API's dotted name (torch.nn.functional.relu)")
+    if not isinstance(meta.get("method"), bool):
+        fail("method", meta.get("method"), "true or false")
+    if meta.get("stage") not in ("forward", "backward"):
+        fail("stage", meta.get("stage"), "'forward', 'backward'")
+    for field in ("step", "rank"):
+        if type(meta.get(field)) is not int:
+            fail(field, meta.get(field), "an integer")
+    from ..perturb.modes import MODES
+
+    if meta.get("pert_mode") not in MODES:
+        fail("pert_mode", meta.get("pert_mode"), ", ".join(MODES))
+    leaves = meta.get("leaves")
+    if not isinstance(leaves, list):
+        fail("leaves", leaves, "a list")
+    meta["leaves"] = [None if t is None else literal(parse_literal(t)) for t in leaves]
+    _check_spec(meta.get("spec"), len(leaves), fail)
+    case = meta.get("case")
+    if not isinstance(case, dict) or case.get("stage") != meta["stage"]:
+        fail("case", case, "an object whose stage is the record's")
+    if not (isinstance(case.get("device"), str) and _DEVICE.fullmatch(case["device"])):
+        fail("case.device", case.get("device"), "a device type (cpu, cuda, cuda:1, ...)")
+    dtype("case.autocast", case.get("autocast"), none=True)
+    pos = ints("case.tensor_pos", case.get("tensor_pos"))
+    if any(p >= len(leaves) or leaves[p] is not None for p in pos):
+        fail("case.tensor_pos", pos, "positions of the leaves that are tensors")
+    ints("case.judged", case.get("judged"))
+    ints("case.diff", case.get("diff", []))
+    if type(case.get("out_index", 0)) is not int:
+        fail("case.out_index", case.get("out_index"), "an integer")
+    tensors = meta.get("tensors")
+    if not isinstance(tensors, dict):
+        fail("tensors", tensors, "an object")
+    for n, spec in tensors.items():
+        if not (_TENSOR.fullmatch(n) and isinstance(spec, dict)
+                and spec.get("stored") in ("saved", "generated")):
+            fail("tensors", n, "x<position> or g, each saved or generated")
+        ints(f"tensors.{n}.shape", spec.get("shape"))
+        ints(f"tensors.{n}.stride", spec.get("stride"))
+        dtype(f"tensors.{n}.dtype", spec.get("dtype"))
+    aliases = meta.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(
+            isinstance(a, str) and _TENSOR.fullmatch(a) and n in tensors
+            for a, n in aliases.items()):
+        fail("aliases", aliases, "{x<position>: a tensor's name}")
+    names_ = meta.get("names", {})
+    if not isinstance(names_, dict) or not all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, str) and v.isidentifier()
+            for k, v in names_.items()):
+        fail("names", names_, "{position: an argument's name}")
+    judged = meta.get("judged")
+    if not isinstance(judged, list) or not all(isinstance(e, dict) for e in judged):
+        fail("judged", judged, "a list of objects")
+    for e in judged:
+        if type(e.get("index")) is not int or type(e.get("k")) is not int:
+            fail("judged", e, "entries with an integer index and k")
+        dtype("judged.dtype", e.get("dtype"))
+        dtype("judged.judged_dtype", e.get("judged_dtype"))
+    if not isinstance(meta.get("env", {}), dict):
+        fail("env", meta.get("env"), "an object")
+    ints("expected", meta.get("expected", []))
+    return meta
+
+
+def _check_spec(spec, n_leaves: int, fail) -> None:
+    """``spec_json``'s form: "flat", or [positional node, keyword node] of nested
+    ``[tuple|list|dict, items]`` nodes (dict keys strings; the call's keywords identifiers)
+    whose leaves number ``n_leaves``."""
+    def walk(node, depth=0) -> int:
+        if node is None:
+            return 1
+        if depth > 32 or not (isinstance(node, list) and len(node) == 2
+                              and node[0] in ("tuple", "list", "dict")
+                              and isinstance(node[1], list)):
+            fail("spec", node, "[tuple|list|dict, items]")
+        if node[0] == "dict":
+            if not all(isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], str)
+                       for kv in node[1]):
+                fail("spec", node, "dict items [string key, node]")
+            return sum(walk(v, depth + 1) for _, v in node[1])
+        return sum(walk(v, depth + 1) for v in node[1])
+
+    if spec == "flat":
+        return
+    if not (isinstance(spec, list) and len(spec) == 2):
+        fail("spec", spec, "'flat' or [positional node, keyword node]")
+    args, kwargs = spec
+    if not (isinstance(args, list) and args and args[0] == "tuple" and isinstance(kwargs, list)
+            and kwargs and kwargs[0] == "dict"):
+        fail("spec", spec, "[[tuple, ...], [dict, ...]]")
+    if not all(isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], str)
+               and kv[0].isidentifier() for kv in kwargs[1]):
+        fail("spec keywords", kwargs[1], "argument names (identifiers)")
+    if walk(args) + walk(kwargs) != n_leaves:
+        fail("spec", spec, f"a structure of the record's {n_leaves} leaves")
+
+
 # -- on disk ------------------------------------------------------------------------------------------
 def save(path: str, rec: Captured) -> int:
     """Write the record atomically; its size in bytes."""
@@ -506,7 +737,15 @@ def load(path: str) -> Captured:
     if obj.get("version") != VERSION:
         raise ReproError(f"{path}: repro record version {obj.get('version')!r} is not valid; "
                          f"accepted: {VERSION}")
-    return Captured(json.loads(obj["meta"]), dict(obj["tensors"]))
+    if not isinstance(obj.get("meta"), str) or not isinstance(obj.get("tensors"), dict) or \
+            not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                    for k, t in obj["tensors"].items()):
+        raise ReproError(f"{path}: not a repro record (meta text and named tensors expected)")
+    try:
+        meta = json.loads(obj["meta"])
+    except ValueError as exc:
+        raise ReproError(f"{path}: unreadable repro record meta ({exc})") from None
+    return Captured(validate(meta), dict(obj["tensors"]))
 
 
 # -- the session's hook ---------------------------------------------------------------------------

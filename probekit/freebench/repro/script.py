@@ -72,15 +72,6 @@ def call_source(meta) -> str:
             f"    return {call_expression(meta)}\n")
 
 
-def compile_call(meta):
-    """The script's ``call`` as a function (its own source, executed)."""
-    import torch
-
-    ns = {"torch": torch, "math": math}
-    exec(compile(call_source(meta), f"<repro call {meta['api_name']}>", "exec"), ns)  # noqa: S102
-    return ns["call"]
-
-
 # -- words --------------------------------------------------------------------------------------------
 def pow2(u: float) -> str:
     e = math.log2(u) if u > 0 else 0
@@ -312,6 +303,14 @@ def _py(value) -> str:
     return pprint.pformat(value, width=96, sort_dicts=False)
 
 
+def field(row: dict, key: str) -> str:
+    """A text column of the finding's row, "" when missing (a CSV's empty cell reads as NaN)."""
+    value = row.get(key)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(value)
+
+
 def title(meta) -> str:
     causes = sorted({e["cause"] for e in meta["judged"]})
     return f"{meta['api_name']}: {', '.join(label(meta, e['index']) for e in meta['judged'])} " \
@@ -331,9 +330,9 @@ def script(meta, row: dict, notes: list, results: dict | None = None) -> str:
     case = meta["case"]
     head = [title(meta), "",
             f"Found by probekit's free benchmark ({meta['pert_mode']}, {meta['stage']} stage)"
-            + (f" at {row['call_site']}" if row.get("call_site") else "")
+            + (f" at {field(row, 'call_site')}" if field(row, "call_site") else "")
             + f", step {meta['step']}, rank {meta['rank']}"
-            + (f", module {row['module']}" if row.get("module") else "") + ".",
+            + (f", module {field(row, 'module')}" if field(row, "module") else "") + ".",
             "", "Environment where it was found"]
     head += ["  " + s for s in environment_lines(meta["env"], case["autocast"])]
     head += ["", "The call"]
@@ -385,7 +384,7 @@ def report(meta, row: dict, notes: list, results: dict, command: str) -> str:
     out = [f"# {title(meta)}", "",
            f"`{call_expression(meta)}` ({meta['stage']} stage) {what}. Found by probekit's free "
            f"benchmark ({meta['pert_mode']}; step {meta['step']}, rank {meta['rank']}"
-           + (f", {row['call_site']}" if row.get("call_site") else "") + ").", "",
+           + (f", {field(row, 'call_site')}" if field(row, "call_site") else "") + ").", "",
            "## Environment", ""]
     out += [f"- {s}" for s in environment_lines(meta["env"], case["autocast"])]
     out += ["", "## Minimal script", "", f"`{command}` (needs only torch; exits 1 while the "

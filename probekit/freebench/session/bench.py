@@ -29,6 +29,7 @@ from .compiled import CompileGuard, CompiledModelError, is_compiled_module
 from ..engine.intercept import Engine, make_mode
 from .modules import ModuleScope
 from ..repro.record import Recorder
+from ..report.runs import DumpRun
 from ..report.view import Findings, Summary, summary_line
 
 log = get_logger("probekit.freebench")
@@ -72,6 +73,9 @@ class FreeBench:
         self._step_start = coverage.counters(self._engine)
         self._block_start = None
         self._started = False  # start() was called (step() before it is warned about)
+        self._run = None  # this session's run in its dump folder (report/runs.py), from start()
+        #: ``impact`` results by api_name (the findings view's ``impact`` column)
+        self.impacts: dict = {}
         # verdicts still pending when the process exits (a run that never called stop()) are
         # read back and written then; a weak reference: the hook does not keep this alive
         self._exit_hook = functools.partial(_gather_at_exit, weakref.ref(self))
@@ -118,6 +122,10 @@ class FreeBench:
                       list(self.config.rank))
             return
         self._engine.rank = get_rank()
+        if self._run is None:  # the dump folder: append (a restart), replace, or refuse
+            self._run = DumpRun.begin(self.config, get_rank())
+        else:
+            self._run.mark(False)  # running again
         if self._engine.budget is not None:
             self._engine.budget.started()
         self._sink.open()
@@ -150,7 +158,12 @@ class FreeBench:
     def stop(self) -> None:
         """Stop intercepting; pending backward checks are dropped (counted ``no_gradient``),
         global hooks removed, the verdicts read back and every flag settled: a finding, a hot
-        spot, or (an accelerator's verdict whose inputs are gone) ``unexplained``."""
+        spot, or (an accelerator's verdict whose inputs are gone) ``unexplained``. The run
+        ended cleanly: its dump folder says so (the next run, unless a restart, replaces its
+        findings; ``report/runs.py``)."""
+        self._stop(clean=True)
+
+    def _stop(self, clean: bool) -> None:
         mode, self._mode = self._mode, None
         if mode is None:
             return
@@ -177,6 +190,15 @@ class FreeBench:
             self._report(coverage.block_findings(self.config, self._block_start,
                                                  coverage.counters(self._engine), watched))
             self._block_start = None
+        self._end_run(clean)
+
+    def _end_run(self, clean: bool) -> None:
+        if self._run is not None:
+            try:
+                self._run.stopped(self._sink, self._engine.repro_capture.written.values(), clean)
+            except OSError as exc:
+                log.warning("Free benchmark: could not update %s: %s", self.config.dump_path,
+                            exc)
 
     def _report(self, findings) -> None:
         """Log each coverage finding once per session (kind: rank, step, scope, backward...)."""
@@ -235,12 +257,14 @@ class FreeBench:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self._stop(clean=exc[0] is None)  # left by an exception: the run did not end cleanly
 
     # -- results ---------------------------------------------------------------------------------
     def _emit(self, rows: list[dict]) -> None:
         self._rows.extend(rows)
         try:
+            if self._run is not None:  # a replaced run's rows go before this run's first
+                self._run.settle(self._sink, self._engine.repro_capture.written.values())
             self._sink.write(rows)
         except OSError as exc:
             log.warning("Free benchmark: could not append to %s: %s", self._sink.path, exc)
@@ -276,12 +300,32 @@ class FreeBench:
         return repro.for_row(self.config.dump_path, row, out, results=self.results,
                              shrink=shrink, check=check)
 
+    def impact(self, row, model, step_fn, **options):
+        """Does this finding matter for the training? Re-run the steps of ``step_fn`` (forward
+        and backward of ``model``; ``optimizer=`` when it steps one) with the finding's call
+        fixed (computed wider and cast back, as ``handler_type="fix"`` does) and judge the
+        change in the gradients against a control's rounding noise, in the grad comparison's
+        words: "fixing `layer_norm` backward moves the gradients within what bf16 rounding
+        explains". ``row``: a row of ``results``, its position, or its ``api_name``; options:
+        ``steps``, ``optimizer``, ``control``, ``seeds``, ``every_call``, ``dump_path``,
+        ``verbose`` (``probekit.impact``). Returns the ``Impact`` (``kind``, ``verdict``,
+        ``text``), also kept in ``impacts`` for the findings view's ``impact`` column. The
+        model, grads, optimizer and random generators are left as they were."""
+        from ...impacting import impact as _impact
+        from ..repro.folder import select
+
+        self._gather()
+        finding = select(self.results, row)
+        done = _impact(model, step_fn, finding, **options)
+        self.impacts[finding["api_name"]] = done
+        return done
+
     @property
     def hotspots(self):
         """What the dtype predicts, kept apart from the findings (never in ``results`` or the
         CSV): one row per call site and output whose check moved by more than a correct kernel's
         rounding explains without being a finding -- a sensitivity mode's output that moved by
-        more than ``16 u`` of its scale but kept most of its bits, or an accuracy mode's error that
+        more than twice a correct kernel's rounding bound but kept most of its bits, or an accuracy mode's error that
         the inputs' own conditioning explains (``cause``), or, on an accelerator, one waiting
         for its call site's analysis (cause ``pending`` inside a block, ``unexplained`` after
         ``stop()``: ``judging.py``). The worst check is shown, ``count`` says how many there
@@ -347,6 +391,10 @@ def _gather_at_exit(ref) -> None:
     try:
         fb._gather()
         fb._engine.settle()
+        if fb.active:  # never stopped: it ended with the process, cleanly unless on an error
+            import sys
+
+            fb._end_run(clean=getattr(sys, "last_value", None) is None)
     except Exception:
         pass
 

@@ -195,11 +195,17 @@ def _nan_high(v) -> float:
 
 @xr.register_dataset_accessor("probekit")
 class ProbekitAccessor:
-    """``cmp.probekit.suspects(model=None, top=None, order=None)`` on a ``compare_grads``
-    result."""
+    """``cmp.probekit.suspects(model=None, top=None, order=None)`` and ``cmp.probekit.verdict``
+    (the ``verdict.Verdict``: kind, step, parameter, reason) on a ``compare_grads`` result."""
 
     def __init__(self, ds) -> None:
         self._ds = ds
 
     def suspects(self, model=None, top: int | None = None, order=None):
         return suspects(self._ds, model=model, top=top, order=order)
+
+    @property
+    def verdict(self):
+        from .verdict import verdict_of
+
+        return verdict_of(self._ds)

@@ -23,6 +23,7 @@ The result also says it in words (``verdict_text``), and renders them first
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -541,3 +542,72 @@ class GradComparison(xr.Dataset):
         lines = "<br>".join(html.escape(x) for x in head.splitlines())
         return (f"<p class='probekit-verdict' style='color:{color}'><b>probekit grads</b>: "
                 f"{lines}</p>{body}")
+
+
+# -- the verdict as data ----------------------------------------------------------------------------
+#: ``Verdict.reason``: why the first flag is a flag
+REASONS = {"sign": "significant signs flip more often than the control allows",
+           "scale": "a gradient's norm or max - min moved further than the control allows",
+           "nonfinite": "a gradient is NaN/Inf where the reference's and the control's are finite",
+           "total": "the step's total similarity, no single parameter",
+           "threshold": "the fixed threshold (uncalibrated: no control run)",
+           "": "nothing flagged"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A comparison's verdict as data (``cmp.probekit.verdict``, ``verdict_of``, and the same
+    object as ``TriageReport.verdict``): ``kind`` "beyond" (the test departs from the reference
+    further than rounding at the control's precision explains), "within", or "uncalibrated" (no
+    control run: the fixed threshold); ``step`` and ``parameter`` of the first flag (None when
+    nothing is flagged; ``parameter`` None when only a step's total is); ``reason`` a key of
+    ``REASONS`` ("sign", "scale", "nonfinite", "total", "threshold", ""); ``rank`` whose first
+    flag it is; ``similarity`` the judged similarity there (the lowest over the run when nothing
+    is flagged), ``control_similarity`` and ``band`` (what noise allows; NaN uncalibrated);
+    ``control`` the control's precision ("bf16", ...); ``text`` the verdict in words, one line
+    per rank (``str(verdict)``)."""
+
+    kind: str
+    step: int | None
+    parameter: str | None
+    reason: str
+    rank: int | None = None
+    similarity: float = math.nan
+    control_similarity: float = math.nan
+    band: float = math.nan
+    control: str = ""
+    text: str = ""
+
+    @property
+    def beyond(self) -> bool:
+        return self.kind == "beyond"
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def verdict_of(cmp, rank: int | None = None) -> Verdict:
+    """The ``Verdict`` of a comparison: of rank ``rank``, or of the first rank with a flag (the
+    first rank when none has one); ``text`` holds every rank's line unless ``rank`` is given."""
+    ranks = [int(r) for r in cmp["rank"].values] if "rank" in cmp.dims else [None]
+    if rank is not None and rank not in ranks:
+        from ...errors import GradCompareError
+
+        raise GradCompareError(f"rank: {rank!r} is not valid; accepted: {ranks}")
+    sub = (lambda r: cmp.sel(rank=r) if r is not None else cmp)
+    if rank is None:
+        rank = next((r for r in ranks if int(sub(r)["first_step"]) >= 0), ranks[0]) \
+            if "first_step" in cmp else ranks[0]
+        text = verdict_text(cmp)
+    else:
+        text = verdict_line(sub(rank))
+    v = rank_verdict(sub(rank))
+    calibrated = bool(cmp.attrs.get("calibrated"))
+    flagged = v["step"] >= 0
+    reason = (v["why"] if calibrated else ("total" if not v["param"] else "threshold")) \
+        if flagged else ""
+    return Verdict(kind=v["kind"], step=v["step"] if flagged else None,
+                   parameter=(v["param"] or None) if flagged else None, reason=reason,
+                   rank=rank, similarity=v["similarity"],
+                   control_similarity=v["control_similarity"], band=v["band"],
+                   control=v["control"], text=text)

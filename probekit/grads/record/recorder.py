@@ -21,7 +21,8 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from ...config import ConfigError, config_for, grad_probe_options
-from ...dist import get_rank, rank_selected
+from ...dist import agree, get_rank, rank_selected, restart_count
+from ...errors import GradStoreError
 from ...log import Once, ensure_handler, get_logger
 from ..numerics import stats as _stats
 from ..store.names import canonical_names, check_rename, renamed
@@ -421,7 +422,11 @@ class GradProbe:
 
     def stop(self) -> None:
         """Remove the hooks and write every buffered step; log the one-line ``summary`` (when
-        this rank records)."""
+        this rank records). The run ended cleanly: the next run into the store, unless a
+        restart, replaces it (``restarts.plan_run``)."""
+        self._stop(clean=True)
+
+    def _stop(self, clean: bool) -> None:
         handles, self._handles = self._handles, []
         try:
             for h in handles:
@@ -429,7 +434,7 @@ class GradProbe:
         finally:
             try:
                 if self._writer is not None:
-                    self._writer.close()
+                    self._writer.close(clean=clean)
             finally:
                 if self._scratch is not None:
                     self._scratch.close()  # the pool's threads end with the probe
@@ -469,7 +474,7 @@ class GradProbe:
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self._stop(clean=exc[0] is None)  # a `with` block left by an exception: a crashed run
 
     # -- the hooks -------------------------------------------------------------------------
     def _owns(self, optimizer) -> bool:
@@ -750,15 +755,17 @@ class GradProbe:
         its decision from torch.distributed's store (one key, no collective)."""
         section = self.config.grad_probe
         inferred = _optimizer_step(optimizer) if section.start_step is None else None
+        why_restart = _restart_reason(section, optimizer, inferred)
 
         def decide(scope):
             return plan_run(self.dump_path, start=section.start_step, inferred=inferred,
                             why=f"the step count of {type(optimizer).__name__}'s state",
                             overwrite=section.overwrite, scope=scope, rank=get_rank(),
                             storage_options=self.storage_options or None,
-                            sample=int(section.sample) if self._sample is not None else 0)
+                            sample=int(section.sample) if self._sample is not None else 0,
+                            restart=bool(why_restart), why_restart=why_restart)
 
-        run = _agree(self._writer.url.rsplit("/rank", 1)[0], decide)
+        run = agree("grads", self._writer.store_url, decide, GradStoreError)
         self._run = run
         start = int(run["start"])
         self.steps_seen = start
@@ -766,12 +773,20 @@ class GradProbe:
             self._updates = start
         self._writer.begin(run)
         held = run.get("held")
-        if held:
+        if run.get("replaced"):
+            log.info("grad_probe: %s held steps %d..%d of a run that ended cleanly; this run "
+                     "is not a restart, so it replaces them (resume=True continues a store)",
+                     self.dump_path, *run["replaced"])
+        elif held and run.get("from") is None:
+            log.info("grad_probe: %s held steps %d..%d; overwrite=True: this run replaces them",
+                     self.dump_path, *held)
+        elif held:
             gone = "" if start > held[1] else (
                 f"; steps {max(start, held[0])}..{held[1]} recorded before are superseded "
                 "by this run's")
-            log.info("grad_probe: %s holds steps %d..%d; this run records from step %d (%s)%s",
-                     self.dump_path, held[0], held[1], start, run.get("how"), gone)
+            log.info("grad_probe: %s holds steps %d..%d; this run (a restart: %s) records from "
+                     "step %d (%s)%s", self.dump_path, held[0], held[1], run.get("restart"),
+                     start, run.get("how"), gone)
 
     def _statistics(self, part, bounds=None):
         """``stats.compute`` of this rank's gradients ``part``: the shards' significance scale
@@ -940,6 +955,23 @@ def _count_calls(obj, name, callback) -> _CallCounter:
     return _CallCounter(obj, name, callback)
 
 
+def _restart_reason(section, optimizer, inferred) -> str:
+    """Why this run is a restart of a recording ("" when it is not): ``resume=True``,
+    ``start_step``, torchelastic's restart count, or an optimizer whose state was restored from
+    a checkpoint (a step count above 0, or state of an optimizer that keeps no count)."""
+    if section.resume:
+        return "resume=True"
+    if section.start_step is not None:
+        return "start_step"
+    if restart_count() > 0:
+        return f"an elastic restart (TORCHELASTIC_RESTART_COUNT={restart_count()})"
+    if inferred:
+        return f"{type(optimizer).__name__}'s state is at step {inferred} (resumed)"
+    if inferred is None and any(getattr(optimizer, "state", {}).values()):
+        return f"{type(optimizer).__name__} has state before its first step (resumed)"
+    return ""
+
+
 def _optimizer_step(optimizer):
     """The number of steps ``optimizer`` took, from the ``step`` its state keeps per parameter
     (Adam, AdamW, RMSprop, Adagrad...; restored with a checkpoint's optimizer state): the index
@@ -976,53 +1008,3 @@ def _world_size():
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return None
-
-
-_RUNS_STARTED: dict = {}  # store -> runs this process began into it (the agreement's key)
-
-
-def _agree(store_url: str, decide) -> dict:
-    """``decide(scope)`` once for the job: under torch.distributed the first rank to claim the
-    key decides and publishes its decision in the process group's store, the others wait for
-    it (a key-value exchange, no collective); otherwise this process decides alone (scope
-    "job" when it is the whole job, "rank" when other processes record beside it)."""
-    import hashlib
-    import json
-    import os
-
-    import torch.distributed as dist
-
-    from ...errors import GradStoreError
-
-    n = _RUNS_STARTED[store_url] = _RUNS_STARTED.get(store_url, 0) + 1
-    kv = None
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        try:
-            kv = dist.distributed_c10d._get_default_store()
-        except Exception:  # pragma: no cover - another torch: each rank decides alone
-            kv = None
-    if kv is None:
-        alone = int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1
-        return decide("job" if alone else "rank")
-    key = "probekit/grads/{}/{}/{}".format(
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-        hashlib.sha1(store_url.encode()).hexdigest()[:16], n)
-    me = f"{os.getpid()}-{get_rank()}"
-    claimed = kv.compare_set(key + "/claim", "", me)
-    if (claimed.decode() if isinstance(claimed, bytes) else claimed) == me:
-        try:
-            run = decide("job")
-        except GradStoreError as exc:
-            run = {"error": str(exc)}
-        except Exception as exc:  # the others must not wait for a decision that never comes
-            run = {"error": f"grad_probe: reading the store failed: {type(exc).__name__}: {exc}"}
-        kv.set(key + "/run", json.dumps(run))
-    else:
-        import datetime
-
-        kv.wait([key + "/run"], datetime.timedelta(seconds=600))
-        raw = kv.get(key + "/run")
-        run = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-    if "error" in run:
-        raise GradStoreError(run["error"])
-    return run

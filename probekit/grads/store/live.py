@@ -9,7 +9,8 @@ thread faster than the disk is slowed down rather than memory growing. The threa
 last writer and starts again with the next.
 
 Every writer is also written out at exit (``atexit``: normal end, uncaught exception,
-``sys.exit``, Ctrl-C, a probe never stopped), on SIGTERM (the handler waits for the writing,
+``sys.exit``, Ctrl-C, a probe never stopped; its run is marked as ended cleanly unless an
+uncaught exception ends the process), on SIGTERM (the handler waits for the writing,
 then the process dies of SIGTERM as it would have; installed only where SIGTERM had its default
 action), and before a reader in this process opens the store (``flush_live``). Those wait for
 the thread; where it cannot run (a forked child, a thread that died) the caller writes itself.
@@ -45,7 +46,7 @@ class LiveWriters:
         self.thread = None
         self.sigterm_installed = False
         self.pending_sigterm = False
-        atexit.register(self.flush_all)
+        atexit.register(self.exit_all)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
 
@@ -188,6 +189,20 @@ class LiveWriters:
                 except Exception as exc:  # never raise at exit; say what was lost
                     log.warning("grad_probe: writing the buffered steps of %s failed: %s",
                                 writer.path, exc)
+
+    def exit_all(self) -> None:
+        """At exit: every open writer written, and its run marked as ended cleanly unless the
+        process ends on an uncaught exception (``sys.last_value``, set before ``atexit`` runs;
+        a SIGTERM or a kill never gets here: those runs stay not closed, as crashes)."""
+        import sys
+
+        clean = getattr(sys, "last_value", None) is None
+        for writer in list(self.writers.values()):
+            try:
+                writer.finish(clean)
+            except Exception as exc:  # never raise at exit; say what was lost
+                log.warning("grad_probe: writing the buffered steps of %s failed: %s",
+                            writer.path, exc)
 
     def _install_sigterm(self) -> None:
         if self.sigterm_installed or threading.current_thread() is not threading.main_thread():

@@ -59,6 +59,10 @@ from .storage import LOCAL, location
 STORE_NAME = "grads.zarr"
 COMMIT = "commit.json"
 LAYOUT_PREFIX = "layout-"
+#: where a store a new run replaces waits (``move_aside``) until that run commits its first step
+ASIDE = STORE_NAME + ".replaced"
+#: written into a store before it is moved aside: a store aside without it is not one
+REPLACED = "replaced.json"
 
 
 @dataclass(frozen=True)
@@ -86,16 +90,101 @@ class Segment:
         return sorted(self.groups)
 
 
+def is_store(path: str, fs=LOCAL) -> bool:
+    return fs.isfile(fs.join(path, "zarr.json")) and any(
+        d.startswith(("rank", LAYOUT_PREFIX)) for d in fs.listdir(path))
+
+
 def find_store(path: str, fs=LOCAL) -> str:
-    """The ``grads.zarr`` folder for ``path`` (a dump_path or the store itself)."""
+    """The ``grads.zarr`` folder for ``path`` (a dump_path or the store itself). While a new
+    run replaces the store and has not committed a step, the store it replaces, moved aside
+    (``grads.zarr.replaced``), is the one read: a replacement is seen whole or not at all."""
     path = os.fspath(path)
     fs.refresh()
     for candidate in (path, fs.join(path, STORE_NAME)):
-        if fs.isfile(fs.join(candidate, "zarr.json")) and any(
-                d.startswith(("rank", LAYOUT_PREFIX)) for d in fs.listdir(candidate)):
+        if is_store(candidate, fs):
+            aside = fs.join(fs.dirname(candidate.rstrip(fs.sep) or candidate), ASIDE)
+            if (candidate.rstrip(fs.sep).endswith(STORE_NAME) and valid_aside(aside, fs)
+                    and not holds_steps(store_state(candidate, fs))):
+                return aside
             return candidate
+    aside = fs.join(path, ASIDE)
+    if valid_aside(aside, fs):  # a replacement stopped between moving the store and a new one
+        return aside
     raise GradStoreError(f"{fs.url(path) if fs.remote else path!r} holds no probekit grad "
                          f"store ({STORE_NAME} with rank groups)")
+
+
+def valid_aside(path: str, fs=LOCAL) -> bool:
+    """A store moved aside whole (its ``REPLACED`` marker is in it)."""
+    return fs.isfile(fs.join(path, REPLACED))
+
+
+def holds_steps(state: dict, rank: int | None = None) -> bool:
+    """Does any rank group of ``store_state`` (of ``rank``) hold a committed step?"""
+    return any(g["commit"] is not None and g["commit"]["steps"] > 0
+               for (_, r), g in state.items() if rank is None or r == rank)
+
+
+def last_run(state: dict, rank: int | None = None):
+    """(the run that began last in the store (of ``rank``'s groups) as its groups list it, did
+    it end cleanly): True when every group it wrote marks it ``closed``, False when one does
+    not (it crashed, was killed, or is still running), None for a store written before runs
+    said so (no ``closed`` at all) or holding no run. (None, None) without runs."""
+    entries = {}
+    for (_, r), g in state.items():
+        if rank is not None and r != rank or g["commit"] is None:
+            continue
+        for run in g["commit"].get("runs") or []:
+            if run.get("run") is not None:
+                entries.setdefault(run["run"], []).append(run)
+    if not entries:
+        return None, None
+    rid = max(entries, key=lambda k: max(_time(e) for e in entries[k]))
+    mine = entries[rid]
+    if all("closed" not in e for e in mine):
+        return mine[0], None
+    return mine[0], all(bool(e.get("closed")) for e in mine)
+
+
+def move_aside(store: str, aside: str, run: dict, fs=LOCAL) -> None:
+    """Move ``store`` aside to ``aside`` (a new run replaces it), so that a stop at any moment
+    leaves one readable store: locally the marker, then one rename; on an object store every
+    object copied, the marker written, then the originals removed commit markers first (a
+    group without one holds no step, so the copy is the one read)."""
+    marker = json.dumps({"replaced_by": run["run"], "time": run["time"]})
+    if fs.exists(aside):
+        fs.rmtree(aside)  # a partial copy of an earlier move (no marker): nothing to keep
+    if not fs.remote:
+        fs.write(fs.join(store, REPLACED), marker)
+        fs.move(store, aside)
+        return
+    fs.copy(store, aside)
+    fs.write(fs.join(aside, REPLACED), marker)
+    for (folder, r), g in store_state(store, fs).items():
+        fs.remove(fs.join(g["path"], COMMIT))
+    fs.rmtree(store)
+
+
+def restore_aside(store: str, aside: str, fs=LOCAL) -> None:
+    """The store moved aside back in place (its replacement never committed a step)."""
+    if fs.exists(store):
+        fs.rmtree(store)
+    if fs.remote:
+        fs.copy(aside, store)
+        fs.remove(fs.join(store, REPLACED))
+        fs.rmtree(aside)
+        return
+    fs.move(aside, store)
+    fs.remove(fs.join(store, REPLACED))
+
+
+def remove_aside(aside: str, fs=LOCAL) -> None:
+    """Delete a store moved aside (its replacement committed): marker first, so a stop midway
+    leaves no store that could be taken for one."""
+    fs.remove(fs.join(aside, REPLACED))
+    if fs.exists(aside):
+        fs.rmtree(aside)
 
 
 def group_ranks(folder: str, fs=LOCAL) -> list[int]:
@@ -264,7 +353,11 @@ def segments(path, storage_options=None, *, fs=None, shards: bool = False) -> li
     if fs is None:
         fs, path = location(path, storage_options)
     store = find_store(path, fs)
-    state = store_state(store, fs)
+    return store_segments(store_state(store, fs), fs, shards=shards)
+
+
+def store_segments(state: dict, fs=LOCAL, *, shards: bool = False) -> list[Segment]:
+    """``segments`` of a store's ``store_state``."""
     runs = {}
     for key, g in state.items():
         c = g["commit"]
@@ -327,63 +420,122 @@ def step_rows(steps: np.ndarray, first: int, last: int) -> tuple[int, int]:
 
 def plan_run(dump_path, *, start=None, inferred=None, why: str = "",
              overwrite: bool = False, scope: str = "job", rank: int | None = None,
-             storage_options=None, sample: int = 0) -> dict:
+             storage_options=None, sample: int = 0, restart: bool = False,
+             why_restart: str = "") -> dict:
     """The record of a new run into ``dump_path``'s store (``GradWriter.begin``): its first
-    step and from which step it supersedes what earlier runs recorded.
+    step and from which step it supersedes what earlier runs recorded; decided once per job.
 
-    The first step: ``start`` (the user's ``start_step``) if given. Else, in a store that holds
-    steps (a job resuming into it), ``inferred`` (the training's own step count, ``why`` says
-    whence: an optimizer's state restored from a checkpoint), else the step after the newest one
-    the store holds (a run that cannot know its step continues the store rather than replacing
-    it). Else 0: a new store numbers steps from the start of the recording, as msprobe does. A
-    run that would supersede every step the store holds (it starts at or before the first one)
-    needs ``overwrite=True``: otherwise ``GradStoreError`` names the choices. ``scope="rank"``:
-    a process recording alone (no job to agree with): only ``rank``'s steps count and are
-    superseded.
+    **A run appends only when it is a restart** (``restart``: the caller's evidence, e.g. an
+    elastic restart, ``resume=True``, an optimizer state restored from a checkpoint; a given
+    ``start`` is one too). Its first step: ``start`` if given, else ``inferred`` (the training's
+    own step count, ``why`` says whence), else the step after the newest one the store holds; a
+    restart that would supersede every step the store holds (it starts at or before the first
+    one) needs ``overwrite=True``. **Any other run into a store that holds steps replaces it**
+    from step 0 when the store's last run ended cleanly (every group it wrote marks it
+    ``closed``), and is refused (``GradStoreError`` naming ``resume=True`` and
+    ``overwrite=True``) when it did not: a crashed run's steps are never lost silently. A new
+    store numbers steps from 0, as msprobe does.
+
+    A replacement (or ``overwrite=True``) of a job (``scope="job"``) moves the store aside
+    (``move_aside``: ``grads.zarr.replaced``), records into a new one, and the deciding rank
+    (``"by"``) deletes the old one once it committed its first step (``"aside"``): readers see
+    the old store until then, and a run that dies before leaves it in place: the store as the
+    readers see it, which the next run puts back before it decides. No rank of the job has written
+    anything there yet (a writer creates its group at ``begin`` when the store holds steps;
+    at once, with no step, into one that holds none). ``scope="rank"``: a process
+    recording alone (no job to agree with): only ``rank``'s steps count and are superseded, in
+    its own groups.
 
     ``sample``: the run's ``grad_probe.sample`` as its groups record it (0: every element). A
-    store holds one sample: a run of another one into a store holding steps is refused
-    (``GradStoreError`` naming both) unless it replaces the recording (``overwrite=True``), since
-    its bits would be of other elements than the earlier steps' (a comparison over the store's
-    steps would mix them), whichever layout folder it records into."""
+    store holds one sample: a restart of another one into a store holding steps is refused
+    (``GradStoreError`` naming both) unless it replaces the recording, since its bits would be
+    of other elements than the earlier steps' (a comparison over the store's steps would mix
+    them), whichever layout folder it records into."""
     import time
     import uuid
 
     fs, root = location(dump_path, storage_options)
-    try:
-        segs = segments(root, fs=fs)
-    except GradStoreError:
-        segs = []  # no store there yet
-    segs = [s for s in segs if s.last_step >= s.first_step]
-    who = rank if scope == "rank" else None
+    main, aside = fs.join(root, STORE_NAME), fs.join(root, ASIDE)
+    url = fs.url(main)
+    job = scope == "job"
+    who = None if job else rank
+    restart = bool(restart) or start is not None
+    run = {"run": uuid.uuid4().hex, "time": time.time_ns() // 1000}
+
+    def read():
+        fs.refresh()
+        state = store_state(main, fs) if is_store(main, fs) else {}
+        live = [g for g in store_segments(state, fs) if g.last_step >= g.first_step] \
+            if state else []
+        return state, live
+
+    state, segs = read()
     first, last = first_live_step(segs, who), last_live_step(segs, who)
+    has_aside = job and valid_aside(aside, fs)
+    if has_aside and holds_steps(state):
+        remove_aside(aside, fs)  # its replacement committed, then stopped before removing it
+        has_aside = False
+    elif has_aside:
+        restore_aside(main, aside, fs)  # its replacement never committed: it is the store
+        has_aside = False
+        state, segs = read()
+        first, last = first_live_step(segs, who), last_live_step(segs, who)
+    replaced = None
     if start is not None:
         begin, how = int(start), "start_step"
     elif last is None or overwrite:
-        begin, how = 0, "a new recording"
-    elif inferred is not None:
-        begin, how = int(inferred), why or "the training's step count"
+        begin, how = 0, "a new recording" + (" (overwrite=True)" if last is not None else "")
+    elif restart:
+        if inferred is not None:
+            begin, how = int(inferred), why or "the training's step count"
+        else:
+            begin, how = int(last) + 1, "the step after the newest one recorded: the " \
+                                        "optimizer keeps no step count; pass start_step= to " \
+                                        "say where the checkpoint resumes"
     else:
-        begin, how = int(last) + 1, "the step after the newest one recorded: the optimizer " \
-                                    "keeps no step count; pass start_step= when resuming"
-    url = fs.url(fs.join(root, STORE_NAME))
-    held = sorted({int((s.attrs.get(r) or {}).get("sample") or 0) for s in segs
-                   for r in s.groups} - {int(sample or 0)})
-    if held and not overwrite:
-        def what(k):
-            return f"grad_probe.sample {k}" if k else "every element's bits (sample 0)"
+        prev, closed = last_run(state, who)
+        if closed is False:
+            began = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_time(prev) / 1e6))
+            raise GradStoreError(
+                f"grad_probe: {url} holds steps {first}..{last}, and its last run (begun "
+                f"{began}) did not end cleanly: it crashed, was killed, or is still running. "
+                "This run is not a restart (no start_step, no resume=True, no elastic restart, "
+                "no optimizer state restored from a checkpoint), so it would replace them. "
+                "Pass resume=True to continue that recording, overwrite=True to replace it, or "
+                "record into another dump_path")
+        begin, how = 0, "a new recording: this run is not a restart and the store's last run " \
+                        "ended cleanly, so it replaces it (resume=True continues a store)"
+        replaced = [int(first), int(last)]
+    replace = overwrite or replaced is not None
+    if not replace:
+        held = sorted({int((g.attrs.get(r) or {}).get("sample") or 0) for g in segs
+                       for r in g.groups} - {int(sample or 0)})
+        if held:
+            def what(k):
+                return f"grad_probe.sample {k}" if k else "every element's bits (sample 0)"
 
-        raise GradStoreError(
-            f"grad_probe: {url} holds steps {first}..{last} recorded with {what(held[0])}, and "
-            f"this run records {what(int(sample or 0))}: one store holds one sample. Record "
-            f"with sample={held[0]} to continue it, pass overwrite=True to replace the "
-            "recording, or record into another dump_path")
-    if not overwrite and first is not None and begin <= first:
-        raise GradStoreError(
-            f"grad_probe: {url} already holds steps {first}..{last}, and this run starts at step "
-            f"{begin} ({how}), so it would replace every one of them. Pass overwrite=True to "
-            "replace the recording, start_step=N to continue it from step N (the step your "
-            "checkpoint resumes at), or record into another dump_path")
-    return {"run": uuid.uuid4().hex, "time": time.time_ns() // 1000, "start": begin,
-            "from": None if overwrite else begin, "scope": scope, "how": how,
-            "held": None if first is None else [int(first), int(last)]}
+            raise GradStoreError(
+                f"grad_probe: {url} holds steps {first}..{last} recorded with {what(held[0])}, "
+                f"and this run records {what(int(sample or 0))}: one store holds one sample. "
+                f"Record with sample={held[0]} to continue it, pass overwrite=True to replace "
+                "the recording, or record into another dump_path")
+        if first is not None and begin <= first:
+            raise GradStoreError(
+                f"grad_probe: {url} already holds steps {first}..{last}, and this run starts at "
+                f"step {begin} ({how}), so it would replace every one of them. Pass "
+                "overwrite=True to replace the recording, start_step=N to continue it from step "
+                "N (the step your checkpoint resumes at), or record into another dump_path")
+    moved = replace and job and holds_steps(state)
+    if moved:
+        move_aside(main, aside, run, fs)
+        has_aside = True
+    # a replacement into a store moved aside records into a new one: nothing there to
+    # supersede, and the store is then what a first run makes, byte for byte; a process
+    # recording alone replaces its own steps in place (``from`` None: all of them)
+    run.update(start=begin, **{"from": None if replace and not job else begin}, scope=scope,
+               how=how,
+               held=None if first is None else [int(first), int(last)], replaced=replaced,
+               restart=why_restart if restart else "")
+    if has_aside:
+        run.update(aside=aside, by=rank)
+    return run

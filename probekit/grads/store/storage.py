@@ -107,6 +107,11 @@ class Local:
         shutil.rmtree(path)
 
     @staticmethod
+    def move(src, dst) -> None:
+        """``src`` (a folder) becomes ``dst``, at once (one rename)."""
+        os.rename(src, dst)
+
+    @staticmethod
     def du(path) -> int:
         """Bytes of the files under ``path`` (a file a writer renames meanwhile counts once)."""
         total = 0
@@ -218,6 +223,10 @@ class Remote:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+
+    def copy(self, src, dst) -> None:
+        """Every object under ``src`` copied under ``dst`` (an object store renames nothing)."""
+        self.fs.copy(src, dst, recursive=True)
 
     def du(self, path) -> int:
         """Bytes of the objects under ``path``."""

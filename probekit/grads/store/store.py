@@ -58,7 +58,7 @@ from .chunks import (
 from .live import LIVE, flush_live
 from .restarts import (
     COMMIT, STORE_NAME, find_store, group_ranks, layout_folder, layout_folders, read_commit,
-    runs_of, step_bounds, step_rows)
+    remove_aside, runs_of, step_bounds, step_rows)
 from ..numerics.stats import HASH_NBYTES, Layout, StepStats, interval_labels
 from .storage import LOCAL, location, zarr_store
 
@@ -180,8 +180,11 @@ class GradWriter:
 
     ``append``/``amend``/``flush``/``close`` are the training thread's side; the rows are
     written by ``live.LIVE``'s thread (``_drain``), or by the caller where that thread cannot
-    run. ``begin(run)`` (before the first step) says which run this is (``restarts.py``); a
-    writer that is not told records a run of its own, from its first step, for its rank."""
+    run. ``begin(run)`` (before the first step) says which run this is (``restarts.py``) and
+    creates or opens the rank group: nothing is written before (a job's deciding rank may move
+    the store aside first); a writer that is not told records a run of its own, from its first
+    step, for its rank. ``close(clean=True)`` marks the run ``closed`` in the group's commit (a
+    run that ended cleanly may be replaced by the next one; ``restarts.plan_run``)."""
 
     def __init__(self, dump_path: str, rank: int, layout: Layout, level: str, bounds,
                  hash_name: str, flush_every: int, flush_seconds: float = 60.0, *,
@@ -213,13 +216,17 @@ class GradWriter:
         group_attrs = self._attrs(attrs)
         self.layout_key = layout_key or _default_key(group_attrs, self.significance)
         group_attrs["layout_key"] = self.layout_key
-        fs.refresh()
-        root = _ensure_group(self.store, {"format": FORMAT, "layout_key": self.layout_key}, fs)
-        self.folder = layout_folder(self.store, self.layout_key, root.get("layout_key"), fs)
-        if self.folder != self.store:
-            _ensure_group(self.folder, {"format": FORMAT, "layout_key": self.layout_key}, fs)
+        self._group_attrs = group_attrs
+        self.store_url = fs.url(self.store)
+        # where the group goes is known once the run begins (``_open_group``); until then the
+        # root folder's group of this rank, where a run of the store's first layout records
+        self.folder = self.store
         self.path = fs.join(self.folder, f"rank{self.rank}")
         self.url = fs.url(self.path)
+        self._group_open = False
+        self.committed = self._rows = 0
+        self._runs: list = []
+        self._aside = None  # a store moved aside that this writer removes after its first commit
         # the training thread's side
         self._lock = threading.Lock()
         self._lock_owner = None  # the thread in ``append`` (which may wait for the queue)
@@ -233,18 +240,49 @@ class GradWriter:
         self._io_owner = None
         self._inbox: deque = deque()  # guarded by LIVE.cond
         self._opened = False
+        self._first_commit = True
+        if not self._store_holds_steps():
+            # nothing for the run to decide about: the group exists from now on (0 steps), so
+            # a run that records nothing reads as one (``probekit grads summary`` says why)
+            self._open_group()
+        LIVE.add(self)
+
+    def _store_holds_steps(self) -> bool:
+        """Does the store hold a committed step, or wait aside (``restarts.move_aside``)? Then
+        this writer's group is made when its run begins, after the job decided about it."""
+        from .restarts import ASIDE, holds_steps, is_store, store_state, valid_aside
+
+        fs = self.fs
+        fs.refresh()
+        if valid_aside(fs.join(fs.dirname(self.store), ASIDE), fs):
+            return True
+        return is_store(self.store, fs) and holds_steps(store_state(self.store, fs))
+
+    def _open_group(self) -> None:
+        """Create this rank's group, or open the one an earlier run of the same layout wrote
+        (the training thread, when the run begins: ``begin`` or the first step)."""
+        if self._group_open:
+            return
+        fs = self.fs
+        fs.refresh()
+        root = _ensure_group(self.store, {"format": FORMAT, "layout_key": self.layout_key}, fs)
+        self.folder = layout_folder(self.store, self.layout_key, root.get("layout_key"), fs)
+        if self.folder != self.store:
+            _ensure_group(self.folder, {"format": FORMAT, "layout_key": self.layout_key}, fs)
+        self.path = fs.join(self.folder, f"rank{self.rank}")
+        self.url = fs.url(self.path)
         # a group that never committed (its run died while creating it) holds nothing: anew
         if fs.isfile(fs.join(self.path, "zarr.json")) and fs.isfile(fs.join(self.path, COMMIT)):
             try:
-                self._open_existing(group_attrs)
+                self._open_existing(self._group_attrs)
             except GradStoreError:
-                if not overwrite:
+                if not (self.overwrite and (self._run or {}).get("scope") == "rank"):
                     raise
                 _remove_group(self.path, fs)  # another layout, replaced as asked
-                self._create(group_attrs)
+                self._create(self._group_attrs)
         else:
-            self._create(group_attrs)
-        LIVE.add(self)
+            self._create(self._group_attrs)
+        self._group_open = True
 
     # -- layout ------------------------------------------------------------------------------
     def _attrs(self, extra) -> dict:
@@ -422,9 +460,13 @@ class GradWriter:
         "start": first step, "from": supersede from (None: everything), "scope": "job" or
         "rank"}`` (``restarts.py``)."""
         with self._lock:
-            if self._run is not None:
+            if self._run:  # {}: a run that never began (an empty group, ``finish``)
                 raise RuntimeError("GradWriter.begin: the run is already set")
             self._run = dict(run)
+            if run.get("aside") and run.get("by") == self.rank:
+                self._aside = run["aside"]
+            self._group_open = False  # an empty group made before (``finish``) may be gone
+            self._open_group()
 
     def append(self, step: int, stats: StepStats) -> None:
         """Hand one step over. The newest step stays here until the next one arrives (so
@@ -440,10 +482,11 @@ class GradWriter:
 
     def _append_locked(self, step: int, stats: StepStats) -> None:
         now = time.monotonic()
-        if self._run is None:
+        if not self._run:
             self._run = {"run": uuid.uuid4().hex, "time": time.time_ns() // 1000,
                          "start": step,
                          "from": None if self.overwrite else step, "scope": "rank"}
+            self._open_group()
         prev, self._newest = self._newest, (step, stats, _stats_nbytes(stats))
         if self._oldest is None:
             self._oldest = now
@@ -525,17 +568,32 @@ class GradWriter:
 
     def nbytes(self) -> int:
         """Bytes the rank group holds on its storage now (every array, attribute and marker)."""
-        return self.fs.du(self.path)
+        return self.fs.du(self.path) if self._group_open else 0
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Write every step; ``clean``: the run ended as planned (not on an exception), which
+        its commit then says (``closed``)."""
         try:
-            self.flush()
+            self.finish(clean)
         finally:
             LIVE.remove(self)
 
+    def finish(self, clean: bool = True) -> None:
+        """``flush``, then, when ``clean``, mark the run closed in the group's commit."""
+        self.flush()
+        if clean and self._error is None:
+            event = threading.Event()
+            with self._lock:
+                LIVE.put(self, ("close", event), 0, force=True)
+            LIVE.wait(self, event)
+            self.raise_error()
+
     def reopen(self) -> None:
-        """Record again after ``close()`` (a probe started again): the same run goes on."""
+        """Record again after ``close()`` (a probe started again): the same run goes on, not
+        closed any more."""
         LIVE.add(self)
+        with self._lock:
+            LIVE.put(self, ("reopen", None), 0, force=True)
 
     # -- the writing side (under _io) ------------------------------------------------------
     def _drain(self) -> None:
@@ -553,6 +611,14 @@ class GradWriter:
                                 self._write_row(payload[0], payload[1])
                             except Exception as exc:
                                 self._fail(exc)
+                    elif kind in ("close", "reopen"):
+                        if self._error is None and self._opened:
+                            try:
+                                self._mark_closed(kind == "close")
+                            except Exception as exc:
+                                self._fail(exc)
+                        if payload is not None:
+                            payload.set()
                     else:
                         if self._error is None:
                             try:
@@ -590,7 +656,7 @@ class GradWriter:
             r["steps"] = [int(steps[a]), int(steps[b - 1])] if b > a else None
             runs.append(r)
         entry = {k2: run.get(k2) for k2 in ("run", "time", "start", "from", "scope")}
-        entry.update(rows=[k, k], steps=None)
+        entry.update(rows=[k, k], steps=None, closed=False)
         runs.append(entry)
         self._runs = runs
         self.committed = self._rows = k
@@ -608,12 +674,31 @@ class GradWriter:
                 data = read_plain(arr.path, k, fs)[1]
                 arr.pending = [data[i] for i in range(c0, k)]
         self._opened = True
-        if self.overwrite:
+
+    def _mark_closed(self, closed: bool) -> None:
+        """The run ended cleanly (``close``) or goes on (``reopen``): its commit says so."""
+        self._runs[-1]["closed"] = bool(closed)
+        self._write_commit(self._commit_body())
+
+    def _committed_first(self) -> None:
+        """After the run's first commit of a step: the store it replaced, moved aside, is
+        deleted (by the rank that decided the run), and a process recording alone that replaced
+        its own steps (``from`` None, scope "rank") deletes its groups in other layout folders."""
+        self._first_commit = False
+        if self._aside is not None:
+            try:
+                remove_aside(self._aside, self.fs)
+            except OSError as exc:  # superseded anyway: only space is lost until the next run
+                log.warning("grad_probe: removing the replaced store %s failed: %s",
+                            self.fs.url(self._aside), exc)
+            self._aside = None
+        if self._run.get("from") is None and self._run.get("scope") == "rank":
             self._reclaim()
 
     def _reclaim(self) -> None:
-        """``overwrite=True``: the groups of this rank in the store's other layout folders (and
-        those of ranks past the world size, this rank's share) are superseded: delete them."""
+        """A replacing run of a process recording alone: the groups of this rank in the store's
+        other layout folders (and those of ranks past the world size, this rank's share) are
+        superseded: delete them."""
         fs = self.fs
         for folder in layout_folders(self.store, fs):
             for r in group_ranks(folder, fs):
@@ -685,6 +770,8 @@ class GradWriter:
         # the process) that sees it can count on the store holding those steps
         self._write_commit(self._commit_body(self._rows))
         self.committed = self._rows
+        if self._first_commit:
+            self._committed_first()
 
     def _commit_body(self, steps: int | None = None) -> dict:
         body = {"steps": self.committed if steps is None else steps, "format": FORMAT,

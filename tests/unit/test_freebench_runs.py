@@ -1,0 +1,119 @@
+"""A free-benchmark dump folder over runs (issue 36): a run appends only when it is a restart;
+any other run replaces the findings of a last run that ended cleanly (one line says so) and is
+refused where that run crashed; nothing is removed before the new run has something to say."""
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from probekit.errors import DumpError
+from probekit.freebench import FreeBench
+from probekit.freebench.report.cli import load
+from probekit.freebench.report.runs import marker_path, markers
+from probekit.freebench.repro.record import records_dir
+
+
+def naive_norm(x):
+    mean = x.mean(-1, keepdim=True)
+    return (x - mean) / ((x * x).mean(-1, keepdim=True) - mean * mean).sqrt()
+
+
+def run(dump, offset=300.0, **options):
+    """One session: the README's naive norm; ``offset`` 0 leaves it healthy (no finding)."""
+    torch.manual_seed(0)
+    fb = FreeBench(dump_path=str(dump), pert_mode="bit_noise", **options)
+    with fb:
+        naive_norm(torch.randn(64, 32) + offset).square().mean()
+    return fb
+
+
+def test_a_run_again_replaces_the_last_one(tmp_path, caplog):
+    first = run(tmp_path)
+    csv = (tmp_path / "free_benchmark.csv").read_bytes()
+    records = sorted(os.listdir(records_dir(str(tmp_path))))
+    assert len(first.results) == 1 and len(records) == 1
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        again = run(tmp_path)
+    assert (f"{tmp_path} held 1 finding(s) of an earlier run; this run is not a restart and "
+            "the last one ended cleanly, so this run replaces them (resume=True appends)"
+            ) in caplog.text
+    assert (tmp_path / "free_benchmark.csv").read_bytes() == csv       # not twice the rows
+    assert sorted(os.listdir(records_dir(str(tmp_path)))) == records
+    assert len(again.results) == 1 and len(load(str(tmp_path))) == 1
+    run(tmp_path, resume=True)                                         # a restart: appends
+    assert len(load(str(tmp_path))) == 2
+    run(tmp_path, offset=0.0)                                          # healthy: replaces all
+    assert len(load(str(tmp_path))) == 0 and os.listdir(records_dir(str(tmp_path))) == []
+    (m,) = markers(str(tmp_path))
+    assert m["closed"] is True and m["rank"] == 0
+
+
+def test_a_crashed_run_is_kept_until_told(tmp_path):
+    run(tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        with FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", resume=True):
+            torch.manual_seed(0)
+            naive_norm(torch.randn(64, 32) + 300.0).square().mean()
+            raise RuntimeError("boom")
+    assert len(load(str(tmp_path))) == 2
+    with pytest.raises(DumpError, match=r"holds 2 finding\(s\) of a run \(begun .*\) that did "
+                                        r"not end cleanly: it crashed, was killed, or is still "
+                                        r"running.*Pass resume=True to append to that dump, "
+                                        r"overwrite=True to replace it"):
+        run(tmp_path)
+    assert len(load(str(tmp_path))) == 2                                # untouched
+    run(tmp_path, overwrite=True)
+    assert len(load(str(tmp_path))) == 1
+
+
+def test_nothing_is_removed_before_the_new_run_has_something_to_say(tmp_path):
+    """The replacing run is killed before it wrote a row or stopped: the last run's findings
+    are all there, and its marker says it did not end cleanly."""
+    run(tmp_path)
+    csv = (tmp_path / "free_benchmark.csv").read_bytes()
+    script = textwrap.dedent(f"""
+        import os, torch
+        from probekit.freebench import FreeBench
+        fb = FreeBench(dump_path={str(tmp_path)!r}, pert_mode="bit_noise")
+        fb.start()
+        torch.randn(3) + 1           # checked: nothing to say
+        os._exit(9)                  # killed before stop()
+    """)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    assert subprocess.run([sys.executable, "-c", script], env=env).returncode == 9
+    assert (tmp_path / "free_benchmark.csv").read_bytes() == csv
+    assert os.listdir(records_dir(str(tmp_path)))
+    (m,) = markers(str(tmp_path))
+    assert m["closed"] is False
+    with pytest.raises(DumpError, match="did not end cleanly"):
+        run(tmp_path)
+
+
+def test_ranks_sharing_a_folder_replace_only_their_own_rows(tmp_path, monkeypatch):
+    """Processes recording alone (WORLD_SIZE 2, no process group) into one folder: each
+    replaces its own rank's rows, never another's."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        run(tmp_path)
+    assert sorted(load(str(tmp_path))["rank"]) == [0, 1]
+    monkeypatch.setenv("RANK", "1")
+    run(tmp_path, offset=0.0)                   # rank 1 again, healthy: its row goes
+    assert sorted(load(str(tmp_path))["rank"]) == [0]
+    assert os.path.isfile(marker_path(str(tmp_path), 0))
+
+
+def test_the_rule_is_the_config(tmp_path):
+    from probekit.config import ConfigError, make_config
+
+    fb = make_config("free_benchmark", resume=True).free_benchmark
+    assert (fb.resume, fb.overwrite) == (True, False)
+    with pytest.raises(ConfigError, match=r"free_benchmark\.resume and "
+                                          r"free_benchmark\.overwrite: both true"):
+        make_config("free_benchmark", resume=True, overwrite=True)
+    with pytest.raises(ConfigError, match=r"free_benchmark\.overwrite"):
+        make_config("free_benchmark", overwrite="yes")
