@@ -16,8 +16,9 @@ need no confirmation. A flagged output the analysis does not confirm is a **hot 
 (``fb.hotspots``: never in the results or the CSV), as is a sensitivity check that moved by more
 than a correct kernel's rounding but kept most of its bits.
 
-Causes: a call site is analysed once, at its first flagged check while the call's inputs exist;
-its later flags take that cause. On the CPU every check of a site not analysed yet is judged as
+Causes: a call site's output is analysed once, at its first flagged check while the call's
+inputs exist; its later flags take that cause (an output of the site flagged later for the first
+time is analysed then: issue 34, defect B). On the CPU every check of a site not analysed yet is judged as
 it is made -- an exact check read back at once, a fast one read on the host by its bits
 (``deferred.host_errors``: no transfer, no ATen operator) -- so a flag is explained in its own
 call and none waits. On an accelerator a fast verdict is read at the gather, after the inputs are
@@ -121,8 +122,11 @@ class Judging:
         # exactly while the inputs exist: judged and, when flagged, explained now like an exact
         # check, rather than waiting in fb.hotspots for the site's next run
         redone = not exact and any(len(v) == 5 for v in values)
+        # a site is analysed per output: one whose compared outputs were not all analysed yet
+        # (a later flag of another output of the same site, issue 34 defect B) is explained
+        # while its inputs exist, like a site never analysed
         unexplained = explain is not None and not self.mode.exact and \
-            site not in self.site_causes
+            not self._analysed(site, outputs)
         # a fast verdict of a site never analysed, flagged: on the CPU its values are host
         # memory, read as they are computed (no transfer); judged and explained now, while the
         # inputs exist, rather than waiting for a next run of the site that may never come
@@ -143,12 +147,17 @@ class Judging:
                        explain=explain, site=site):
             self.verdicts.flagged_sites.add(site)
         elif (site in self._held or site in self._unexplained) and \
-                site not in self.site_causes:
+                not self._analysed(site, outputs):
             # a clean run of a site with rows waiting for their cause: explain them now
             held = {r["output_index"] for r in
                     self._held.get(site, []) + self._unexplained.get(site, [])}
             self._explain(site, name, explain,
                           [(i, o, out) for i, o, _, out in items if i in held])
+
+    def _analysed(self, site, outputs) -> bool:
+        """Has every compared output of this check (its descriptors) a cause at ``site``?"""
+        known = self.site_causes.get(site)
+        return known is not None and all(desc[0] in known for desc in outputs)
 
     @staticmethod
     def _flagged_now(values, outputs) -> bool:
@@ -295,7 +304,7 @@ class Judging:
         causes = self._causes_for(site, name, explain, flagged)
         rows = []
         for index, o, desc, row, decisive in flagged:
-            if causes is None:          # not known yet: provisional, or wait for the analysis
+            if causes is None or index not in causes:   # not known yet: provisional, or wait
                 if decisive:
                     row["cause"] = self._provisional(row)
                     self._uncaused.setdefault(site, []).append(row)
@@ -308,7 +317,7 @@ class Judging:
                                  "explained at the call's next run (until then listed in "
                                  "fb.hotspots as 'pending').", name)
                 continue
-            row["cause"] = causes.get(index) or self._provisional(row)
+            row["cause"] = causes[index] or self._provisional(row)
             if decisive or self.confirmed(row["cause"]):
                 rows.append(row)
             else:
@@ -339,18 +348,23 @@ class Judging:
         return cause.INACCURATE if self.mode.upcast else cause.ILL_CONDITIONED
 
     def _causes_for(self, site, name, explain, flagged):
-        """``{output_index: cause}`` for a flagged call, or None when it cannot be known now (a
-        deferred verdict of a site never analysed: the site is re-checked exactly and explained
-        at its next run)."""
+        """``{output_index: cause}`` for a flagged call: the site's causes, with the flagged
+        outputs the site's analysis has not covered yet analysed now (``explain``). An output
+        whose cause cannot be known now is missing (a deferred verdict of a site not analysed
+        for it: the site is re-checked exactly and explained at its next run); None when none
+        is known."""
         if self.mode.exact:
             return {index: cause.NONDETERMINISTIC for index, _, _, _, _ in flagged}
+        known = self.site_causes.get(site) if site is not None else None
+        missing = [(index, o, desc) for index, o, desc, _, _ in flagged
+                   if known is None or index not in known]
+        if not missing:
+            return known
         if explain is not None:
-            return self._explain(site, name, explain,
-                                 [(index, o, desc) for index, o, desc, _, _ in flagged])
-        causes = self.site_causes.get(site) if site is not None else None
-        if causes is None and site is not None:
+            return self._explain(site, name, explain, missing)
+        if site is not None:
             self.verdicts.recheck.add(site)      # explained at its next run
-        return causes
+        return known
 
     def _explain(self, site, name, explain, items) -> dict:
         """Run the cause analysis once for a site; refine its provisional rows and settle the
@@ -361,22 +375,34 @@ class Judging:
             if self.once(("cause", name.rsplit(".", 2)[0])):
                 log.info("Free benchmark: no cause for %s (%s: %s); the rows keep the cause "
                          "the measurement shows.", name, type(exc).__name__, exc)
-            causes = {}
+            causes = {index: None for index, _, _ in items}   # tried: not asked again
         if site is None:
             return causes
-        self.site_causes[site] = causes
+        causes = self.site_causes[site] = {**self.site_causes.get(site, {}), **causes}
         capture = getattr(self, "repro_capture", None)   # issue 30: the call's repro record
-        if capture is not None and causes:
+        if capture is not None and causes:   # (once per call name: Recorder)
             capture(name, explain, items, causes)
+        keep = []
         for row in self._uncaused.pop(site, ()):
             row["cause"] = causes.get(row["output_index"]) or row["cause"]
+            if row["output_index"] not in causes:
+                keep.append(row)
+        if keep:
+            self._uncaused[site] = keep
         settled = []
-        for row in self._held.pop(site, []) + self._unexplained.pop(site, []):
-            row["cause"] = causes.get(row["output_index"]) or cause.UNCONFIRMED
-            if self.confirmed(row["cause"]):
-                settled.append(row)
-            else:
-                self._hotspot(row)
+        for held in (self._held, self._unexplained):
+            rows = held.pop(site, [])
+            left = [r for r in rows if r["output_index"] not in causes]
+            if left:   # outputs this analysis did not cover: still waiting for theirs
+                held[site] = left
+            for row in rows:
+                if row["output_index"] not in causes:
+                    continue
+                row["cause"] = causes[row["output_index"]] or cause.UNCONFIRMED
+                if self.confirmed(row["cause"]):
+                    settled.append(row)
+                else:
+                    self._hotspot(row)
         if settled:
             self.flagged += len(settled)
             self.emit(settled)
