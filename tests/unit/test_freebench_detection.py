@@ -322,3 +322,38 @@ def test_combined_mode_finds_an_inaccurate_kernel_and_an_ill_conditioned_computa
     assert FreeBenchmarkConfig().pert_mode == "improve_precision"
     with pytest.raises(Exception, match="handler_type"):
         FreeBench(dump_path=str(tmp_path / "fix"), pert_mode="combined", handler_type="fix")
+
+
+def test_combined_mode_alternates_in_a_plain_loop_that_calls_the_optimizer(tmp_path):
+    """Steps follow the optimizer (issue 34 point 6): a ``with fb:`` around a loop that calls
+    ``optimizer.step()`` counts its steps without ``fb.step()``, so ``combined`` reaches
+    bit_noise on its second step (every step was step 0, an improve_precision run, before).
+    ``fb.step()`` right after the optimizer's step is the same boundary; with two optimizers a
+    step ends once both stepped."""
+    g = gen()
+    idx = torch.randint(0, 4, (4000,), generator=g)
+    v = torch.rand(4000, generator=g).to(fp16)
+    t = torch.zeros(4, dtype=fp16)
+    x = (torch.randn(64, 64, generator=g) + 40).to(bf16)
+    w = torch.nn.Parameter(torch.ones(()))
+
+    def train(fb, opts, explicit):
+        with fb:
+            for _ in range(2):
+                torch.index_put(t, (idx,), v, accumulate=True)
+                m = x.mean(-1, keepdim=True)
+                (((x * x).mean(-1, keepdim=True) - m * m).float().mean() * w).backward()
+                for opt in opts:
+                    opt.step()
+                if explicit:
+                    fb.step()
+        df = fb.results
+        return fb.summary["steps"], sorted(zip(df["api_name"].str.rsplit(".", n=2).str[0],
+                                               df["pert_mode"], df["step"]))
+
+    want = [("Tensor.__sub__", "bit_noise", 1), ("Torch.index_put", "improve_precision", 0)]
+    for opts, explicit in (([torch.optim.SGD([w], lr=0.0)], False),
+                           ([torch.optim.SGD([w], lr=0.0)], True),
+                           ([torch.optim.SGD([w], lr=0.0), torch.optim.SGD([w], lr=0.0)], False)):
+        fb = FreeBench(dump_path=str(tmp_path / f"{len(opts)}{explicit}"), pert_mode="combined")
+        assert train(fb, opts, explicit) == (2, want), (len(opts), explicit)

@@ -168,6 +168,8 @@ class Engine(Judging):
         self.enabled = self._step_selected(0)
         self.busy = False
         self.in_optimizer = 0
+        #: called with the optimizer at the end of each outermost optimizer step (the session)
+        self.on_optimizer_step = None
         self.counts: dict[str, int] = {}
         self.handles: list = []
         self.watching: list = []  # backward checks registered in this block (backward.py)
@@ -665,8 +667,13 @@ class Engine(Judging):
     def optimizer_pre(self, *_):
         self.in_optimizer += 1
 
-    def optimizer_post(self, *_):
+    def optimizer_post(self, optimizer, *_):
+        """The end of an optimizer's step: the outermost one (a wrapper's inner steps are part
+        of it) hands its optimizer to ``on_optimizer_step`` (the session's steps follow the
+        optimizer, ``FreeBench``)."""
         self.in_optimizer = max(0, self.in_optimizer - 1)
+        if not self.in_optimizer and self.on_optimizer_step is not None:
+            self.on_optimizer_step(optimizer)
 
 
 def make_mode(engine: Engine) -> TorchFunctionMode:
