@@ -41,7 +41,7 @@ log = get_logger("probekit.freebench")
 SUMMARY_EVERY = 100
 
 EXTRA_REASONS = {
-    "no_float_input": "unsupported input type (no floating-point tensor input)",
+    "no_float_input": "no floating-point tensor input",
     "no_float_output": "the output holds no floating-point tensor",
     "no_grad": "no gradient flows through this call",
     "dtype_arg": "fix: the call fixes its output dtype explicitly",
@@ -191,6 +191,7 @@ class Engine(Judging):
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
+        self.integer_only: dict[str, int] = {}   # API -> calls with no floating input
         #: module scope (a ``modules.ModuleScope`` while attached, else None)
         self.modules = None
         self.out_of_module = 0
@@ -308,6 +309,20 @@ class Engine(Judging):
         self.remove_hooks()
         self.in_optimizer = 0
         self.busy = False
+        self.log_integer_only()
+
+    def log_integer_only(self) -> None:
+        """One INFO line, once per session, for the calls skipped because no floating-point
+        tensor was among their inputs (integer indexing, masks, positions: 450 WARNING lines,
+        one per API, across nine models before issue 34); ``summary["skipped"]`` counts them."""
+        if not self.integer_only or not self.once(("integer_only",)):
+            return
+        apis = sorted(self.integer_only.items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{k} {n}" for k, n in apis[:8])
+        more = f", +{len(apis) - 8} more" if len(apis) > 8 else ""
+        log.info("Free benchmark: %d call(s) of %d API(s) had no floating-point tensor input and "
+                 "are not checked (%s%s); summary['skipped']['no_float_input'] counts them.",
+                 sum(self.integer_only.values()), len(apis), shown, more)
 
     # -- logging -------------------------------------------------------------------------------
     def note_skip(self, reason: str, key: str, name: str, why: str | None = None,
@@ -319,10 +334,8 @@ class Engine(Judging):
         if not counted:
             self.skipped[reason] = self.skipped.get(reason, 0) + 1
             self.coverage.skip(_site(name), reason, text)
-        if reason == "no_float_input":
-            if self.once(("input", key)):
-                log.warning("Free benchmark: unsupported input type for %s (no floating-point "
-                            "tensor input).", name)
+        if reason == "no_float_input":   # one summary line for all of them (``stopped``)
+            self.integer_only[key] = self.integer_only.get(key, 0) + 1
         elif reason != "preheat" and self.once((reason, key, why)):
             log.info("Free benchmark: For %s, %s. Cancel perturbation.", name,
                      why or _reason_text(reason))
