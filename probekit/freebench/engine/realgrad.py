@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from ..judge.guards import modes_off
+
 #: the most nodes one call may create for its gradients to be read off the real graph
 MAX_NODES = 64
 #: autograd's node of a dtype/device conversion (``_to_copy``: ``tensor.to``, autocast's casts)
@@ -107,7 +109,8 @@ class Handles(list):
 def upstream(output_nr: int, keep):
     """A pre-hook for the call's last node: ``keep(gradient of output output_nr)``."""
     def prehook(grad_outputs):
-        keep(grad_outputs[output_nr])
+        with modes_off():   # probekit's own work: invisible to the mode in the backward pass
+            keep(grad_outputs[output_nr])
         return None
     return prehook
 
@@ -133,25 +136,31 @@ class Collector:
 
     def _hook(self, pairs):
         def hook(grad_inputs, grad_outputs):
-            for j, pos, cast in pairs:
-                g = grad_inputs[j]
-                if g is None:
-                    continue
-                g = g.detach()
-                if cast is not None:    # summed as the cast node sums, converted at the end
-                    have = self.casts.get(pos)
-                    self.casts[pos] = (g if have is None else have[0] + g, cast)
-                    continue
-                have = self.grads.get(pos)
-                self.grads[pos] = g if have is None else have + g
-            self.left -= 1
-            if self.left == 0:
-                grads, self.grads = self.grads, {}
-                casts, self.casts = self.casts, {}
-                for pos, (g, (dtype, device)) in casts.items():
-                    g = g.to(device=device, dtype=dtype)
-                    have = grads.get(pos)
-                    grads[pos] = g if have is None else have + g
-                self.done(grads)
+            with modes_off():   # probekit's own work: invisible to the mode in the backward pass
+                self._collect(pairs, grad_inputs)
             return None
         return hook
+
+    def _collect(self, pairs, grad_inputs) -> None:
+        for j, pos, cast in pairs:
+            g = grad_inputs[j]
+            if g is None:
+                continue
+            g = g.detach()
+            if cast is not None:    # summed as the cast node sums, converted at the end
+                have = self.casts.get(pos)
+                self.casts[pos] = (g if have is None else have[0] + g, cast)
+                continue
+            have = self.grads.get(pos)
+            self.grads[pos] = g if have is None else have + g
+        self.left -= 1
+        if self.left == 0:
+            grads, self.grads = self.grads, {}
+            casts, self.casts = self.casts, {}
+            for pos, (g, (dtype, device)) in casts.items():
+                if g.is_complex() and not dtype.is_complex:   # a real input's cast
+                    g = g.real                               # (an FFT's), as the node does
+                g = g.to(device=device, dtype=dtype)
+                have = grads.get(pos)
+                grads[pos] = g if have is None else have + g
+            self.done(grads)

@@ -72,10 +72,13 @@ _U64 = 2.0 ** -53
 
 
 def to64(x):
-    """A floating tensor in float64 (detached); anything else as it is."""
-    if perturb.is_float(x) and x.dtype != torch.float64:
-        return x.detach().to(torch.float64)
-    return x.detach() if perturb.is_float(x) else x
+    """A floating tensor in float64, a complex one in complex128 (detached); anything else as
+    it is."""
+    if perturb.is_float(x):
+        return x.detach().to(torch.float64) if x.dtype != torch.float64 else x.detach()
+    if isinstance(x, torch.Tensor) and x.is_complex():
+        return x.detach().to(torch.complex128)
+    return x
 
 
 def _nudge(noise):
@@ -110,13 +113,15 @@ def nudged(leaves: list, noise, first_only: bool) -> list:
     return out
 
 
-def outputs(func, leaves, spec, kwargs_fix=None) -> list:
+def outputs(func, leaves, spec, kwargs_fix=None, compared: bool = False) -> list:
     """``handlers.float_outputs`` of the call on ``leaves`` (``kwargs_fix``: applied to its
-    keyword arguments first, e.g. ``scales.magnitude_kwargs``)."""
+    keyword arguments first, e.g. ``scales.magnitude_kwargs``; ``compared``: complex outputs
+    too, as the forward check compares them, ``handlers.compared_outputs``)."""
     args, kwargs = perturb.unflatten(leaves, spec)
     if kwargs_fix is not None:
         kwargs = kwargs_fix(kwargs)
-    return handlers.float_outputs(func(*args, **kwargs))
+    out = func(*args, **kwargs)
+    return handlers.compared_outputs(out) if compared else handlers.float_outputs(out, True)
 
 
 def input_roundoff(leaves: list, judged) -> float:
@@ -288,13 +293,14 @@ def analyse(func, fresh, spec, items: list, blocks=None, api: str | None = None)
                 scores = {i: Score(judges[i], input_roundoff(x, items_dtype(items, i)))
                           for i, _, _ in items}
             x64 = [to64(t) for t in x]
-            r = dict(outputs(func, x64, spec))
+            r = dict(outputs(func, x64, spec, compared=True))
             S = forward_magnitudes(judges, api, func, x64, spec, r)
             del x64
             for i, o, _ in items:
                 scores[i].accuracy(original(o), r[i], S[i])
             for noise, first in NUDGES:
-                s = dict(outputs(func, [to64(t) for t in nudged(inputs(), noise, first)], spec))
+                s = dict(outputs(func, [to64(t) for t in nudged(inputs(), noise, first)], spec,
+                                 compared=True))
                 for i, _, _ in items:
                     scores[i].move(s[i], r[i], S[i])
                 del s
@@ -327,7 +333,12 @@ def grads64(func, leaves, spec, diff, out_index, g, kwargs_fix=None) -> list:
         leaves[i] = leaves[i].detach().requires_grad_(True)
         ins.append(leaves[i])
     y = dict(outputs(func, leaves, spec, kwargs_fix))[out_index]
-    return list(torch.autograd.grad(y, ins, g.to(torch.float64), allow_unused=True))
+    return list(torch.autograd.grad(y, ins, g.to(_wide(g)), allow_unused=True))
+
+
+def _wide(t: torch.Tensor) -> torch.dtype:
+    """float64, or complex128 for a complex tensor (an FFT's upstream gradient)."""
+    return torch.complex128 if t.is_complex() else torch.float64
 
 
 def backward_magnitudes(func, api, leaves, spec, diff, out_index, g, judges: dict,
@@ -375,7 +386,7 @@ def _grads_abs(func, leaves, spec, diff, out_index, g, signed: bool = True) -> l
         a_leaves[i] = a_leaves[i].requires_grad_(True)
         ins.append(a_leaves[i])
     a, kw = perturb.unflatten(a_leaves, spec)
-    y = dict(handlers.float_outputs(func(*a, **scales.magnitude_kwargs(kw))))[out_index]
+    y = dict(handlers.float_outputs(func(*a, **scales.magnitude_kwargs(kw)), True))[out_index]
     grads = torch.autograd.grad(y, ins, g.abs().to(y.dtype), allow_unused=True)
     if not signed:
         return list(grads)
@@ -397,7 +408,7 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
         x = fresh()
         x64 = [to64(t) for t in x]
         r = grads64(func, x64, spec, diff, out_index, g)
-        S = backward_magnitudes(func, api, x64, spec, diff, out_index, g.to(torch.float64),
+        S = backward_magnitudes(func, api, x64, spec, diff, out_index, g.to(_wide(g)),
                                 judges)
         del x64
     scores = {}

@@ -120,8 +120,10 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # -- unit roundoffs and gamma ---------------------------------------------------------------------
 def unit_roundoff(dtype: torch.dtype) -> float:
-    """``u = eps / 2`` of a floating dtype (bfloat16 2^-8, float16 2^-11, float32 2^-24); float32's
-    for any other dtype."""
+    """``u = eps / 2`` of a floating dtype (bfloat16 2^-8, float16 2^-11, float32 2^-24), of a
+    complex dtype's parts; float32's for any other dtype."""
+    if isinstance(dtype, torch.dtype) and dtype.is_complex:
+        dtype = dtype.to_real()
     if dtype not in _FLOATS:
         dtype = torch.float32
     return torch.finfo(dtype).eps / 2
