@@ -45,6 +45,7 @@ from ...log import get_logger
 from . import cause, handlers, scales
 from ..perturb import perturb
 from .deferred import OutMeta, Pending, host_errors
+from .metric import EXACT
 from .guards import modes_off
 from ..names import call_site
 from .scales import TENSOR
@@ -68,6 +69,14 @@ def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
     if t is None:
         t = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
     return t
+
+
+def count_scale(j, p, Q, K):
+    """The per-element bound of a counted call (``scales.COUNTED``) over ``C``:
+    ``u_out |p| + K u_acc (|p| / 2 + beta sqrt(Q))`` (in place on ``Q``)."""
+    pa = p.abs()
+    b = Q.clamp_min_(0).sqrt_().mul_(scales.DATA_BETA).add_(pa, alpha=0.5)
+    return b.mul_(K).mul_(j.u_acc).add_(pa, alpha=j.u_out)
 
 
 class Judging:
@@ -121,7 +130,7 @@ class Judging:
         # a fast comparison found inconclusive as it was made (the CPU: deferred.py) was redone
         # exactly while the inputs exist: judged and, when flagged, explained now like an exact
         # check, rather than waiting in fb.hotspots for the site's next run
-        redone = not exact and any(len(v) == 5 for v in values)
+        redone = not exact and any(len(v) >= EXACT for v in values)
         # a site is analysed per output: one whose compared outputs were not all analysed yet
         # (a later flag of another output of the same site, issue 34 defect B) is explained
         # while its inputs exist, like a site never analysed
@@ -206,10 +215,12 @@ class Judging:
 
     # -- the forward check's plan and scales (intercept.py runs the re-runs) --------------------
     def forward_plan(self, info, func, args, kwargs, leaves, outs) -> list:
-        """``(family, k, formula_ok)`` of each compared output of a forward call."""
+        """``(family, k, formula_ok)`` of each compared output of a forward call (for a
+        multilinear call the third is its ``scales.data_variant``)."""
         fam = scales.family(info.name)
         a = scales.Args(func, info.name, args, kwargs)
-        return [(fam, scales.forward_length(info.name, a, leaves, o), True) for _, o in outs]
+        var = scales.data_variant(info.name, a) if fam == "multilinear" else True
+        return [(fam, scales.forward_length(info.name, a, leaves, o), var) for _, o in outs]
 
     def forward_scales(self, plan, func, p_leaves, spec, p_outs, outs, compute=None) -> list:
         """The per-element scale of each compared output (None: the tensor's own), for the
@@ -220,13 +231,24 @@ class Judging:
         compute = compute or [o.dtype for _, o in outs]
         judges = [self.judge_of(fam, k, cdt, o.dtype, None, "forward", ok)
                   for (fam, k, ok), (_, o), cdt in zip(plan, outs, compute)]
-        got = None
+        got = squares = counts = None
         if any(j.source == "abs" for j in judges):
             a, kw = perturb.unflatten(scales.magnitude_leaves(p_leaves), spec)
             got = dict(handlers.float_outputs(scales.magnitude_run(func, a, kw)))
+        if any(j.source in ("data", "count") for j in judges):   # the call on squares
+            a, kw = perturb.unflatten(scales.square_leaves(p_leaves), spec)
+            squares = dict(handlers.float_outputs(func(*a, **scales.square_kwargs(kw))))
+        if any(j.source == "count" for j in judges):    # terms per element: the call on ones
+            a, kw = perturb.unflatten(scales.count_leaves(p_leaves), spec)
+            counts = dict(handlers.float_outputs(func(*a, **scales.count_kwargs(kw))))
         out = []
         for j, (i, p) in zip(judges, p_outs):
-            if j.source == "element":   # |p| + beta
+            if j.source == "data" and squares is not None and squares.get(i) is not None:
+                # sqrt(Q + dlam p^2): two kernels, in place on the squares' re-run
+                out.append(squares[i].addcmul_(p, p, value=j.dlam).sqrt_())
+            elif j.source == "count" and counts is not None and counts.get(i) is not None:
+                out.append(count_scale(j, p, squares[i], counts[i]))
+            elif j.source == "element":   # |p| + beta
                 if j.fam == "softmax":          # its outputs are >= 0
                     out.append(torch.add(p, j.beta))
                 elif j.fam == "log_softmax":    # its outputs are <= 0
@@ -263,6 +285,18 @@ class Judging:
         float64 analysis confirms it (``confirmed``)."""
         return kind_found == "nan_inf" or self.mode.exact
 
+    def _lost_half(self, st, desc) -> bool:
+        """Did an accuracy-mode output judged against its magnitude ``S`` (a sum, a product's
+        gradient) lose more than half its significant bits relative to the result itself,
+        within the bound (issue 34 point 5: a sum that cancels far below its ``S`` returns 24
+        for an exact 64, and ``gamma_k S`` allows it)? Read off an exact comparison, whose
+        ``scale`` is the result's ``max|p|`` (the fast form does not keep it: a call site's first
+        check is exact). The flag goes to the float64 analysis, which keeps it as a hot spot
+        with the bits lost (``cause.lost_result``) unless the kernel is to blame."""
+        if not self.mode.upcast or desc[3] != scales.MAGNITUDE or not st.scale == st.scale:
+            return False
+        return st.max_abs > scales.lost_bits_level(desc[6]) * st.scale
+
     @staticmethod
     def confirmed(why: str) -> bool:
         """Does the analysis' cause make a flagged output a finding? ``inaccurate``, or
@@ -288,6 +322,8 @@ class Judging:
             thr = desc[4]
             worst = max(worst, handlers.risk(st, thr))
             kind = handlers.judge(st, thr)
+            if kind is None and self._lost_half(st, desc):
+                kind = "rel_error"     # within the bound, yet half the result's bits are gone
             if kind is None:
                 if st.max_rel > desc[5]:
                     hot.append(self._row(name, stage, step, index, o, st, thr, "rel_error",
@@ -432,7 +468,10 @@ class Judging:
         return n
 
     def _hotspot(self, row) -> None:
-        """Keep a hot spot, one entry per call site and output (worst row kept, counted)."""
+        """Keep a hot spot, one entry per call site and output (worst row kept, counted), with
+        the significant bits its result lost relative to itself where the analysis measured it
+        (``cause.lost_result``: issue 34 point 5)."""
+        row["bits_lost"] = getattr(row.get("cause"), "bits", None)
         k = (row["stage"], row["api_name"], row["output_index"])
         have = self._hot.get(k)
         if have is None:
