@@ -41,9 +41,11 @@ def run_case(tmp, name, options, fn, mode) -> dict:
             fn()
         fb.step()
     df = fb.results
+    finite = df[df["kind"] != "nan_inf"]
     return {"rows": int(len(df)), "causes": sorted(set(df["cause"])),
             "apis": sorted(set(zip(df["api_name"], df["output_index"].astype(int)))),
-            "ratio": float(df["ratio"].max()) if len(df) else 0.0}
+            "nan_inf": bool((df["kind"] == "nan_inf").any()),
+            "ratio": float(finite["ratio"].max()) if len(finite) else 0.0}
 
 
 def render(rows, before=None) -> str:
@@ -57,7 +59,8 @@ def render(rows, before=None) -> str:
         cells = []
         for m in MODES:
             r = mine[m]
-            cell = f"{', '.join(r['causes'])} {r['ratio']:.3g}×" if r["ok"] else "—"
+            size = "NaN/Inf" if r.get("nan_inf") else f"{r['ratio']:.3g}×"
+            cell = f"{', '.join(r['causes'])} {size}" if r["ok"] else "—"
             b = old.get((name, m))
             if b is not None and b["ok"] != r["ok"]:
                 cell = f"{'found' if b['ok'] else '—'} → {cell}"
