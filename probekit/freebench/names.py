@@ -148,7 +148,7 @@ class ApiInfo:
     """What one torch callable is. ``skip`` is a key of ``REASONS`` or None (may be checked)."""
 
     __slots__ = ("prefix", "name", "key", "skip", "operators", "inplace_pos", "rule", "random",
-                 "params", "inplace", "outplace")
+                 "params", "inplace", "outplace", "autograd")
 
     def __init__(self, prefix: str, name: str, skip: str | None = None,
                  operators: dict | None = None, inplace_pos: int | None = None,
@@ -175,6 +175,11 @@ class ApiInfo:
         #: the out-of-place API computing what this in-place one writes (``state.out_of_place``
         #: fills it on first use; None: not looked up yet, False: there is none)
         self.outplace = None
+        #: runs a backward pass (``Tensor.backward``, ``torch.autograd.backward`` / ``grad``):
+        #: the mode stays active inside it (``intercept._Mode``), so the calls a custom
+        #: ``autograd.Function.backward`` or a gradient hook makes are seen
+        self.autograd = name in ("backward", "grad") and (
+            prefix == "Tensor" or skip == "autograd")
 
     def __repr__(self) -> str:
         return f"ApiInfo({self.key!r}, skip={self.skip!r})"

@@ -311,6 +311,12 @@ def test_backward_stage_under_ddp_and_fsdp2(tmp_path):
                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = sorted(x for x in out.stdout.splitlines() if x.startswith("rank "))
-    # 3 steps x (4 linear + 3 gelu + mse_loss): every one against the real gradients
-    assert lines == [f"rank {r} {kind} same_loss=True checked=24 rows=0 real=24"
-                     for r in (0, 1) for kind in ("ddp", "fsdp2")], out.stdout
+    # 3 steps x (4 linear + 3 gelu + mse_loss): every one against the real gradients. FSDP2's
+    # own Python calls inside the backward pass (its parameters' re-gather, all_gather_copy_in)
+    # are checked too as they compute (issue 34: calls inside a backward pass), exact copies
+    got = {tuple(x.split()[1:3]): x.split()[3:] for x in lines}
+    assert len(lines) == 4, out.stdout
+    for (rank, kind), fields in got.items():
+        f = dict(v.split("=") for v in fields)
+        assert f["same_loss"] == "True" and f["rows"] == "0" and f["real"] == "24", lines
+        assert int(f["checked"]) == 24 if kind == "ddp" else int(f["checked"]) >= 24, lines

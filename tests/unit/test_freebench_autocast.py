@@ -81,7 +81,8 @@ def test_backward_stage_reruns_under_the_forward_autocast(tmp_path):
         torch.matmul(x16, w16).backward(signs.to(bf16))
     # one bf16 ulp of x moves the weight gradient by O(1) of itself, about u S of its own
     # magnitude S = sum |x||g|: flagged against the tensor's scale, not ill-conditioned relative
-    # to S (issue 26 point 2), so a hot spot in both runs
+    # to S (issue 26 point 2), so a hot spot in both runs -- with the bits the result lost
+    # relative to itself (issue 34 point 5)
     assert fb.results.empty and ref.results.empty
     df, dref = fb.hotspots, ref.hotspots
     assert dref["output_index"].tolist() == [1] and dref["ratio"].iloc[0] > 2
@@ -89,7 +90,9 @@ def test_backward_stage_reruns_under_the_forward_autocast(tmp_path):
     # re-runs were fp32 with fp32 noise)
     assert df["output_index"].tolist() == [1]
     assert df["max_rel"].tolist() == dref["max_rel"].tolist()
-    assert df["cause"].tolist() == dref["cause"].tolist() == ["unconfirmed"]
+    assert df["cause"].tolist() == dref["cause"].tolist() == ["ill-conditioned"]
+    assert df["bits_lost"].tolist() == dref["bits_lost"].tolist() and \
+        df["bits_lost"].iloc[0] > 4
 
 
 def test_fix_under_autocast_keeps_the_callers_dtype(tmp_path):

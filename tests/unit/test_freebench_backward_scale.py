@@ -109,7 +109,7 @@ def test_grad_stats_are_the_metric_of_the_pair(exact, n):
     q = r.double() * (1 + torch.randn(n, generator=g, dtype=torch.float64) * 1e-3)
     got = [float(v) for v in grad_stats(r, q, exact)]
     assert got == [float(v) for v in device_stats(r, q, None, exact)]
-    assert len(got) == (5 if exact else 4)
+    assert len(got) == (6 if exact else 4)
 
 
 def test_grad_stats_of_an_all_zero_gradient():

@@ -1,6 +1,7 @@
 """No silent zero coverage: filters and stages that leave nothing checked are reported once."""
 import logging
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,3 +192,104 @@ def test_weight_norm_is_checked(tmp_path):
     assert torch.equal(y, conv(x))
     cov = fb.coverage.set_index("api_name")
     assert cov.loc["Torch._weight_norm.0", "checked"] == 1 and fb.results.empty
+
+
+# -- issue 34: coverage holes -----------------------------------------------------------------------
+class _FNet(torch.nn.Module):
+    """An FFT-mixing block (FNet): token mixing by the real part of a 2-D FFT."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.emb, self.ln = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+        self.ff = torch.nn.Sequential(torch.nn.Linear(d, 64), torch.nn.GELU(),
+                                      torch.nn.Linear(64, d))
+
+    def forward(self, x):
+        x = self.emb(x)
+        x = self.ln(x + torch.fft.fftn(x, dim=(-2, -1)).real)
+        return x + self.ff(x)
+
+
+@pytest.mark.parametrize("mode", ["improve_precision", "bit_noise"])
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_complex_outputs_are_compared(tmp_path, mode, stage):
+    # an FFT's output is complex: it was never compared (no_float_output); its real and
+    # imaginary parts are now, with their own scale, forward and backward, and a healthy FFT
+    # gives nothing
+    torch.manual_seed(0)
+    m = _FNet()
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode=mode, fuzz_stage=stage)
+    with fb:
+        m(torch.randn(4, 16, 32)).pow(2).mean().backward()
+    cov = fb.coverage.set_index("api_name")
+    assert cov.loc["Torch.fft_fftn.0", "checked"] == 1, cov
+    assert fb.results.empty and fb.hotspots.empty, (fb.results, fb.hotspots)
+    if mode == "bit_noise" and stage == "backward":
+        return   # the FFT is linear: its gradient does not move when its input does
+    # the comparison is real: with a threshold below any rounding the parts differ (the
+    # real and imaginary parts side by side, a trailing dim of 2)
+    fb = FreeBench(dump_path=str(tmp_path / "tiny"), pert_mode=mode, fuzz_stage=stage,
+                   thresholds={"float32": 1e-15}, list=["fft"])
+    with fb:
+        m(torch.randn(4, 16, 32)).pow(2).mean().backward()
+    rows = pd.concat([fb.results, fb.hotspots.drop(columns="count")])
+    assert rows["api_name"].tolist() == [f"Torch.fft_fftn.0.{stage}"] and \
+        (rows["max_rel"] > 0).all(), rows
+    if stage == "forward":
+        assert rows["shape"].tolist() == ["(4, 16, 32, 2)"]
+
+
+class _Reversible(torch.autograd.Function):
+    """A layer whose backward recomputes its forward and states its gradient in Python (the
+    calls a reversible network's backward makes)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.tanh(x @ w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        y = torch.tanh(x @ w)
+        gz = g * (1 - y * y)
+        return gz @ w.t(), x.t() @ gz
+
+
+def test_calls_inside_a_custom_backward_are_checked_in_the_backward_stage(tmp_path):
+    # issue 34: a custom autograd.Function's backward ran with the mode popped (loss.backward()
+    # is itself a torch function): its calls were invisible. Now the backward stage checks them
+    # as they compute (their outputs are gradients), the forward stage names them in the coverage
+    # (backward_pass), and the training is bit for bit the same
+    g = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g)
+
+    def train(fb=None):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if fb is None:
+            _Reversible.apply(x * 1.0, w).sum().backward()
+        else:
+            with fb:
+                _Reversible.apply(x * 1.0, w).sum().backward()
+        return x.grad, w.grad
+
+    plain = train()
+    inside = ["Tensor.__matmul__.1", "Torch.tanh.1", "Tensor.__mul__.1", "Tensor.__rsub__.0",
+              "Tensor.__mul__.2", "Tensor.__matmul__.2", "Tensor.__matmul__.3"]
+    for stage, reason in (("backward", ""), ("forward", "backward_pass")):
+        fb = FreeBench(dump_path=str(tmp_path / stage), pert_mode="improve_precision",
+                       fuzz_stage=stage)
+        got = train(fb)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+        cov = fb.coverage.set_index("api_name")
+        assert (cov.loc[inside, "reason"] == reason).all(), cov
+        assert (cov.loc[inside, "checked"] == (1 if stage == "backward" else 0)).all(), cov
+        assert fb.results.empty
+    # retain_graph / create_graph / an explicit gradient take the same path
+    fb = FreeBench(dump_path=str(tmp_path / "args"), pert_mode="bit_noise", fuzz_stage="backward")
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with fb:
+        y = _Reversible.apply(x * 1.0, w)
+        y.backward(torch.ones_like(y), retain_graph=True)
+        torch.autograd.backward([y], [torch.ones_like(y)])
+    assert torch.equal(x.grad, 2 * plain[0]) and fb.summary["checked"] >= 14

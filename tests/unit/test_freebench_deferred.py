@@ -43,7 +43,7 @@ def test_first_check_of_a_site_is_exact_then_fast():
     p = torch.tensor([1.0, -2.0, 0.5 + 2 ** -10])
     exact = [v.item() for v in metric.device_stats(o, p, exact=True)]
     fast = [v.item() for v in metric.device_stats(o, p)]
-    assert len(exact) == 5 and len(fast) == 4            # the fast form: aminmax of d and of o
+    assert len(exact) == 6 and len(fast) == 4            # the fast form: aminmax of d and of o
     assert metric.stats_from(exact) == metric.stats_from(fast) == \
         metric.Stats(2 ** -11, 2 ** -10, 0, 2.0)
     assert metric.stats_from(fast) == metric.compare(o, p)

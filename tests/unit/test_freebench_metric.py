@@ -32,7 +32,7 @@ def test_all_zero_output():
 def test_per_element_scale():
     o, p = t([1.0, -2.0, 0.0]), t([1.5, -2.0, 0.25])
     s = metric.compare(o, p, t([10.0, 1.0, 0.5]))
-    assert s.max_rel == 0.5 and s.max_abs == 0.5 and math.isnan(s.scale)
+    assert s.max_rel == 0.5 and s.max_abs == 0.5 and s.scale == 2.0   # max|p| (issue 34)
     fast = [v.item() for v in metric.device_stats(o, p, t([10.0, 1.0, 0.5]))]
     assert fast == [0.0, 0.5] and metric.stats_from(fast, scales.MAGNITUDE).max_rel == 0.5
     # 0 / 0 where the scale is zero: the fast form is inconclusive, the exact one ignores it
@@ -160,12 +160,25 @@ def test_judges_follow_the_model():
     u32, u16 = 2.0 ** -24, 2.0 ** -8
     g = scales.gamma
     assert g(10, 0.5) == math.inf and g(3, 2.0 ** -24) == 3 * u32 / (1 - 3 * u32)
-    # float32 matmul over k = 256: the scale is S alone, threshold c (u + gamma_k)
+    # float32 matmul over k = 256, the data-aware bound (issue 34): c (a |p| + b sqrt(Q)),
+    # a = u + k u / 2, b = k u pi / 8; the fast check divides by sqrt(Q + (a / b)^2 p^2) and
+    # flags above c b
     j = scales.judge("improve_precision", "multilinear", 256, torch.float32)
+    a, b = u32 + 256 * u32 / 2, 256 * u32 * math.pi / 8
+    assert (j.kind, j.source, j.data) == (scales.MAGNITUDE, "data", True)
+    assert j.thr == pytest.approx(2 * b, rel=1e-15) and j.hot == j.thr
+    assert j.dlam == pytest.approx((a / b) ** 2, rel=1e-15)
+    # bfloat16 (fp32 accumulation): a = u16 + k u32 / 2
+    j = scales.judge("improve_precision", "multilinear", 256, torch.bfloat16)
+    assert j.dlam == pytest.approx(((u16 + 256 * u32 / 2) / b) ** 2, rel=1e-15)
+    # a mean's terms are x / k: Q of its call on squares is k times theirs
+    j = scales.judge("improve_precision", "multilinear", 256, torch.float32, formula_ok="mean")
+    assert j.thr == pytest.approx(2 * b / 16, rel=1e-15) and j.data == "mean"
+    # the worst case over all data where the data cannot say more (a product, a mean mode)
+    j = scales.judge("improve_precision", "multilinear", 256, torch.float32, formula_ok=False)
     assert (j.kind, j.source, j.lam) == (scales.MAGNITUDE, "abs", 0.0)
     assert j.thr == 2 * (u32 + g(256, u32)) == j.hot
-    # bfloat16 (fp32 accumulation): two terms, |p| + gamma_k(u32) / u16 * S against c u16
-    j = scales.judge("improve_precision", "multilinear", 256, torch.bfloat16)
+    j = scales.judge("improve_precision", "multilinear", 256, torch.bfloat16, formula_ok=False)
     assert j.thr == 2 * u16 and j.lam == g(256, u32) / u16
     # an element-wise function: |p| (+ the smallest normal), k = 4
     j = scales.judge("improve_precision", "elementwise", 4, torch.float32)
@@ -183,7 +196,8 @@ def test_judges_follow_the_model():
     j = scales.judge("bit_noise", "multilinear", 64, torch.float32)
     assert j.kind == scales.TENSOR and j.thr == 2.0 ** -12 and j.hot == 4 * (u32 + g(64, u32))
     # a configured threshold replaces it, and the float64 analysis scales its bound alike
-    j = scales.judge("improve_precision", "multilinear", 256, torch.bfloat16, override=0.5)
+    j = scales.judge("improve_precision", "multilinear", 256, torch.bfloat16, override=0.5,
+                     formula_ok=False)
     assert j.thr == 0.5 and j.factor == 0.5 / (2 * u16)
     # backward: formula families, or the tensor's scale when the formula does not apply
     assert scales.judge("improve_precision", "norm", 10, torch.float32,

@@ -17,13 +17,13 @@ from bench_freebench_ops import count, ops  # noqa: E402
 EXPECTED = {
     # one upcast per floating input, the re-run, then the error model's comparison (issue 26):
     # element-wise calls d / hypot(p, floor) (4: p - o, hypot, div, aminmax), softmax and
-    # log_softmax d / (|p| + beta) with |p| = p or -p (4); calls whose bound needs their
-    # magnitude S add one fused abs of their inputs and the re-run on absolute values (2), then
-    # d / S in float32 (3), or d / (|p| + gamma_k / u * S) in a 16-bit dtype (5: the output's
-    # rounding and the fp32 accumulation are two terms); gelu's S is |x| (1; 16-bit: |x|, |p|
-    # and their sum, 3); layer_norm is screened with the tensor scale (3)
-    "improve_precision": {"add": 7, "matmul": 8, "linear (bias)": 9, "gelu": 6, "softmax": 6,
-                          "log_softmax": 6, "layer_norm bf16": 5, "sum": 7, "matmul bf16": 10,
+    # log_softmax d / (|p| + beta) with |p| = p or -p (4); the multilinear calls' data-aware
+    # bound (issue 34) adds one fused square of their inputs and the re-run on squares (2),
+    # then d / sqrt(Q + dlam p^2) (5: addcmul_, sqrt_ and the comparison) in every dtype (issue
+    # 26's d / S in float32 was 3, with |p| + gamma_k / u * S in a 16-bit one 5); gelu's S is
+    # |x| (1; 16-bit: |x|, |p| and their sum, 3); layer_norm is screened with the tensor scale
+    "improve_precision": {"add": 7, "matmul": 10, "linear (bias)": 11, "gelu": 6, "softmax": 6,
+                          "log_softmax": 6, "layer_norm bf16": 5, "sum": 9, "matmul bf16": 10,
                           "gelu bf16": 8, "relu_ (in-place)": 7,
                           "ReLU(inplace=True)": 7},
     # noise: 2 kernels (bit_noise) or 3 (add_noise), the re-run, the comparison
@@ -32,9 +32,9 @@ EXPECTED = {
     "change_value": {"gelu": 6, "softmax": 6, "sum": 5},
     "no_change": dict.fromkeys(["add", "matmul", "gelu"], 5),
 }
-#: above 8: three upcasts (linear with a bias), or the two-term scale of a 16-bit call whose
-#: bound needs S (the re-run on absolute values plus |p| and the weighted sum)
-OVER_EIGHT = {("improve_precision", "linear (bias)"), ("improve_precision", "matmul bf16")}
+#: above 8: the data-aware bound of the multilinear calls (the re-run on squared inputs plus
+#: the two kernels of its scale), three upcasts besides for a linear with a bias
+OVER_EIGHT = {("improve_precision", n) for n in ("linear (bias)", "matmul bf16", "matmul", "sum")}
 # an in-place call adds one clone of its input, taken before the real call (state.py); the
 # re-run is the out-of-place form on that clone
 EXPECTED["bit_noise"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 7))

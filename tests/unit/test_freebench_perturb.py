@@ -375,3 +375,36 @@ def test_flip_last_bit_keeps_equal_values_equal():
     x = torch.tensor([3.0, 3.0, 5.0, 0.0, float("inf")])
     y = perturb.flip_last_bit(x)
     assert y[0] == y[1] and (y[:3] != x[:3]).all() and y[3] == 0.0 and y[4] == math.inf
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(4, 1, 8).expand(4, 6, 8),
+                                  lambda: torch.randn(1, 8).expand(6, 8),
+                                  lambda: torch.randn(4, 1).expand(4, 6),
+                                  lambda: torch.randn(8, 6).t(),
+                                  lambda: torch.randn(8, 12)[:, ::2].t(),
+                                  lambda: torch.randn(3, 4, 5, 6).to(
+                                      memory_format=torch.channels_last)])
+def test_every_perturbation_keeps_the_layout_a_kernel_allocates_for_its_input(make):
+    # issue 34, defect C: a kernel that allocates empty_like(input) (a dropout's mask, drawn in
+    # memory order) must see the perturbed input laid out as the original: bit_noise of an
+    # expanded tensor came out with another dim order (4x6x8 with stride 0: strides (48, 1, 6))
+    x = make()
+    want = torch.empty_like(x).stride()
+    for fn in (perturb.bit_noise, perturb.add_noise, perturb.flip_last_bit, perturb.no_change,
+               lambda t: perturb.improve_precision(t, torch.float64)):
+        assert fn(x).stride() == want, fn
+
+
+def test_bit_noise_of_an_expanded_input_replays_a_dropout_mask_on_the_same_elements(tmp_path):
+    # the forward check of a dropout on an expanded tensor: with the mask on the same elements
+    # the one-ulp nudge moves each kept element by one ulp (no hot spot); with the layout changed
+    # the replayed mask landed on other elements (hot spots of 16x and 4,096x)
+    from probekit.freebench import FreeBench
+
+    x = torch.randn(4, 1, 64, generator=torch.Generator().manual_seed(0)).expand(4, 8, 64)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    torch.manual_seed(1)
+    with fb:
+        torch.nn.functional.dropout(x, 0.5, training=True)
+    assert fb.summary["checked"] == 1 and fb.summary["replayed"] == 1
+    assert fb.results.empty and fb.hotspots.empty, fb.hotspots

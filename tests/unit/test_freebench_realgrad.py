@@ -33,7 +33,7 @@ def test_collector_reads_exactly_this_calls_input_gradients():
     y = F.linear(h, w, b)
     edges = realgrad.plan(y, leaves, [0, 1, 2], mark)
     assert edges is not None
-    assert sorted(pos for pairs in edges.values() for _, pos in pairs) == [0, 1, 2]
+    assert sorted(pos for pairs in edges.values() for _, pos, _ in pairs) == [0, 1, 2]
     got = {}
     handles = [node.register_hook(hook)
                for node, hook in realgrad.Collector(edges, got.update).hooks()]
@@ -68,7 +68,7 @@ def test_plan_declines_where_the_real_gradient_is_not_the_calls_own():
     # a single node: its one edge to the leaf x
     mark = realgrad.marker()
     e = realgrad.plan(torch.exp(x), [x], [0], mark)
-    assert [(node.name(), pairs) for node, pairs in e.items()] == [("ExpBackward0", [(0, 0)])]
+    assert [(node.name(), pairs) for node, pairs in e.items()] == [("ExpBackward0", [(0, 0, None)])]
 
 
 def test_the_upstream_gradient_is_the_one_the_call_received_after_user_hooks(tmp_path):
@@ -118,3 +118,46 @@ def test_real_reference_gives_the_recomputed_references_findings(tmp_path, monke
     assert c1 == c2 and c1 > 40
     assert len(d1) > 0
     assert d1.equals(d2), (d1, d2)
+
+
+def test_a_parameter_cast_once_by_autocast_hands_each_call_its_own_gradient(tmp_path):
+    # issue 34, defect A: under CPU autocast a leaf used by two calls is cast to bf16 once (the
+    # cast is cached); one ToCopyBackward0 node hands W the sum of both calls' gradients. The
+    # first call's reference was that sum (two rows at about 66,958x), the second found no edge
+    lin = torch.nn.Linear(64, 64)
+    g = gen()
+    x1, x2 = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+    got = []
+    marks = []
+    with torch.autocast("cpu", dtype=bf16):
+        ys = []
+        for x in (x1, x2):
+            mark = realgrad.marker()
+            y = F.linear(x, lin.weight, lin.bias)
+            edges = realgrad.plan(y, [x, lin.weight, lin.bias], [1, 2], mark)
+            assert edges is not None and sorted(p for prs in edges.values()
+                                                for _, p, _ in prs) == [1, 2]
+            got.append({})
+            for node, hook in realgrad.Collector(edges, got[-1].update).hooks():
+                marks.append(node.register_hook(hook))
+            ys.append(y)
+    gy = [torch.randn(32, 64, generator=g).to(bf16) for _ in ys]
+    own = [torch.autograd.grad(y, [lin.weight, lin.bias], gy_, retain_graph=True)
+           for y, gy_ in zip(ys, gy)]
+    sum(((y * gy_).float().sum() for y, gy_ in zip(ys, gy))).backward()
+    for h in marks:
+        h.remove()
+    for k in range(2):
+        assert got[k][1].dtype == torch.float32
+        assert torch.equal(got[k][1], own[k][0]) and torch.equal(got[k][2], own[k][1]), k
+    # the training's gradient: the two summed in bf16 by the shared cast node, then converted
+    assert torch.equal(lin.weight.grad, (own[0][0].to(bf16) + own[1][0].to(bf16)).float())
+    for mode in ("improve_precision", "bit_noise"):
+        fb = FreeBench(dump_path=str(tmp_path / mode), pert_mode=mode, fuzz_stage="backward",
+                       list=["linear"])
+        with fb:
+            with torch.autocast("cpu", dtype=bf16):
+                loss = lin(x1).float().sum() + lin(x2).float().sum()
+            loss.backward()
+        assert fb.results.empty, (mode, fb.results)
+        assert fb.summary["checked"] == 2

@@ -26,6 +26,9 @@ from probekit.freebench.perturb import perturb
 from probekit.freebench.repro import (
     folder as repro, helpers as repro_helpers, record as repro_record)
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from _real_bugs import REAL_BUGS, batch_norm_kernel_is_wrong  # noqa: E402
+
 bf16, fp16 = torch.bfloat16, torch.float16
 
 #: runs every script given in one isolated Python, probekit blocked: prints each exit status
@@ -249,98 +252,8 @@ def test_a_sessions_records_are_bounded(tmp_path, monkeypatch, caplog):
         "Torch.add.0.forward.rank0.pt", "Torch.add.1.forward.rank0.pt"]     # nothing partial
 
 
-# -- the zoo's real bugs --------------------------------------------------------------------------------
-N, BINS = 20_000, 4
-
-
-def _values():
-    g = gen()
-    return torch.randint(0, BINS, (N,), generator=g), torch.rand(N, generator=g).to(fp16)
-
-
-def _near_1e20():
-    return torch.full((1000,), 1e20) + torch.randn(1000, generator=gen()) * 4e19
-
-
-def _constant_channels():
-    c = (torch.rand(5, generator=gen()) * 2 - 1) * 1e5
-    return c[None, :, None, None].repeat(4, 1, 6, 6).float()
-
-
-def _autocast_layer_norm():
-    # bf16 rows with fp32 weight and bias under CPU autocast: the mixed-type kernel sums the
-    # weight and bias gradients in bf16 (issue 26, RESULTS.md)
-    g = gen()
-    x = torch.randn(1024, 64, generator=g).to(bf16).requires_grad_()
-    w = (1 + 0.1 * torch.randn(64, generator=g)).requires_grad_()
-    b = (0.1 * torch.randn(64, generator=g)).requires_grad_()
-    gy = torch.randn(1024, 64, generator=g).to(bf16)
-    with torch.autocast("cpu", dtype=bf16):
-        y = F.layer_norm(x, (64,), w, b)
-    y.backward(gy)
-
-
-def _exp_backward():
-    x = torch.tensor([50.0, 51.0, 52.0], dtype=bf16, requires_grad=True)
-    torch.exp(x).float().sum().backward()
-
-
-def _exp_inplace_backward():
-    x = torch.tensor([50.0, 51.0, 52.0], dtype=bf16, requires_grad=True)
-    x.clone().exp_().float().sum().backward()
-
-
-def _fp16_layer_norm_backward():
-    g = gen()
-    x = torch.randn(1024, 64, generator=g).half().requires_grad_()
-    w = (1 + 0.1 * torch.randn(64, generator=g)).half().requires_grad_()
-    b = (0.1 * torch.randn(64, generator=g)).half().requires_grad_()
-    F.layer_norm(x, (64,), w, b).backward(torch.randn(1024, 64, generator=g).half())
-
-
-def _batch_norm_kernel_is_wrong() -> bool:
-    y = F.batch_norm(_constant_channels(), torch.zeros(5), torch.ones(5), training=True)
-    return y.abs().max().item() > 16 * 2.0 ** -24
-
-
-# (name, pert_mode, options, the call, the finding's cause)
-ZOO = [
-    # pytorch/pytorch#156173: fp16 index_put accumulate stalls at 2048
-    ("index_put_fp16", "improve_precision", {},
-     lambda: torch.index_put(torch.zeros(BINS, dtype=fp16), (_values()[0],), _values()[1],
-                             accumulate=True), "inaccurate"),
-    # the same in place: the script writes into fresh inputs each run
-    ("index_add_inplace_fp16", "improve_precision", {},
-     lambda: torch.zeros(BINS, dtype=fp16).index_add_(0, *_values()), "inaccurate"),
-    # pytorch/pytorch#57690: cdist(x, x)'s diagonal is not 0 (one tensor passed twice)
-    ("cdist_self", "improve_precision", {},
-     lambda: torch.cdist(*(torch.randn(40, 8, generator=gen()) * 10 + 100,) * 2), "inaccurate"),
-    ("log_softmax_fp16_small_output", "improve_precision", {},
-     lambda: F.log_softmax(torch.tensor([[0.0, -7.93]]).to(fp16), -1), "inaccurate"),
-    # fp32 overflow where float64 is finite (a NaN/Inf finding)
-    ("var_overflow", "improve_precision", {}, lambda: torch.var(_near_1e20()), "inaccurate"),
-    # pytorch/pytorch#5410: constant channels normalise to up to 0.95 (AVX2/AVX-512 kernels)
-    ("batch_norm_constant_channels", "improve_precision", {},
-     lambda: F.batch_norm(_constant_channels(), torch.zeros(5), torch.ones(5), training=True),
-     "inaccurate"),
-    ("softmax_fp16_large_logits", "bit_noise", {},
-     lambda: torch.softmax((torch.randn(4, 64, generator=gen()) * 2 + 1000).to(fp16), -1),
-     "ill-conditioned"),
-    # backward: fp16 layer_norm's parameter gradients summed in fp16; exp's gradient near 50 in
-    # bf16; layer_norm's parameter gradients under bf16 autocast (a matmul's weight gradient
-    # that cancels was used here: it moves by u S under one-ulp nudges, not ill-conditioned
-    # relative to its S, issue 26 point 2)
-    ("fp16_layer_norm_backward", "improve_precision",
-     {"fuzz_stage": "backward", "list": ["layer_norm"]}, _fp16_layer_norm_backward, "inaccurate"),
-    ("exp_bf16_backward", "bit_noise", {"fuzz_stage": "backward"}, _exp_backward,
-     "ill-conditioned"),
-    # the same through an in-place call (checked out of place on a clone, issue 26): the script
-    # makes the call the user made, differentiated on a copy of the leaf
-    ("exp_inplace_bf16_backward", "bit_noise", {"fuzz_stage": "backward", "list": ["exp"]},
-     _exp_inplace_backward, "ill-conditioned"),
-    ("autocast_layer_norm_backward", "improve_precision",
-     {"fuzz_stage": "backward", "list": ["layer_norm"]}, _autocast_layer_norm, "inaccurate"),
-]
+# -- the zoo's real bugs (tests/_real_bugs.py: the first eleven of the real-bug zoo) -------------
+ZOO = REAL_BUGS[:11]
 
 
 def test_zoo_findings_reproduce_in_a_fresh_process(tmp_path):
@@ -350,7 +263,7 @@ def test_zoo_findings_reproduce_in_a_fresh_process(tmp_path):
         with fb:
             fn()
         df = fb.results
-        if name == "batch_norm_constant_channels" and not _batch_norm_kernel_is_wrong():
+        if name == "batch_norm_constant_channels" and not batch_norm_kernel_is_wrong():
             assert df.empty      # this CPU kernel path computes it right: nothing to report
             continue
         assert len(df) == (2 if name.endswith("layer_norm_backward") else 1), (name, df)

@@ -38,10 +38,11 @@ import time
 import torch
 
 from . import autocast, blocks, realgrad, state
-from ..judge import cause, handlers, scales
+from ..judge import cause, handlers, saved, scales
 from ..perturb import perturb
 from ..judge.deferred import combine
 from ..judge.guards import modes_off, no_autocast
+from ..judge.judging import count_scale
 from ..judge.metric import device_stats
 from ..names import call_site
 
@@ -95,7 +96,7 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
                 return out
             if rerun is base:    # it draws nothing
                 call.replay = None
-            outs = handlers.float_outputs(out)
+            outs = handlers.float_outputs(out, complex_=True)   # (an FFT's: issue 34)
             if not outs:
                 engine.note_skip("no_float_output", key, name)
                 return out
@@ -112,6 +113,9 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
             check.autocast = (x.device.type, autocast.enabled_dtype(x.device))
             check.module = engine.current_module()  # the module running at the forward call
             check.out_dtype = sel[1].dtype
+            # the output its backward reads, when it keeps it (saved.py): the accuracy modes'
+            # re-run reads this one too, as the kernel was handed it
+            check.handed = sel[1].detach() if saved.saves_output(sel[1]) else None
             #: the dtype its gradients are judged in (autocast's for a call with fp32 outputs
             #: that computed in it: ``autocast.run``)
             check.compute_dtype = call.compute or check.out_dtype
@@ -133,6 +137,11 @@ def watch(engine, call, key, n, name, func, leaves, spec, frame):
     except Exception as exc:  # never reaches the training code
         engine.failed(key, name, exc)
     return out
+
+
+def _parts(mag) -> tuple:
+    """A gradient's scale material as a tuple (``(Q, K)`` of a counted call, else ``(S,)``)."""
+    return mag if isinstance(mag, tuple) else (mag,)
 
 
 class _BackwardCheck:
@@ -166,6 +175,8 @@ class _BackwardCheck:
         #: formula applies (``scales.py``), and its ``Judge`` for the scales (set per check)
         self.plan = None
         self.judges = None
+        #: the forward output the call's backward reads (``saved.saves_output``), else None
+        self.handed = None
 
     def __call__(self, grad):
         """The hook on the output (reference recomputed): the upstream gradient arrives."""
@@ -198,12 +209,12 @@ class _BackwardCheck:
             e.failed(self.key, self.name, exc)
         finally:
             e.busy = False
-            self.leaves = self.call = None  # release the inputs
+            self.leaves = self.call = self.handed = None  # release the inputs
             if e.budget is not None:
                 e.budget.spent(time.perf_counter() - t0)
 
     def _output(self, out):
-        for i, t in handlers.float_outputs(out):
+        for i, t in handlers.float_outputs(out, complex_=True):
             if i == self.out_index:
                 return t
         raise RuntimeError("the re-run did not produce the hooked output")
@@ -226,9 +237,11 @@ class _BackwardCheck:
             return None
         return plan
 
-    def _rerun(self, leaves, g):
+    def _rerun(self, leaves, g, handed=None):
         """Perturb ``leaves``, re-run the API with autograd and return (input gradients for
-        ``diff``, Perturbed) with upstream gradient ``g``."""
+        ``diff``, Perturbed) with upstream gradient ``g``. ``handed``: the forward output the
+        real backward read (``saved.py``); an upcast re-run whose backward reads its own output
+        reads this one instead, so that the kernel is measured on the inputs it was given."""
         e = self.engine
         with torch.no_grad():
             pert = perturb.apply(e.mode_name, perturb.Call(self.call.info, *perturb.unflatten(
@@ -244,6 +257,8 @@ class _BackwardCheck:
         pa, pkw = perturb.unflatten(p_leaves, self.spec)
         with no_autocast(e.upcast_mode):
             yp = self._output(self.func(*pa, **pkw))
+        if handed is not None and e.upcast_mode and saved.saves_output(yp):
+            saved.hand(yp, handed)
         gp_out = g.to(dtype=yp.dtype, device=yp.device)
         if pert.post is not None:
             gp_out = pert.post(gp_out)
@@ -255,23 +270,30 @@ class _BackwardCheck:
         return grads, mags, pert
 
     def _magnitudes(self, p_leaves, gp_out):
-        """``S`` of each compared gradient (None: the tensor's scale) where its ``Judge`` needs
-        one (accuracy modes): the backward on absolute values with ``|g|`` for the multilinear
-        and arithmetic families (``sum |g||b|``), a formula for softmax, normalisations and
-        attention (``magnitudes.py``)."""
+        """What each compared gradient's scale is made of (None: the tensor's scale) where its
+        ``Judge`` needs one (accuracy modes): the backward on squared inputs with ``g^2`` for
+        the data-aware bound of the multilinear and arithmetic families (``(Q, K)``, ``K`` the
+        terms per element of a counted one), ``S`` from a formula for softmax, normalisations
+        and attention (``magnitudes.py``)."""
         if not any(j.kind != scales.TENSOR for j in self.judges.values()):
             return None
         got = cause.backward_magnitudes(self.func, self.call.info.name, p_leaves, self.spec,
-                                        self.diff, self.out_index, gp_out.detach(), self.judges)
+                                        self.diff, self.out_index, gp_out.detach(), self.judges,
+                                        fast=True)
         return [got.get(i) for i in self.diff]
 
     def _scale(self, i, gq, mag):
-        """The per-element scale of input ``i``'s gradient: ``S``, or ``(S, lam)`` for a 16-bit
-        call's ``|gq| + lam S`` (``scales.Judge``); None when it is judged against the tensor's
+        """The per-element scale of input ``i``'s gradient: ``S``, ``(S, lam)`` for a 16-bit
+        call's ``|gq| + lam S``, or the data-aware bound's ``sqrt(Q + dlam gq^2)`` (``count``:
+        its per-element form) (``scales.Judge``); None when it is judged against the tensor's
         scale."""
         j = self.judges.get(i)
         if j is None or j.kind == scales.TENSOR or mag is None:
             return None
+        if j.source == "data":
+            return mag.addcmul_(gq, gq, value=j.dlam).sqrt_()
+        if j.source == "count":
+            return count_scale(j, gq, *mag)
         # the two terms |gq| + lam S are made chunk by chunk by the comparison (grad_stats)
         return mag if not j.lam else (mag, j.lam)
 
@@ -288,7 +310,7 @@ class _BackwardCheck:
     def _whole(self, plain, g, g_ref, exact):
         """(values, [(input position, reference gradient)], dtype computed in) of one re-run."""
         e = self.engine
-        g_pert, mags, pert = self._rerun(plain, g)
+        g_pert, mags, pert = self._rerun(plain, g, self.handed)
         e.applied(self.key, self.name)
         replaced, in_dtype = pert.replaced, pert.in_dtype
         del pert  # the re-run's inputs go before the comparisons
@@ -319,8 +341,9 @@ class _BackwardCheck:
         acc_mag: dict = {}
         in_dtype = None
         for start, length in plan.parts:
-            g_pert, mags, pert = self._rerun(plan.leaves(plain, start, length),
-                                             plan.output(g, start, length))
+            g_pert, mags, pert = self._rerun(
+                plan.leaves(plain, start, length), plan.output(g, start, length),
+                None if self.handed is None else plan.output(self.handed, start, length))
             in_dtype = pert.in_dtype
             del pert
             with torch.no_grad():
@@ -337,12 +360,16 @@ class _BackwardCheck:
                                                    exact, sc, self.engine.verdicts, False))
                     elif i in acc:
                         acc[i].add_(gq)
-                        if mag is not None:
-                            acc_mag[i].add_(mag)
+                        if mag is not None:   # S, Q and K all add up over the blocks
+                            for have, m in zip(_parts(acc_mag[i]), _parts(mag)):
+                                have.add_(m)
                     else:
                         acc[i] = gq.to(torch.float64, copy=True)
                         if mag is not None:
-                            acc_mag[i] = mag.to(torch.float64, copy=True)
+                            acc_mag[i] = tuple(m.to(torch.float64, copy=True)
+                                               for m in _parts(mag))
+                            if not isinstance(mag, tuple):
+                                acc_mag[i] = acc_mag[i][0]
                     del gq, mag
         self.engine.applied(self.key, self.name)
         values, originals = [], []
@@ -436,6 +463,8 @@ class _BackwardCheck:
         a = scales.Args(self.call_func, name, *perturb.unflatten(plain, self.spec))
         k_fwd = scales.forward_length(name, a, plain, g)
         formula_ok = not (fam == "attention" and (a.get("dropout_p", 4) or 0.0))
+        if fam in ("multilinear", "arithmetic"):
+            formula_ok = scales.data_variant(name, a, "backward")
         self.plan, self.judges = {}, {}
         for i, gr in zip(self.diff, g_ref):
             if gr is None:

@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ...log import Once, get_logger
-from . import autocast, blocks, rng, state
+from . import autocast, blocks, passes, rng, state
 from ..judge import cause, handlers, scales
 from ..perturb import perturb
 from .backward import watch
@@ -41,9 +41,11 @@ log = get_logger("probekit.freebench")
 SUMMARY_EVERY = 100
 
 EXTRA_REASONS = {
-    "no_float_input": "unsupported input type (no floating-point tensor input)",
+    "no_float_input": "no floating-point tensor input",
     "no_float_output": "the output holds no floating-point tensor",
     "no_grad": "no gradient flows through this call",
+    "backward_pass": "made inside the backward pass (a custom autograd.Function's backward, a "
+                     "gradient hook): checked in the backward stage",
     "dtype_arg": "fix: the call fixes its output dtype explicitly",
     "meta": "meta tensors hold no values",
     "budget": "the overhead budget leaves this call to a later step (call sites rotate)",
@@ -92,6 +94,26 @@ class _Unfixable(Exception):
     """fix: an observed call drew (its skip is already counted): the original call runs."""
 
 
+class _BackwardPass:
+    """``Tensor.backward`` / ``torch.autograd.backward`` run with the mode active inside the pass
+    (``passes.run``), the engine's ``in_backward`` set meanwhile: the Python calls the pass makes
+    (a custom ``autograd.Function.backward``, a gradient hook) are checked in the backward
+    stage and named in the coverage in the forward stage (``Engine.handle``)."""
+
+    __slots__ = ("mode", "info", "func")
+
+    def __init__(self, mode, info, func) -> None:
+        self.mode, self.info, self.func = mode, info, func
+
+    def __call__(self, *args, **kwargs):
+        e = self.mode.engine
+        e.in_backward += 1
+        try:
+            return passes.run(self.mode, self.info, self.func, args, kwargs)
+        finally:
+            e.in_backward -= 1
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, engine: "Engine") -> None:
         super().__init__()
@@ -109,6 +131,8 @@ class _Mode(TorchFunctionMode):
             info = e.classify(func)
         if info is PROPERTY or e.busy:
             return func(*args, **kwargs)
+        if info.autograd:   # a backward pass: the calls made inside it are seen too
+            func = _BackwardPass(self, info, func)
         e.calls += 1
         if not e.enabled:
             e.step_filtered += 1
@@ -168,6 +192,10 @@ class Engine(Judging):
         self.enabled = self._step_selected(0)
         self.busy = False
         self.in_optimizer = 0
+        #: backward passes (``_Mode._backward_pass``) the current call is made inside
+        self.in_backward = 0
+        #: called with the optimizer at the end of each outermost optimizer step (the session)
+        self.on_optimizer_step = None
         self.counts: dict[str, int] = {}
         self.handles: list = []
         self.watching: list = []  # backward checks registered in this block (backward.py)
@@ -189,6 +217,7 @@ class Engine(Judging):
         self.out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
+        self.integer_only: dict[str, int] = {}   # API -> calls with no floating input
         #: module scope (a ``modules.ModuleScope`` while attached, else None)
         self.modules = None
         self.out_of_module = 0
@@ -305,7 +334,22 @@ class Engine(Judging):
                 self.note_skip("no_gradient", check.key, check.name)
         self.remove_hooks()
         self.in_optimizer = 0
+        self.in_backward = 0
         self.busy = False
+        self.log_integer_only()
+
+    def log_integer_only(self) -> None:
+        """One INFO line, once per session, for the calls skipped because no floating-point
+        tensor was among their inputs (integer indexing, masks, positions: 450 WARNING lines,
+        one per API, across nine models before issue 34); ``summary["skipped"]`` counts them."""
+        if not self.integer_only or not self.once(("integer_only",)):
+            return
+        apis = sorted(self.integer_only.items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{k} {n}" for k, n in apis[:8])
+        more = f", +{len(apis) - 8} more" if len(apis) > 8 else ""
+        log.info("Free benchmark: %d call(s) of %d API(s) had no floating-point tensor input and "
+                 "are not checked (%s%s); summary['skipped']['no_float_input'] counts them.",
+                 sum(self.integer_only.values()), len(apis), shown, more)
 
     # -- logging -------------------------------------------------------------------------------
     def note_skip(self, reason: str, key: str, name: str, why: str | None = None,
@@ -317,10 +361,8 @@ class Engine(Judging):
         if not counted:
             self.skipped[reason] = self.skipped.get(reason, 0) + 1
             self.coverage.skip(_site(name), reason, text)
-        if reason == "no_float_input":
-            if self.once(("input", key)):
-                log.warning("Free benchmark: unsupported input type for %s (no floating-point "
-                            "tensor input).", name)
+        if reason == "no_float_input":   # one summary line for all of them (``stopped``)
+            self.integer_only[key] = self.integer_only.get(key, 0) + 1
         elif reason != "preheat" and self.once((reason, key, why)):
             log.info("Free benchmark: For %s, %s. Cancel perturbation.", name,
                      why or _reason_text(reason))
@@ -397,8 +439,10 @@ class Engine(Judging):
             except Exception as exc:
                 self.failed(key, name, exc)
                 return func(*args, **kwargs)
-        if self.stage == "backward":
+        if self.stage == "backward" and not self.in_backward:
             return watch(self, call, key, n, name, func, leaves, spec, frame)
+        # the forward stage's calls, and in the backward stage the calls made inside the
+        # backward pass (their outputs are gradients, checked as they are computed)
         return self._check_forward(call, key, n, name, func, leaves, spec, frame)
 
     def _writes(self, call, key, name, func, leaves):
@@ -439,6 +483,8 @@ class Engine(Judging):
                 reason, draw = draw, None
         if reason is None and self.in_optimizer and not torch.is_grad_enabled():
             reason = "optimizer"
+        if reason is None and self.in_backward and self.stage == "forward":
+            reason = "backward_pass"
         if reason is None and self.step_skip and scales.is_step(info.name):
             reason = "step"
         if reason is not None:
@@ -538,7 +584,7 @@ class Engine(Judging):
         return out
 
     def _compare_rerun(self, call, key, n, name, func, leaves, spec, frame, out) -> None:
-        outs = handlers.float_outputs(out)
+        outs = handlers.compared_outputs(out)
         if not outs:
             self.note_skip("no_float_output", key, name)
             return
@@ -563,7 +609,7 @@ class Engine(Judging):
         pert = perturb.apply(self.mode_name, call, leaves, spec)
         self.applied(key, name)
         p_out = func(*pert.args, **pert.kwargs)
-        p_outs = handlers.float_outputs(p_out)
+        p_outs = handlers.compared_outputs(p_out)
         if len(p_outs) != len(outs) or any(a[0] != b[0] for a, b in zip(p_outs, outs)):
             raise RuntimeError("the perturbed call returned outputs of another structure")
         if pert.post is not None:
@@ -603,7 +649,7 @@ class Engine(Judging):
                                                                call.fuzz_device), b_leaves, spec)
             in_dtype = pert.in_dtype
             p = func(*pert.args, **pert.kwargs)
-            (_, p), = handlers.float_outputs(p)
+            (_, p), = handlers.compared_outputs(p)
             (sc,) = self.forward_scales(judged, func, pert.new, spec, [(i, p)], outs, compute)
             parts.append(self.verdicts.stats(plan.output(o, start, length), p, sc, exact,
                                              whole=False))
@@ -665,8 +711,13 @@ class Engine(Judging):
     def optimizer_pre(self, *_):
         self.in_optimizer += 1
 
-    def optimizer_post(self, *_):
+    def optimizer_post(self, optimizer, *_):
+        """The end of an optimizer's step: the outermost one (a wrapper's inner steps are part
+        of it) hands its optimizer to ``on_optimizer_step`` (the session's steps follow the
+        optimizer, ``FreeBench``)."""
         self.in_optimizer = max(0, self.in_optimizer - 1)
+        if not self.in_optimizer and self.on_optimizer_step is not None:
+            self.on_optimizer_step(optimizer)
 
 
 def make_mode(engine: Engine) -> TorchFunctionMode:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ...log import get_logger
+from .metric import EXACT
 from .metric import combine as _combine
 from .metric import device_stats, fast_error, stats_from
 
@@ -111,7 +112,7 @@ def host_errors(values) -> list | None:
     for vals in values:
         err = getattr(vals, "err", None)
         if err is None:
-            if isinstance(vals, Held) or len(vals) == 5 or not vals[0].is_cpu:
+            if isinstance(vals, Held) or len(vals) >= EXACT or not vals[0].is_cpu:
                 return None
             read = [_host_value(v) for v in vals]
             if None in read:
@@ -152,16 +153,16 @@ def combine(parts: list) -> tuple:
     values were inconclusive was compared exactly, ``Verdicts.stats``): the fast ones are put
     in the exact layout first (conclusive fast values are all finite, so no mismatch)."""
     if len({len(p) for p in parts}) > 1:
-        parts = [p if len(p) == 5 else _as_exact(p) for p in parts]
+        parts = [p if len(p) >= EXACT else _as_exact(p) for p in parts]
     return _combine(parts)
 
 
 def _as_exact(values) -> tuple:
     zero = torch.zeros((), dtype=values[0].dtype, device=values[0].device)
     if len(values) == 4:                # tensor scale: (dlo, dhi, olo, ohi) + no mismatch
-        return (*values, zero)
+        return (*values, zero, zero)    # (+ max|p|: not kept by the fast form)
     nan = torch.full((), float("nan"), dtype=values[0].dtype, device=values[0].device)
-    return (*values, nan, nan, zero)    # per-element scale: max_abs not kept by the fast form
+    return (*values, nan, nan, zero, zero)   # per-element: max_abs, max|p| not kept either
 
 
 class Pending:
@@ -287,7 +288,7 @@ class Verdicts:
         if exact:
             self.exact_done.add(entry.site)
             self.recheck.discard(entry.site)
-        elif any(len(v) == 5 for v in entry.values):   # an inconclusive fast comparison was
+        elif any(len(v) >= EXACT for v in entry.values):   # an inconclusive fast comparison was
             self.unstable.add(entry.site)                # redone exactly: exact from now on
         self.pending.append(entry)
 
@@ -344,7 +345,7 @@ class Verdicts:
                 pos[dev] = i + k
                 v = read[dev][i:i + k]
                 chunks.append(v)
-                if k != 5:  # fast values, judged without building Stats
+                if k < EXACT:  # fast values, judged without building Stats
                     err = fast_error(v)
                     if err is None:
                         ok = False
@@ -370,8 +371,8 @@ class Verdicts:
         """An entry read back inconclusive: its held values redone exactly (True: read again)."""
         redone = []
         for v in e.values:
-            if len(v) == 5 or not isinstance(v, Held):
-                if len(v) != 5:   # fast, not held: cannot be redone (not expected)
+            if len(v) >= EXACT or not isinstance(v, Held):
+                if len(v) < EXACT:   # fast, not held: cannot be redone (not expected)
                     redone = None
                     break
                 redone.append(v)

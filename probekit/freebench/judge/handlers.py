@@ -68,12 +68,35 @@ def output_leaves(out) -> list:
     return [out]
 
 
-def float_outputs(out) -> list[tuple[int, torch.Tensor]]:
-    """(output_index, tensor) of the floating-point tensors among the output's leaves."""
+def float_outputs(out, complex_: bool = False) -> list[tuple[int, torch.Tensor]]:
+    """(output_index, tensor) of the floating-point tensors among the output's leaves
+    (``complex_``: the complex ones too, as they are: a backward check differentiates through
+    them)."""
     if isinstance(out, torch.Tensor):  # the common case
-        return [(0, out)] if out.is_floating_point() else []
+        return [(0, out)] if out.is_floating_point() or (complex_ and out.is_complex()) else []
     return [(i, t) for i, t in enumerate(output_leaves(out))
-            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or
+                                                (complex_ and t.is_complex()))]
+
+
+def _real_parts(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts: a real view with a trailing dim of 2."""
+    return torch.view_as_real(t.resolve_conj())
+
+
+def compared_outputs(out) -> list[tuple[int, torch.Tensor]]:
+    """``float_outputs``, and each complex output as its real and imaginary parts
+    (``torch.view_as_real``: a real tensor of the complex one's precision with a trailing dim
+    of 2), so that a forward check compares an FFT's result like any other (issue 34). Their
+    scale is that real tensor's own (the family ``other``), each part judged against the
+    largest part of the output."""
+    if isinstance(out, torch.Tensor):  # the common case
+        if out.is_floating_point():
+            return [(0, out)]
+        return [(0, _real_parts(out))] if out.is_complex() else []
+    return [(i, t if t.is_floating_point() else _real_parts(t))
+            for i, t in enumerate(output_leaves(out))
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
 
 
 def map_outputs(fn, out):

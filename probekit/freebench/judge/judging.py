@@ -16,8 +16,9 @@ need no confirmation. A flagged output the analysis does not confirm is a **hot 
 (``fb.hotspots``: never in the results or the CSV), as is a sensitivity check that moved by more
 than a correct kernel's rounding but kept most of its bits.
 
-Causes: a call site is analysed once, at its first flagged check while the call's inputs exist;
-its later flags take that cause. On the CPU every check of a site not analysed yet is judged as
+Causes: a call site's output is analysed once, at its first flagged check while the call's
+inputs exist; its later flags take that cause (an output of the site flagged later for the first
+time is analysed then: issue 34, defect B). On the CPU every check of a site not analysed yet is judged as
 it is made -- an exact check read back at once, a fast one read on the host by its bits
 (``deferred.host_errors``: no transfer, no ATen operator) -- so a flag is explained in its own
 call and none waits. On an accelerator a fast verdict is read at the gather, after the inputs are
@@ -44,6 +45,7 @@ from ...log import get_logger
 from . import cause, handlers, scales
 from ..perturb import perturb
 from .deferred import OutMeta, Pending, host_errors
+from .metric import EXACT
 from .guards import modes_off
 from ..names import call_site
 from .scales import TENSOR
@@ -67,6 +69,14 @@ def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
     if t is None:
         t = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
     return t
+
+
+def count_scale(j, p, Q, K):
+    """The per-element bound of a counted call (``scales.COUNTED``) over ``C``:
+    ``u_out |p| + K u_acc (|p| / 2 + beta sqrt(Q))`` (in place on ``Q``)."""
+    pa = p.abs()
+    b = Q.clamp_min_(0).sqrt_().mul_(scales.DATA_BETA).add_(pa, alpha=0.5)
+    return b.mul_(K).mul_(j.u_acc).add_(pa, alpha=j.u_out)
 
 
 class Judging:
@@ -120,9 +130,12 @@ class Judging:
         # a fast comparison found inconclusive as it was made (the CPU: deferred.py) was redone
         # exactly while the inputs exist: judged and, when flagged, explained now like an exact
         # check, rather than waiting in fb.hotspots for the site's next run
-        redone = not exact and any(len(v) == 5 for v in values)
+        redone = not exact and any(len(v) >= EXACT for v in values)
+        # a site is analysed per output: one whose compared outputs were not all analysed yet
+        # (a later flag of another output of the same site, issue 34 defect B) is explained
+        # while its inputs exist, like a site never analysed
         unexplained = explain is not None and not self.mode.exact and \
-            site not in self.site_causes
+            not self._analysed(site, outputs)
         # a fast verdict of a site never analysed, flagged: on the CPU its values are host
         # memory, read as they are computed (no transfer); judged and explained now, while the
         # inputs exist, rather than waiting for a next run of the site that may never come
@@ -143,12 +156,17 @@ class Judging:
                        explain=explain, site=site):
             self.verdicts.flagged_sites.add(site)
         elif (site in self._held or site in self._unexplained) and \
-                site not in self.site_causes:
+                not self._analysed(site, outputs):
             # a clean run of a site with rows waiting for their cause: explain them now
             held = {r["output_index"] for r in
                     self._held.get(site, []) + self._unexplained.get(site, [])}
             self._explain(site, name, explain,
                           [(i, o, out) for i, o, _, out in items if i in held])
+
+    def _analysed(self, site, outputs) -> bool:
+        """Has every compared output of this check (its descriptors) a cause at ``site``?"""
+        known = self.site_causes.get(site)
+        return known is not None and all(desc[0] in known for desc in outputs)
 
     @staticmethod
     def _flagged_now(values, outputs) -> bool:
@@ -197,10 +215,12 @@ class Judging:
 
     # -- the forward check's plan and scales (intercept.py runs the re-runs) --------------------
     def forward_plan(self, info, func, args, kwargs, leaves, outs) -> list:
-        """``(family, k, formula_ok)`` of each compared output of a forward call."""
+        """``(family, k, formula_ok)`` of each compared output of a forward call (for a
+        multilinear call the third is its ``scales.data_variant``)."""
         fam = scales.family(info.name)
         a = scales.Args(func, info.name, args, kwargs)
-        return [(fam, scales.forward_length(info.name, a, leaves, o), True) for _, o in outs]
+        var = scales.data_variant(info.name, a) if fam == "multilinear" else True
+        return [(fam, scales.forward_length(info.name, a, leaves, o), var) for _, o in outs]
 
     def forward_scales(self, plan, func, p_leaves, spec, p_outs, outs, compute=None) -> list:
         """The per-element scale of each compared output (None: the tensor's own), for the
@@ -211,13 +231,24 @@ class Judging:
         compute = compute or [o.dtype for _, o in outs]
         judges = [self.judge_of(fam, k, cdt, o.dtype, None, "forward", ok)
                   for (fam, k, ok), (_, o), cdt in zip(plan, outs, compute)]
-        got = None
+        got = squares = counts = None
         if any(j.source == "abs" for j in judges):
             a, kw = perturb.unflatten(scales.magnitude_leaves(p_leaves), spec)
             got = dict(handlers.float_outputs(scales.magnitude_run(func, a, kw)))
+        if any(j.source in ("data", "count") for j in judges):   # the call on squares
+            a, kw = perturb.unflatten(scales.square_leaves(p_leaves), spec)
+            squares = dict(handlers.float_outputs(func(*a, **scales.square_kwargs(kw))))
+        if any(j.source == "count" for j in judges):    # terms per element: the call on ones
+            a, kw = perturb.unflatten(scales.count_leaves(p_leaves), spec)
+            counts = dict(handlers.float_outputs(func(*a, **scales.count_kwargs(kw))))
         out = []
         for j, (i, p) in zip(judges, p_outs):
-            if j.source == "element":   # |p| + beta
+            if j.source == "data" and squares is not None and squares.get(i) is not None:
+                # sqrt(Q + dlam p^2): two kernels, in place on the squares' re-run
+                out.append(squares[i].addcmul_(p, p, value=j.dlam).sqrt_())
+            elif j.source == "count" and counts is not None and counts.get(i) is not None:
+                out.append(count_scale(j, p, squares[i], counts[i]))
+            elif j.source == "element":   # |p| + beta
                 if j.fam == "softmax":          # its outputs are >= 0
                     out.append(torch.add(p, j.beta))
                 elif j.fam == "log_softmax":    # its outputs are <= 0
@@ -254,6 +285,18 @@ class Judging:
         float64 analysis confirms it (``confirmed``)."""
         return kind_found == "nan_inf" or self.mode.exact
 
+    def _lost_half(self, st, desc) -> bool:
+        """Did an accuracy-mode output judged against its magnitude ``S`` (a sum, a product's
+        gradient) lose more than half its significant bits relative to the result itself,
+        within the bound (issue 34 point 5: a sum that cancels far below its ``S`` returns 24
+        for an exact 64, and ``gamma_k S`` allows it)? Read off an exact comparison, whose
+        ``scale`` is the result's ``max|p|`` (the fast form does not keep it: a call site's first
+        check is exact). The flag goes to the float64 analysis, which keeps it as a hot spot
+        with the bits lost (``cause.lost_result``) unless the kernel is to blame."""
+        if not self.mode.upcast or desc[3] != scales.MAGNITUDE or not st.scale == st.scale:
+            return False
+        return st.max_abs > scales.lost_bits_level(desc[6]) * st.scale
+
     @staticmethod
     def confirmed(why: str) -> bool:
         """Does the analysis' cause make a flagged output a finding? ``inaccurate``, or
@@ -279,6 +322,8 @@ class Judging:
             thr = desc[4]
             worst = max(worst, handlers.risk(st, thr))
             kind = handlers.judge(st, thr)
+            if kind is None and self._lost_half(st, desc):
+                kind = "rel_error"     # within the bound, yet half the result's bits are gone
             if kind is None:
                 if st.max_rel > desc[5]:
                     hot.append(self._row(name, stage, step, index, o, st, thr, "rel_error",
@@ -295,7 +340,7 @@ class Judging:
         causes = self._causes_for(site, name, explain, flagged)
         rows = []
         for index, o, desc, row, decisive in flagged:
-            if causes is None:          # not known yet: provisional, or wait for the analysis
+            if causes is None or index not in causes:   # not known yet: provisional, or wait
                 if decisive:
                     row["cause"] = self._provisional(row)
                     self._uncaused.setdefault(site, []).append(row)
@@ -308,7 +353,7 @@ class Judging:
                                  "explained at the call's next run (until then listed in "
                                  "fb.hotspots as 'pending').", name)
                 continue
-            row["cause"] = causes.get(index) or self._provisional(row)
+            row["cause"] = causes[index] or self._provisional(row)
             if decisive or self.confirmed(row["cause"]):
                 rows.append(row)
             else:
@@ -339,18 +384,23 @@ class Judging:
         return cause.INACCURATE if self.mode.upcast else cause.ILL_CONDITIONED
 
     def _causes_for(self, site, name, explain, flagged):
-        """``{output_index: cause}`` for a flagged call, or None when it cannot be known now (a
-        deferred verdict of a site never analysed: the site is re-checked exactly and explained
-        at its next run)."""
+        """``{output_index: cause}`` for a flagged call: the site's causes, with the flagged
+        outputs the site's analysis has not covered yet analysed now (``explain``). An output
+        whose cause cannot be known now is missing (a deferred verdict of a site not analysed
+        for it: the site is re-checked exactly and explained at its next run); None when none
+        is known."""
         if self.mode.exact:
             return {index: cause.NONDETERMINISTIC for index, _, _, _, _ in flagged}
+        known = self.site_causes.get(site) if site is not None else None
+        missing = [(index, o, desc) for index, o, desc, _, _ in flagged
+                   if known is None or index not in known]
+        if not missing:
+            return known
         if explain is not None:
-            return self._explain(site, name, explain,
-                                 [(index, o, desc) for index, o, desc, _, _ in flagged])
-        causes = self.site_causes.get(site) if site is not None else None
-        if causes is None and site is not None:
+            return self._explain(site, name, explain, missing)
+        if site is not None:
             self.verdicts.recheck.add(site)      # explained at its next run
-        return causes
+        return known
 
     def _explain(self, site, name, explain, items) -> dict:
         """Run the cause analysis once for a site; refine its provisional rows and settle the
@@ -361,22 +411,34 @@ class Judging:
             if self.once(("cause", name.rsplit(".", 2)[0])):
                 log.info("Free benchmark: no cause for %s (%s: %s); the rows keep the cause "
                          "the measurement shows.", name, type(exc).__name__, exc)
-            causes = {}
+            causes = {index: None for index, _, _ in items}   # tried: not asked again
         if site is None:
             return causes
-        self.site_causes[site] = causes
+        causes = self.site_causes[site] = {**self.site_causes.get(site, {}), **causes}
         capture = getattr(self, "repro_capture", None)   # issue 30: the call's repro record
-        if capture is not None and causes:
+        if capture is not None and causes:   # (once per call name: Recorder)
             capture(name, explain, items, causes)
+        keep = []
         for row in self._uncaused.pop(site, ()):
             row["cause"] = causes.get(row["output_index"]) or row["cause"]
+            if row["output_index"] not in causes:
+                keep.append(row)
+        if keep:
+            self._uncaused[site] = keep
         settled = []
-        for row in self._held.pop(site, []) + self._unexplained.pop(site, []):
-            row["cause"] = causes.get(row["output_index"]) or cause.UNCONFIRMED
-            if self.confirmed(row["cause"]):
-                settled.append(row)
-            else:
-                self._hotspot(row)
+        for held in (self._held, self._unexplained):
+            rows = held.pop(site, [])
+            left = [r for r in rows if r["output_index"] not in causes]
+            if left:   # outputs this analysis did not cover: still waiting for theirs
+                held[site] = left
+            for row in rows:
+                if row["output_index"] not in causes:
+                    continue
+                row["cause"] = causes[row["output_index"]] or cause.UNCONFIRMED
+                if self.confirmed(row["cause"]):
+                    settled.append(row)
+                else:
+                    self._hotspot(row)
         if settled:
             self.flagged += len(settled)
             self.emit(settled)
@@ -406,7 +468,10 @@ class Judging:
         return n
 
     def _hotspot(self, row) -> None:
-        """Keep a hot spot, one entry per call site and output (worst row kept, counted)."""
+        """Keep a hot spot, one entry per call site and output (worst row kept, counted), with
+        the significant bits its result lost relative to itself where the analysis measured it
+        (``cause.lost_result``: issue 34 point 5)."""
+        row["bits_lost"] = getattr(row.get("cause"), "bits", None)
         k = (row["stage"], row["api_name"], row["output_index"])
         have = self._hot.get(k)
         if have is None:

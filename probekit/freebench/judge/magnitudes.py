@@ -39,13 +39,8 @@ def _softmax(name: str, a: Args, leaves: list, g: torch.Tensor, log: bool):
     if pos is None:
         return None
     s = g.abs()
-    if log:
-        # S + R = |g| + exp(y) sum|g| (1 + |y|), y = log_softmax(x) <= 0: R = |y| exp(y) sum|g|
-        # is what the rounding of the saved output y moves the gradient by, per unit u
-        # (scales.SAVED_OUTPUT); y is clamped so that exp(y) = 0 gives 0, not 0 * inf
-        ly = torch.log_softmax(x, dim).clamp_(min=-1e4)
-        w = ly.exp().mul_(s.sum(dim, keepdim=True))
-        return {pos: s.add_(w).addcmul_(w, ly, value=-1.0)}    # three tensors of x's size
+    if log:     # |g| + exp(y) sum|g|, y = log_softmax(x)
+        return {pos: s.add_(torch.softmax(x, dim).mul_(s.sum(dim, keepdim=True)))}
     y = torch.softmax(-x if name == "softmin" else x, dim)
     # y (|g| + sum |g| y), in place (vecdot: no third tensor of x's size)
     t = torch.linalg.vecdot(s, y, dim=dim).unsqueeze(dim)
@@ -55,7 +50,7 @@ def _softmax(name: str, a: Args, leaves: list, g: torch.Tensor, log: bool):
 def _saturating(name: str, a: Args, leaves: list, g: torch.Tensor):
     """sigmoid ``|g| y`` (>= |g| y (1 - y) and >= |g| y |1 - 2y|), tanh ``|g| (1 + y^2)``
     (>= |g| (1 - y^2) and >= 2 |g| y^2): the gradient's magnitude and the factor of the saved
-    output's rounding in one (scales.SAVED_OUTPUT)."""
+    output's rounding in one (issue 26; the reference reads the saved output since issue 34)."""
     x = a.get("input", 0) if "input" in a.params else a.get("self", 0)
     if not isinstance(x, torch.Tensor):
         return None

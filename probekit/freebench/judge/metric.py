@@ -29,6 +29,8 @@ import torch
 from .scales import TENSOR
 
 CHUNK = 1 << 18  # 2 MiB of float64 per temporary
+#: values of an exact comparison (``_exact``); the fast forms have 4 (tensor scale) or 2
+EXACT = 6
 
 
 class Stats(NamedTuple):
@@ -37,7 +39,7 @@ class Stats(NamedTuple):
     max_rel: float   # worst |d_i| / S_i (the call's scale), over the finite pairs
     max_abs: float   # worst |d_i| over the finite pairs (NaN when the fast form did not keep it)
     nan_inf: int     # NaN/Inf mismatches
-    scale: float     # tensor scale: max|o|; NaN for per-element scales
+    scale: float     # tensor scale: max|o|; per-element: the result's max|p| (exact form), NaN
 
 
 def _chunks(t: torch.Tensor, size: int):
@@ -65,10 +67,12 @@ def _fast(o, p, scale) -> tuple:
 
 
 def _exact(o, p, scale) -> tuple:
-    """Exact values of one piece: tensor scale (dlo, dhi, olo, ohi, mismatches), else
-    (rlo, rhi, dlo, dhi, mismatches); maxima over the finite pairs (``nan_to_num`` zeroes the
-    others: arithmetic kernels instead of boolean masks, which cost several times an add on the
-    CPU); a NaN/Inf mismatch is a pair whose class (finite, NaN, +Inf, -Inf) differs."""
+    """Exact values of one piece: tensor scale (dlo, dhi, olo, ohi, mismatches, pmax), else
+    (rlo, rhi, dlo, dhi, mismatches, pmax); maxima over the finite pairs (``nan_to_num`` zeroes
+    the others: arithmetic kernels instead of boolean masks, which cost several times an add on
+    the CPU); a NaN/Inf mismatch is a pair whose class (finite, NaN, +Inf, -Inf) differs;
+    ``pmax = max|p|`` over the finite values, the result's scale (the bits it lost relative to
+    itself: issue 34, ``Judging.record``)."""
     cdt = torch.promote_types(torch.promote_types(o.dtype, p.dtype), torch.float32)
     oc, pc = o.to(cdt), p.to(cdt)
     of = torch.nan_to_num(oc, nan=0.0, posinf=0.0, neginf=0.0)
@@ -78,17 +82,19 @@ def _exact(o, p, scale) -> tuple:
     code_p = torch.nan_to_num(pc, nan=1.0, posinf=2.0, neginf=4.0).sub_(pf)
     mis = code_o.sub_(code_p).abs_().sign_().sum().to(cdt)
     dlo, dhi = torch.aminmax(d0)
+    pmax = torch.linalg.vector_norm(pf, math.inf)
     if scale is None:
         olo, ohi = torch.aminmax(of)
-        return dlo, dhi, olo, ohi, mis
+        return dlo, dhi, olo, ohi, mis, pmax
     r = torch.nan_to_num_(d0.div(scale.to(cdt)), nan=0.0, posinf=math.inf, neginf=-math.inf)
     rlo, rhi = torch.aminmax(r)
-    return rlo, rhi, dlo, dhi, mis
+    return rlo, rhi, dlo, dhi, mis, pmax
 
 
 def combine(parts: list) -> tuple:
     """One comparison's values from those of its pieces (blocks, chunks), on the device: minima
-    and maxima alternate, a fifth value (mismatches) is summed."""
+    and maxima alternate, a fifth value (mismatches) is summed, a sixth (``max|p|``) is a
+    maximum."""
     if len(parts) == 1:
         return tuple(parts[0])
     s = torch.stack([torch.stack(list(p)).to(torch.float64) for p in parts])
@@ -126,7 +132,7 @@ def _compare_pieces(o, p, scale, exact, fn) -> tuple:
             scale = scale.to(p.device)
     if o.numel() == 0:
         zero = torch.zeros((), dtype=torch.float64, device=p.device)
-        return (zero,) * (5 if exact else (4 if scale is None else 2))
+        return (zero,) * (EXACT if exact else (4 if scale is None else 2))
     if fn is None:
         fn = _exact if exact else _fast
     if o.numel() <= CHUNK:
@@ -137,13 +143,14 @@ def _compare_pieces(o, p, scale, exact, fn) -> tuple:
 
 def stats_from(values, kind: str = TENSOR) -> Stats | None:
     """``Stats`` from the values ``device_stats`` returned (read back as floats); None when the
-    fast form is inconclusive (a value is not finite: compare exactly)."""
-    if len(values) == 5:
-        a_lo, a_hi, b_lo, b_hi, mis = values
+    fast form is inconclusive (a value is not finite: compare exactly). An exact per-element
+    comparison's ``scale`` is the result's ``max|p|``."""
+    if len(values) >= EXACT:
+        a_lo, a_hi, b_lo, b_hi, mis, pmax = values[:EXACT]
         if kind == TENSOR:
             dmax, omax = max(-a_lo, a_hi, 0.0), max(-b_lo, b_hi, 0.0)
             return Stats(_ratio(dmax, omax), dmax, int(mis), omax)
-        return Stats(max(-a_lo, a_hi, 0.0), max(-b_lo, b_hi, 0.0), int(mis), math.nan)
+        return Stats(max(-a_lo, a_hi, 0.0), max(-b_lo, b_hi, 0.0), int(mis), pmax)
     if not all(math.isfinite(v) for v in values):
         return None
     if len(values) == 4:
@@ -188,5 +195,5 @@ def compare_many(triples) -> list[Stats]:
     device = values[0][0].device
     flat = torch.stack([v.to(device=device, dtype=torch.float64) for vals in values
                         for v in vals]).tolist()
-    return [stats_from(flat[5 * i:5 * i + 5], TENSOR if s is None else "scaled")
+    return [stats_from(flat[EXACT * i:EXACT * (i + 1)], TENSOR if s is None else "scaled")
             for i, (_, _, s) in enumerate(triples)]

@@ -81,36 +81,44 @@ ATTENTION = frozenset({"scaled_dot_product_attention"})
 #: S term is (u_out + gamma_k(u_acc)) S for them (``accumulation_term``)
 ROUNDED_OPERANDS = frozenset({"attention"})
 #: element-wise functions whose backward reads the saved output y through a derivative that
-#: vanishes where they saturate (sigmoid: g y (1 - y); tanh: g (1 - y^2)): the rounding of y is
-#: not bounded by any multiple of the gradient there (``SAVED_OUTPUT``), so their gradients are
-#: judged per element against a formula (``magnitudes._saturating``); the forward is element-wise
+#: vanishes where they saturate (sigmoid: g y (1 - y); tanh: g (1 - y^2)): their gradients are
+#: judged per element against a formula (``magnitudes._saturating``) that bounds the gradient
+#: there, the tensor's scale would not; the forward is element-wise
 SATURATING = frozenset({"sigmoid", "tanh"})
-#: backward formulas that read the forward's saved OUTPUT y, not x (autograd saves y), where the
-#: exact gradient is a function of the exact y. The saved y carries a relative error
-#: |delta| <= u_s = u_out + gamma_k(u_acc) (its rounding to the dtype the forward computed in,
-#: plus its forward kernel's own bound), and moves the gradient by a term a correct kernel cannot
-#: avoid, which the gradient's own cancellation does not shrink (first order in delta):
-#: * softmax, dx = y (g - <g, y>): delta_i y_i (g_i - <g, y>) - y_i sum_j g_j y_j delta_j, at most
-#:   u_s (|dx_i| + y_i sum|g| y) <= 2 u_s S_i (S = y (|g| + sum|g| y) bounds both terms);
-#: * log_softmax, dx = g - exp(y) sum g: exp(y (1 + delta)) = exp(y) (1 + y delta), at most
-#:   u_s |y_i| exp(y_i) |sum g|, which |y| (unbounded for small probabilities) keeps out of any
-#:   multiple of S: its formula adds R = |y| exp(y) sum|g| to S (``magnitudes._softmax``), and
-#:   (gamma_k + u_s) (S + R) >= gamma_k S + u_s R;
-#: * sigmoid, dx = g y (1 - y): delta y (1 - 2y) g, at most u_s |g| y |1 - 2y|; tanh,
-#:   dx = g (1 - y^2): 2 delta y^2 g, at most 2 u_s |g| y^2. Relative to the gradient these are
-#:   |1 - 2y| / (1 - y) and 2 y^2 / (1 - y^2): unbounded where the function saturates (bf16
-#:   sigmoid at x = 5: y = 0.9933 is rounded by up to 2^-9, 29 % of 1 - y). Their S
-#:   (``magnitudes._saturating``: |g| y for sigmoid, |g| (1 + y^2) for tanh) bounds both the
-#:   gradient and this term's factor, so the term is u_s S.
-#: The value: the multiple of u_s added to S's weight (``Judge.saved``). The forward stage, which
-#: computes from x, has no such term.
-SAVED_OUTPUT = {"softmax": 2.0, "log_softmax": 1.0, "saturating": 1.0}
+#: (issue 26 bounded the rounding of a saved forward output y, which these families' backward
+#: formulas read, by a term of their bound, m u_s S; since issue 34 every backward that reads
+#: its saved output is found from autograd's saved tensors, and its reference reads the output
+#: the kernel was handed: ``saved.py``. The formula families keep their S, which bounds the
+#: gradient element by element: sigmoid's |g| y, tanh's |g| (1 + y^2), softmax's
+#: y (|g| + sum|g| y))
 #: piecewise constant (or jumping) in their floating inputs: exact at the same inputs, and a
 #: one-ulp move only says on which side of a discontinuity an input lies (sensitivity modes skip)
 STEP = frozenset("""
 histc histogram histogramdd floor ceil round trunc fix frac sign sgn signbit heaviside
 floor_divide __floordiv__ __rfloordiv__ remainder __mod__ __rmod__ fmod bucketize searchsorted
 """.split())
+
+#: the data-aware bound of a sum (issue 34, docs "The error model"): the least accurate correct
+#: kernel adds the k terms one after the other in u_acc, and a sequential sum's error is at most
+#: its running error bound u_acc sum_i |s_i| (s_i the partial sums: Higham, Accuracy and
+#: Stability, 4.2). Averaged over the orders a kernel may take that do not depend on the values
+#: (a random order of the terms), s_i has mean (i/k) T and variance below (i (k - i) / k) Q / k
+#: (T = sum x, Q = sum x^2), so E sum_i |s_i| <= sum_i ((i/k) |T| + sqrt(i (k - i) / k^2 Q))
+#: ~ k (|T| / 2 + (pi / 8) sqrt(Q)). T is the result itself; Q the call on squared inputs.
+#: With |T| <= S and sqrt(Q) <= S it never exceeds gamma_k S, the worst case over all data,
+#: which stays the cap; alike terms (|T| = S) keep half of it, random signs lose a factor
+#: sqrt(k) of it (1/sqrt(k) of S for both |T| and sqrt(Q))
+DATA_BETA = math.pi / 8
+#: index-accumulating calls: how many terms land on one output element depends on the indices,
+#: so each element's k is counted, by the call on ones (unit coefficients: a sum mode). Their
+#: forms that average (a mean mode) or multiply keep the worst case gamma_k S
+COUNTED = frozenset("""
+index_put index_put_ put put_ index_add index_add_ scatter_add scatter_add_ scatter scatter_
+scatter_reduce scatter_reduce_ index_reduce index_reduce_ embedding_bag bincount
+""".split())
+#: calls whose terms are x / k (a mean): the call on squared inputs is sum x^2 / k, the terms'
+#: own sum of squares sum x^2 / k^2
+MEANS = frozenset({"mean", "nanmean"})
 
 #: keyword coefficients made positive for the magnitude re-run
 _COEFFICIENTS = ("alpha", "beta", "value")
@@ -120,8 +128,10 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # -- unit roundoffs and gamma ---------------------------------------------------------------------
 def unit_roundoff(dtype: torch.dtype) -> float:
-    """``u = eps / 2`` of a floating dtype (bfloat16 2^-8, float16 2^-11, float32 2^-24); float32's
-    for any other dtype."""
+    """``u = eps / 2`` of a floating dtype (bfloat16 2^-8, float16 2^-11, float32 2^-24), of a
+    complex dtype's parts; float32's for any other dtype."""
+    if isinstance(dtype, torch.dtype) and dtype.is_complex:
+        dtype = dtype.to_real()
     if dtype not in _FLOATS:
         dtype = torch.float32
     return torch.finfo(dtype).eps / 2
@@ -201,6 +211,29 @@ def _family(name: str) -> str:
     if name in ELEMENTWISE:
         return "elementwise"
     return "other"
+
+
+def data_variant(name: str, a: "Args", stage: str = "forward"):
+    """How the data-aware bound applies to a multilinear call (``DATA_BETA``): True (each
+    element's k is the argument k), ``"mean"`` (terms x / k), ``"count"`` (k counted per
+    element: ``COUNTED``), or False (no data-aware bound: gamma_k S). In the backward stage only
+    embedding_bag's weight gradient is an index accumulation (the others' gradients gather)."""
+    base = _outplace(name) or name
+    if stage == "backward":
+        if base == "embedding_bag":
+            return "count" if a.get("mode", 6) == "sum" else False
+        return True
+    if base in MEANS:
+        return "mean"
+    if base not in COUNTED:
+        return True
+    if base in ("scatter_reduce", "index_reduce"):
+        return "count" if a.get("reduce", 4) == "sum" else False
+    if base == "scatter":
+        return "count" if a.get("reduce", None) == "add" else False
+    if base == "embedding_bag":
+        return "count" if a.get("mode", 6) == "sum" else False
+    return "count"
 
 
 def is_step(name: str) -> bool:
@@ -443,10 +476,10 @@ class Judge:
     threshold, the hot-spot level, and what the scale is made of."""
 
     __slots__ = ("kind", "thr", "hot", "source", "k", "lam", "beta", "u_out", "u_acc", "fam",
-                 "upcast", "factor", "saved")
+                 "upcast", "factor", "saved", "data", "dlam")
 
     def __init__(self, kind, thr, hot, source, k, lam=0.0, beta=0.0, u_out=0.0, u_acc=0.0,
-                 fam="other", upcast=True, saved=0.0):
+                 fam="other", upcast=True, saved=0.0, data=False):
         self.kind = kind        # TENSOR | MAGNITUDE | ELEMENT (per-element scale)
         self.thr = thr
         self.hot = hot
@@ -463,8 +496,13 @@ class Judge:
         #: a configured threshold relative to the model's (``free_benchmark.thresholds``): the
         #: float64 analysis scales its bound (or, in the sensitivity modes, its sqrt(u)) alike
         self.factor = 1.0
-        #: the weight the rounding of a saved forward output adds to S's (``SAVED_OUTPUT``)
+        #: the weight a rounded operand adds to S's (0 since issue 34: ``saved.py``)
         self.saved = saved
+        #: the data-aware bound applies (``DATA_BETA``): True, ``"mean"`` (terms x / k),
+        #: ``"count"`` (k counted per element), or False (gamma_k S)
+        self.data = data
+        #: the fast check's data-aware scale is ``sqrt(Q + dlam p^2)`` (``_judge``)
+        self.dlam = 0.0
 
     def __repr__(self) -> str:
         return (f"Judge({self.kind}, thr={self.thr:.3g}, source={self.source}, k={self.k}, "
@@ -483,6 +521,8 @@ def judge(mode_name: str, fam: str, k: int, judged_dtype, *, stage: str = "forwa
     input's (sensitivity modes), ``override`` the configured threshold of that dtype.
     ``formula_ok``: the family's formula applies to this call (attention without dropout)."""
     j = _judge(mode_name, fam, k, judged_dtype, stage, formula_ok)
+    if fam in _ABS_FORWARD or (stage == "backward" and fam in _ABS_BACKWARD):
+        j.data = formula_ok     # the analysis' data-aware bound, in every mode
     if override is not None and not MODES[mode_name].exact:
         j.factor = float(override) / j.thr if j.thr > 0 else math.inf
         j.thr = float(override)
@@ -507,6 +547,19 @@ def _judge(mode_name, fam, k, judged_dtype, stage, formula_ok) -> Judge:
         source = None     # forward formulas (normalisations) are for the analysis only
     if source is None or math.isinf(g):
         return Judge(TENSOR, rounding, rounding, None, k, u_out=u_out, u_acc=u_acc, fam=fam)
+    if source == "count":   # per element: c (u_out |p| + K u_acc (|p| / 2 + beta sqrt(Q)))
+        return Judge(MAGNITUDE, C, C, source, k, u_out=u_out, u_acc=u_acc, fam=fam, data=source)
+    if source == "data":
+        # c (a |p| + b sqrt(q Q)) >= c b sqrt(q) sqrt(Q + dlam p^2), dlam = (a / b)^2 / q: the
+        # fast check divides by sqrt(Q + dlam p^2) (two kernels on the squares' re-run) and flags
+        # above c b sqrt(q), at most sqrt 2 below the bound (a superset; the analysis decides)
+        a, b = u_out + u_acc * k / 2, u_acc * k * DATA_BETA
+        q = 1.0 / max(1, k) if formula_ok == "mean" else 1.0
+        thr = C * b * math.sqrt(q)
+        j = Judge(MAGNITUDE, thr, thr, source, k, u_out=u_out, u_acc=u_acc, fam=fam,
+                  data="mean" if formula_ok == "mean" else True)
+        j.dlam = (a / b) ** 2 / q
+        return j
     if source == "element":
         beta = element_floor(fam, k, judged_dtype)
         beta = beta * g / (u_out + g) if fam in ("softmax", "log_softmax") else beta
@@ -516,11 +569,6 @@ def _judge(mode_name, fam, k, judged_dtype, stage, formula_ok) -> Judge:
         g = g + u_out
         rounding = C * (u_out + g)
     saved = 0.0
-    if stage == "backward" and source == "formula" and fam in SAVED_OUTPUT:
-        # the saved output's relative error u_s = u_out + gamma_k(u_acc) (see there)
-        saved = SAVED_OUTPUT[fam] * (u_out + g)
-        g = g + saved
-        rounding = C * (u_out + g)
     if u_out <= u_acc:          # float32 / float64: |p| <= S, the scale is S alone
         return Judge(MAGNITUDE, rounding, rounding, source, k, u_out=u_out, u_acc=u_acc, fam=fam,
                      saved=saved)
@@ -531,16 +579,21 @@ def _judge(mode_name, fam, k, judged_dtype, stage, formula_ok) -> Judge:
 def accumulation_term(fam: str, k: int, u_out: float, u_acc: float, saved: float = 0.0) -> float:
     """The weight of ``S`` in the bound: ``gamma_k(u_acc)``, plus ``u_out`` for the families
     whose products take operands rounded to the compute dtype (``ROUNDED_OPERANDS``), plus
-    ``saved`` (``Judge.saved``: a backward formula reading the forward's rounded output,
-    ``SAVED_OUTPUT``)."""
+    ``saved`` (``Judge.saved``; 0 since issue 34, whose reference reads the saved output)."""
     g = gamma(k, u_acc)
     return (g + u_out if fam in ROUNDED_OPERANDS else g) + saved
 
 
-def magnitude_source(fam: str, stage: str = "forward", formula_ok: bool = True):
-    """Where ``S`` of a family comes from: ``"abs"`` (the call, or its backward, on absolute
-    values), ``"element"`` (``|p|`` plus a floor), ``"formula"`` (``magnitudes.py``), or None
-    (the tensor's scale)."""
+def magnitude_source(fam: str, stage: str = "forward", formula_ok=True):
+    """Where the fast check's scale of a family comes from: ``"data"`` (the data-aware bound
+    from the call, or its backward, on squared inputs: ``DATA_BETA``; ``"count"`` with its k
+    counted per element), ``"abs"`` (``S``: the call on absolute values), ``"element"``
+    (``|p|`` plus a floor), ``"formula"`` (``magnitudes.py``), or None (the tensor's scale).
+    ``formula_ok``: a formula family's formula applies; a multilinear call's ``data_variant``."""
+    if fam in _ABS_FORWARD or (stage == "backward" and fam in _ABS_BACKWARD):
+        if formula_ok == "count":
+            return "count"
+        return "data" if formula_ok else "abs"
     if stage == "forward":
         if fam in _ABS_FORWARD:
             return "abs"
@@ -554,6 +607,17 @@ def magnitude_source(fam: str, stage: str = "forward", formula_ok: bool = True):
     if fam in _FORMULA_BACKWARD and formula_ok:
         return "formula"
     return None
+
+
+def data_bound(r_abs: torch.Tensor, Q: torch.Tensor, k, u_acc: float,
+               mean: bool = False) -> torch.Tensor:
+    """``u_acc k (|r| / 2 + beta sqrt(q Q))`` (``DATA_BETA``): the data-aware accumulation term
+    of a sum of ``k`` terms (a number, or per element a tensor of counts) whose result is ``r``
+    and whose call on squared inputs is ``Q`` (``q = 1/k`` for a mean's terms x / k)."""
+    root = Q.clamp_min(0).sqrt()
+    if mean:
+        root = root / math.sqrt(max(1, k))
+    return (r_abs * 0.5 + root * DATA_BETA) * (k * u_acc)
 
 
 def element_floor(fam: str, k: int, dtype) -> float:
@@ -584,6 +648,39 @@ def magnitude_kwargs(kwargs: dict) -> dict:
         return kwargs
     return {k: (abs(v) if k in _COEFFICIENTS and isinstance(v, (int, float)) else v)
             for k, v in kwargs.items()}
+
+
+def square_leaves(leaves: list) -> list:
+    """The leaves with every floating tensor squared (one fused ``_foreach_mul``) and float
+    scalars squared: the call on them is ``sum c x^2`` of its terms (``DATA_BETA``)."""
+    pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    new = [x * x if type(x) is float else x for x in leaves]  # ints may be dims: kept
+    if pos:
+        ts = [leaves[i] for i in pos]
+        for i, a in zip(pos, torch._foreach_mul(ts, ts)):
+            new[i] = a
+    return new
+
+
+def square_kwargs(kwargs: dict) -> dict:
+    """``alpha``/``beta``/``value`` squared: a term ``c x y`` squared is ``c^2 x^2 y^2``."""
+    if not any(k in kwargs for k in _COEFFICIENTS):
+        return kwargs
+    return {k: (v * v if k in _COEFFICIENTS and isinstance(v, (int, float)) else v)
+            for k, v in kwargs.items()}
+
+
+def count_leaves(leaves: list) -> list:
+    """The leaves with every floating tensor replaced by ones: the call on them counts the terms
+    of each output element (a ``COUNTED`` call in a sum mode; ``alpha`` set to 1 by
+    ``count_kwargs``)."""
+    return [torch.ones_like(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in leaves]
+
+
+def count_kwargs(kwargs: dict) -> dict:
+    return {k: (1 if k in _COEFFICIENTS else v) for k, v in kwargs.items()} \
+        if any(k in kwargs for k in _COEFFICIENTS) else kwargs
 
 
 def magnitude_run(func, args: tuple, kwargs: dict):

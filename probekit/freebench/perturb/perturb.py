@@ -112,8 +112,15 @@ def bit_noise(t: torch.Tensor) -> torch.Tensor:
     ``add_noise``); the factors are exact in every floating dtype, so every kernel path gives the
     same bits. Zeros (with their sign), subnormals, +-Inf and NaN are unchanged (so is the
     smallest normal where it moves towards zero, a tie; the largest finite value where it moves
-    away from zero becomes Inf, its next value up)."""
+    away from zero becomes Inf, its next value up).
+
+    The result is laid out as ``torch.empty_like(t)`` (as every other perturbation's is): for an
+    expanded input (a stride-0 dim) the checkerboard's overlapping strides would otherwise pick
+    the output's dim order, and a kernel that allocates ``empty_like(input)`` (a dropout's mask,
+    drawn in memory order) would put the replayed draws on other elements (issue 34, defect C)."""
     m, d = _checker(t)
+    if 0 in t.stride():
+        return torch.mul(t, m, out=torch.empty_like(t)).div_(d)
     return t.mul(m).div_(d)
 
 

@@ -203,11 +203,15 @@ def frame(rows: list[dict]):
 
 
 def hotspot_frame(rows: list[dict]):
-    """Hot spots (``FreeBench.hotspots``): ``COLUMNS`` plus ``count``, largest ratio first."""
+    """Hot spots (``FreeBench.hotspots``): ``COLUMNS`` plus ``count`` and ``bits_lost`` (the
+    significant bits the result lost relative to itself, where measured: a sum that cancels far
+    below its magnitude; NaN elsewhere), largest ratio first."""
     import pandas as pd
 
     df = frame(rows)
     df["count"] = pd.Series([int(r.get("count", 1)) for r in rows], dtype="int64")
+    df["bits_lost"] = pd.Series([float("nan") if r.get("bits_lost") is None else
+                                 float(r["bits_lost"]) for r in rows], dtype="float64")
     return by_severity(df).reset_index(drop=True)
 
 

@@ -274,34 +274,49 @@ class _rng_kept:
 
 
 # -- S and the bound ----------------------------------------------------------------------------------
-def magnitudes(c: _Case, leaves, g, judges: dict) -> dict:
-    """``{index: S}`` of the judged outputs in float64, by ``cause``'s functions (a 0-dim tensor
-    for the tensor scale)."""
+def magnitudes(c: _Case, leaves, g, judges: dict) -> tuple[dict, dict]:
+    """``({index: S}, {index: S_b})`` of the judged outputs in float64, by ``cause``'s functions
+    (a 0-dim tensor for the tensor scale): ``S_b`` where the analysis' bound reads more than
+    ``gamma_k S`` (``cause.forward_bounds`` / ``backward_bounds``: ``B`` over the bound's weight
+    of ``S``, so that the script's ``a |r| + b S_b`` is the analysis' bound)."""
     meta = c.meta
     api = meta["api"]
     with modes_off(), _rng_kept(c.rng), no_autocast(True):
         x64 = [cause.to64(t) for t in repro_record._clones(leaves)]
         if meta["stage"] == "forward":
             with torch.no_grad():
-                r = dict(cause.outputs(c.func, x64, c.spec))
+                r = dict(cause.outputs(c.func, x64, c.spec, compared=True))
                 S = cause.forward_magnitudes(judges, api, c.func, x64, c.spec, r)
+                B = cause.forward_bounds(judges, c.func, x64, c.spec, r, S)
         else:
             case = c.case
             with torch.enable_grad():
                 ref = cause.grads64(c.func, x64, c.spec, case["diff"], case["out_index"], g)
                 S = cause.backward_magnitudes(c.func, api, x64, c.spec, case["diff"],
                                               case["out_index"], g.to(torch.float64), judges)
-            pos = {i: k for k, i in enumerate(case["diff"])}
+                pos = {i: k for k, i in enumerate(case["diff"])}
+                B = cause.backward_bounds(c.func, x64, c.spec, case["diff"], case["out_index"],
+                                          g.to(torch.float64), judges,
+                                          {i: ref[pos[i]] for i in case["diff"]}, S)
             S = {i: (S[i] if S.get(i) is not None else ref[pos[i]].abs().amax())
                  for i in judges}
-    out = {}
-    for i, s in S.items():
-        s = s.detach().to(torch.float64)
-        if s.dim() and s.numel() > 1 and all(st == 0 for st in s.stride()):
-            s = s.as_strided((), ())        # the tensor scale, expanded: one number
-        out[i] = s.cpu().clone() if s.numel() * 8 <= repro_record.SAVE_LIMIT else \
-            s.to(torch.float32).cpu().clone()
-    return out
+    SB = {}
+    for i, b in B.items():
+        j = judges[i]
+        w = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
+        if i in judges and w:
+            SB[i] = _stored_tensor(b.detach().to(torch.float64) / w)
+    return {i: _stored_tensor(s) for i, s in S.items()}, SB
+
+
+def _stored_tensor(s):
+    """A float64 scale as ``inputs.pt`` keeps it (one number for an expanded tensor scale;
+    float32 above ``SAVE_LIMIT``)."""
+    s = s.detach().to(torch.float64)
+    if s.dim() and s.numel() > 1 and all(st == 0 for st in s.stride()):
+        s = s.as_strided((), ())        # the tensor scale, expanded: one number
+    return s.cpu().clone() if s.numel() * 8 <= repro_record.SAVE_LIMIT else \
+        s.to(torch.float32).cpu().clone()
 
 
 def bound_entry(judge: scales.Judge, leaves, e: dict, stage: str) -> dict:
@@ -413,7 +428,7 @@ def _write(rec, out: str, *, row: dict | None, shrink: bool, check: bool) -> Rep
         o = repro_helpers.run(c.call, repro_record._clones(leaves), c.case, g, c.rng)
         o = {i: t for i, t in o.items() if t is not None}
         judges = c.judges(leaves, g, o, recorded=not shrunk)
-        S = magnitudes(c, leaves, g, judges)
+        S, SB = magnitudes(c, leaves, g, judges)
     specs, data = _stored(c, leaves, g, shrunk, notes)
     case = dict(c.case, judged=[i for i in c.case["judged"] if i in judges])
     case["bound"] = {i: bound_entry(judges[i], leaves, c.entries[i], meta["stage"])
@@ -423,6 +438,8 @@ def _write(rec, out: str, *, row: dict | None, shrink: bool, check: bool) -> Rep
                  judged=[e for e in meta["judged"] if e["index"] in judges])
     for i, s in S.items():
         data[f"S{i}"] = s
+    for i, s in SB.items():
+        data[f"SB{i}"] = s
     if not shrunk:
         for i in meta.get("expected", []):
             if f"o{i}" in c.tensors and i in judges:
@@ -466,7 +483,8 @@ def run_here(script_path: str, meta) -> dict:
     try:
         with modes_off(), _rng_kept(torch.get_rng_state()):
             fresh, g, S, expected, rng = ns["load"](device)
-            return ns["measure"](ns["call"], fresh, meta["case"], S, g, rng, expected)
+            return ns["measure"](ns["call"], fresh, meta["case"], S, g, rng, expected,
+                                 S.pop("bound"))
     finally:
         torch.set_num_threads(threads)
 

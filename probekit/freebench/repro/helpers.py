@@ -13,7 +13,14 @@ come from probekit, ``scales.py`` / ``cause.py``, and are written into the scrip
 * ``accuracy`` = ``max |o - r| / b`` (a NaN/Inf where float64 is finite counts as infinite);
 * ``moved`` = ``max |s - r| / b`` over the nudges;
 * ``lost`` = the largest move beyond float64's own rounding, relative to the call's magnitude
-  ``max(max S, max |r|)`` (issue 26: a result that cancels far below ``S`` keeps its bits);
+  ``max(max S, max |r|)`` (issue 26: a result that cancels far below ``S`` keeps its bits; an
+  element whose exact value is 0, within that rounding, has no bits to lose: issue 34);
+
+``b`` reads ``S_b`` where probekit wrote one (the data-aware bound of a sum, an element-wise
+function's backward-stable term: issue 34), ``S`` otherwise. Where the call's backward reads its
+saved forward output (``saves_output``), ``accuracy`` is measured against the float64 backward
+reading the output the kernel's own forward gave (the kernel is handed it), ``moved`` and
+``lost`` against the exact one;
 
 and the verdict of ``cause.py``: ``inaccurate`` when ``accuracy > 1`` and ``accuracy > blame *
 moved``; ``ill-conditioned`` when ``lost`` exceeds half the dtype's bits (in the accuracy modes
@@ -157,12 +164,41 @@ def _rng(rng_state):
         torch.set_rng_state(rng_state)
 
 
-def run(call, leaves: list, case: dict, g=None, rng_state=None, exact: bool = False) -> dict:
+_SAVED: dict = {}
+
+
+def saves_output(out) -> bool:
+    """Does ``out``'s backward node keep ``out`` itself (a ``_saved_*`` attribute, or a custom
+    Function's ``saved_tensors``, with its storage, shape and strides)?"""
+    node = getattr(out, "grad_fn", None)
+    if node is None or not out.numel():
+        return False
+    names = _SAVED.get(type(node))
+    if names is None:
+        names = tuple(a for a in dir(node) if a.startswith("_saved_"))
+        names += ("saved_tensors",) if hasattr(node, "saved_tensors") else ()
+        _SAVED[type(node)] = names
+    key = (out.data_ptr(), tuple(out.shape), out.stride())
+    for name in names:
+        try:
+            v = getattr(node, name)
+        except Exception:
+            continue
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor) and (t.data_ptr(), tuple(t.shape), t.stride()) == key:
+                return True
+    return False
+
+
+def run(call, leaves: list, case: dict, g=None, rng_state=None, exact: bool = False,
+        handed=None, keep=None) -> dict:
     """The judged results of one run of ``call`` on ``leaves``: ``{index: tensor}`` of the judged
     outputs (forward) or of the judged inputs' gradients (backward, upstream gradient ``g``).
     ``exact``: every floating input and ``g`` in float64, autocast off (the reference);
     otherwise the call as the training made it (under its autocast dtype; the backward with
-    autocast off, as a training's backward runs)."""
+    autocast off, as a training's backward runs). Backward: ``keep["y"]`` is set to the forward
+    output when the backward reads it (else None); ``handed``: a forward output the backward
+    reads instead of its own saved one."""
     leaves = [to64(x) for x in leaves] if exact else list(leaves)
     args = lambda: [leaves[i] for i in case["tensor_pos"]]   # noqa: E731
     if case["stage"] == "forward":
@@ -183,6 +219,11 @@ def run(call, leaves: list, case: dict, g=None, rng_state=None, exact: bool = Fa
         _rng(rng_state)
         with _autocast(case, not exact):
             y = float_outputs(call(*args()))[case["out_index"]]
+        if keep is not None:
+            keep["y"] = y.detach() if saves_output(y) else None
+        if handed is not None and saves_output(y):
+            with torch.no_grad():
+                y.data.copy_(handed.to(device=y.device, dtype=y.dtype))
         with _autocast(case, False):
             gy = g.to(device=y.device, dtype=torch.float64 if exact else g.dtype)
             grads = torch.autograd.grad(y, ins, gy, allow_unused=True)
@@ -220,7 +261,7 @@ def lost_bits(s, r, floor, S=None) -> float:
     call), relative to ``magnitude(r, S)``."""
     with torch.no_grad():
         d = (s.to(r.device, torch.float64) - r).abs().nan_to_num(nan=math.inf)
-        beyond = (d - floor).clamp_min(0)
+        beyond = (d - floor).clamp_min(0) * (r.abs() > floor)    # an exact 0 has no bits
         top = beyond.amax().item() if beyond.numel() else 0.0
     m = magnitude(r, S)
     if top <= 0:
@@ -271,12 +312,17 @@ def _worst(o, r, b) -> dict:
                 "scale": r.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item()}
 
 
-def measure(call, fresh, case: dict, S: dict, g=None, rng_state=None, expected=None) -> dict:
+def measure(call, fresh, case: dict, S: dict, g=None, rng_state=None, expected=None,
+            SB=None) -> dict:
     """Every judged output's measures and verdict. ``fresh()``: the call's inputs, new tensors
     each time (an in-place call writes into them); ``S``: ``{index: S}`` in float64 (a 0-dim
-    tensor stands for the tensor scale); ``expected``: ``{index: output recorded in the run}``."""
-    o = run(call, fresh(), case, g, rng_state)
+    tensor stands for the tensor scale); ``SB``: ``{index: S_b}`` where the bound reads its own
+    (module doc); ``expected``: ``{index: output recorded in the run}``."""
+    keep = {}
+    o = run(call, fresh(), case, g, rng_state, keep=keep)
     r = run(call, fresh(), case, g, rng_state, exact=True)
+    r_acc = run(call, fresh(), case, g, rng_state, exact=True, handed=keep["y"]) \
+        if keep.get("y") is not None else r
     out = {}
     bounds = {}
     for i in case["judged"]:
@@ -285,11 +331,12 @@ def measure(call, fresh, case: dict, S: dict, g=None, rng_state=None, expected=N
         bd = case["bound"][i]
         s_i = S[i].to(r[i].device, torch.float64)
         s_i = s_i.expand_as(r[i]) if s_i.dim() == 0 else s_i
-        b = r[i].abs() * bd["a"] + s_i * bd["b"]
+        sb_i = s_i if not SB or SB.get(i) is None else SB[i].to(r[i].device, torch.float64)
+        b = r[i].abs() * bd["a"] + sb_i * bd["b"]
         bounds[i] = (b, r[i].abs() * bd["a64"] + s_i * bd["b64"], s_i)
-        acc = ratio(o[i], r[i], b)
+        acc = ratio(o[i], r_acc[i], r_acc[i].abs() * bd["a"] + sb_i * bd["b"])
         res = {"accuracy": acc, "moved": 0.0, "lost": 0.0}
-        res.update(_worst(o[i], r[i], b))
+        res.update(_worst(o[i], r_acc[i], b))
         res["magnitude"] = magnitude(r[i], s_i)
         if expected is not None and expected.get(i) is not None:
             e = expected[i].to(o[i].device, torch.float64)

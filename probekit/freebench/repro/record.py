@@ -367,7 +367,11 @@ def judge_entry(index, o, desc, why, fb, plan=None) -> dict:
     judged = desc[6]
     formula_ok = True
     if plan is not None and plan.get(index) is not None:
-        formula_ok = bool(plan[index][2])
+        formula_ok = plan[index][2]
+    if j.fam == "multilinear" or (j.fam == "arithmetic" and desc[7] is not None and
+                                  j.source in ("data", "count")):
+        formula_ok = j.data            # its data-aware bound's variant (scales.data_variant)
+    formula_ok = formula_ok if isinstance(formula_ok, str) else bool(formula_ok)
     return {"index": int(index), "cause": str(why), "dtype": str(o.dtype).replace("torch.", ""),
             "shape": list(o.shape), "judged_dtype": str(judged).replace("torch.", ""),
             "fam": j.fam, "k": int(j.k), "kind": j.kind, "thr": float(j.thr),

@@ -203,7 +203,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load(device):
-    """(fresh, upstream gradient, S, expected outputs, CPU generator state) from inputs.pt."""
+    """(fresh, upstream gradient, S (with ``S["bound"]``: the bound's own S_b where written),
+    expected outputs, CPU generator state) from inputs.pt."""
     data = torch.load(os.path.join(HERE, "inputs.pt"), map_location="cpu", weights_only=True)
     bases = {n: (data[n] if s["stored"] == "saved" else generate(s)) for n, s in INPUTS.items()}
 
@@ -219,6 +220,7 @@ def load(device):
 
     g = build().get("g")
     S = {i: data[f"S{i}"] for i in CASE["judged"]}
+    S["bound"] = {i: data[f"SB{i}"] for i in CASE["judged"] if f"SB{i}" in data}
     expected = {i: data[f"o{i}"] for i in CASE["judged"] if f"o{i}" in data}
     return fresh, g, S, expected, data.get("rng")
 
@@ -278,7 +280,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         case = dict(CASE, device=torch.device(args.device).type)
         fresh, g, S, expected, rng = load(args.device)
-        res = measure(call, fresh, case, S, g, rng, expected)
+        res = measure(call, fresh, case, S, g, rng, expected, S.pop("bound"))
     except Exception as exc:   # not a verdict: the script could not run here
         print(f"could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

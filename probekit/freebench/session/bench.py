@@ -5,6 +5,9 @@
         loss = model(x).sum(); loss.backward()
     fb.step()                         # per-API counters reset, step number + 1
     fb.results                        # DataFrame, one row per inconsistent output
+
+Steps follow the optimizer, as in ``GradProbe``: an ``optimizer.step()`` inside the probe ends
+the training step (``fb.step()`` right after it is the same boundary, not another one).
     fb.summary                        # calls, checked, skipped {reason: n}, flagged, steps
 
 ``PrecisionDebugger(task="free_benchmark")`` drives the same object through ``open_session``.
@@ -76,6 +79,14 @@ class FreeBench:
         self._run = None  # this session's run in its dump folder (report/runs.py), from start()
         #: ``impact`` results by api_name (the findings view's ``impact`` column)
         self.impacts: dict = {}
+        # steps follow the optimizer (``_optimizer_step``) until fb.step() is called: the
+        # optimizers seen and those that stepped since the last boundary; whether the last
+        # boundary was the optimizer's
+        self._explicit = False
+        self._optimizers: set = set()
+        self._stepped: set = set()
+        self._auto_last = False
+        self._engine.on_optimizer_step = self._optimizer_step
         # verdicts still pending when the process exits (a run that never called stop()) are
         # read back and written then; a weak reference: the hook does not keep this alive
         self._exit_hook = functools.partial(_gather_at_exit, weakref.ref(self))
@@ -228,9 +239,44 @@ class FreeBench:
     def step(self) -> None:
         """End of a training step: pending verdicts gathered, per-API counters reset, the step
         number grows by one. A filter or stage that left the step with nothing checked is
-        reported once (WARNING), and so is a step() before any start()."""
+        reported once (WARNING), and so is a step() before any start().
+
+        Steps follow the optimizer (as in ``GradProbe``) in a session that does not call
+        ``fb.step()``: an ``optimizer.step()`` made while the probe is active ends the step by
+        itself (``_optimizer_step``), so a plain ``with fb:`` loop that calls
+        ``optimizer.step()`` counts its steps (and ``combined`` alternates its modes). Once
+        ``fb.step()`` is called the steps are the caller's, as before; its first call right
+        after a step the optimizer ended is that same boundary (``opt.step(); fb.step()``
+        inside or after the block is one step)."""
         if not self._started and self._coverage_once("step-before-start"):
             log.warning("%s", _step_before_start(self.config, self._engine.step))
+        first, self._explicit = not self._explicit, True
+        if first and self._auto_last:
+            self._gather()    # the optimizer ended this step already
+            return
+        self._advance(auto=False)
+
+    def _optimizer_step(self, optimizer) -> None:
+        """The engine's ``on_optimizer_step``: an outermost optimizer step ended while the probe
+        is active. Until ``fb.step()`` is called it ends the step; with several optimizers (a
+        GAN's generator and discriminator) once every optimizer seen so far has stepped since
+        the last boundary. Never raises into the training."""
+        if self._explicit:
+            return
+        try:
+            key = id(optimizer)
+            self._optimizers.add(key)
+            self._stepped.add(key)
+            if self._stepped >= self._optimizers:
+                self._stepped.clear()
+                self._advance(auto=True)
+        except Exception as exc:   # never reaches the training code
+            log.warning("Free benchmark: ending the step at the optimizer's step failed (%s: "
+                        "%s)", type(exc).__name__, exc)
+
+    def _advance(self, auto: bool) -> None:
+        """One step boundary (``auto``: the optimizer's): the verdicts gathered, the step's
+        coverage findings reported, the engine's per-step state moved to the next step."""
         self._gather()
         e = self._engine
         try:
@@ -240,6 +286,7 @@ class FreeBench:
         finally:
             e.next_step()
             self._step_start = coverage.counters(e)
+            self._auto_last = auto
 
     def monitor(self, model, optimizer=None) -> None:
         log.warning("monitor() belongs to the grad probe; the free benchmark sees every API call "
