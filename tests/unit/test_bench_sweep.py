@@ -1,7 +1,9 @@
 """benchmarks/bench_sweep.py's bookkeeping (the sweep itself runs in ``make bench``): how the
 libraries are enumerated, sharded and resumed, how configs are shrunk, how rows are classed."""
 import json
+import logging
 import os
+import signal
 import sys
 
 import pytest
@@ -102,11 +104,16 @@ def test_resume_skips_done_items_and_records_failures(tmp_path):
     assert [it["id"] for it in B.pending(res, items)] == ["timm.no_such_type"]
     import torch
 
-    threads = torch.get_num_threads()
-    try:   # the worker, in this process: a module with no candidate fails to build, recorded
+    # the worker, in this process: a module with no candidate fails to build, recorded; what a
+    # worker process sets for itself (threads, probekit's log level, the alarm) is set back
+    threads, level = torch.get_num_threads(), logging.getLogger("probekit").level
+    alarm = signal.getsignal(signal.SIGALRM)
+    try:
         assert B.work(res, "timm", 0, 1, timeout=60) == 0
     finally:
         torch.set_num_threads(threads)
+        logging.getLogger("probekit").setLevel(level)
+        signal.signal(signal.SIGALRM, alarm)
     with open(done) as fh:
         assert fh.read() == '{"status": "kept"}'            # not run again
     with open(os.path.join(res, "timm", "no_such_type.json")) as fh:
