@@ -104,7 +104,11 @@ def judge(ref, test, controls) -> dict:
     cmp = compare_grads(ref, test, control=list(controls), progress=False)
     r = cmp.isel(rank=0)
     kinds = np.asarray(r["flag_kind"].values)
-    return {"verdict": verdict_kind(cmp), "step": int(r["first_step"]),
+    with np.errstate(all="ignore"):
+        worst = float(np.nanmax(np.where(kinds > 0, r["excess"].values, np.nan))) \
+            if (kinds > 0).any() else 0.0
+    return {"verdict": verdict_kind(cmp), "step": int(r["first_step"]), "excess": worst,
+            "margin": float(r["margin"]) if "margin" in r else float("nan"),
             "param": str(r["first_param"].item()), "sign": int((kinds == 1).sum()),
             "scale": int((kinds == 2).sum()), "nonfinite": int((kinds == 3).sum()),
             "total": int(np.asarray(r["flag_total"].values).sum()),
@@ -265,8 +269,11 @@ def zoo_record(path, kind, setting="fp32", control=None, seed=0, steps=SWEEP_STE
         names = [n for n, p in model.named_parameters() if p.dim() >= 2]
         param = model.get_parameter(names[len(names) // 2])
         factor = SWEEP_BUGS[setting]
-        param.register_post_accumulate_grad_hook(
-            lambda p: p.grad.div_(factor) if clock.step >= ONSET else None)
+
+        def scale(p):
+            if clock.step >= ONSET:
+                p.grad.div_(factor)
+        param.register_post_accumulate_grad_hook(scale)
     gen = torch.Generator().manual_seed(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with GradProbe(model, dump_path=path, control=control, control_seed=seed) as probe:
@@ -276,10 +283,13 @@ def zoo_record(path, kind, setting="fp32", control=None, seed=0, steps=SWEEP_STE
             halves = ([{k: v[:2] for k, v in inputs.items()}, {k: v[2:] for k, v in inputs.items()}]
                       if setting == "split" else [inputs])
             opt.zero_grad()
+            # the test's autocast, and where it is, the reference's code marks it for its
+            # control (an autocast(enabled=False) in there would turn the control's off)
+            amp = (torch.autocast("cpu", dtype=torch.bfloat16) if setting == "autocast"
+                   else probe.recipe())
             with _zoo_setting(setting):
                 for part in halves:
-                    with probe.recipe(), torch.autocast("cpu", dtype=torch.bfloat16,
-                                                        enabled=setting == "autocast"):
+                    with amp:
                         loss = model(**part).loss / len(halves)
                     loss.backward()
                 opt.step()
@@ -322,7 +332,8 @@ def sweep(args) -> dict:
         print(kind, f"{time.perf_counter() - t0:.0f} s", flush=True)
         for r in rows:
             if r["model"] == kind and r["verdict"] != r["expected"]:
-                print("  ", r["precision"], r["test"], r["controls"], r["verdict"], r["text"][:160],
+                print("  ", r["precision"], r["test"], r["controls"], r["verdict"],
+                      f"excess {r['excess']:.3g} margin {r['margin']:.3g}", r["text"][:150],
                       flush=True)
     return {"rows": rows, "steps": args.steps, "onset": ONSET, "summary": _summary(rows)}
 

@@ -51,6 +51,11 @@ PRIOR_SPREAD = {"fp32": (1.38, 0.24), "half": (0.45, 0.45)}
 #: spread 5-10x the typical one; kurtosis 5-13 over the parameters, against 3-4 at bf16), so
 #: two controls cannot tell the typical spread from the widest and the prior stays the floor
 FLOOR_PARAM_SPREAD = {"fp32": 0.24, "half": 0.0}
+#: degrees of freedom of the parameter term's Student-t tail per precision, None: Gaussian.
+#: Measured kurtosis of the parameter term over the parameters (ten controls, three models):
+#: fp32 4.3-12.7 (a few parameters spread 5-10x the typical one), bf16 2.8-4.0; the heaviest
+#: measured, 12.7, is a t with 4 + 6 / (12.7 - 3) = 4.6 degrees of freedom
+PARAM_TAIL = {"fp32": 4.6, "half": None}
 #: least parameters whose controls' disagreement measures the parameter term, and over which a
 #: test's own shift is measured
 MIN_PARAMS_SPREAD = 8
@@ -134,19 +139,20 @@ def log_dev(x, r):
 
 
 def margin(controls: int, params: int, run_sd: float, param_sd: float,
-           alpha: float = ALPHA / 4, draws: int = DRAWS) -> tuple:
+           alpha: float = ALPHA / 4, draws: int = DRAWS, tail=None) -> tuple:
     """``(m, c)``: a test may reach ``m * exp(credit) * band`` at a parameter, ``credit`` its
     own shift over the controls (the median over the parameters of its log largest deviation
     over the band's) clipped to ``[0, ln c]``, with a chance of a false alarm anywhere over
     ``params`` parameters of ``alpha``, if the test is one more run like the ``controls``:
     each run's log largest deviation at a parameter is a shift of the run (standard deviation
-    ``run_sd``) plus a term of the parameter (``param_sd``), Gaussian; the band is the
+    ``run_sd``) plus a term of the parameter (``param_sd``), Gaussian, or Student-t with
+    ``tail`` degrees of freedom (scaled to that standard deviation); the band is the
     controls' envelope. ``ln c`` is the (1 - alpha) quantile of a null test's shift (beyond
     it, a run-wide departure is not credited), ``ln m`` the (1 - alpha) quantile of the
     test's largest excess ``max_p [x_t(p) - band(p) - credit]``; both from ``draws`` simulated
     comparisons (fixed seed). Cached."""
     key = (int(controls), int(params), round(float(run_sd), 4), round(float(param_sd), 4),
-           float(alpha), int(draws))
+           float(alpha), int(draws), tail)
     hit = _MARGINS.get(key)
     if hit is None:
         rng = np.random.default_rng(0)
@@ -155,8 +161,9 @@ def margin(controls: int, params: int, run_sd: float, param_sd: float,
         excess, shift = [], []
         for start in range(0, draws, chunk):
             n = min(chunk, draws - start)
-            x = (rng.standard_normal((n, k + 1, 1)) * run_sd
-                 + rng.standard_normal((n, k + 1, p)) * param_sd)
+            term = (rng.standard_normal((n, k + 1, p)) if tail is None else
+                    rng.standard_t(tail, (n, k + 1, p)) * math.sqrt((tail - 2) / tail))
+            x = rng.standard_normal((n, k + 1, 1)) * run_sd + term * param_sd
             over = x[:, 0] - np.max(x[:, 1:], axis=1)      # the test over the band
             excess.append(over)
             shift.append(np.median(over, axis=1))
@@ -359,8 +366,8 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     spreads = [spread([pk[k][r] for pk in peaks for k in ("norm", "range")], len(peaks),
                       PRIOR_SPREAD[kind_u], FLOOR_PARAM_SPREAD[kind_u]) for r in range(nrank)]
     params_r = [max(int(np.isfinite(bands["norm"][r, 0]).sum()), 1) for r in range(nrank)]
-    mc = np.array([margin(len(peaks), p, run, par) for (run, par), p in
-                   zip(spreads, params_r)])
+    mc = np.array([margin(len(peaks), p, run, par, tail=PARAM_TAIL[kind_u])
+                   for (run, par), p in zip(spreads, params_r)])
     marg, cap = mc[:, 0], mc[:, 1]
     # the test's own shift over the controls' band, credited up to the cap: a run that parts
     # further everywhere, as runs that differ only in rounding do, is not a defect anywhere
