@@ -375,3 +375,17 @@ def test_fp32_control_keeps_the_reference_buckets():
             assert torch.equal(_buckets(128, 128), ref)
         out = model(x)
     assert not torch.equal(out, plain) and torch.allclose(out, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_a_genuine_error_under_a_control_is_raised_unnoted(caplog):
+    """An error of the user's (shapes that do not match) raises as without the control, and is
+    not taken for a missing wide kernel."""
+    import logging
+
+    model = Net()
+    with caplog.at_level(logging.WARNING, logger="probekit"):
+        with perturb(model, "fp32") as ctl:
+            with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+                model(torch.randn(2, 15))
+            assert not ctl.mode.fallbacks
+    assert "has no float64 kernel" not in caplog.text
