@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from probekit.config import ConfigError
 from probekit.grads import GradProbe, open_grads
@@ -206,3 +206,186 @@ def test_control_from_the_config_as_msprobe_users_run_it(tmp_path):
     # a torch.dtype is stored by its name
     assert GradProbe(Net(), dump_path=str(tmp_path / "d"),
                      control=torch.float16).config.grad_probe.control == "fp16"
+
+
+# -- controls that run wherever the reference runs (issue 37) ---------------------------------
+class Recurrent(torch.nn.Module):
+    """oneDNN's LSTM (no float64 kernel), a GRU and a tanh RNN (in-place transposes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(8, 8, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = torch.nn.GRU(16, 8, batch_first=True)
+        self.rnn = torch.nn.RNN(8, 8, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(self.gru(self.lstm(x)[0])[0])[0]
+
+
+def test_fp32_control_runs_the_kernels_without_a_float64_version(caplog):
+    """The LSTM/GRU/RNN forward and backward run under an fp32 control (oneDNN off for its
+    session: PyTorch's own kernels in float64; restored after) and a bf16 one; the fp32
+    control's gradients are the reference's to within fp32 rounding, not equal to them. A
+    dynamically quantized linear (fp32 activations only) runs on its fp32 kernel, noted."""
+    import logging
+
+    torch.manual_seed(0)
+    model = Recurrent()
+    x = torch.randn(2, 5, 8, generator=_gen(1))
+    model(x).pow(2).mean().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    mkldnn = torch.backends.mkldnn.enabled
+    for spec in ("fp32", "bf16"):
+        model.zero_grad()
+        with perturb(model, spec) as ctl:
+            model(x).float().pow(2).mean().backward()
+            fallbacks = dict(ctl.mode.fallbacks)
+        assert torch.backends.mkldnn.enabled == mkldnn and not fallbacks
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        if spec == "fp32":
+            moved = 0
+            for n, p in model.named_parameters():
+                assert torch.allclose(p.grad, ref[n], rtol=1e-4, atol=1e-7), n
+                moved += not torch.equal(p.grad, ref[n])
+            assert moved >= len(ref) - 2
+    torch.manual_seed(0)
+    lin = torch.ao.nn.quantized.dynamic.Linear(8, 4)
+    x = torch.randn(3, 8, generator=_gen(2))
+    plain = lin(x)
+    with caplog.at_level(logging.WARNING, logger="probekit"):
+        with perturb(lin, "fp32") as ctl:
+            out = lin(x)
+            fallbacks = list(ctl.mode.fallbacks)
+    assert fallbacks == ["quantized.linear_dynamic.default"]
+    assert "control: quantized.linear_dynamic.default has no float64 kernel" in caplog.text
+    # the fp32 kernel's result, rounded at random: within a unit of it, not always equal
+    ulp = torch.nextafter(plain.abs(), torch.tensor(float("inf"))) - plain.abs()
+    assert ((out - plain).abs() <= ulp).all() and out.dtype == torch.float32
+
+
+def test_control_result_structure_per_call_not_per_dtypes():
+    """Two convolution backwards of the same dtypes, the first without a bias gradient, the
+    second with one and an input gradient: the meta run's result structure of the first is
+    not the second's (SECNN's fp32 control crashed on it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 2, 1, bias=False))
+    x = torch.randn(2, 3, 8, 8, generator=_gen(2), requires_grad=True)
+    with perturb(model, "fp32"):
+        model(x).sum().backward()
+    assert model[0].bias.grad is not None and x.grad is not None
+
+
+def test_no_false_step_warning_after_an_error(tmp_path, caplog):
+    """A run that fails before its first optimizer step is not said to have stepped outside
+    the probe."""
+    import logging
+
+    model = Net()
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        with pytest.raises(RuntimeError, match="boom"):
+            with GradProbe(model, dump_path=str(tmp_path / "run"), control="fp32"):
+                model(torch.randn(2, 16)).sum().backward()
+                raise RuntimeError("boom")
+    assert "ran outside the probe" not in caplog.text
+    assert "stopped with an error (RuntimeError) before its first optimizer step" in \
+        caplog.text
+
+
+class _Dtypes(TorchDispatchMode):
+    """Records (call, result dtype) of the calls named in ``keep``."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep, self.seen = keep, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in self.keep:
+            self.seen.append((name, (out[0] if isinstance(out, tuple) else out).dtype))
+        return out
+
+
+def test_recipe_scope_is_the_step_not_only_forward():
+    """The test runs the forward and a cross-entropy on the logits under bf16 autocast (the
+    loss in fp32, as autocast's policy has it); ``probe.recipe()`` around the same lines of
+    the reference's code gives the control the same dtypes; without it the control's loss is
+    computed on bf16 logits, in bf16."""
+    keep = ("_log_softmax", "nll_loss_forward", "addmm")
+    model = Net().eval()
+    x, y = torch.randn(4, 16, generator=_gen(3)), torch.tensor([0, 1, 2, 3])
+    with _Dtypes(keep) as test:
+        with torch.autocast("cpu", dtype=BF16):
+            F.cross_entropy(model(x), y)
+    assert ("_log_softmax", torch.float32) in test.seen
+    for scoped in (True, False):
+        probe = perturb(model, "bf16").start()
+        try:
+            with _Dtypes(keep) as ctl:     # above the control's mode: the dtypes it is given
+                import contextlib
+
+                with probe.recipe() if scoped else contextlib.nullcontext():
+                    loss = F.cross_entropy(model(x), y)
+        finally:
+            probe.stop()
+        assert (ctl.seen == test.seen) is scoped, ctl.seen
+        assert loss.dtype == (torch.float32 if scoped else BF16)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def _buckets(q, k, num_buckets=32, max_distance=128):
+    """T5's bidirectional relative-position buckets: log of the distance, truncated to long."""
+    rel = torch.arange(k, dtype=torch.long)[None, :] - torch.arange(q, dtype=torch.long)[:, None]
+    nb = num_buckets // 2
+    out = (rel > 0).to(torch.long) * nb
+    rel = rel.abs()
+    exact = nb // 2
+    large = exact + (torch.log(rel.float() / exact) / math.log(max_distance / exact)
+                     * (nb - exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, nb - 1))
+    return out + torch.where(rel < exact, rel, large)
+
+
+class BucketBias(torch.nn.Module):
+    """A T5-style relative position bias on a linear map's attention-like mixing."""
+
+    def __init__(self, n=64):
+        super().__init__()
+        self.bias = torch.nn.Embedding(32, 1)
+        self.proj = torch.nn.Linear(8, 8)
+        self.n = n
+
+    def forward(self, x):
+        b = self.bias(_buckets(self.n, self.n))[..., 0]
+        return torch.softmax(b, dim=-1) @ self.proj(x)
+
+
+def test_fp32_control_keeps_the_reference_buckets():
+    """Floats computed from integers alone (T5's log-of-distance, truncated to a bucket) are
+    the reference's in an fp32 control, bit for bit, at every call: random rounding moved
+    buckets at the exact boundaries (distances 16, 32, 64), at random at each step. What the
+    model computes from its weights is still rounded at random."""
+    ref = _buckets(128, 128)
+    model = BucketBias()
+    x = torch.randn(64, 8, generator=_gen(4))
+    plain = model(x)
+    with perturb(model, "fp32"):
+        for _ in range(5):
+            assert torch.equal(_buckets(128, 128), ref)
+        out = model(x)
+    assert not torch.equal(out, plain) and torch.allclose(out, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_a_genuine_error_under_a_control_is_raised_unnoted(caplog):
+    """An error of the user's (shapes that do not match) raises as without the control, and is
+    not taken for a missing wide kernel."""
+    import logging
+
+    model = Net()
+    with caplog.at_level(logging.WARNING, logger="probekit"):
+        with perturb(model, "fp32") as ctl:
+            with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+                model(torch.randn(2, 15))
+            assert not ctl.mode.fallbacks
+    assert "has no float64 kernel" not in caplog.text

@@ -459,8 +459,9 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
     code trained again with its rounding drawn at random at the precision under test), or a
     list of them. Then a (step, param) is flagged only where ``b`` departs from ``a`` further
     than the control does (``verdict.py``: a count test on the judged similarity's sign flips
-    against the control's share with a margin of 2, and a test of the norms and max - min
-    ranges), and the result holds ``flag_kind`` (0 none, 1 signs, 2 scale, 3 NaN/Inf),
+    against the control's share, and a test of the norms and max - min ranges, with margins
+    that hold the chance of a false alarm anywhere in the comparison to 1 %), and the result
+    holds ``flag_kind`` (0 none, 1 signs, 2 scale, 3 NaN/Inf),
     ``excess`` (how many times what the control allows), ``similarity_control`` and
     ``similarity_band`` (the lowest similarity the control allows), ``total_control``,
     ``total_band``, ``norm_ratio`` and ``norm_ratio_control`` (each run's norm over the

@@ -3,20 +3,25 @@
 ``compare_grads(ref, test, control=ctrl)`` compares the reference with the test and with the
 control (the reference trained again with its rounding drawn at random at the precision under
 test: ``control.py``) and flags a (step, parameter) only where the test departs further than the
-control, by two tests (docs/DESIGN.md, "Verdicts with a null"):
+controls do, so far that a test which is just one more such run is called beyond noise anywhere
+over its parameters x steps with a chance of at most ``ALPHA`` = 1 % (docs/grad_compare.md,
+docs/DESIGN.md "Verdicts with a null"):
 
+* **the margin** ``m``: two runs that differ only in rounding part by different amounts (a
+  shift of the whole run, and a term of each parameter; ``PRIOR_SPREAD``, or measured from two
+  controls or more: ``spread``); ``margin`` is how many times the controls' band the test may
+  reach before a false alarm over all parameters has the chance ``ALPHA / 8``.
+* **scale** (a scaling bug leaves the signs alone): ``|ln(norm_t / norm_r)| > max(m * band,
+  NORM_FLOOR * u)``, ``band`` the controls' largest such deviation at that parameter over the
+  compared steps, ``u`` the unit roundoff of the precision under test; the same for the range
+  ``max - min`` (floor ``RANGE_FLOOR * u``). A gradient that is NaN/Inf (or zero) where the
+  reference's and the control's are finite (nonzero) is always flagged.
 * **signs**: ``d`` of the ``n`` elements compared (significant in both runs) differ in sign.
   The control's share has the upper confidence bound ``p_c`` (Chernoff/KL bound at level
-  ``CONTROL_LEVEL``); the null allows the test ``p0 = min(1/2, MARGIN * p_c)``; the cell is
+  ``ALPHA / (8 cells)``); the null allows the test ``p0 = min(1/2, m * p_c)``; the cell is
   flagged when the test's share ``q = d / n`` exceeds it beyond chance: ``n KL(q || p0) >
-  ln(cells / ALPHA)`` (a Chernoff bound on the binomial tail, Bonferroni over the rank's
-  cells). Three flips of a 64-element bias are within a null that allows 2 x its control's
-  bound (about 14 % when the control flipped none); a 4M-element weight is held to its share.
-* **scale** (a scaling bug leaves the signs alone): ``|ln(norm_t / norm_r)| > MARGIN *
-  max(band, SCALE_FLOOR * u)``, ``band`` the control's largest such deviation at that
-  parameter over the compared steps, ``u`` the unit roundoff of the precision under test; the
-  same for the range ``max - min`` with ``RANGE_MARGIN``. A gradient that is NaN/Inf (or zero)
-  where the reference's and the control's are finite (nonzero) is always flagged.
+  ln(8 cells / ALPHA)`` (a Chernoff bound on the binomial tail, Bonferroni over the rank's
+  cells); the same per step on the totals.
 
 The result also says it in words (``verdict_text``), and renders them first
 (``GradComparison``: the Dataset ``compare_grads`` returns).
@@ -29,19 +34,40 @@ import math
 import numpy as np
 import xarray as xr
 
-#: the test may depart up to MARGIN times as far as the control before it is flagged: rounding
-#: one bit more coarsely (flip shares and norm changes grow about linearly with the error size)
-MARGIN = 2.0
-#: chance of one false flag per rank when the control samples the test's rounding (Bonferroni)
+#: the false-alarm rate of a whole comparison, per rank: the chance that a test which is one
+#: more draw of the controls' distribution (rounding at their precision, nothing else) is
+#: called beyond noise anywhere over its parameters x steps (docs/grad_compare.md). Split
+#: evenly over eight ways to err (union bound): the run-to-run spread exceeding the margin in
+#: each of the four tests (norm, range, signs per cell, signs per step), the control's flip
+#: share under its confidence bound, the test's flips beyond chance (cells and steps)
 ALPHA = 0.01
-#: the control's flip share is taken at its upper confidence bound at this level (per cell)
-CONTROL_LEVEL = 0.01
-#: the range max - min is two single elements, not an aggregate: its run-to-run spread has
-#: heavier tails than the norm's, so it is allowed one bit more than the norm (MARGIN squared)
-RANGE_MARGIN = MARGIN ** 2
-#: scale band floor, in units of the unit roundoff of the precision under test: a systematic
-#: drift of a few roundings (round-to-nearest's bias, which random rounding does not sample)
-SCALE_FLOOR = 4.0
+#: spread between runs that differ only in rounding, as standard deviations of the log of a
+#: parameter's largest deviation from the reference over a run (its norm's or its max - min's):
+#: (a shift shared by all parameters of a run, a term of each parameter). The widest measured
+#: over ten controls each of three models (ConvNeXt, Qwen2, LLaMA; 16 AdamW steps; fp32
+#: controls and bf16 ones), at its 95 % upper confidence bound (benchmarks/RESULTS.md). With
+#: two controls or more the parameter term is measured from them (``spread``)
+PRIOR_SPREAD = {"fp32": (1.38, 0.24), "half": (0.45, 0.45)}
+#: the least parameter term two controls may measure: fp32's is heavy-tailed (a few parameters
+#: spread 5-10x the typical one; kurtosis 5-13 over the parameters, against 3-4 at bf16), so
+#: two controls cannot tell the typical spread from the widest and the prior stays the floor
+FLOOR_PARAM_SPREAD = {"fp32": 0.24, "half": 0.0}
+#: degrees of freedom of the parameter term's Student-t tail per precision, None: Gaussian.
+#: Measured kurtosis of the parameter term over the parameters (ten controls, three models):
+#: fp32 4.3-12.7 (a few parameters spread 5-10x the typical one), bf16 2.8-4.0; the heaviest
+#: measured, 12.7, is a t with 4 + 6 / (12.7 - 3) = 4.6 degrees of freedom
+PARAM_TAIL = {"fp32": 4.6, "half": None}
+#: least parameters whose controls' disagreement measures the parameter term, and over which a
+#: test's own shift is measured
+MIN_PARAMS_SPREAD = 8
+#: draws of the simulation that turns a spread into a margin (fixed seed: the same margin for
+#: the same comparison)
+DRAWS = 20_000
+#: scale floors, in units of the unit roundoff of the precision under test: the test may move a
+#: norm by this many roundings (a range by twice as many: two single elements) whatever the
+#: controls show, a systematic drift of round-to-nearest that random rounding does not sample
+NORM_FLOOR = 8.0
+RANGE_FLOOR = 16.0
 #: unit roundoff 2^-t per control precision (t significant bits)
 UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -24}
 KINDS = ("", "sign", "scale", "nonfinite")
@@ -96,7 +122,7 @@ def exceeds(d, n, p0, cells: int, alpha: float = ALPHA):
     return flag, excess
 
 
-def allowed_share(d_c, n_c, margin: float = MARGIN, level: float = CONTROL_LEVEL):
+def allowed_share(d_c, n_c, margin: float, level: float):
     """``p0 = min(1/2, margin * upper_share(d_c, n_c, level))``; NaN where ``n_c`` is NaN (no
     control)."""
     n_c = np.asarray(n_c, np.float64)
@@ -111,6 +137,115 @@ def log_dev(x, r):
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.abs(np.log(x / r))
     return np.where((x == 0) & (r == 0), 0.0, out)
+
+
+def margin(controls: int, params: int, run_sd: float, param_sd: float,
+           alpha: float = ALPHA / 4, draws: int = DRAWS, tail=None) -> tuple:
+    """``(m, c)``: a test may reach ``m * exp(credit) * band`` at a parameter, ``credit`` its
+    own shift over the controls (the median over the parameters of its log largest deviation
+    over the band's) clipped to ``[0, ln c]``, with a chance of a false alarm anywhere over
+    ``params`` parameters of ``alpha``, if the test is one more run like the ``controls``:
+    each run's log largest deviation at a parameter is a shift of the run (standard deviation
+    ``run_sd``) plus a term of the parameter (``param_sd``), Gaussian, or Student-t with
+    ``tail`` degrees of freedom (scaled to that standard deviation); the band is the
+    controls' envelope. ``ln c`` is the (1 - alpha) quantile of a null test's shift (beyond
+    it, a run-wide departure is not credited), ``ln m`` the (1 - alpha) quantile of the
+    test's largest excess ``max_p [x_t(p) - band(p) - credit]``; both from ``draws`` simulated
+    comparisons (fixed seed). Cached."""
+    key = (int(controls), int(params), round(float(run_sd), 4), round(float(param_sd), 4),
+           float(alpha), int(draws), tail)
+    hit = _MARGINS.get(key)
+    if hit is None:
+        rng = np.random.default_rng(0)
+        k, p = max(int(controls), 1), max(int(params), 1)
+        chunk = max(1, min(draws, 4_000_000 // ((k + 1) * p)))
+        excess, shift = [], []
+        for start in range(0, draws, chunk):
+            n = min(chunk, draws - start)
+            term = (rng.standard_normal((n, k + 1, p)) if tail is None else
+                    rng.standard_t(tail, (n, k + 1, p)) * math.sqrt((tail - 2) / tail))
+            x = rng.standard_normal((n, k + 1, 1)) * run_sd + term * param_sd
+            over = x[:, 0] - np.max(x[:, 1:], axis=1)      # the test over the band
+            excess.append(over)
+            shift.append(np.median(over, axis=1))
+        over, shift = np.concatenate(excess), np.concatenate(shift)
+        cap = max(float(np.quantile(shift, 1 - alpha)), 0.0)
+        worst = np.max(over - np.clip(shift, 0.0, cap)[:, None], axis=1)
+        hit = _MARGINS[key] = (float(np.exp(max(np.quantile(worst, 1 - alpha), 0.0))),
+                               float(np.exp(cap)))
+    return hit
+
+
+def family_margin(controls: int, family: int, param_sd: float, alpha: float) -> float:
+    """How many times the controls' upper bound a test's share may reach at one of ``family``
+    cells before a false alarm has the chance ``alpha`` (Bonferroni), if its log departs from
+    each control's by a Gaussian term of standard deviation ``param_sd`` per run (its shift
+    credited separately): ``exp(param_sd * t)``, ``t`` solving ``P(y - max_c y_c > t) =
+    alpha / family`` for ``k + 1`` standard normals (a 1-D integral, by bisection)."""
+    k, f = max(int(controls), 1), max(int(family), 1)
+    target = alpha / f
+    y = np.linspace(-9.0, 9.0, 3601)
+    dens = np.exp(-y * y / 2) / math.sqrt(2 * math.pi) * (y[1] - y[0])
+    cdf = lambda x: 0.5 * (1.0 + _erf(x / math.sqrt(2.0)))  # noqa: E731
+    lo, hi = 0.0, 40.0
+    for _ in range(60):
+        t = (lo + hi) / 2
+        if float(np.sum(dens * cdf(y - t) ** k)) > target:    # P(y - max_c y_c > t)
+            lo = t
+        else:
+            hi = t
+    return float(np.exp(param_sd * hi))
+
+
+def _erf(x):
+    """Vectorised error function (numpy has none): Abramowitz-Stegun 7.1.26, |error| < 1.5e-7."""
+    x = np.asarray(x, np.float64)
+    t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                         + t * 1.061405429))))
+    return np.sign(x) * (1.0 - poly * np.exp(-x * x))
+
+
+_MARGINS: dict = {}
+
+
+def spread(peaks, controls: int, prior, floor: float = 0.0) -> tuple:
+    """(run, parameter) spread of the log largest deviation for ``margin``: ``prior``
+    (``PRIOR_SPREAD``) for one control; with two or more, the parameter term measured from
+    how the controls' largest deviations (``peaks``: per control and statistic, one value per
+    parameter, ``controls`` groups of statistics in order) disagree once each one's shift and
+    each parameter's level are taken out (root mean square, at its 95 % upper confidence
+    bound), no less than ``floor``, and the run term the prior's or, if more, the spread of
+    their shifts."""
+    run_sd, param_sd = prior
+    if controls < 2:
+        return float(run_sd), float(param_sd)
+    stats = len(peaks) // controls
+    terms, shifts = [], []
+    for j in range(stats):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lm = np.log(np.stack([peaks[c * stats + j] for c in range(controls)]))
+        lm = lm[:, np.isfinite(lm).all(axis=0)]
+        if lm.shape[1] < MIN_PARAMS_SPREAD:
+            continue
+        own = lm - lm.mean(axis=0, keepdims=True)      # each parameter's own level out
+        mid = np.median(own, axis=1, keepdims=True)    # each control's shift
+        shifts.append(mid[:, 0])
+        res = own - mid
+        res = res - res.mean(axis=0, keepdims=True)
+        dof = (controls - 1) * (lm.shape[1] - 1)
+        sd = math.sqrt(float(np.sum(res ** 2)) / dof)
+        terms.append(sd * math.sqrt(dof / _chi2_low(dof)))
+    if not terms:
+        return float(run_sd), float(param_sd)
+    shift = float(np.max([np.std(x, ddof=1) for x in shifts]))
+    return max(float(run_sd), shift), max(float(max(terms)), float(floor))
+
+
+def _chi2_low(dof: int, z: float = -1.6449) -> float:
+    """The 5 % quantile of chi-square with ``dof`` degrees of freedom (Wilson-Hilferty)."""
+    c = 2.0 / (9.0 * dof)
+    return dof * max(1.0 - c + z * math.sqrt(c), 1e-3) ** 3
 
 
 # -- calibration of a comparison ------------------------------------------------------------------
@@ -208,10 +343,64 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     d_t, n_t = counts(result, dims)
     d_tt, n_tt = np.nansum(d_t, axis=2), np.nansum(n_t, axis=2)
 
-    # signs: the control's allowed share, cell by cell (the envelope of several controls)
+    # scale statistics first: norms and ranges (max - min) of the runs, aligned to the
+    # comparison; each control's largest deviation of a statistic at a parameter over the
+    # steps (its band: the envelope of the controls), and the spread between runs they show
+    st_r = _stats(runs_ref, result)
+    st_t = _stats(runs_test, result)
+    dev_t = {k: log_dev(st_t[k], st_r[k]) for k in ("norm", "range")}
+    bands = {"norm": None, "range": None}
+    finite_c, ratio_c, peaks = None, {}, []
+    for rc in runs_ctrl:
+        st_c = _stats(rc, result)
+        peak = {}
+        for k in bands:
+            g = log_dev(st_c[k], st_r[k])
+            g = np.where(np.isfinite(g), g, np.nan)
+            with np.errstate(all="ignore"):
+                b = (np.nanmax(g, axis=1, keepdims=True) if np.isfinite(g).any()
+                     else np.full(g[:, :1].shape, np.nan))
+            peak[k] = b[:, 0]
+            bands[k] = b if bands[k] is None else np.fmax(bands[k], b)
+            if k not in ratio_c:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio_c[k] = st_c[k] / st_r[k]
+        peaks.append(peak)
+        fin = np.isfinite(st_c["norm"])
+        finite_c = fin if finite_c is None else finite_c & fin
+    # the margin: how far the test may depart beyond the controls' band before a false alarm
+    # becomes likelier than ALPHA over the whole comparison (family-wise, per rank)
+    kind_u = "fp32" if unit <= UNIT["fp32"] else "half"
+    nrank = d_t.shape[0]
+    spreads = [spread([pk[k][r] for pk in peaks for k in ("norm", "range")], len(peaks),
+                      PRIOR_SPREAD[kind_u], FLOOR_PARAM_SPREAD[kind_u]) for r in range(nrank)]
+    # one margin for the comparison: its ranks' widest spreads and most parameters (a
+    # simulation per rank would cost seconds each at 1024 ranks)
+    params_r = max(max(int(np.isfinite(bands["norm"][r, 0]).sum()) for r in range(nrank)), 1)
+    widest = (max(x[0] for x in spreads), max(x[1] for x in spreads))
+    spreads = [widest] * nrank
+    m1, c1 = margin(len(peaks), params_r, *widest, tail=PARAM_TAIL[kind_u])
+    marg, cap = np.full(nrank, m1), np.full(nrank, c1)
+    # the test's own shift over the controls' band, credited up to the cap: a run that parts
+    # further everywhere, as runs that differ only in rounding do, is not a defect anywhere
+    # (a parameter the test leaves unmoved counts as far below, one without data not at all)
+    credit = {}
+    for k in bands:
+        with np.errstate(all="ignore"):
+            over = np.log(np.nanmax(np.where(np.isfinite(dev_t[k]), dev_t[k], np.nan), axis=1)
+                          / bands[k][:, 0])
+        shift = np.array([np.median(o[~np.isnan(o)]) if (~np.isnan(o)).sum()
+                          >= MIN_PARAMS_SPREAD else 0.0 for o in over])
+        credit[k] = np.exp(np.clip(np.nan_to_num(shift, nan=0.0), 0.0, np.log(cap)))
+
+    # signs: the control's upper confidence bound on its flip share, cell by cell (the
+    # envelope of several controls), times the margin; Bonferroni over the rank's cells
     from ...errors import GradCompareError
 
-    p0 = sim_c = p0t = tot_c = None
+    present = result["differ"].transpose(*dims).values >= 0
+    cells = np.maximum(present.reshape(nrank, -1).sum(axis=1), 1)
+    nsteps = max(d_t.shape[1], 1)
+    up = sim_c = upt = tot_c = None
     for cc in ctrl_cmps:
         if judged_name(cc) != judged_name(result):
             raise GradCompareError(
@@ -222,55 +411,44 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
         if not all(np.array_equal(cc[k].values, v.values) for k, v in where.items()):
             cc = cc.reindex(**where)
         d_c, n_c = counts(cc, dims)
-        p = allowed_share(d_c, n_c)
+        u = np.stack([allowed_share(d_c[r], n_c[r], 1.0, ALPHA / (16 * cells[r]))
+                      for r in range(nrank)])
         with np.errstate(divide="ignore", invalid="ignore"):
             s = 1.0 - d_c / n_c
         dct, nct = np.nansum(d_c, axis=2), np.nansum(n_c, axis=2)
-        pt = allowed_share(dct, np.where(nct > 0, nct, np.nan))
+        ut = allowed_share(dct, np.where(nct > 0, nct, np.nan), 1.0, ALPHA / (16 * nsteps))
         with np.errstate(divide="ignore", invalid="ignore"):
             st = 1.0 - dct / nct
-        if p0 is None:
-            p0, sim_c, p0t, tot_c = p, s, pt, st
+        if up is None:
+            up, sim_c, upt, tot_c = u, s, ut, st
         else:
-            more = np.nan_to_num(p, nan=-1.0) > np.nan_to_num(p0, nan=-1.0)
-            p0, sim_c = np.where(more, p, p0), np.where(more, s, sim_c)
-            more = np.nan_to_num(pt, nan=-1.0) > np.nan_to_num(p0t, nan=-1.0)
-            p0t, tot_c = np.where(more, pt, p0t), np.where(more, st, tot_c)
+            more = np.nan_to_num(u, nan=-1.0) > np.nan_to_num(up, nan=-1.0)
+            up, sim_c = np.where(more, u, up), np.where(more, s, sim_c)
+            more = np.nan_to_num(ut, nan=-1.0) > np.nan_to_num(upt, nan=-1.0)
+            upt, tot_c = np.where(more, ut, upt), np.where(more, st, tot_c)
+    # the test's shift, measured on its deviations, is credited to its flips too (a run that
+    # parts further flips more); the rest of the margin is the cells' (and steps') own spread
+    credit_s = np.fmax(credit["norm"], credit["range"])
+    m_cell = np.array([family_margin(len(peaks), c, sp[1], ALPHA / 8)
+                       for c, sp in zip(cells, spreads)])
+    m_step = np.array([family_margin(len(peaks), nsteps, sp[1], ALPHA / 8) for sp in spreads])
+    p0 = np.minimum(0.5, (m_cell * credit_s)[:, None, None] * up)
+    p0t = np.minimum(0.5, (m_step * credit_s)[:, None] * upt)
     flag_s = np.zeros(d_t.shape, bool)
     exc_s = np.full(d_t.shape, np.nan)
     flag_t = np.zeros(d_tt.shape, bool)
-    for k in range(d_t.shape[0]):    # Bonferroni over each rank's tested cells
-        cells = int(((np.nan_to_num(n_t[k]) > 0) & ~np.isnan(p0[k])).sum())
-        flag_s[k], exc_s[k] = exceeds(d_t[k], n_t[k], p0[k], cells)
-        flag_t[k] = exceeds(d_tt[k], n_tt[k], p0t[k], d_tt.shape[1])[0]
+    for k in range(nrank):    # Bonferroni over each rank's cells, and over its steps
+        flag_s[k], exc_s[k] = exceeds(d_t[k], n_t[k], p0[k], cells[k], ALPHA / 16)
+        flag_t[k] = exceeds(d_tt[k], n_tt[k], p0t[k], nsteps, ALPHA / 16)[0]
 
-    # scale: norms and ranges (max - min) of the runs, aligned to the comparison; each
-    # against the control's largest deviation of the same statistic at that parameter
-    st_r = _stats(runs_ref, result)
-    st_t = _stats(runs_test, result)
-    dev_t = {k: log_dev(st_t[k], st_r[k]) for k in ("norm", "range")}
-    bands = {"norm": None, "range": None}
-    finite_c, ratio_c = None, {}
-    for rc in runs_ctrl:
-        st_c = _stats(rc, result)
-        for k in bands:
-            g = log_dev(st_c[k], st_r[k])
-            g = np.where(np.isfinite(g), g, np.nan)
-            with np.errstate(all="ignore"):
-                b = (np.nanmax(g, axis=1, keepdims=True) if np.isfinite(g).any()
-                     else np.full(g[:, :1].shape, np.nan))
-            bands[k] = b if bands[k] is None else np.fmax(bands[k], b)
-            if k not in ratio_c:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio_c[k] = st_c[k] / st_r[k]
-        fin = np.isfinite(st_c["norm"])
-        finite_c = fin if finite_c is None else finite_c & fin
-    floor = SCALE_FLOOR * unit
-    allowed = {k: np.broadcast_to(m * np.fmax(np.nan_to_num(bands[k], nan=0.0), floor),
+    # scale: each statistic against its band times the margin, and no less than a floor of
+    # a few roundings (round-to-nearest's systematic drift, which random rounding does not
+    # sample)
+    allowed = {k: np.broadcast_to(np.fmax((marg * credit[k])[:, None, None]
+                                          * np.nan_to_num(bands[k], nan=0.0), f * unit),
                                   dev_t[k].shape)
-               for k, m in (("norm", MARGIN), ("range", RANGE_MARGIN))}
+               for k, f in (("norm", NORM_FLOOR), ("range", RANGE_FLOOR))}
     finite_r = np.isfinite(st_r["norm"])
-    present = result["differ"].transpose(*dims).values >= 0
     nonfinite = present & finite_r & finite_c & ~np.isfinite(st_t["norm"])
     ok = finite_r & finite_c & present
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -306,13 +484,17 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
         **ratios, norm_ratio_control=(dims, ratio_c["norm"]),
         range_ratio_control=(dims, ratio_c["range"]), norm_dev=(dims, dev_t["norm"]),
         norm_allowed=(dims, np.array(allowed["norm"])), range_dev=(dims, dev_t["range"]),
-        range_allowed=(dims, np.array(allowed["range"])),
+        range_allowed=(dims, np.array(allowed["range"])), margin=(("rank",), marg),
+        shift_cap=(("rank",), cap), credit_norm=(("rank",), credit["norm"]),
+        credit_range=(("rank",), credit["range"]),
+        spread_run=(("rank",), np.array([x[0] for x in spreads])),
+        spread_param=(("rank",), np.array([x[1] for x in spreads])),
         first_step=(("rank",), np.array([s for s, _ in firsts], np.int64)),
         first_param=(("rank",), np.array([p for _, p in firsts], dtype=str)),
         # compared steps a control covers (the others are not judged)
         controlled=(rs, ~np.isnan(p0).all(axis=2)))
-    out.attrs.update(calibrated=1, control=", ".join(n for n in names if n), margin=MARGIN,
-                     alpha=ALPHA, control_level=CONTROL_LEVEL, scale_floor=SCALE_FLOOR * unit,
+    out.attrs.update(calibrated=1, control=", ".join(n for n in names if n), alpha=ALPHA,
+                     controls=len(peaks), scale_floor=NORM_FLOOR * unit,
                      similarity=judged_name(result))
     return GradComparison.wrap(out)
 
@@ -360,6 +542,9 @@ def rank_verdict(cmp) -> dict:
            "flags": int(np.asarray(cmp["flag"].values).sum()),
            "params": int(np.asarray(cmp["flag"].values).any(axis=0).sum()),
            "steps": int(steps.size), "similarity_name": name,
+           "param_count": int(cmp.sizes.get("param", 0)),
+           "alpha": float(cmp.attrs.get("alpha", ALPHA)),
+           "controls": int(cmp.attrs.get("controls", 1)),
            "control": str(cmp.attrs.get("control", "")),
            "uncontrolled": (int((~np.asarray(cmp["controlled"].values, bool)).sum())
                             if "controlled" in cmp else 0)}
@@ -426,7 +611,7 @@ def verdict_line(cmp, rank=None) -> str:
         return (f"{who}within what {what} explains over {v['steps']} steps: no "
                 f"parameter departs from the reference further than {ctrl} does "
                 f"(lowest {sim} {_fmt(v['similarity'])}; the control's lowest "
-                f"{_fmt(v['control_similarity'])})." + _uncontrolled(v))
+                f"{_fmt(v['control_similarity'])})." + _rate(v) + _uncontrolled(v))
     where = f"at {v['param']}" if v["param"] else "in the total"
     if v["why"] == "nonfinite":
         what = "its gradient is NaN/Inf where the reference's and the control's are finite"
@@ -434,16 +619,25 @@ def verdict_line(cmp, rank=None) -> str:
         # the statistic that went furthest beyond its band: the norm, or the range max - min
         stat, key = ("gradient range max - min", "range_ratio") if v["by_range"] else \
             ("gradient norm", "norm_ratio")
-        what = (f"{stat} {v[key]:.4g}x the reference's, {ctrl}'s "
-                f"{v['control_' + key]:.4g}x; {sim} {_fmt(v['similarity'])}")
+        # as many digits as it takes to tell the test's ratio from the control's and from 1
+        r_t, r_c = _sig(v[key], v["control_" + key])
+        what = (f"{stat} {r_t}x the reference's, {ctrl}'s {r_c}x; {sim} "
+                f"{_fmt(v['similarity'])}")
     else:
-        what = (f"{sim} {_fmt(v['similarity'])}; {ctrl} keeps "
-                f"{_fmt(v['control_similarity'])}, noise allows down to {_fmt(v['band'])}")
+        s_t, s_c, s_b = _fmt(v["similarity"], v["control_similarity"], v["band"])
+        what = f"{sim} {s_t}; {ctrl} keeps {s_c}, noise allows down to {s_b}"
     n, k = v["flags"], v["params"]
     more = (f"; {n} flagged (step, parameter) pair{'s' * (n != 1)} in {k} "
             f"parameter{'s' * (k != 1)}") if n else ""
     return f"{who}beyond rounding noise from step {v['step']} {where} ({what}){more}." + \
         _uncontrolled(v)
+
+
+def _rate(v) -> str:
+    """The false-alarm rate the verdict holds, and over what."""
+    k = v["controls"]
+    return (f" False-alarm rate at most {v['alpha']:.0%} over these {v['steps']} steps x "
+            f"{v['param_count']} parameters, judged with {k} control{'s' * (k != 1)}.")
 
 
 def _uncontrolled(v) -> str:
@@ -452,8 +646,33 @@ def _uncontrolled(v) -> str:
             if u else "")
 
 
-def _fmt(x) -> str:
-    return "n/a (no element significant in both runs)" if math.isnan(x) else f"{x:.4f}"
+def _sig(*xs, least: int = 4, most: int = 12) -> list:
+    """``xs`` (ratios) printed with the fewest significant digits, at least ``least``, at which
+    values that differ print differently and none but 1 prints as 1 (1.000008 against
+    1.000002, not 1 against 1)."""
+    fin = [x for x in xs if math.isfinite(x)]
+    for n in range(least, most + 1):
+        out = [f"{x:.{n}g}" for x in xs]
+        shown = {f"{x:.{n}g}" for x in fin}
+        if len(shown) == len(set(fin)) and all(
+                f"{x:.{n}g}" != "1" for x in fin if x != 1.0):
+            return out
+    return [f"{x:.{most}g}" for x in xs]
+
+
+def _fmt(*xs, least: int = 4, most: int = 10):
+    """Similarities printed with the fewest decimals, at least ``least``, at which values that
+    differ print differently and none below 1 prints as 1 (one string for one value)."""
+    fin = [x for x in xs if math.isfinite(x)]
+    digits = most
+    for n in range(least, most + 1):
+        if len({f"{x:.{n}f}" for x in fin}) == len(set(fin)) and all(
+                f"{x:.{n}f}" != f"{1:.{n}f}" for x in fin if x < 1.0):
+            digits = n
+            break
+    out = ["n/a (no element significant in both runs)" if math.isnan(x) else f"{x:.{digits}f}"
+           for x in xs]
+    return out[0] if len(xs) == 1 else out
 
 
 def replica_text(cmp) -> list:

@@ -29,6 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ...config import CONTROL_DTYPES, CONTROL_RECIPES
+from ...log import get_logger
+
+log = get_logger(__name__)
 
 #: dtype names a control accepts, and the wider dtype its operations are computed in
 DTYPES = dict(zip(CONTROL_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
@@ -152,7 +155,19 @@ _EXACT = {_AT.detach.default, _AT.clone.default, _AT.alias.default, _AT.cat.defa
 class RoundingMode(TorchDispatchMode):
     """Every ATen call with a floating tensor of ``spec.dtype`` among its arguments or results
     is computed in the wider dtype and its low-precision results rounded at random: fresh
-    results with ``spec.spread``, results written in place with ``spec.spread_in_place``."""
+    results with ``spec.spread``, results written in place with ``spec.spread_in_place``.
+
+    Two exceptions, each noted in docs/DESIGN.md ("A control run"):
+
+    * *values computed from integers and constants alone* (a float made from an integer tensor,
+      a factory call, and what is computed from such values only: relative-position buckets,
+      masks, tables from ``arange``) run unchanged on the reference's kernels and are tagged
+      ``fixed``: they are the same at every step of any real run, so the integer results made
+      from them (bucketing, truncation) are the reference's, not redrawn at each call;
+    * *a call with no kernel in the wider dtype* (oneDNN's LSTM has no float64 one, nor a
+      dynamically quantized linear) runs on the low-precision kernel, and its results are
+      rounded at random as if the exact value lay anywhere in the rounding interval of that
+      result (``fallbacks`` names them; noted once per call in the log)."""
 
     def __init__(self, spec: ControlSpec, device="cpu") -> None:
         super().__init__()
@@ -162,6 +177,8 @@ class RoundingMode(TorchDispatchMode):
         self.gens: dict = {}
         self.calls = 0
         self.rounded = 0
+        self.fallbacks: dict = {}   # call name -> the error its wide kernel raised
+        self._fixed_seen = False    # a value computed from integers alone was made
         self._dtypes: dict = {}     # (func, argument dtypes) -> result dtypes
         self._skip: dict = {}       # func -> runs unchanged (views, exact, random)
         self._writes: dict = {}     # func -> its written arguments (position, name)
@@ -180,12 +197,23 @@ class RoundingMode(TorchDispatchMode):
         self.calls += 1
         skip = self._skip.get(func)
         if skip is None:
+            # in-place views (transpose_) change a tensor's shape, not its values
             skip = self._skip[func] = bool(func.is_view or func in _EXACT or (
-                torch.Tag.nondeterministic_seeded in func.tags))
+                torch.Tag.nondeterministic_seeded in func.tags) or (
+                torch.Tag.inplace_view in func.tags))
         if skip or getattr(_STATE, "paused", 0) or not (
                 _has_low(args, self.low) or _has_low(kwargs.values(), self.low)):
-            return func(*args, **kwargs)
-        return self._emulate(func, args, kwargs, tree_flatten((args, kwargs))[0])
+            out = func(*args, **kwargs)
+            if self._fixed_seen and skip and args and _is_fixed(args[0]):
+                _mark_fixed(out)    # a view or copy of a fixed value
+            return out
+        flat = tree_flatten((args, kwargs))[0]
+        if _from_constants(flat):
+            self._fixed_seen = True
+            out = func(*args, **kwargs)
+            _mark_fixed(out)
+            return out
+        return self._emulate(func, args, kwargs, flat)
 
     def _emulate(self, func, args, kwargs, flat):
         low, wide = self.low, self.wide
@@ -197,8 +225,12 @@ class RoundingMode(TorchDispatchMode):
 
         wargs = tree_map(up, args)
         wkwargs = tree_map(up, kwargs)
+        try:
+            out = func(*wargs, **wkwargs)
+        except (RuntimeError, NotImplementedError) as err:
+            # no kernel in the wider dtype: nothing was written (the wide copies are fresh)
+            return self._fallback(func, args, kwargs, err)
         expected = self._result_dtypes(func, args, kwargs, flat)
-        out = func(*wargs, **wkwargs)
         # in-place / out= arguments: the wide copy was written; round it into the original
         back = {}
         for i, name in self._written(func):
@@ -209,16 +241,22 @@ class RoundingMode(TorchDispatchMode):
             pairs = (zip(value, wvalue) if isinstance(value, (list, tuple))
                      else [(value, wvalue)])
             for orig, w in pairs:
+                if isinstance(orig, torch.Tensor):
+                    _unmark_fixed(orig)     # it now holds what the run computed
                 if isinstance(orig, torch.Tensor) and orig.dtype == low:
                     with torch.no_grad():
                         orig.copy_(self._round(w, self.spec.spread_in_place))
                     back[id(w)] = orig
+        leaves, spec = tree_flatten(out)
+        if expected is not None and len(expected) != sum(
+                isinstance(t, torch.Tensor) for t in leaves):
+            expected = None     # the meta run gave another structure: the rule instead
         it = iter(expected) if expected is not None else None
 
         def down(t):
-            dt = next(it) if it is not None and isinstance(t, torch.Tensor) else None
             if not isinstance(t, torch.Tensor):
                 return t
+            dt = next(it) if it is not None else None
             if id(t) in back:
                 return back[id(t)]
             if dt is None:
@@ -227,7 +265,41 @@ class RoundingMode(TorchDispatchMode):
                 return self._round(t)
             return t if t.dtype == dt else t.to(dt)
 
-        return tree_map(down, out)
+        return spec.unflatten([down(t) for t in leaves])
+
+    def _fallback(self, func, args, kwargs, err):
+        """``func`` on the low-precision kernel, its low-precision results (and those it wrote)
+        moved by a uniform amount within their rounding interval and rounded at random: a
+        random rounding of the same size as the other calls get, with this kernel's own
+        error under it. Noted once per call."""
+        out = func(*args, **kwargs)     # a genuine error raises here, unnoted
+        name = str(func)
+        if name not in self.fallbacks:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            self.fallbacks[name] = first
+            log.warning("control: %s has no %s kernel (%s); computed in %s and rounded at "
+                        "random from that result", name, str(self.wide).replace("torch.", ""),
+                        first, str(self.low).replace("torch.", ""))
+        written = set()
+        for i, arg_name in self._written(func):
+            value = kwargs.get(arg_name) if i is None or i >= len(args) else args[i]
+            for orig in (value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(orig, torch.Tensor) and orig.dtype == self.low:
+                    with torch.no_grad():
+                        orig.copy_(self._reround(orig, self.spec.spread_in_place))
+                    written.add(id(orig))
+        return tree_map(lambda t: t if not isinstance(t, torch.Tensor) or id(t) in written
+                        or t.dtype != self.low else self._reround(t), out)
+
+    def _reround(self, r, spread=None):
+        """``r`` (low precision, a kernel's result) moved uniformly within its rounding
+        interval (half a unit either side) in the wider dtype and rounded at random."""
+        w = r.detach().to(self.wide)
+        inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
+        gap = (torch.nextafter(r.detach(), inf).to(self.wide) - w).abs()
+        u = torch.rand(r.shape, generator=self._gen(r.device), dtype=self.wide, device=r.device)
+        moved = torch.where(torch.isfinite(gap), w + (u - 0.5) * gap, w)
+        return self._round(moved, spread)
 
     def _round(self, w, spread=None):
         self.rounded += 1
@@ -264,6 +336,35 @@ class RoundingMode(TorchDispatchMode):
             found = None
         self._dtypes[key] = found
         return found
+
+
+#: the attribute a value computed from integers and constants alone carries (``RoundingMode``)
+_FIXED = "_probekit_fixed"
+
+
+def _is_fixed(t) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, _FIXED, False)
+
+
+def _mark_fixed(out) -> None:
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor):
+            setattr(t, _FIXED, True)
+
+
+def _unmark_fixed(t) -> None:
+    if getattr(t, _FIXED, False):
+        setattr(t, _FIXED, False)
+
+
+def _from_constants(flat) -> bool:
+    """Are all floating tensors among a call's arguments values computed from integers and
+    constants alone (none at all: a factory call, a float made from an integer tensor)?"""
+    for t in flat:
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and \
+                not getattr(t, _FIXED, False):
+            return False
+    return True
 
 
 def _has_low(values, low) -> bool:
@@ -303,6 +404,8 @@ class Perturbation:
         self.mode = None
         self._handles = []
         self._autocast = []
+        self._mkldnn = None
+        self._scoped = 0        # recipe() blocks open
 
     @property
     def device(self):
@@ -323,19 +426,51 @@ class Perturbation:
             stack = self._autocast
 
             def enter(module, args):
+                if self._scoped:     # inside recipe(): the block applies it, as the test does
+                    stack.append(None)
+                    return
                 ctx = torch.autocast(kind, dtype=spec.dtype)
                 ctx.__enter__()
                 stack.append(ctx)
 
             def leave(module, args, output):
-                if stack:
-                    stack.pop().__exit__(None, None, None)
+                ctx = stack.pop() if stack else None
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
 
             self._handles.append(model.register_forward_pre_hook(enter, prepend=True))
             self._handles.append(model.register_forward_hook(leave, always_call=True))
+        if self.spec.dtype == torch.float32 and torch._C._get_mkldnn_enabled():
+            # oneDNN has no float64 kernels, and PyTorch picks it for fp32 above the dispatch
+            # mode (the LSTM/GRU): off, those calls take PyTorch's own kernels, which the mode
+            # computes in float64 op by op (oneDNN's fp32 convolutions are not affected: the
+            # mode computes them in float64, where PyTorch never uses oneDNN)
+            self._mkldnn = True
+            torch._C._set_mkldnn_enabled(False)
+            log.info("control fp32: oneDNN off while the control runs (no float64 kernels); "
+                     "its calls computed by PyTorch's own kernels in float64")
         self.mode = RoundingMode(spec, self.device)
         self.mode.__enter__()
         return self
+
+    @contextlib.contextmanager
+    def recipe(self):
+        """The test's precision recipe over a block of the step, not only the model's forward:
+        where the test runs ``with torch.autocast(...):`` around more than ``model(...)`` (a
+        loss computed from the outputs, a second model), the reference's code marks the same
+        lines ``with control.recipe():`` and the control applies autocast there, as the test
+        does (inside it the model's own hooks leave it alone). Nothing outside a started
+        control (the reference's own run) or for a recipe other than autocast (``cast``: the
+        model and its inputs are cast whatever the block; ``none``)."""
+        if self.mode is None or self.spec.recipe != "autocast":
+            yield
+            return
+        self._scoped += 1
+        try:
+            with torch.autocast(self.device.type, dtype=self.spec.dtype):
+                yield
+        finally:
+            self._scoped -= 1
 
     def remove(self) -> None:
         """``stop()``: the probe removes it with its hooks."""
@@ -349,9 +484,14 @@ class Perturbation:
                 h.remove()
         finally:
             while self._autocast:
-                self._autocast.pop().__exit__(None, None, None)
+                ctx = self._autocast.pop()
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
             if mode is not None:
                 mode.__exit__(None, None, None)
+            if self._mkldnn is not None:
+                torch._C._set_mkldnn_enabled(self._mkldnn)
+                self._mkldnn = None
 
     def __enter__(self) -> "Perturbation":
         return self.start()

@@ -11,6 +11,7 @@ the hooks are removed by ``stop()``.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import weakref
@@ -440,7 +441,11 @@ class GradProbe:
                     self._scratch.close()  # the pool's threads end with the probe
         if handles and self._writer is not None:
             log.info("%s", self.summary)
-            if self.steps_seen == 0:
+            failed = sys.exc_info()[1]     # stop() on the way out of an error
+            if self.steps_seen == 0 and failed is not None:
+                log.info("grad_probe: the run stopped with an error (%s) before its first "
+                         "optimizer step; no step is recorded", type(failed).__name__)
+            elif self.steps_seen == 0:
                 log.warning("%s", self._no_step_message())
 
     def _no_step_message(self) -> str:
@@ -469,6 +474,16 @@ class GradProbe:
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()
+
+    def recipe(self):
+        """``with probe.recipe():`` around the lines of the step that the test runs under
+        ``torch.autocast`` (the forward and a loss computed outside the model, say): in a
+        control run (``control="bf16"``) autocast applies there, as in the test; in any other
+        run the block does nothing, so the reference's code and its control's are the same
+        code. Without it the control applies its recipe around ``model.forward`` only."""
+        if self._control is None:
+            return contextlib.nullcontext()
+        return self._control.recipe()
 
     def __enter__(self) -> "GradProbe":
         return self.start()
