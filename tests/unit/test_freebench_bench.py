@@ -2,6 +2,7 @@
 logging, hook/mode removal."""
 import json
 import logging
+import sys
 
 import pytest
 import torch
@@ -75,6 +76,54 @@ def test_list_selects_by_substring(tmp_path):
         F.relu(x), torch.relu(x), x.relu(), torch.matmul(x, x), F.gelu(x)
     assert fb.summary["checked"] == 3
     assert fb.summary["skipped"] == {"out_of_scope": 2}
+
+
+def python_calls(fn) -> int:
+    """Python and C function calls made while ``fn`` runs (the profile's call events)."""
+    n = [0]
+
+    def prof(frame, event, arg):
+        n[0] += event in ("call", "c_call")
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n[0]
+
+
+class CallThrough(torch.overrides.TorchFunctionMode):
+    """A function mode that only calls through: the floor of any interception."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_out_of_scope_calls_cost_one_lookup(tmp_path):
+    """Issue 38: an API none of whose names is in scope, once seen, costs the mode one dict
+    lookup more than a mode that only calls through; an operator (``x + y``, named from the
+    calling instruction) and a property read too. The counts stay what they were, and a step the
+    step filter excludes counts its calls there."""
+    x, y = torch.randn(4), torch.randn(4)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change",
+                   scope=["Torch.matmul.0.forward"], step=[1])
+    calls = [lambda: x.add(y), lambda: x + y, lambda: torch.add(x, y, alpha=2),
+             lambda: F.relu(x), lambda: x.shape]
+    with CallThrough():
+        bare = [python_calls(f) for f in calls]
+    with fb:
+        for f in calls:
+            f()
+    fb.step()
+    with fb:
+        torch.matmul(x, x)
+        for f in calls:
+            f()
+        probed = [python_calls(f) for f in calls]
+    assert [p - q for p, q in zip(probed, bare)] == [1, 1, 1, 1, 1], (bare, probed)
+    s = fb.summary
+    assert (s["calls"], s["checked"]) == (13, 1)          # property reads are not calls
+    assert s["skipped"] == {"step_filter": 4, "out_of_scope": 8}
 
 
 def test_step_filter(tmp_path):

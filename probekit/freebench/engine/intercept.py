@@ -1,7 +1,9 @@
 """The interception engine: a ``TorchFunctionMode`` that names, filters and checks API calls.
 
-Hot path (every torch call while the probe is active): one dict lookup to classify the callable,
-one counter increment, one scope test; calls outside ``scope``/``list`` go straight to torch.
+Hot path (every torch call while the probe is active): one dict lookup per callable decides
+what needs no work at all (``passthrough``: property reads, and with ``scope``/``list`` every API
+none of whose names is in scope: one counter increment, no allocation); the others are
+classified (cached per callable), counted, and tested against the scope and module filters.
 Inside ``__torch_function__`` torch has already popped the mode, so the calls an API makes
 internally (``F.layer_norm`` -> ``torch.layer_norm``) and probekit's own re-runs are not seen;
 ``busy`` guards the paths where the mode may still be active (gradient hooks). How a compared
@@ -98,9 +100,17 @@ class _Mode(TorchFunctionMode):
         self.engine = engine
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        e = self.engine
+        try:
+            fast = e.passthrough.get(func)
+        except TypeError:  # an unhashable callable
+            fast = None
+        if fast is not None:   # a property, or an API no call of which is in scope: no work
+            if fast and not e.busy:
+                e.passed += 1
+            return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
-        e = self.engine
         try:
             info = e.cache.get(func)
         except TypeError:  # an unhashable callable
@@ -108,8 +118,10 @@ class _Mode(TorchFunctionMode):
         if info is None:
             info = e.classify(func)
         if info is PROPERTY or e.busy:
+            if info is PROPERTY:
+                e.pass_through(func, False)
             return func(*args, **kwargs)
-        e.calls += 1
+        e._calls += 1
         if not e.enabled:
             e.step_filtered += 1
             return func(*args, **kwargs)
@@ -118,14 +130,16 @@ class _Mode(TorchFunctionMode):
             wanted = e.wanted.get(key)
             if wanted is None:
                 wanted = e.want(key)
+                if not wanted and not e.wants_any(info):
+                    e.pass_through(func, True)
             if not wanted:
-                e.out_of_scope += 1
+                e._out_of_scope += 1
                 return func(*args, **kwargs)
         counts = e.counts
         n = counts.get(key, 0)
         counts[key] = n + 1
         if e.scope_ids and f"{key}.{n}" not in e.scope_ids:
-            e.out_of_scope += 1
+            e._out_of_scope += 1
             return func(*args, **kwargs)
         if e.modules is not None and not e.modules.depth:  # module scope (modules.py)
             e.out_of_module += 1
@@ -162,10 +176,17 @@ class Engine(Judging):
         self.api_list = tuple(fb.api_list)
         self.wanted: dict[str, bool] = {}
         self.selective = bool(self.scope_ids or self.api_list)
+        #: callable -> the mode calls it straight through (decided once per callable): False for
+        #: a property (not a call), True for an API none of whose keys is in scope (counted
+        #: in ``passed``). ``passthrough`` is the one in force: in a step the step filter
+        #: excludes, only the properties (the others are counted as ``step_filter``)
+        self._through: dict = {}
+        self._properties: dict = {}
+        self.passed = 0
         self.preheat = Preheat(fb.preheat_step, fb.max_sample) if fb.if_preheat else None
         # state
         self.step = 0
-        self.enabled = self._step_selected(0)
+        self._set_enabled(self._step_selected(0))
         self.busy = False
         self.in_optimizer = 0
         self.counts: dict[str, int] = {}
@@ -175,8 +196,8 @@ class Engine(Judging):
         self.once_step = Once()   # per step: preheat sampling lines
         self.summary_every = SUMMARY_EVERY
         self._logged = (0, 0, 0, 0)  # (step, checked, flagged, float calls) at the last line
-        # summary counters
-        self.calls = 0
+        # summary counters (``calls``, ``out_of_scope``: properties adding ``passed``)
+        self._calls = 0
         self.checked = 0
         self.flagged = 0
         self.replayed = 0         # random calls re-run on their saved random stream (rng.py)
@@ -186,7 +207,7 @@ class Engine(Judging):
         #: call signature under autocast -> did it run ATen calls in autocast's dtype
         #: (``autocast.run``); learned at its first checked call
         self.inner_dtypes: dict = {}
-        self.out_of_scope = 0
+        self._out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
         #: module scope (a ``modules.ModuleScope`` while attached, else None)
@@ -214,6 +235,34 @@ class Engine(Judging):
     def _step_selected(self, step: int) -> bool:
         return not self.config.step or step in self.config.step
 
+    def _set_enabled(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.passthrough = self._through if enabled else self._properties
+
+    def pass_through(self, func, counted: bool) -> None:
+        """From now on the mode calls ``func`` straight through: a property (``counted``
+        False), or an API none of whose keys is in scope (counted as out of scope)."""
+        try:
+            self._through[func] = counted
+            if not counted:
+                self._properties[func] = False
+        except TypeError:  # an unhashable callable
+            pass
+
+    @property
+    def calls(self) -> int:
+        """Calls the mode saw (property reads not counted)."""
+        return self._calls + self.passed
+
+    @property
+    def out_of_scope(self) -> int:
+        """Calls outside ``scope``/``list``."""
+        return self._out_of_scope + self.passed
+
+    def wants_any(self, info) -> bool:
+        """Can any call of this callable be in scope (its key, or an operator's key)?"""
+        return any([self.want(k) for k in (info.key, *info.operators.values())])
+
     def want(self, key: str) -> bool:
         """Can calls of API ``key`` be in scope at all? (cached per key)"""
         if self.scope_ids:
@@ -236,7 +285,7 @@ class Engine(Judging):
             self.set_mode(self.schedule[self.step % len(self.schedule)])
         if self.summary_every and self.step % self.summary_every == 0:
             self.log_summary()
-        self.enabled = self._step_selected(self.step)
+        self._set_enabled(self._step_selected(self.step))
         if self.preheat is not None and self.step == self.preheat.preheat_step:
             log.info("Free benchmark: preheat finished after %d step(s); APIs still checked: %s; "
                      "no longer checked (risk < %.2g of threshold): %s", self.step,
