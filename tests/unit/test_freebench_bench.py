@@ -126,6 +126,32 @@ def test_out_of_scope_calls_cost_one_lookup(tmp_path):
     assert s["skipped"] == {"step_filter": 4, "out_of_scope": 8}
 
 
+def test_calls_skipped_before_the_decision_cost_a_few_python_calls(tmp_path):
+    """Issue 38: a call skipped for a reason known before the decision's work (a view, a call
+    site the budget leaves to a later step) costs at most 12 Python calls beyond a mode that only
+    calls through (before: 24 and 38), and is counted as before."""
+    x = torch.randn(8, 8)
+    calls = [lambda: x.t(), lambda: torch.tanh(x)]
+    with CallThrough():
+        bare = [python_calls(f) for f in calls]
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=1e-6)
+    for _ in range(3):          # calibration, then one check per step: the window rotates
+        with fb:
+            for _ in range(4):
+                torch.exp(x), x.t(), torch.tanh(x)
+        fb.step()
+    assert fb.summary["budget_limit"] == 1
+    with fb:
+        torch.exp(x), x.t(), torch.tanh(x)           # the window's one check: exp or tanh
+        torch.exp(x), x.t()
+        got = [python_calls(f) for f in calls]       # the fourth view, tanh's second site
+    extra = [g - b for g, b in zip(got, bare)]
+    assert all(0 < e <= 12 for e in extra), (bare, got)
+    s = fb.summary
+    assert s["skipped"] == {"view": 15, "budget": s["float_calls"] - 15 - s["checked"]}
+    assert s["checked"] == 8 + 1 + 1 + 1 and s["float_calls"] == 43
+
+
 def test_step_filter(tmp_path):
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", step=[1, 3])
     for _ in range(4):

@@ -127,6 +127,16 @@ class Coverage:
         self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
         self.reasons[site] = text or reason
 
+    def unchecked(self, site: tuple, reason: str, text: str | None = None,
+                  admitted: bool = False) -> None:
+        """``seen``, (``admitted``,) then ``skip``: one floating-point call not checked."""
+        self.calls[site] = self.calls.get(site, 0) + 1
+        self.float_calls += 1
+        if admitted:
+            self.eligible[site] = self.eligible.get(site, 0) + 1
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+        self.reasons[site] = text or reason
+
     def check(self, site: tuple) -> None:
         self.checked[site] = self.checked.get(site, 0) + 1
         self.checks += 1

@@ -144,7 +144,7 @@ class _Mode(TorchFunctionMode):
         if e.modules is not None and not e.modules.depth:  # module scope (modules.py)
             e.out_of_module += 1
             return func(*args, **kwargs)
-        return e.handle(info, key, n, func, args, kwargs, sys._getframe(1))
+        return e.handle(info, key, n, func, args, kwargs)
 
 
 class Engine(Judging):
@@ -193,6 +193,7 @@ class Engine(Judging):
         self.handles: list = []
         self.watching: list = []  # backward checks registered in this block (backward.py)
         self.once = Once()        # per run: perturbation applied / skip and cancel reasons, per API
+        self._noted: set = set()  # (reason, API) skipped early and logged (``_skip_early``)
         self.once_step = Once()   # per step: preheat sampling lines
         self.summary_every = SUMMARY_EVERY
         self._logged = (0, 0, 0, 0)  # (step, checked, flagged, float calls) at the last line
@@ -215,6 +216,9 @@ class Engine(Judging):
         self.out_of_module = 0
         self.verdicts = Verdicts()
         self.budget = Budget(fb.budget) if fb.budget is not None else None
+        #: with a budget: call sites eligible for a check at their last call (their next call
+        #: left to a later step is skipped before the decision's work)
+        self.admissible: dict = {}
         self.coverage = Coverage()
         self._thresholds: dict = {}           # compute dtype -> threshold
         self._judged: dict = {}               # (compute, tensor, input dtype) -> judged dtype
@@ -402,8 +406,35 @@ class Engine(Judging):
         if self.once(("applied", key)) and log.isEnabledFor(logging.INFO):
             log.info("Free benchmark: Perturbation is %s of %s.", self.mode_name, name)
 
+    def _skip_early(self, reason: str, key: str, n: int, func, args, kwargs):
+        """A call whose reason is known before the decision's work (the API's own reason, an
+        optimizer update, the budget for a site that was eligible at its last call): counted
+        and logged as ``_skip`` does (a floating-point call in the coverage), then run."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if reason == "budget":
+            self.coverage.unchecked((key, n), reason, admitted=True)
+        elif reason not in _NOT_FLOAT and _has_float(args, kwargs):
+            self.coverage.unchecked((key, n), reason)
+        if (reason, key) not in self._noted:   # logged once per API (``note_skip``)
+            self._noted.add((reason, key))
+            self.note_skip(reason, key, f"{key}.{n}.{self.stage}", counted=True)
+        return func(*args, **kwargs)
+
     # -- one in-scope call -----------------------------------------------------------------------
-    def handle(self, info, key, n, func, args, kwargs, frame):
+    def handle(self, info, key, n, func, args, kwargs, frame=None):
+        """One call in scope: skipped (counted, with its reason) or checked. ``frame``: the
+        caller's (default: the frame that called the mode, read only for a checked call)."""
+        # reasons known without the decision's work: decided as ``_decide`` would decide them
+        if info.skip is not None:
+            return self._skip_early(info.skip, key, n, func, args, kwargs)
+        if self.in_optimizer and info.rule is None and info.random is None and \
+                not torch.is_grad_enabled():
+            return self._skip_early("optimizer", key, n, func, args, kwargs)
+        admitted = None
+        if self.budget is not None and (key, n) in self.admissible:  # eligible last time
+            admitted = self.budget.admit()
+            if not admitted:
+                return self._skip_early("budget", key, n, func, args, kwargs)
         name = f"{key}.{n}.{self.stage}"
         try:
             with modes_off():
@@ -434,8 +465,11 @@ class Engine(Judging):
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
         self.coverage.admitted(site)
-        if self.budget is not None and not self.budget.admit():
-            return self._skip("budget", key, name, func, args, kwargs, seen=True)
+        if self.budget is not None:
+            if self.preheat is None:   # (a preheat's sampling decides per call)
+                self.admissible[site] = True
+            if not (admitted or self.budget.admit()):
+                return self._skip("budget", key, name, func, args, kwargs, seen=True)
         if writes is not None and writes.indices:   # just before the real call
             try:
                 with modes_off():
@@ -446,6 +480,8 @@ class Engine(Judging):
             except Exception as exc:
                 self.failed(key, name, exc)
                 return func(*args, **kwargs)
+        if frame is None:
+            frame = sys._getframe(2)   # handle <- the mode <- the caller
         if self.stage == "backward":
             return watch(self, call, key, n, name, func, leaves, spec, frame)
         return self._check_forward(call, key, n, name, func, leaves, spec, frame)
