@@ -135,7 +135,7 @@ def test_calls_skipped_before_the_decision_cost_a_few_python_calls(tmp_path):
     with CallThrough():
         bare = [python_calls(f) for f in calls]
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=1e-6)
-    for _ in range(3):          # calibration, then one check per step: the window rotates
+    for _ in range(3):          # calibration, a reference step, then one check per step
         with fb:
             for _ in range(4):
                 torch.exp(x), x.t(), torch.tanh(x)
@@ -148,8 +148,30 @@ def test_calls_skipped_before_the_decision_cost_a_few_python_calls(tmp_path):
     extra = [g - b for g, b in zip(got, bare)]
     assert all(0 < e <= 12 for e in extra), (bare, got)
     s = fb.summary
-    assert s["skipped"] == {"view": 15, "budget": s["float_calls"] - 15 - s["checked"]}
-    assert s["checked"] == 8 + 1 + 1 + 1 and s["float_calls"] == 43
+    assert s["skipped"] == {"view": 11, "budget": s["float_calls"] - 11 - s["checked"]}
+    assert s["checked"] == 8 + 1 + 1 and s["float_calls"] == 31
+
+
+def test_budget_reference_steps_intercept_nothing_and_the_summary_says_the_cost(tmp_path):
+    """Issue 38: with a budget, step 1 and every tenth step after it run with nothing
+    intercepted (the plain step's time); the summary then says what the probe cost."""
+    x = torch.randn(8, 8)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=0.5)
+    depth = mode_stack_depth()
+    seen = []
+    for step in range(13):
+        before = fb.summary["calls"]
+        with fb:
+            assert fb.active and mode_stack_depth() == depth + (step not in (1, 11))
+            torch.exp(x), torch.tanh(x)
+        seen.append(fb.summary["calls"] - before)
+        fb.step()
+    assert seen == [0 if step in (1, 11) else 2 for step in range(13)]
+    s = fb.summary
+    assert s["budget_cost"] is not None and s["budget_cost"] > -1.0
+    assert f"budget: {100 * s['budget_cost']:.0f} % over the plain step" in str(s)
+    cov = fb.coverage
+    assert cov["calls"].tolist() == [11, 11] and (cov["checked"] >= 1).all()
 
 
 def test_step_filter(tmp_path):

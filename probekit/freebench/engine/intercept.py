@@ -337,6 +337,7 @@ class Engine(Judging):
         if self.budget is not None:
             out["coverage"] = self.coverage.share()
             out["budget_limit"] = self.budget.limit
+            out["budget_cost"] = self.budget.cost()
         cov = self.coverage
         out["float_calls"] = cov.float_calls
         out["checked_share"] = cov.checked_share()

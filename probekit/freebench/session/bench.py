@@ -65,6 +65,8 @@ class FreeBench:
         # a confirmed finding's call is saved for fb.repro (repro/record.py)
         self._engine.repro_capture = Recorder(self._engine, self.config.dump_path)
         self._mode = None
+        #: a budget's reference step runs between start() and stop(): nothing intercepted
+        self._reference = False
         self._opt_handles: list = []
         self._compile_guard = CompileGuard()
         self._closed = False
@@ -81,7 +83,7 @@ class FreeBench:
     @property
     def active(self) -> bool:
         """True between start() and stop()."""
-        return self._mode is not None
+        return self._mode is not None or self._reference
 
     def _set_model(self, model) -> None:
         """Resolve the module scope against ``model`` (unknown names: ``ConfigError``)."""
@@ -104,7 +106,7 @@ class FreeBench:
             raise RuntimeError("this FreeBench was closed")
         if model is not None and is_compiled_module(model):
             raise CompiledModelError(COMPILED_MESSAGE)
-        if self._mode is not None:
+        if self._mode is not None or self._reference:
             return
         if model is not None:
             self._set_model(model)
@@ -118,8 +120,12 @@ class FreeBench:
                       list(self.config.rank))
             return
         self._engine.rank = get_rank()
-        if self._engine.budget is not None:
-            self._engine.budget.started()
+        budget = self._engine.budget
+        if budget is not None:
+            budget.started()
+            if budget.reference:   # the plain step is measured: nothing intercepted (budget.py)
+                self._reference = True
+                return
         self._sink.open()
         mode = make_mode(self._engine)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -153,6 +159,9 @@ class FreeBench:
         spot, or (an accelerator's verdict whose inputs are gone) ``unexplained``."""
         mode, self._mode = self._mode, None
         if mode is None:
+            if self._reference:
+                self._reference = False
+                self._engine.budget.stopped()
             return
         try:
             top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) \
