@@ -273,7 +273,8 @@ def test_autocast_reruns_start_from_the_inputs_the_op_computed_with(tmp_path):
         o = torch.addmm(b, x, w)
     xb, wb, bb = x.to(bf16).float(), w.to(bf16).float(), b.to(bf16).float()
     p = torch.addmm(bb, xb, wb).double()
-    s = torch.addmm(bb.abs(), xb.abs(), wb.abs()).double()
+    # S from the inputs the op computed with, in its dtype (issue 38: not the upcast re-run's)
+    s = torch.addmm(b.to(bf16).abs(), x.to(bf16).abs(), w.to(bf16).abs()).double()
     lam = 96 * 2.0 ** -24 / (1 - 96 * 2.0 ** -24) / 2.0 ** -8     # gamma_96(u32) / u_bf16
     expect = ((p - o.double()).abs() / (p.abs() + lam * s)).max().item()
     rows = pd.concat([fb.results, fb.hotspots])

@@ -659,7 +659,8 @@ class Engine(Judging):
             # e.g. bincount: fp16 weights sum into float64, fp32 ones into float32
             raise perturb.Cancel("the upcast re-run computes in a narrower dtype than the call")
         compute = None if call.compute is None else [call.compute] * len(outs)
-        scales_ = self.forward_scales(judged, func, pert.new, spec, p_outs, outs, compute)
+        scales_ = self.forward_scales(judged, func, pert.new, spec, p_outs, outs, compute,
+                                      base=leaves)
 
         def explain(items):  # only for flagged calls: float64 re-runs
             return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items,
@@ -690,7 +691,8 @@ class Engine(Judging):
             in_dtype = pert.in_dtype
             p = func(*pert.args, **pert.kwargs)
             (_, p), = handlers.float_outputs(p)
-            (sc,) = self.forward_scales(judged, func, pert.new, spec, [(i, p)], outs, compute)
+            (sc,) = self.forward_scales(judged, func, pert.new, spec, [(i, p)], outs, compute,
+                                        base=b_leaves)
             parts.append(self.verdicts.stats(plan.output(o, start, length), p, sc, exact,
                                              whole=False))
             del pert, p, sc  # free this block's re-run before the next one
