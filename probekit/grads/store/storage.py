@@ -66,8 +66,20 @@ class Local:
         return out
 
     @staticmethod
-    def write(path, data, pad: int = 0, fsync: bool = True) -> None:
-        atomic_write(path, data, pad=pad, fsync=fsync)
+    def write(path, data, pad: int = 0, fsync: bool = True, atomic: bool = True) -> None:
+        """``data`` (then ``pad`` zero bytes) as the file ``path``: replaced whole
+        (``atomic_write``), or, ``atomic=False`` for a file no reader reads yet (a chunk of
+        uncommitted rows), written in place."""
+        if atomic:
+            atomic_write(path, data, pad=pad, fsync=fsync)
+            return
+        with open(path, "wb") as fh:
+            fh.write(data)
+            if pad:
+                fh.write(bytes(pad))
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
 
     @staticmethod
     def sync_dirs(paths) -> None:
@@ -175,8 +187,9 @@ class Remote:
                 out[p] = v
         return out
 
-    def write(self, path, data, pad: int = 0, fsync: bool = True) -> None:
-        # a PUT is durable once it returned: ``fsync`` has nothing to add
+    def write(self, path, data, pad: int = 0, fsync: bool = True, atomic: bool = True) -> None:
+        # a PUT is durable once it returned and replaces the object whole: ``fsync`` and
+        # ``atomic`` have nothing to add
         if isinstance(data, str):
             data = data.encode("utf-8")
         data = bytes(data)
