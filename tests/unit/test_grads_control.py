@@ -41,6 +41,21 @@ def test_round_random_exact_cases():
     exact = torch.tensor([0.0, -0.0, 1.0, -3.5, 2.0 ** -130, float("inf"), float("-inf")])
     assert torch.equal(round_random(exact, BF16, _gen()).float(), exact)
     assert torch.isnan(round_random(torch.tensor([float("nan")]), BF16, _gen())).all()
+    # a NaN whose payload is in the lower half only (truncated, it would read as inf)
+    nans = torch.tensor([0x7F800001, -0x7FFFFF, 0x7FC00000, -1], dtype=torch.int32)
+    assert torch.isnan(round_random(nans.view(torch.float32), BF16, _gen())).all()
+    # a large tensor (its bits' form, issue 38): NaN payloads and infs kept, values rounded to
+    # their neighbours, at both spreads
+    x = torch.full((40_000,), 1.0 + 0.25 * ulp)
+    x[::7] = nans.view(torch.float32).repeat(1429)[:len(x[::7])]
+    x[3::7] = float("inf")
+    x[5::7] = float("-inf")
+    for spread in (0.5, 0.25):
+        y = round_random(x, BF16, _gen(), spread=spread).float()
+        assert torch.isnan(y[::7]).all() and (y[3::7] == float("inf")).all()
+        assert (y[5::7] == float("-inf")).all()
+        rest = torch.cat([y[1::7], y[2::7], y[4::7], y[6::7]])
+        assert set(rest.unique().tolist()) <= {1.0, 1.0 + ulp}
     # fp16 overflows as round-to-nearest does; its largest value stays
     y = round_random(torch.tensor([70000.0, 65504.0, -1e6]), torch.float16, _gen())
     assert y.tolist() == [float("inf"), 65504.0, float("-inf")]
