@@ -172,6 +172,19 @@ def test_budget_reference_steps_intercept_nothing_and_the_summary_says_the_cost(
     assert f"budget: {100 * s['budget_cost']:.0f} % over the plain step" in str(s)
     cov = fb.coverage
     assert cov["calls"].tolist() == [11, 11] and (cov["checked"] >= 1).all()
+    # a session left running across step() (start() once): the reference step still
+    # intercepts nothing, the next one intercepts again
+    fb2 = FreeBench(dump_path=str(tmp_path / "running"), pert_mode="bit_noise", budget=0.5)
+    fb2.start()
+    try:
+        stack = []
+        for step in range(4):
+            stack.append(mode_stack_depth() - depth)
+            torch.exp(x)
+            fb2.step()
+    finally:
+        fb2.stop()
+    assert stack == [1, 0, 1, 1] and fb2.summary["calls"] == 3
 
 
 def test_step_filter(tmp_path):

@@ -227,6 +227,12 @@ class FreeBench:
         finally:
             e.next_step()
             self._step_start = coverage.counters(e)
+        budget = e.budget
+        if budget is not None and self.active and budget.reference != self._reference:
+            # a session left running across step(): a reference step runs with nothing
+            # intercepted, and the step after it intercepts again (budget.py)
+            self.stop()
+            self.start()
 
     def monitor(self, model, optimizer=None) -> None:
         log.warning("monitor() belongs to the grad probe; the free benchmark sees every API call "
