@@ -70,6 +70,25 @@ def test_round_random_exact_cases():
     x = torch.full((1000,), 1.0 + 2.0 ** -25, dtype=torch.float64)
     y = round_random(x, torch.float32, _gen())
     assert set(y.double().unique().tolist()) == {1.0, 1.0 + 2.0 ** -23}
+    # a large tensor (its bits' form, issue 38): stochastic at both spreads, both signs; values
+    # float32 holds, zeros, and (the general form) its subnormal range, inf, NaN
+    u32 = 2.0 ** -23
+    for spread, share in ((0.5, 0.25), (0.25, 0.0)):
+        x = torch.full((40_000,), 1.0 + 0.25 * u32, dtype=torch.float64)
+        x[1::2] *= -1
+        y = round_random(x, torch.float32, _gen(), spread=spread).double()
+        for v in (y[::2], -y[1::2]):
+            assert set(v.unique().tolist()) <= {1.0, 1.0 + u32}
+            up = int((v > 1).sum())
+            assert abs(up - share * 20_000) <= 5 * math.sqrt(20_000 * 0.25 * 0.75)
+        exact = torch.tensor([0.0, -0.0, 1.5, -2.0 ** -126] * 10_000, dtype=torch.float64)
+        assert torch.equal(round_random(exact, torch.float32, _gen(), spread=spread).double(),
+                           exact)
+        odd = torch.tensor([1e-40, float("inf"), float("nan"), 1.0] * 10_000,
+                           dtype=torch.float64)
+        z = round_random(odd, torch.float32, _gen(), spread=spread).double()
+        assert ((z[::4] - 1e-40).abs() <= 2.0 ** -149).all()   # float32's subnormal step
+        assert (z[1::4] == float("inf")).all() and torch.isnan(z[2::4]).all()
 
 
 def test_mode_computes_low_precision_ops_wide_and_rounds_at_random():

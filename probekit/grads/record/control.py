@@ -102,6 +102,10 @@ def round_random(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator,
     round-to-nearest does; NaN stays NaN. Draws from ``gen`` only."""
     if x.dtype == torch.float32 and dtype == torch.bfloat16:
         return _bf16_from_fp32(x, gen, spread)
+    if x.dtype == torch.float64 and dtype == torch.float32:
+        out = _fp32_from_fp64(x, gen, spread)
+        if out is not None:
+            return out
     near = x.to(dtype)
     wide = near.to(x.dtype)
     inf = torch.tensor(float("inf"), dtype=dtype, device=x.device)
@@ -115,6 +119,43 @@ def round_random(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator,
 
 #: below this many elements ``_bf16_from_fp32`` takes its form with the fewest operators
 _FEW = 1 << 15
+#: float64 bits of float32's largest finite value and smallest normal one
+_FP32_MAX_BITS = 0x47EFFFFFE0000000
+_FP32_TINY_BITS = 897 << 52
+
+
+def _fp32_from_fp64(x, gen, spread: float):
+    """``round_random`` to float32 on float64's bits, as ``_bf16_from_fp32`` does: a value of
+    float32's normal range is a float64 whose lower 29 mantissa bits are zero, so adding a random
+    29-bit offset to the magnitude and dropping those bits rounds at random (one 63-bit draw
+    serves two elements: bits 0-28 and 32-60). Only for a CPU tensor of at least ``_FEW``
+    elements each zero or of float32's normal range (the maximum and minimum of the magnitudes'
+    bits, read without a device sync there); otherwise None, and ``round_random``'s general
+    form runs (NaN, inf, overflow, float32's subnormal range: its grid is coarser). Issue 38:
+    the float64 rounding was three quarters of an fp32 control's step."""
+    n = x.numel()
+    lo = int(round((1 << 29) * (0.5 - spread)))
+    width = int(round((1 << 29) * 2 * spread))
+    if n < _FEW or x.device.type != "cpu" or not width or width & (width - 1) or \
+            width > 1 << 29:
+        return None
+    bits = x.contiguous().view(torch.int64).reshape(-1)
+    a = bits & 0x7FFFFFFFFFFFFFFF
+    if int(a.max()) > _FP32_MAX_BITS:          # NaN, inf, or beyond float32's range
+        return None
+    a.sub_(1).bitwise_and_(0x7FFFFFFFFFFFFFFF)   # a zero becomes the largest: not tiny
+    if int(a.min()) < _FP32_TINY_BITS - 1:     # float32's subnormal range
+        return None
+    half = (n + 1) // 2
+    r = torch.empty(half, dtype=torch.int64).random_(generator=gen)   # 63 random bits
+    t = torch.empty_like(bits)
+    torch.add(bits[:half], r & (width - 1), out=t[:half])
+    torch.add(bits[half:], r.bitwise_right_shift(32).bitwise_and_(width - 1)[:n - half],
+              out=t[half:])
+    if lo:
+        t.add_(lo)
+    t.bitwise_and_(-(1 << 29))
+    return t.view(torch.float64).view(x.shape).to(torch.float32)
 
 
 def _bf16_from_fp32(x, gen, spread: float):
