@@ -20,8 +20,10 @@ cannot move:
   ``--steps`` steps after the first (the calibration); the share of eligible call sites checked
   at least once, the most steps a site waited, and what the summary says the budget cost.
 * ``checked``: every call checked, forward (``bit_noise``, ``improve_precision``) and backward
-  stage; ATen operators per checked call (a ``TorchDispatchMode`` counting every operator of a
-  probed step minus a plain one, over the step's checked calls).
+  stage; ATen operators per checked call: a ``TorchDispatchMode`` counting every operator of a
+  probed step minus a plain one, over the step's checked calls (composite operators counted as
+  what they decompose into, autograd's too), and ``torch.profiler``'s top-level ``aten::``
+  events the same way (``bench_freebench_ops``'s count: one per call Python makes).
 
 ``PYTHONPATH`` first: run it with ``PYTHONPATH=/path/to/other/checkout`` to measure that code.
 """
@@ -224,14 +226,27 @@ def bench_checked(a, tmp) -> dict:
     plain_ops = OpCount()
     with plain_ops:
         step()
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_freebench_ops import top_level
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    plain_top = len(top_level(prof))
     for label, fb in sessions.items():
         before = fb.summary["checked"]
         counter = OpCount()
         with counter:
             fns[label]()
         checked = fb.summary["checked"] - before
+        before = fb.summary["checked"]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fns[label]()
+        top_checked = fb.summary["checked"] - before
         ops[label] = {"checked": checked,
-                      "aten_ops_per_checked_call": (counter.n - plain_ops.n) / max(1, checked)}
+                      "aten_ops_per_checked_call": (counter.n - plain_ops.n) / max(1, checked),
+                      "top_level_per_checked_call": (len(top_level(prof)) - plain_top)
+                      / max(1, top_checked)}
     return {"ratios": ratios(times), "quartiles": spread(times),
             "plain_ms": statistics.median(times["plain"]) * 1e3, "ops": ops, "rows": {k: int(fb.summary["flagged"]) for k, fb in sessions.items()}}
 
