@@ -265,12 +265,17 @@ def main(argv=None) -> int:
         res = {"nothing": bench_nothing, "budget": bench_budget,
                "checked": bench_checked}[a.what](a, tmp)
     res.update({"what": a.what, "size": a.size, "load": os.getloadavg()[0]})
+    report(res, a.out)
+    return 0
+
+
+def report(res: dict, out: str | None) -> None:
+    """Print the results as JSON, and write them to ``out`` when given."""
     text = json.dumps(res, indent=1, default=str)
     print(text)
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as fh:
+    if out:
+        with open(out, "w", encoding="utf-8") as fh:
             fh.write(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ made it. Reported, medians over ``--blocks`` rounds:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -63,6 +62,7 @@ def main(argv=None) -> int:
     import torch
     import logging
 
+    from bench_freebench_overhead import report
     from bench_grads_dist import build
     from probekit import GradProbe
     from probekit.grads.store.live import LIVE
@@ -121,11 +121,7 @@ def main(argv=None) -> int:
            "writer_cpu_ms": {k: statistics.median(x[2] for x in v) * 1e3
                              for k, v in runs.items()},
            "load": os.getloadavg()[0]}
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as fh:
-            fh.write(text)
+    report(res, a.out)
     return 0
 
 

@@ -2,6 +2,7 @@
 logging, hook/mode removal."""
 import json
 import logging
+import os
 import sys
 
 import pytest
@@ -13,6 +14,9 @@ from probekit.config import ConfigError, FreeBenchmarkConfig, make_config
 from probekit.freebench import FreeBench
 from probekit.freebench.perturb import perturb
 from probekit.freebench.session.bench import open_session
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from bench_freebench_overhead import Bare as CallThrough, python_calls  # noqa: E402
 
 
 A, B = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
@@ -76,27 +80,6 @@ def test_list_selects_by_substring(tmp_path):
         F.relu(x), torch.relu(x), x.relu(), torch.matmul(x, x), F.gelu(x)
     assert fb.summary["checked"] == 3
     assert fb.summary["skipped"] == {"out_of_scope": 2}
-
-
-def python_calls(fn) -> int:
-    """Python and C function calls made while ``fn`` runs (the profile's call events)."""
-    n = [0]
-
-    def prof(frame, event, arg):
-        n[0] += event in ("call", "c_call")
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return n[0]
-
-
-class CallThrough(torch.overrides.TorchFunctionMode):
-    """A function mode that only calls through: the floor of any interception."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 def test_out_of_scope_calls_cost_one_lookup(tmp_path):

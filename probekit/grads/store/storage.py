@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from ...atomic import atomic_write, fsync_dir
+from ...atomic import atomic_write, fsync_dir, write_in_place
 from ...errors import GradStoreError
 
 #: packages providing the common object-store protocols (fsspec names them in its registry too)
@@ -70,16 +70,7 @@ class Local:
         """``data`` (then ``pad`` zero bytes) as the file ``path``: replaced whole
         (``atomic_write``), or, ``atomic=False`` for a file no reader reads yet (a chunk of
         uncommitted rows), written in place."""
-        if atomic:
-            atomic_write(path, data, pad=pad, fsync=fsync)
-            return
-        with open(path, "wb") as fh:
-            fh.write(data)
-            if pad:
-                fh.write(bytes(pad))
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
+        (atomic_write if atomic else write_in_place)(path, data, pad=pad, fsync=fsync)
 
     @staticmethod
     def sync_dirs(paths) -> None:
