@@ -370,33 +370,64 @@ def _median_time(fn, repeats):
     return statistics.median(times), times
 
 
+def _step_costs(repeats: int) -> dict:
+    """A training step of the validation's GPT-2 (one torch thread) plain in fp32, under bf16
+    autocast, and as control runs (each on its own copy of the model, the control's mode entered
+    for its step only), the configurations interleaved step by step; the thread's CPU time,
+    medians of the per-round ratios to the plain step (issue 38: on a shared machine the load
+    moves a round's steps alike)."""
+    from probekit.grads.record.control import perturb
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    configs = {}
+    for name, setting, control in (("plain", "fp32", None), ("autocast", "autocast", None),
+                                   ("control bf16", "fp32", "bf16"),
+                                   ("control bf16:cast", "fp32", "bf16:cast"),
+                                   ("control fp32", "fp32", "fp32")):
+        model = cm.build("gpt2")
+        configs[name] = (model, setting, perturb(model, control) if control else None)
+
+    def step(name):
+        model, setting, probe = configs[name]
+        if probe is not None:
+            probe.start()
+        try:
+            c0 = time.thread_time()
+            cm.train(model, "gpt2", setting, 1)
+            return time.thread_time() - c0
+        finally:
+            if probe is not None:
+                probe.stop()
+
+    try:
+        for name in configs:            # warm-up
+            step(name), step(name)
+        times = {name: [] for name in configs}
+        for _ in range(max(repeats, 5)):
+            for name in configs:
+                times[name].append(step(name))
+    finally:
+        torch.set_num_threads(threads)
+    res = {}
+    for name, ts in times.items():
+        res[f"step {name} ms"] = round(statistics.median(ts) * 1e3, 1)
+        ratios = [t / p for t, p in zip(ts, times["plain"])]
+        res[f"step {name} / plain"] = round(statistics.median(ratios), 2)
+        res[f"step {name} / plain quartiles"] = [round(q, 2) for q in
+                                                 statistics.quantiles(ratios, n=4)[::2]]
+    return res
+
+
 def cost(args) -> dict:
     """Step time of a control run against a plain fp32 run and a bf16-autocast run (GPT-2 of
     the validation); a comparison with one control against a plain comparison (wall and CPU
     time, alternating, medians), on those runs and on larger recordings (MLPs of 16.8M and 67M
     parameters, 20 steps)."""
     root = args.dir or tempfile.mkdtemp(prefix="probekit-cost-")
-    res = {}
-    for name, setting, control in (("plain", "fp32", None), ("autocast", "autocast", None),
-                                   ("control bf16", "fp32", "bf16"),
-                                   ("control bf16:cast", "fp32", "bf16:cast"),
-                                   ("control fp32", "fp32", "fp32")):
-        model = cm.build("gpt2")
-        control_probe = None
-        if control:
-            from probekit.grads.record.control import perturb
-
-            control_probe = perturb(model, control)
-            control_probe.start()
-        try:
-            cm.train(model, "gpt2", setting, 2)          # warm-up
-            t, _ = _median_time(lambda: cm.train(model, "gpt2", setting, 1), args.repeats)
-        finally:
-            if control_probe is not None:
-                control_probe.stop()
-        res[f"step {name} ms"] = round(t * 1e3, 1)
-    for key in list(res):
-        res[key.replace(" ms", " / plain")] = round(res[key] / res["step plain ms"], 2)
+    res = _step_costs(args.repeats)
+    if args.steps_only:
+        return res
     # comparisons: the validation's GPT-2 runs, and larger recordings
     small = {n: record(root, "gpt2", n, s, control=c, steps=20)[0] for n, s, c in (
         ("ref", "fp32", None), ("test", "autocast", None), ("ctrl", "fp32", "bf16"))}
@@ -458,6 +489,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=None, help="keep the recorded runs here")
+    p.add_argument("--steps-only", action="store_true",
+                   help="cost: the control runs' step times only (no comparisons)")
     p.add_argument("--judge-only", action="store_true",
                    help="validate: judge the runs already recorded in --dir again")
     p.add_argument("--bf16", action="store_true", help="sweep: bf16 autocast pairs too")

@@ -220,8 +220,10 @@ def test_dropout_training_is_bitwise_unchanged_and_its_random_calls_checked(tmp_
     assert "inplace" not in s["float_skipped"] and "private" not in s["float_skipped"], s
     cov = fb.coverage.set_index("api_name")
     assert not cov["reason"].str.startswith("random").any()
+    # with a budget, step 1 is a reference step: nothing intercepted (issue 38)
+    seen = steps - 1 if "budget" in options else steps
     for site in RANDOM_SITES[kind] + OTHER_SITES.get(kind, []):
-        assert cov.loc[site, "calls"] == steps
+        assert cov.loc[site, "calls"] == seen
         if "budget" not in options:
             assert cov.loc[site, "checked"] == steps, cov.loc[site]
     # healthy: nothing found, dropout on (no_change: the replayed masks are equal bit for bit);

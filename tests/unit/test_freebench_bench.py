@@ -2,6 +2,8 @@
 logging, hook/mode removal."""
 import json
 import logging
+import os
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ from probekit.config import ConfigError, FreeBenchmarkConfig, make_config
 from probekit.freebench import FreeBench
 from probekit.freebench.perturb import perturb
 from probekit.freebench.session.bench import open_session
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from bench_freebench_overhead import Bare as CallThrough, python_calls  # noqa: E402
 
 
 A, B = torch.tensor([1e4 + 0.01]), torch.tensor([-1e4])
@@ -75,6 +80,119 @@ def test_list_selects_by_substring(tmp_path):
         F.relu(x), torch.relu(x), x.relu(), torch.matmul(x, x), F.gelu(x)
     assert fb.summary["checked"] == 3
     assert fb.summary["skipped"] == {"out_of_scope": 2}
+
+
+def test_out_of_scope_calls_cost_one_lookup(tmp_path):
+    """Issue 38: an API none of whose names is in scope, once seen, costs the mode one dict
+    lookup more than a mode that only calls through; an operator (``x + y``, named from the
+    calling instruction) and a property read too. The counts stay what they were, and a step the
+    step filter excludes counts its calls there."""
+    x, y = torch.randn(4), torch.randn(4)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change",
+                   scope=["Torch.matmul.0.forward"], step=[1])
+    calls = [lambda: x.add(y), lambda: x + y, lambda: torch.add(x, y, alpha=2),
+             lambda: F.relu(x), lambda: x.shape]
+    with CallThrough():
+        bare = [python_calls(f) for f in calls]
+    with fb:
+        for f in calls:
+            f()
+    fb.step()
+    with fb:
+        torch.matmul(x, x)
+        for f in calls:
+            f()
+        probed = [python_calls(f) for f in calls]
+    assert [p - q for p, q in zip(probed, bare)] == [1, 1, 1, 1, 1], (bare, probed)
+    s = fb.summary
+    assert (s["calls"], s["checked"]) == (13, 1)          # property reads are not calls
+    assert s["skipped"] == {"step_filter": 4, "out_of_scope": 8}
+
+
+def test_calls_skipped_before_the_decision_cost_a_few_python_calls(tmp_path):
+    """Issue 38: a call skipped for a reason known before the decision's work (a view, a call
+    site the budget leaves to a later step) costs at most 12 Python calls beyond a mode that only
+    calls through (before: 24 and 38), and is counted as before."""
+    x = torch.randn(8, 8)
+    calls = [lambda: x.t(), lambda: torch.tanh(x)]
+    with CallThrough():
+        bare = [python_calls(f) for f in calls]
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=1e-6)
+    for _ in range(3):          # calibration, a reference step, then one check per step
+        with fb:
+            for _ in range(4):
+                torch.exp(x), x.t(), torch.tanh(x)
+        fb.step()
+    assert fb.summary["budget_limit"] == 1
+    with fb:
+        torch.exp(x), x.t(), torch.tanh(x)           # the window's one check: exp or tanh
+        torch.exp(x), x.t()
+        got = [python_calls(f) for f in calls]       # the fourth view, tanh's second site
+    extra = [g - b for g, b in zip(got, bare)]
+    assert all(0 < e <= 12 for e in extra), (bare, got)
+    s = fb.summary
+    assert s["skipped"] == {"view": 11, "budget": s["float_calls"] - 11 - s["checked"]}
+    assert s["checked"] == 8 + 1 + 1 and s["float_calls"] == 31
+
+
+def test_budget_reference_steps_intercept_nothing_and_the_summary_says_the_cost(tmp_path):
+    """Issue 38: with a budget, step 1 and every tenth step after it run with nothing
+    intercepted (the plain step's time); the summary then says what the probe cost."""
+    x = torch.randn(8, 8)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=0.5)
+    depth = mode_stack_depth()
+    seen = []
+    for step in range(13):
+        before = fb.summary["calls"]
+        with fb:
+            assert fb.active and mode_stack_depth() == depth + (step not in (1, 11))
+            torch.exp(x), torch.tanh(x)
+        seen.append(fb.summary["calls"] - before)
+        fb.step()
+    assert seen == [0 if step in (1, 11) else 2 for step in range(13)]
+    s = fb.summary
+    assert s["budget_cost"] is not None and s["budget_cost"] > -1.0
+    assert f"budget: {100 * s['budget_cost']:.0f} % over the plain step" in str(s)
+    cov = fb.coverage
+    assert cov["calls"].tolist() == [11, 11] and (cov["checked"] >= 1).all()
+    # a session left running across step() (start() once): the reference step still
+    # intercepts nothing, the next one intercepts again
+    fb2 = FreeBench(dump_path=str(tmp_path / "running"), pert_mode="bit_noise", budget=0.5)
+    fb2.start()
+    try:
+        stack = []
+        for step in range(4):
+            stack.append(mode_stack_depth() - depth)
+            torch.exp(x)
+            fb2.step()
+    finally:
+        fb2.stop()
+    assert stack == [1, 0, 1, 1] and fb2.summary["calls"] == 3
+
+
+def test_budget_reference_steps_follow_the_optimizer_in_a_plain_loop(tmp_path):
+    """Issues 34 and 38 together: a ``with fb:`` loop that calls ``optimizer.step()`` and never
+    ``fb.step()`` still ends its steps during a reference step (nothing intercepted there, the
+    optimizer's hooks kept), and intercepts again after it; the dump's run closes cleanly."""
+    x = torch.randn(8, 8)
+    w = torch.nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([w], lr=0.0)
+    depth = mode_stack_depth()
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=0.5)
+    stack = []
+    with fb:
+        for step in range(13):
+            stack.append(mode_stack_depth() - depth)
+            (torch.exp(x).sum() * w).backward()
+            opt.step()
+    assert stack == [0 if step in (1, 11) else 1 for step in range(13)]
+    s = fb.summary
+    assert s["steps"] == 13 and s["budget_cost"] is not None
+    assert mode_stack_depth() == depth and not fb.active
+    fb2 = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")   # replaces: it closed
+    with fb2:
+        torch.exp(x)
+    assert fb2.summary["calls"] == 1
 
 
 def test_step_filter(tmp_path):

@@ -124,6 +124,9 @@ def test_budget_window_rotates_over_the_eligible_calls():
 
 
 def test_budget_limit_from_measured_costs():
+    """Issue 38: the budget holds end to end. Step 0 measures a check; step 1 is a reference
+    step (nothing intercepted: the plain step); a probed step's time less its checks and the
+    plain step is the interception, which the checks' room leaves out."""
     from probekit.freebench.engine.budget import Budget
 
     b = Budget(0.25)
@@ -131,10 +134,28 @@ def test_budget_limit_from_measured_costs():
     for _ in range(10):
         b.admit()
         b.spent(2 ** -10)                # 10 checks of ~1 ms (binary fractions: exact sums)
-    b.stopped(now=2 ** -3 + 10 * 2 ** -10)    # under the probe: a 125 ms plain step + the checks
+    b.stopped(now=2 ** -3 + 10 * 2 ** -10)    # under the probe: a 125 ms step + the checks
     b.end_step(now=1.0)                  # time outside start()/stop() does not count
-    assert b.per_check == 2 ** -10 and b.plain == 2 ** -3
-    assert b.limit == 32 and b.prev_total == 10   # 0.25 * 125 ms / ~1 ms
+    assert b.per_check == 2 ** -10 and b.plain is None and b.limit is None
+    assert b.reference and b.prev_total == 10
+    b.t0 = 2.0
+    b.stopped(now=2.0 + 2 ** -3)         # the reference step: 125 ms with nothing intercepted
+    b.end_step(now=3.0)
+    assert b.plain == 2 ** -3 and b.interception == 0.0 and not b.reference
+    assert b.limit == 32 and b.prev_total == 10 and b.cost() is None   # 0.25 * 125 ms / 1 ms
+    b.t0 = 4.0
+    for _ in range(32):
+        b.admit()
+        b.spent(2 ** -10)
+    b.stopped(now=4.0 + 2 ** -3 + 2 ** -5 + 2 ** -5)   # + 32 ms of checks + 31 ms intercepting
+    b.end_step(now=5.0)
+    assert b.interception == 0.3 * 2 ** -5
+    assert b.limit == 22                 # (0.25 * 125 ms - 0.3 * 31.25 ms) / 1 ms = 21.9
+    assert b.cost() == 0.5               # 187.5 ms probed over 125 ms plain
+    assert not b.reference
+    for step in range(3, 12):
+        b.end_step(now=6.0 + step)
+        assert b.reference == (step == 10)   # step 11 is the next reference step
 
 
 def test_budget_config_is_validated():

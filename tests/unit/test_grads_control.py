@@ -41,6 +41,21 @@ def test_round_random_exact_cases():
     exact = torch.tensor([0.0, -0.0, 1.0, -3.5, 2.0 ** -130, float("inf"), float("-inf")])
     assert torch.equal(round_random(exact, BF16, _gen()).float(), exact)
     assert torch.isnan(round_random(torch.tensor([float("nan")]), BF16, _gen())).all()
+    # a NaN whose payload is in the lower half only (truncated, it would read as inf)
+    nans = torch.tensor([0x7F800001, -0x7FFFFF, 0x7FC00000, -1], dtype=torch.int32)
+    assert torch.isnan(round_random(nans.view(torch.float32), BF16, _gen())).all()
+    # a large tensor (its bits' form, issue 38): NaN payloads and infs kept, values rounded to
+    # their neighbours, at both spreads
+    x = torch.full((40_000,), 1.0 + 0.25 * ulp)
+    x[::7] = nans.view(torch.float32).repeat(1429)[:len(x[::7])]
+    x[3::7] = float("inf")
+    x[5::7] = float("-inf")
+    for spread in (0.5, 0.25):
+        y = round_random(x, BF16, _gen(), spread=spread).float()
+        assert torch.isnan(y[::7]).all() and (y[3::7] == float("inf")).all()
+        assert (y[5::7] == float("-inf")).all()
+        rest = torch.cat([y[1::7], y[2::7], y[4::7], y[6::7]])
+        assert set(rest.unique().tolist()) <= {1.0, 1.0 + ulp}
     # fp16 overflows as round-to-nearest does; its largest value stays
     y = round_random(torch.tensor([70000.0, 65504.0, -1e6]), torch.float16, _gen())
     assert y.tolist() == [float("inf"), 65504.0, float("-inf")]
@@ -55,6 +70,25 @@ def test_round_random_exact_cases():
     x = torch.full((1000,), 1.0 + 2.0 ** -25, dtype=torch.float64)
     y = round_random(x, torch.float32, _gen())
     assert set(y.double().unique().tolist()) == {1.0, 1.0 + 2.0 ** -23}
+    # a large tensor (its bits' form, issue 38): stochastic at both spreads, both signs; values
+    # float32 holds, zeros, and (the general form) its subnormal range, inf, NaN
+    u32 = 2.0 ** -23
+    for spread, share in ((0.5, 0.25), (0.25, 0.0)):
+        x = torch.full((40_000,), 1.0 + 0.25 * u32, dtype=torch.float64)
+        x[1::2] *= -1
+        y = round_random(x, torch.float32, _gen(), spread=spread).double()
+        for v in (y[::2], -y[1::2]):
+            assert set(v.unique().tolist()) <= {1.0, 1.0 + u32}
+            up = int((v > 1).sum())
+            assert abs(up - share * 20_000) <= 5 * math.sqrt(20_000 * 0.25 * 0.75)
+        exact = torch.tensor([0.0, -0.0, 1.5, -2.0 ** -126] * 10_000, dtype=torch.float64)
+        assert torch.equal(round_random(exact, torch.float32, _gen(), spread=spread).double(),
+                           exact)
+        odd = torch.tensor([1e-40, float("inf"), float("nan"), 1.0] * 10_000,
+                           dtype=torch.float64)
+        z = round_random(odd, torch.float32, _gen(), spread=spread).double()
+        assert ((z[::4] - 1e-40).abs() <= 2.0 ** -149).all()   # float32's subnormal step
+        assert (z[1::4] == float("inf")).all() and torch.isnan(z[2::4]).all()
 
 
 def test_mode_computes_low_precision_ops_wide_and_rounds_at_random():

@@ -121,3 +121,45 @@ def test_a_short_runs_last_shard_holds_only_its_steps(tmp_path):
     want = np.stack([stats(s).direction for s in range(10)])
     assert np.array_equal(arr[:], want)  # Zarr itself reads the shard
     assert np.array_equal(open_grads(tmp_path)["direction"].values, want)
+
+
+def test_chunks_of_uncommitted_rows_are_written_in_place(tmp_path, monkeypatch):
+    """Issue 38: a chunk file holding no committed row is read by no reader, so it is written in
+    place; one holding committed rows is replaced whole (a temporary file, then a rename)."""
+    from probekit.grads.store import store as store_mod
+
+    monkeypatch.setattr(store_mod, "_TARGET_CHUNK_BYTES", 256)   # one step per bits chunk
+    w = GradWriter(str(tmp_path), 0, LAYOUT, "L1", (-1, 0, 1), "md5", 50, significance=True)
+    assert w.dir_chunks[0] == 1
+    renamed = []
+    real = os.replace
+
+    def spy(src, dst):
+        renamed.append(os.path.relpath(dst, tmp_path / "grads.zarr" / "rank0"))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    for s in range(3):
+        w.append(s, stats(s))
+    LIVE.wait(w)
+    # steps 0 and 1 written: the run's start was committed (no row yet), no chunk replaced
+    assert renamed == ["commit.json"] and (tmp_path / "grads.zarr" / "rank0" / "direction" /
+                                           "c" / "1" / "1").is_file()
+    w.flush()                                 # the first commit: every chunk still fresh
+    assert not [r for r in renamed if os.sep + "c" + os.sep in r], renamed
+    assert renamed.count("commit.json") == 2
+    renamed.clear()
+    w.append(3, stats(3))
+    w.flush()                                 # the statistics' chunk 0 holds committed rows
+    assert {f"{a}/c/0" for a in ("step",)} | {f"{a}/c/0/0" for a in ("present", "max")} <= \
+        set(renamed), renamed
+    # the bits' chunks are a step each: only their shape (zarr.json) changes
+    assert [r for r in renamed if r.startswith(("direction", "significant"))] == \
+        ["direction/zarr.json", "significant/zarr.json"], renamed
+    w.close()
+    monkeypatch.undo()
+    ds = open_grads(tmp_path)
+    assert ds["step"].values.tolist() == [0, 1, 2, 3]
+    assert np.array_equal(ds["direction"].values, np.stack([stats(s).direction for s in range(4)]))
+    assert np.array_equal(ds["significant"].values,
+                          np.stack([stats(s).significant for s in range(4)]))

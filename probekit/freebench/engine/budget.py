@@ -1,14 +1,19 @@
 """The overhead budget and the coverage of call sites.
 
-``Budget(fraction)``: checks may cost about ``fraction`` of the plain step time. The first step
-checks every eligible call and measures what a check costs (host time of the re-run, the
-perturbation and the comparison, plus the step's gather) and what the step costs without them
-(time under the probe — between ``start()`` and ``stop()`` — minus the check time); both are then
-followed with an exponential average. From the next step on, ``limit = max(1, floor(fraction * plain / per_check))``
-calls are checked per step, chosen by a window over the step's eligible calls (in call order):
-call ``i`` is checked when ``(i - offset) mod N < limit``, ``N`` being the number of eligible calls
-in the previous step, and the window moves by ``limit`` each step, so with a stable call sequence
-every call site is checked within ``ceil(N / limit)`` steps.
+``Budget(fraction)``: the probe may cost about ``fraction`` of the plain step time, end to end
+(the interception of every call, the checks, the step's gather). Step 0 checks every eligible call
+and measures what a check costs (host time of the re-run, the perturbation and the comparison,
+plus the step's gather). Step 1, and every ``REFERENCE_EVERY``-th step after it, is a *reference
+step*: the session intercepts nothing (``reference``) and its time under the probe — between
+``start()`` and ``stop()`` — is the plain step. A probed step's time minus its checks minus the
+plain step is what the interception costs (every call seen, the unchecked ones handled); all three
+are followed with an exponential average. From then on ``limit = max(1, floor((fraction * plain -
+interception) / per_check))`` calls are checked per step, chosen by a window over the step's
+eligible calls (in call order): call ``i`` is checked when ``(i - offset) mod N < limit``, ``N``
+being the number of eligible calls in the last probed step, and the window moves by ``limit`` each
+probed step, so with a stable call sequence every call site is checked within ``ceil(N / limit)``
+probed steps. ``cost()`` is what the budget really cost: a probed step's time over the plain
+step's, minus one (``summary["budget_cost"]``).
 
 Host time is what probekit can measure without a sync; on accelerators the device time of a check
 runs in parallel with the host and is of the same order for small kernels.
@@ -24,6 +29,9 @@ import time
 
 #: weight of the newest step in the running averages
 EMA = 0.3
+#: a reference step (nothing intercepted: the plain step's time) is step 1 and every this many
+#: steps after it
+REFERENCE_EVERY = 10
 
 
 class Budget:
@@ -36,7 +44,14 @@ class Budget:
         self.check_s = 0.0              # host seconds spent on checks in this step
         self.checks = 0
         self.per_check: float | None = None
-        self.plain: float | None = None
+        self.plain: float | None = None          # a reference step's time under the probe
+        self.interception: float | None = None   # a probed step's, less its checks and plain
+        self.probed: float | None = None         # a probed step's time, after the calibration
+        self.steps = 0                  # steps closed
+        self.references = 0             # reference steps closed
+        #: this step is a reference step: the session intercepts nothing
+        self.reference = False
+        self._calibration: tuple | None = None   # (time, check time) of step 0
         self.t0: float | None = None    # start() of the current active stretch (None: stopped)
         self.active_s = 0.0             # time between start() and stop() in this step
 
@@ -63,26 +78,53 @@ class Budget:
         self.checks += checks
 
     def end_step(self, now: float | None = None) -> None:
-        """Close the step: ``plain`` = time under the probe (start() to stop(), or to now while
-        active) minus the checks; the next step's limit follows."""
+        """Close the step: a reference step's time is the plain step; a probed step's gives the
+        cost of a check and of the interception; the next step's limit follows."""
         now = time.perf_counter() if now is None else now
         wall = self.active_s
         if self.t0 is not None:
             wall += now - self.t0
             self.t0 = now
         self.active_s = 0.0
-        if self.checks:
-            self.per_check = _avg(self.per_check, self.check_s / self.checks)
-        if wall > 0:
-            self.plain = _avg(self.plain, max(wall - self.check_s, 0.0))
-        if self.per_check and self.plain is not None:
-            if self.limit is not None and self.prev_total:
+        if self.reference:
+            if wall > 0:
+                self.plain = _avg(self.plain, wall)
+                self.references += 1
+                if self._calibration is not None:   # step 0's interception, now it is known
+                    w, c = self._calibration
+                    self.interception = max(w - c - self.plain, 0.0)
+                    self._calibration = None
+        else:
+            if self.checks:
+                self.per_check = _avg(self.per_check, self.check_s / self.checks)
+            if wall > 0:
+                if self.plain is None:
+                    self._calibration = (wall, self.check_s)
+                else:
+                    self.interception = _avg(self.interception,
+                                             max(wall - self.check_s - self.plain, 0.0))
+                    if self.limit is not None:
+                        self.probed = _avg(self.probed, wall)
+            if self.limit is not None and self.prev_total:   # the window moves on
                 self.offset = (self.offset + self.limit) % self.prev_total
-            self.limit = max(1, math.floor(self.fraction * self.plain / self.per_check))
-        self.prev_total = self.index
+            self.prev_total = self.index
+        if self.per_check and self.plain is not None:
+            room = self.fraction * self.plain - (self.interception or 0.0)
+            self.limit = max(1, math.floor(room / self.per_check))
+        self.steps += 1
+        # (until a reference step ran under the probe, every step after the calibration is one)
+        self.reference = self.steps % REFERENCE_EVERY == 1 or (self.plain is None and
+                                                               self.per_check is not None)
         self.index = 0
         self.check_s = 0.0
         self.checks = 0
+
+    def cost(self) -> float | None:
+        """What the budget cost: a probed step's time over the plain step's, minus one (None
+        until both were measured)."""
+        if self.probed is None or not self.plain:
+            return None
+        return self.probed / self.plain - 1.0
 
 
 def _avg(old: float | None, new: float) -> float:
@@ -124,6 +166,16 @@ class Coverage:
         the latest is kept). A site not seen yet is counted as seen."""
         if site not in self.calls:
             self.seen(site)
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+        self.reasons[site] = text or reason
+
+    def unchecked(self, site: tuple, reason: str, text: str | None = None,
+                  admitted: bool = False) -> None:
+        """``seen``, (``admitted``,) then ``skip``: one floating-point call not checked."""
+        self.calls[site] = self.calls.get(site, 0) + 1
+        self.float_calls += 1
+        if admitted:
+            self.eligible[site] = self.eligible.get(site, 0) + 1
         self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
         self.reasons[site] = text or reason
 

@@ -1,7 +1,9 @@
 """The interception engine: a ``TorchFunctionMode`` that names, filters and checks API calls.
 
-Hot path (every torch call while the probe is active): one dict lookup to classify the callable,
-one counter increment, one scope test; calls outside ``scope``/``list`` go straight to torch.
+Hot path (every torch call while the probe is active): one dict lookup per callable decides
+what needs no work at all (``passthrough``: property reads, and with ``scope``/``list`` every API
+none of whose names is in scope: one counter increment, no allocation); the others are
+classified (cached per callable), counted, and tested against the scope and module filters.
 Inside ``__torch_function__`` torch has already popped the mode, so the calls an API makes
 internally (``F.layer_norm`` -> ``torch.layer_norm``) and probekit's own re-runs are not seen;
 ``busy`` guards the paths where the mode may still be active (gradient hooks). How a compared
@@ -120,9 +122,17 @@ class _Mode(TorchFunctionMode):
         self.engine = engine
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        e = self.engine
+        try:
+            fast = e.passthrough.get(func)
+        except TypeError:  # an unhashable callable
+            fast = None
+        if fast is not None:   # a property, or an API no call of which is in scope: no work
+            if fast and not e.busy:
+                e.passed += 1
+            return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
-        e = self.engine
         try:
             info = e.cache.get(func)
         except TypeError:  # an unhashable callable
@@ -130,10 +140,12 @@ class _Mode(TorchFunctionMode):
         if info is None:
             info = e.classify(func)
         if info is PROPERTY or e.busy:
+            if info is PROPERTY:
+                e.pass_through(func, False)
             return func(*args, **kwargs)
         if info.autograd:   # a backward pass: the calls made inside it are seen too
             func = _BackwardPass(self, info, func)
-        e.calls += 1
+        e._calls += 1
         if not e.enabled:
             e.step_filtered += 1
             return func(*args, **kwargs)
@@ -142,19 +154,22 @@ class _Mode(TorchFunctionMode):
             wanted = e.wanted.get(key)
             if wanted is None:
                 wanted = e.want(key)
+                if not wanted and not info.autograd and not e.wants_any(info):
+                    # (a backward pass is never passed through: calls inside it may be in scope)
+                    e.pass_through(func, True)
             if not wanted:
-                e.out_of_scope += 1
+                e._out_of_scope += 1
                 return func(*args, **kwargs)
         counts = e.counts
         n = counts.get(key, 0)
         counts[key] = n + 1
         if e.scope_ids and f"{key}.{n}" not in e.scope_ids:
-            e.out_of_scope += 1
+            e._out_of_scope += 1
             return func(*args, **kwargs)
         if e.modules is not None and not e.modules.depth:  # module scope (modules.py)
             e.out_of_module += 1
             return func(*args, **kwargs)
-        return e.handle(info, key, n, func, args, kwargs, sys._getframe(1))
+        return e.handle(info, key, n, func, args, kwargs)
 
 
 class Engine(Judging):
@@ -186,10 +201,17 @@ class Engine(Judging):
         self.api_list = tuple(fb.api_list)
         self.wanted: dict[str, bool] = {}
         self.selective = bool(self.scope_ids or self.api_list)
+        #: callable -> the mode calls it straight through (decided once per callable): False for
+        #: a property (not a call), True for an API none of whose keys is in scope (counted
+        #: in ``passed``). ``passthrough`` is the one in force: in a step the step filter
+        #: excludes, only the properties (the others are counted as ``step_filter``)
+        self._through: dict = {}
+        self._properties: dict = {}
+        self.passed = 0
         self.preheat = Preheat(fb.preheat_step, fb.max_sample) if fb.if_preheat else None
         # state
         self.step = 0
-        self.enabled = self._step_selected(0)
+        self._set_enabled(self._step_selected(0))
         self.busy = False
         self.in_optimizer = 0
         #: backward passes (``_Mode._backward_pass``) the current call is made inside
@@ -200,11 +222,12 @@ class Engine(Judging):
         self.handles: list = []
         self.watching: list = []  # backward checks registered in this block (backward.py)
         self.once = Once()        # per run: perturbation applied / skip and cancel reasons, per API
+        self._noted: set = set()  # (reason, API) skipped early and logged (``_skip_early``)
         self.once_step = Once()   # per step: preheat sampling lines
         self.summary_every = SUMMARY_EVERY
         self._logged = (0, 0, 0, 0)  # (step, checked, flagged, float calls) at the last line
-        # summary counters
-        self.calls = 0
+        # summary counters (``calls``, ``out_of_scope``: properties adding ``passed``)
+        self._calls = 0
         self.checked = 0
         self.flagged = 0
         self.replayed = 0         # random calls re-run on their saved random stream (rng.py)
@@ -214,7 +237,7 @@ class Engine(Judging):
         #: call signature under autocast -> did it run ATen calls in autocast's dtype
         #: (``autocast.run``); learned at its first checked call
         self.inner_dtypes: dict = {}
-        self.out_of_scope = 0
+        self._out_of_scope = 0
         self.step_filtered = 0
         self.skipped: dict[str, int] = {}
         self.integer_only: dict[str, int] = {}   # API -> calls with no floating input
@@ -223,6 +246,9 @@ class Engine(Judging):
         self.out_of_module = 0
         self.verdicts = Verdicts()
         self.budget = Budget(fb.budget) if fb.budget is not None else None
+        #: with a budget: call sites eligible for a check at their last call (their next call
+        #: left to a later step is skipped before the decision's work)
+        self.admissible: dict = {}
         self.coverage = Coverage()
         self._thresholds: dict = {}           # compute dtype -> threshold
         self._judged: dict = {}               # (compute, tensor, input dtype) -> judged dtype
@@ -242,6 +268,34 @@ class Engine(Judging):
 
     def _step_selected(self, step: int) -> bool:
         return not self.config.step or step in self.config.step
+
+    def _set_enabled(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.passthrough = self._through if enabled else self._properties
+
+    def pass_through(self, func, counted: bool) -> None:
+        """From now on the mode calls ``func`` straight through: a property (``counted``
+        False), or an API none of whose keys is in scope (counted as out of scope)."""
+        try:
+            self._through[func] = counted
+            if not counted:
+                self._properties[func] = False
+        except TypeError:  # an unhashable callable
+            pass
+
+    @property
+    def calls(self) -> int:
+        """Calls the mode saw (property reads not counted)."""
+        return self._calls + self.passed
+
+    @property
+    def out_of_scope(self) -> int:
+        """Calls outside ``scope``/``list``."""
+        return self._out_of_scope + self.passed
+
+    def wants_any(self, info) -> bool:
+        """Can any call of this callable be in scope (its key, or an operator's key)?"""
+        return any([self.want(k) for k in (info.key, *info.operators.values())])
 
     def want(self, key: str) -> bool:
         """Can calls of API ``key`` be in scope at all? (cached per key)"""
@@ -265,7 +319,7 @@ class Engine(Judging):
             self.set_mode(self.schedule[self.step % len(self.schedule)])
         if self.summary_every and self.step % self.summary_every == 0:
             self.log_summary()
-        self.enabled = self._step_selected(self.step)
+        self._set_enabled(self._step_selected(self.step))
         if self.preheat is not None and self.step == self.preheat.preheat_step:
             log.info("Free benchmark: preheat finished after %d step(s); APIs still checked: %s; "
                      "no longer checked (risk < %.2g of threshold): %s", self.step,
@@ -313,6 +367,7 @@ class Engine(Judging):
         if self.budget is not None:
             out["coverage"] = self.coverage.share()
             out["budget_limit"] = self.budget.limit
+            out["budget_cost"] = self.budget.cost()
         cov = self.coverage
         out["float_calls"] = cov.float_calls
         out["checked_share"] = cov.checked_share()
@@ -395,8 +450,35 @@ class Engine(Judging):
         if self.once(("applied", key)) and log.isEnabledFor(logging.INFO):
             log.info("Free benchmark: Perturbation is %s of %s.", self.mode_name, name)
 
+    def _skip_early(self, reason: str, key: str, n: int, func, args, kwargs):
+        """A call whose reason is known before the decision's work (the API's own reason, an
+        optimizer update, the budget for a site that was eligible at its last call): counted
+        and logged as ``_skip`` does (a floating-point call in the coverage), then run."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if reason == "budget":
+            self.coverage.unchecked((key, n), reason, admitted=True)
+        elif reason not in _NOT_FLOAT and _has_float(args, kwargs):
+            self.coverage.unchecked((key, n), reason)
+        if (reason, key) not in self._noted:   # logged once per API (``note_skip``)
+            self._noted.add((reason, key))
+            self.note_skip(reason, key, f"{key}.{n}.{self.stage}", counted=True)
+        return func(*args, **kwargs)
+
     # -- one in-scope call -----------------------------------------------------------------------
-    def handle(self, info, key, n, func, args, kwargs, frame):
+    def handle(self, info, key, n, func, args, kwargs, frame=None):
+        """One call in scope: skipped (counted, with its reason) or checked. ``frame``: the
+        caller's (default: the frame that called the mode, read only for a checked call)."""
+        # reasons known without the decision's work: decided as ``_decide`` would decide them
+        if info.skip is not None:
+            return self._skip_early(info.skip, key, n, func, args, kwargs)
+        if self.in_optimizer and info.rule is None and info.random is None and \
+                not torch.is_grad_enabled():
+            return self._skip_early("optimizer", key, n, func, args, kwargs)
+        admitted = None
+        if self.budget is not None and (key, n) in self.admissible:  # eligible last time
+            admitted = self.budget.admit()
+            if not admitted:
+                return self._skip_early("budget", key, n, func, args, kwargs)
         name = f"{key}.{n}.{self.stage}"
         try:
             with modes_off():
@@ -427,8 +509,11 @@ class Engine(Judging):
         if self.fix:
             return self._fix(call, key, name, func, leaves, spec)
         self.coverage.admitted(site)
-        if self.budget is not None and not self.budget.admit():
-            return self._skip("budget", key, name, func, args, kwargs, seen=True)
+        if self.budget is not None:
+            if self.preheat is None:   # (a preheat's sampling decides per call)
+                self.admissible[site] = True
+            if not (admitted or self.budget.admit()):
+                return self._skip("budget", key, name, func, args, kwargs, seen=True)
         if writes is not None and writes.indices:   # just before the real call
             try:
                 with modes_off():
@@ -439,6 +524,8 @@ class Engine(Judging):
             except Exception as exc:
                 self.failed(key, name, exc)
                 return func(*args, **kwargs)
+        if frame is None:
+            frame = sys._getframe(2)   # handle <- the mode <- the caller
         if self.stage == "backward" and not self.in_backward:
             return watch(self, call, key, n, name, func, leaves, spec, frame)
         # the forward stage's calls, and in the backward stage the calls made inside the
@@ -619,7 +706,8 @@ class Engine(Judging):
             # e.g. bincount: fp16 weights sum into float64, fp32 ones into float32
             raise perturb.Cancel("the upcast re-run computes in a narrower dtype than the call")
         compute = None if call.compute is None else [call.compute] * len(outs)
-        scales_ = self.forward_scales(judged, func, pert.new, spec, p_outs, outs, compute)
+        scales_ = self.forward_scales(judged, func, pert.new, spec, p_outs, outs, compute,
+                                      base=leaves)
 
         def explain(items):  # only for flagged calls: float64 re-runs
             return cause.analyse(func, lambda: state.restore(base, call.snap), spec, items,
@@ -650,7 +738,8 @@ class Engine(Judging):
             in_dtype = pert.in_dtype
             p = func(*pert.args, **pert.kwargs)
             (_, p), = handlers.compared_outputs(p)
-            (sc,) = self.forward_scales(judged, func, pert.new, spec, [(i, p)], outs, compute)
+            (sc,) = self.forward_scales(judged, func, pert.new, spec, [(i, p)], outs, compute,
+                                        base=b_leaves)
             parts.append(self.verdicts.stats(plan.output(o, start, length), p, sc, exact,
                                              whole=False))
             del pert, p, sc  # free this block's re-run before the next one

@@ -59,16 +59,21 @@ PENDING = "pending"
 UNEXPLAINED = "unexplained"
 
 
-_CONSTANTS: dict = {}
-
-
-def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
-    """A cached 0-dim tensor of ``value`` with ``like``'s dtype and device."""
-    key = (value, like.dtype, like.device)
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
-    return t
+def magnitude_inputs(base, p_leaves, device) -> list:
+    """The inputs ``S`` (the call on absolute values) is computed from: the call's own, in the
+    dtype it computed in (``base``), rather than the re-run's upcast ones. ``S`` is a magnitude:
+    its rounding in the call's dtype (a kernel accumulating as the call did) moves the bound by
+    about one unit of that dtype, while the upcast re-run of a matmul costs 4-15x the call in
+    float32 on a CPU with fast bfloat16 and far more in float64 (issue 38). float16 inputs keep
+    the re-run's (its range cannot hold ``S`` where the output cancels), and so do inputs on
+    another device than the re-run's (``to_cpu``)."""
+    if base is None:
+        return p_leaves
+    for x in base:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and \
+                (x.dtype == torch.float16 or x.device != device):
+            return p_leaves
+    return base
 
 
 def count_scale(j, p, Q, K):
@@ -222,18 +227,20 @@ class Judging:
         var = scales.data_variant(info.name, a) if fam == "multilinear" else True
         return [(fam, scales.forward_length(info.name, a, leaves, o), var) for _, o in outs]
 
-    def forward_scales(self, plan, func, p_leaves, spec, p_outs, outs, compute=None) -> list:
+    def forward_scales(self, plan, func, p_leaves, spec, p_outs, outs, compute=None,
+                       base=None) -> list:
         """The per-element scale of each compared output (None: the tensor's own), for the
         ``Judge`` of its family (``scales.py``): ``|p| + beta``, or the call on absolute values
         ``S`` (float32/float64) or ``|p| + gamma_k / u_out * S`` (16-bit) -- that re-run only
         where a ``Judge`` needs it. ``compute``: the dtype each output was computed in (default:
-        its own)."""
+        its own). ``base``: the inputs as the call computed with them (``magnitude_inputs``)."""
         compute = compute or [o.dtype for _, o in outs]
         judges = [self.judge_of(fam, k, cdt, o.dtype, None, "forward", ok)
                   for (fam, k, ok), (_, o), cdt in zip(plan, outs, compute)]
         got = squares = counts = None
         if any(j.source == "abs" for j in judges):
-            a, kw = perturb.unflatten(scales.magnitude_leaves(p_leaves), spec)
+            src = magnitude_inputs(base, p_leaves, p_outs[0][1].device)
+            a, kw = perturb.unflatten(scales.magnitude_leaves(src), spec)
             got = dict(handlers.float_outputs(scales.magnitude_run(func, a, kw)))
         if any(j.source in ("data", "count") for j in judges):   # the call on squares
             a, kw = perturb.unflatten(scales.square_leaves(p_leaves), spec)
@@ -253,8 +260,9 @@ class Judging:
                     out.append(torch.add(p, j.beta))
                 elif j.fam == "log_softmax":    # its outputs are <= 0
                     out.append(torch.rsub(p, j.beta))
-                else:   # beta is the underflow floor: hypot is |p| but below it (within sqrt 2)
-                    out.append(torch.hypot(p, _constant(j.beta, p)))
+                else:   # beta is the underflow floor (hypot(p, beta) near the floor is
+                    # 10-70x an add on the CPU: its underflowing squares take a slow path)
+                    out.append(p.abs().add_(j.beta))
             elif j.source == "abs" and got is not None and got.get(i) is not None:
                 out.append(got[i] if not j.lam else torch.add(p.abs(), got[i], alpha=j.lam))
             elif j.source == "input":       # S = |x| of the first floating input (gelu)

@@ -69,6 +69,8 @@ class FreeBench:
         # a confirmed finding's call is saved for fb.repro (repro/record.py)
         self._engine.repro_capture = Recorder(self._engine, self.config.dump_path)
         self._mode = None
+        #: a budget's reference step runs between start() and stop(): nothing intercepted
+        self._reference = False
         self._opt_handles: list = []
         self._compile_guard = CompileGuard()
         self._closed = False
@@ -96,7 +98,7 @@ class FreeBench:
     @property
     def active(self) -> bool:
         """True between start() and stop()."""
-        return self._mode is not None
+        return self._mode is not None or self._reference
 
     def _set_model(self, model) -> None:
         """Resolve the module scope against ``model`` (unknown names: ``ConfigError``)."""
@@ -119,7 +121,7 @@ class FreeBench:
             raise RuntimeError("this FreeBench was closed")
         if model is not None and is_compiled_module(model):
             raise CompiledModelError(COMPILED_MESSAGE)
-        if self._mode is not None:
+        if self._mode is not None or self._reference:
             return
         if model is not None:
             self._set_model(model)
@@ -137,15 +139,35 @@ class FreeBench:
             self._run = DumpRun.begin(self.config, get_rank())
         else:
             self._run.mark(False)  # running again
-        if self._engine.budget is not None:
-            self._engine.budget.started()
+        budget = self._engine.budget
+        if budget is not None:
+            budget.started()
         self._sink.open()
-        mode = make_mode(self._engine)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
 
+        # the optimizer's steps are watched in a reference step too: they end the step
         handles = [register_optimizer_step_pre_hook(self._engine.optimizer_pre),
                    register_optimizer_step_post_hook(self._engine.optimizer_post)]
+        self._opt_handles = handles
+        if budget is not None and budget.reference:
+            self._reference = True   # the plain step is measured: nothing intercepted (budget.py)
+            return
+        try:
+            self._intercept()
+        except BaseException:
+            self._opt_handles = []
+            for h in handles:
+                h.remove()
+            raise
+        if self.config.free_benchmark.handler_type == "fix" and \
+                self.config.free_benchmark.fuzz_stage == "backward":
+            log.info("Free benchmark: fix applies to the forward call; the gradients of a fixed "
+                     "call come from its upcast computation too")
+
+    def _intercept(self) -> None:
+        """Enter the interception: the TorchFunctionMode, the compile guard, the module scope."""
+        mode = make_mode(self._engine)
         try:
             self._compile_guard.install()
             if self._scope is not None:
@@ -154,27 +176,15 @@ class FreeBench:
             mode.__enter__()
         except BaseException:
             self._compile_guard.remove()
-            for h in handles:
-                h.remove()
             self._detach_scope()
             raise
-        self._opt_handles = handles
         self._mode = mode
         self._block_start = coverage.counters(self._engine)
-        if self.config.free_benchmark.handler_type == "fix" and \
-                self.config.free_benchmark.fuzz_stage == "backward":
-            log.info("Free benchmark: fix applies to the forward call; the gradients of a fixed "
-                     "call come from its upcast computation too")
 
-    def stop(self) -> None:
-        """Stop intercepting; pending backward checks are dropped (counted ``no_gradient``),
-        global hooks removed, the verdicts read back and every flag settled: a finding, a hot
-        spot, or (an accelerator's verdict whose inputs are gone) ``unexplained``. The run
-        ended cleanly: its dump folder says so (the next run, unless a restart, replaces its
-        findings; ``report/runs.py``)."""
-        self._stop(clean=True)
-
-    def _stop(self, clean: bool) -> None:
+    def _release(self) -> None:
+        """Leave the interception (``_intercept``'s undoing): the mode exited, the compile
+        guard and the engine's hooks removed (pending backward checks dropped, counted), the
+        block's coverage findings reported."""
         mode, self._mode = self._mode, None
         if mode is None:
             return
@@ -186,21 +196,37 @@ class FreeBench:
                             "and is still active; stop() removes the top mode")
             mode.__exit__(None, None, None)
         finally:
-            if self._engine.budget is not None:
-                self._engine.budget.stopped()
             self._compile_guard.remove()
-            handles, self._opt_handles = self._opt_handles, []
-            for h in handles:
-                h.remove()
             watched = len(self._engine.handles)
             self._engine.stopped()
             self._detach_scope()
-            self._gather()
-            self._engine.settle()   # no flag left waiting for a next run (judging.py)
         if self._block_start is not None:
             self._report(coverage.block_findings(self.config, self._block_start,
                                                  coverage.counters(self._engine), watched))
             self._block_start = None
+
+    def stop(self) -> None:
+        """Stop intercepting; pending backward checks are dropped (counted ``no_gradient``),
+        global hooks removed, the verdicts read back and every flag settled: a finding, a hot
+        spot, or (an accelerator's verdict whose inputs are gone) ``unexplained``. The run
+        ended cleanly: its dump folder says so (the next run, unless a restart, replaces its
+        findings; ``report/runs.py``)."""
+        self._stop(clean=True)
+
+    def _stop(self, clean: bool) -> None:
+        if self._mode is None and not self._reference:
+            return
+        self._reference = False
+        try:
+            self._release()
+        finally:
+            if self._engine.budget is not None:
+                self._engine.budget.stopped()
+            handles, self._opt_handles = self._opt_handles, []
+            for h in handles:
+                h.remove()
+            self._gather()
+            self._engine.settle()   # no flag left waiting for a next run (judging.py)
         self._end_run(clean)
 
     def _end_run(self, clean: bool) -> None:
@@ -287,6 +313,17 @@ class FreeBench:
             e.next_step()
             self._step_start = coverage.counters(e)
             self._auto_last = auto
+        budget = e.budget
+        if budget is not None and self.active and budget.reference != self._reference:
+            # a session left running across a step boundary (fb.step() or the optimizer's): a
+            # reference step runs with nothing intercepted, the step after it intercepts again
+            # (budget.py); the optimizer's hooks stay, so its steps keep ending steps
+            if budget.reference:
+                self._release()
+                self._reference = True
+            else:
+                self._reference = False
+                self._intercept()
 
     def monitor(self, model, optimizer=None) -> None:
         log.warning("monitor() belongs to the grad probe; the free benchmark sees every API call "

@@ -358,6 +358,10 @@ static int64_t band_f32_avx2(const float *x, int64_t n, double lo_d, double hi_d
         __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), absmask);
         unsigned m = (unsigned)_mm256_movemask_ps(_mm256_and_ps(
             _mm256_cmp_ps(a, lo, _CMP_GT_OQ), _mm256_cmp_ps(a, hi, _CMP_LE_OQ)));
+        if (k >= cap) { /* the list is full: only its length counts (one popcount) */
+            k += __builtin_popcount(m);
+            continue;
+        }
         while (m) {
             if (k < cap) cand[k] = (int32_t)(i + __builtin_ctz(m));
             k++;
@@ -383,6 +387,10 @@ static int64_t band_f32_avx512(const float *x, int64_t n, double lo_d, double hi
         __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
         unsigned m = (unsigned)(_mm512_cmp_ps_mask(a, lo, _CMP_GT_OQ) &
                                 _mm512_cmp_ps_mask(a, hi, _CMP_LE_OQ));
+        if (k >= cap) { /* the list is full: only its length counts (one popcount) */
+            k += __builtin_popcount(m);
+            continue;
+        }
         while (m) {
             if (k < cap) cand[k] = (int32_t)(i + __builtin_ctz(m));
             k++;
@@ -453,11 +461,14 @@ static void onepass_f32_avx512(const float *x, int64_t n, double t_d, uint8_t *s
             if (list) {
                 unsigned m = (unsigned)(_mm512_cmp_ps_mask(a, lo, _CMP_GT_OQ) &
                                         _mm512_cmp_ps_mask(a, hi, _CMP_LE_OQ));
-                while (m) {
-                    if (found < cap) cand[found] = (int32_t)(i + __builtin_ctz(m));
-                    found++;
-                    m &= m - 1;
-                }
+                if (found >= cap) /* the list is full: only its length counts */
+                    found += __builtin_popcount(m);
+                else
+                    while (m) {
+                        if (found < cap) cand[found] = (int32_t)(i + __builtin_ctz(m));
+                        found++;
+                        m &= m - 1;
+                    }
             }
             if (want_counts) { /* mask popcounts: the scalar units, beside the vector work */
                 for (int k = 0; k < nb; k++)

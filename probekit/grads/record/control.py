@@ -105,6 +105,10 @@ def round_random(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator,
     round-to-nearest does; NaN stays NaN. Draws from ``gen`` only."""
     if x.dtype == torch.float32 and dtype == torch.bfloat16:
         return _bf16_from_fp32(x, gen, spread)
+    if x.dtype == torch.float64 and dtype == torch.float32:
+        out = _fp32_from_fp64(x, gen, spread)
+        if out is not None:
+            return out
     near = x.to(dtype)
     wide = near.to(x.dtype)
     inf = torch.tensor(float("inf"), dtype=dtype, device=x.device)
@@ -116,24 +120,111 @@ def round_random(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator,
     return torch.where(u < p, other, near)   # NaN p (inf, NaN x): u < NaN is False
 
 
+#: below this many elements ``_bf16_from_fp32`` takes its form with the fewest operators
+_FEW = 1 << 15
+#: float64 bits of float32's largest finite value and smallest normal one
+_FP32_MAX_BITS = 0x47EFFFFFE0000000
+_FP32_TINY_BITS = 897 << 52
+
+
+def _fp32_from_fp64(x, gen, spread: float):
+    """``round_random`` to float32 on float64's bits, as ``_bf16_from_fp32`` does: a value of
+    float32's normal range is a float64 whose lower 29 mantissa bits are zero, so adding a random
+    29-bit offset to the magnitude and dropping those bits rounds at random (one 63-bit draw
+    serves two elements: bits 0-28 and 32-60). Only for a CPU tensor of at least ``_FEW``
+    elements each zero or of float32's normal range (the maximum and minimum of the magnitudes'
+    bits, read without a device sync there); otherwise None, and ``round_random``'s general
+    form runs (NaN, inf, overflow, float32's subnormal range: its grid is coarser). Issue 38:
+    the float64 rounding was three quarters of an fp32 control's step."""
+    n = x.numel()
+    lo = int(round((1 << 29) * (0.5 - spread)))
+    width = int(round((1 << 29) * 2 * spread))
+    if n < _FEW or x.device.type != "cpu" or not width or width & (width - 1) or \
+            width > 1 << 29:
+        return None
+    bits = x.contiguous().view(torch.int64).reshape(-1)
+    a = bits & 0x7FFFFFFFFFFFFFFF
+    if int(a.max()) > _FP32_MAX_BITS:          # NaN, inf, or beyond float32's range
+        return None
+    a.sub_(1).bitwise_and_(0x7FFFFFFFFFFFFFFF)   # a zero becomes the largest: not tiny
+    if int(a.min()) < _FP32_TINY_BITS - 1:     # float32's subnormal range
+        return None
+    half = (n + 1) // 2
+    r = torch.empty(half, dtype=torch.int64).random_(generator=gen)   # 63 random bits
+    t = torch.empty_like(bits)
+    torch.add(bits[:half], r & (width - 1), out=t[:half])
+    torch.add(bits[half:], r.bitwise_right_shift(32).bitwise_and_(width - 1)[:n - half],
+              out=t[half:])
+    if lo:
+        t.add_(lo)
+    t.bitwise_and_(-(1 << 29))
+    return t.view(torch.float64).view(x.shape).to(torch.float32)
+
+
 def _bf16_from_fp32(x, gen, spread: float):
     """``round_random`` to bf16 on the bits: bf16 is fp32's upper half, so adding a random
     16-bit offset to the magnitude and dropping the lower half rounds at random (an offset
     uniform in [0, 2^16) is stochastic rounding; ``2^15 (1 - 2 spread) + [0, 2^17 spread)`` is
     round-to-nearest after a move of up to ``spread`` units). Inf keeps its bits (its lower
-    half is zero); NaN stays NaN."""
+    half is zero); a NaN gets its lower half cleared and its quiet bit set first, so it stays
+    NaN whatever its payload.
+
+    Cost (issue 38): one 31-bit draw of the generator serves two elements (the first half's
+    offsets from its low bits, the second half's from its high ones: 16 and 15 random bits at
+    spread 1/2, so the second half's mean offset is half a 2^-16 unit low; 15 and 15 at spread
+    1/4), the integer passes run in place on one buffer, and on the CPU a tensor without NaN
+    (the maximum of its magnitudes' bits, no device sync there) skips the NaN passes: 1.4-2x
+    less CPU than drawing per element and masking NaNs with ``where(isnan(x))`` at 131072
+    elements. Below ``_FEW`` elements, where the operators' count costs more than their
+    passes, that simpler form is used."""
     lo = int(round(0x10000 * (0.5 - spread)))
     width = int(round(0x10000 * 2 * spread))
-    if width & (width - 1) == 0:   # a power of two: full-range draws, masked (twice as fast)
+    bits = x.contiguous().view(torch.int32)
+    n = bits.numel()
+    if n < _FEW and width and width & (width - 1) == 0:   # few elements: fewest operators
         r = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=gen)
         r = (r & (width - 1)) + lo if lo else r & (width - 1)
+        out = ((bits + r) & -0x10000).view(torch.float32)
+        return torch.where(torch.isnan(x), x, out).to(torch.bfloat16)
+    flat = bits.reshape(-1)
+    m = flat & 0x7FFFFFFF
+    if n and flat.device.type == "cpu" and int(m.max()) <= 0x7F800000:
+        t = None   # no NaN (read without a device sync on the CPU): the offsets are added alone
     else:
-        r = torch.randint(lo, lo + width, x.shape, generator=gen, dtype=torch.int32,
-                          device=x.device)
-    bits = x.contiguous().view(torch.int32)
-    out = ((bits + r) & -0x10000).view(torch.float32)   # inf stays inf: its lower half is 0
-    special = torch.isnan(x)
-    return torch.where(special, x, out).to(torch.bfloat16)
+        # a NaN (|bits| above inf's: |bits| - 0x7F800001 >= 0) gets its lower half cleared (no
+        # offset can carry out of it) and its quiet bit set (a NaN still): m = -1 there, else 0
+        m.sub_(0x7F800001).bitwise_not_().bitwise_right_shift_(31)
+        keep = m & 0xFFFF
+        t = flat & keep.bitwise_not_()
+        t.bitwise_or_(m.bitwise_and_(0x400000))
+    half = (n + 1) // 2
+    if width and width & (width - 1) == 0 and width <= 0x10000 and n:
+        r = torch.empty(half, dtype=torch.int32, device=x.device).random_(generator=gen)
+        if width == 0x10000:   # spread 1/2: bits 0-15, then bits 16-30 (even offsets)
+            first = r & 0xFFFF
+            second = r.bitwise_right_shift(16).bitwise_left_shift_(1)
+        else:                  # bits 0-14 and 16-30, at most 15 each
+            first = r & (width - 1)
+            second = r.bitwise_right_shift(16).bitwise_and_(width - 1)
+        if t is None:
+            t = torch.empty_like(flat)
+            torch.add(flat[:half], first, out=t[:half])
+            torch.add(flat[half:], second[:n - half], out=t[half:])
+        else:
+            t[:half].add_(first)
+            t[half:].add_(second[:n - half])
+        if lo:
+            t.add_(lo)
+    else:
+        if t is None:
+            t = flat.clone()
+        if width:
+            t.add_(torch.randint(lo, lo + width, (n,), generator=gen, dtype=torch.int32,
+                                 device=x.device))
+        else:                  # spread 0: round half up after no move
+            t.add_(lo)
+    t.bitwise_and_(-0x10000)   # inf stays inf: its lower half is 0
+    return t.view(torch.float32).view(x.shape).to(torch.bfloat16)
 
 
 # -- the dispatch mode ------------------------------------------------------------------------
@@ -192,8 +283,13 @@ class RoundingMode(TorchDispatchMode):
             g.manual_seed(self.spec.seed + 7919 * len(self.gens))
         return g
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # a control emulates eager calls (not torch.compile'd graphs: docs): no dynamo-disabling
+        # wrapper around every call (about 2 us each, issue 38)
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         self.calls += 1
         skip = self._skip.get(func)
         if skip is None:
@@ -202,20 +298,23 @@ class RoundingMode(TorchDispatchMode):
                 torch.Tag.nondeterministic_seeded in func.tags) or (
                 torch.Tag.inplace_view in func.tags))
         if skip or getattr(_STATE, "paused", 0) or not (
-                _has_low(args, self.low) or _has_low(kwargs.values(), self.low)):
-            out = func(*args, **kwargs)
+                _has_low(args, self.low) or (kwargs and _has_low(kwargs.values(), self.low))):
+            out = func(*args, **kwargs) if kwargs else func(*args)
             if self._fixed_seen and skip and args and _is_fixed(args[0]):
                 _mark_fixed(out)    # a view or copy of a fixed value
             return out
-        flat = tree_flatten((args, kwargs))[0]
-        if _from_constants(flat):
+        kwargs = kwargs or {}
+        if _from_constants(args, kwargs):
             self._fixed_seen = True
             out = func(*args, **kwargs)
             _mark_fixed(out)
             return out
-        return self._emulate(func, args, kwargs, flat)
+        return self._emulate(func, args, kwargs)
 
-    def _emulate(self, func, args, kwargs, flat):
+    def _emulate(self, func, args, kwargs):
+        """``func`` on the arguments' wide copies; its low-precision results rounded at random
+        (ATen arguments and results are tensors, lists of them or other values, one level
+        deep: mapped directly, not through pytree)."""
         low, wide = self.low, self.wide
 
         def up(t):
@@ -223,14 +322,14 @@ class RoundingMode(TorchDispatchMode):
                 return t.to(wide)
             return wide if t is low else t
 
-        wargs = tree_map(up, args)
-        wkwargs = tree_map(up, kwargs)
+        wargs = _map(up, args)
+        wkwargs = {k: _map_one(up, v) for k, v in kwargs.items()} if kwargs else kwargs
         try:
             out = func(*wargs, **wkwargs)
         except (RuntimeError, NotImplementedError) as err:
             # no kernel in the wider dtype: nothing was written (the wide copies are fresh)
             return self._fallback(func, args, kwargs, err)
-        expected = self._result_dtypes(func, args, kwargs, flat)
+        expected = self._result_dtypes(func, args, kwargs)
         # in-place / out= arguments: the wide copy was written; round it into the original
         back = {}
         for i, name in self._written(func):
@@ -247,9 +346,7 @@ class RoundingMode(TorchDispatchMode):
                     with torch.no_grad():
                         orig.copy_(self._round(w, self.spec.spread_in_place))
                     back[id(w)] = orig
-        leaves, spec = tree_flatten(out)
-        if expected is not None and len(expected) != sum(
-                isinstance(t, torch.Tensor) for t in leaves):
+        if expected is not None and len(expected) != _count_tensors(out):
             expected = None     # the meta run gave another structure: the rule instead
         it = iter(expected) if expected is not None else None
 
@@ -265,7 +362,7 @@ class RoundingMode(TorchDispatchMode):
                 return self._round(t)
             return t if t.dtype == dt else t.to(dt)
 
-        return spec.unflatten([down(t) for t in leaves])
+        return _map_one(down, out)
 
     def _fallback(self, func, args, kwargs, err):
         """``func`` on the low-precision kernel, its low-precision results (and those it wrote)
@@ -288,7 +385,7 @@ class RoundingMode(TorchDispatchMode):
                     with torch.no_grad():
                         orig.copy_(self._reround(orig, self.spec.spread_in_place))
                     written.add(id(orig))
-        return tree_map(lambda t: t if not isinstance(t, torch.Tensor) or id(t) in written
+        return _map_one(lambda t: t if not isinstance(t, torch.Tensor) or id(t) in written
                         or t.dtype != self.low else self._reround(t), out)
 
     def _reround(self, r, spread=None):
@@ -316,12 +413,12 @@ class RoundingMode(TorchDispatchMode):
                 if a.alias_info is not None and a.alias_info.is_write]
         return found
 
-    def _result_dtypes(self, func, args, kwargs, flat):
+    def _result_dtypes(self, func, args, kwargs):
         """The dtypes of ``func``'s tensor results for the original (low) arguments: from a run
         on meta tensors, once per (call, argument dtypes); None when the call has no meta
         kernel (then: low where the wide run gives the wide dtype)."""
-        key = (func, tuple(t.dtype if isinstance(t, torch.Tensor) else
-                           t if isinstance(t, torch.dtype) else None for t in flat))
+        key = (func, *(_dtype_key(a) for a in args),
+               *(x for k, v in kwargs.items() for x in (k, _dtype_key(v))))
         if key in self._dtypes:
             return self._dtypes[key]
 
@@ -338,6 +435,48 @@ class RoundingMode(TorchDispatchMode):
         return found
 
 
+def _map_one(fn, value):
+    """``fn`` on a value, or on each item of a list or tuple, depth first (ATen's arguments and
+    results: tensors, lists of them, tuples of both; a result tuple may be a structseq,
+    ``torch.return_types``)."""
+    if isinstance(value, (list, tuple)):
+        items = [_map_one(fn, x) for x in value]
+        kind = type(value)
+        if kind is list or kind is tuple:
+            return kind(items)
+        return kind(*items) if hasattr(kind, "_fields") else kind(items)
+    return fn(value)
+
+
+def _map(fn, args: tuple) -> tuple:
+    return tuple(_map_one(fn, a) for a in args)
+
+
+def _tensors(value):
+    """The tensors of an ATen argument or result (a tensor, lists and tuples of them), in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for x in value:
+            yield from _tensors(x)
+
+
+def _count_tensors(value) -> int:
+    return sum(1 for _ in _tensors(value))
+
+
+def _dtype_key(v):
+    """What of an argument decides its call's result dtypes: a tensor's dtype, a dtype, the
+    dtypes of a list's tensors (None for anything else)."""
+    if isinstance(v, torch.Tensor):
+        return v.dtype
+    if isinstance(v, torch.dtype):
+        return v
+    if isinstance(v, (list, tuple)):
+        return tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in v)
+    return None
+
+
 #: the attribute a value computed from integers and constants alone carries (``RoundingMode``)
 _FIXED = "_probekit_fixed"
 
@@ -347,9 +486,8 @@ def _is_fixed(t) -> bool:
 
 
 def _mark_fixed(out) -> None:
-    for t in tree_flatten(out)[0]:
-        if isinstance(t, torch.Tensor):
-            setattr(t, _FIXED, True)
+    for t in _tensors(out):
+        setattr(t, _FIXED, True)
 
 
 def _unmark_fixed(t) -> None:
@@ -357,13 +495,13 @@ def _unmark_fixed(t) -> None:
         setattr(t, _FIXED, False)
 
 
-def _from_constants(flat) -> bool:
+def _from_constants(args, kwargs) -> bool:
     """Are all floating tensors among a call's arguments values computed from integers and
     constants alone (none at all: a factory call, a float made from an integer tensor)?"""
-    for t in flat:
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and \
-                not getattr(t, _FIXED, False):
-            return False
+    for value in (*args, *kwargs.values()):
+        for t in _tensors(value):
+            if (t.is_floating_point() or t.is_complex()) and not getattr(t, _FIXED, False):
+                return False
     return True
 
 

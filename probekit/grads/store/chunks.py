@@ -74,10 +74,11 @@ def set_rows(array_path: str, n: int, fs=LOCAL, fsync: bool = True) -> None:
 
 
 def write_plain_chunk(array_path: str, i: int, block: np.ndarray, fs=LOCAL,
-                      fsync: bool = True) -> str:
+                      fsync: bool = True, fresh: bool = False) -> str:
     """Write chunk ``i`` of an uncompressed array chunked along its first dimension only:
     ``block`` is the whole chunk (rows past the data are the fill value). Returns the folder
-    the file was renamed into."""
+    the file was renamed into. ``fresh``: the chunk holds no committed row, so no reader reads
+    it and it is written in place (no temporary file and rename)."""
     block = np.asarray(block)
     tail = block.shape[1:]
     folder = fs.join(array_path, "c", str(i))
@@ -87,19 +88,28 @@ def write_plain_chunk(array_path: str, i: int, block: np.ndarray, fs=LOCAL,
         name = folder
     fs.makedirs(fs.dirname(name))
     fs.write(name, np.ascontiguousarray(block, dtype=block.dtype.newbyteorder("<")).tobytes(),
-             fsync=fsync)
+             fsync=fsync, atomic=not fresh)
     return fs.dirname(name)
 
 
 def _all_fill(row: np.ndarray, fill: int) -> bool:
-    """Is every byte of ``row`` the fill value? (a word at a time, first and last byte first)"""
+    """Is every byte of ``row`` the fill value? (a word at a time, first and last byte first;
+    for the fills of the bit arrays, 0 and 255, one reduction and no temporary array)"""
     if row.size == 0:
         return True
     if row[0] != fill or row[-1] != fill:
         return False
     if row.size % 8 == 0 and row.flags.c_contiguous:
-        return bool(np.all(row.view(np.uint64) == np.uint64(0x0101010101010101 * fill)))
+        words = row.view(np.uint64)
+        if fill == 255:
+            return bool(words.min() == _ONES)
+        if fill == 0:
+            return not words.any()
+        return bool(np.all(words == np.uint64(0x0101010101010101 * fill)))
     return bool(np.all(row == fill))
+
+
+_ONES = np.uint64(2 ** 64 - 1)
 
 
 #: a missing inner chunk in a shard index (Zarr v3 ``sharding_indexed``)
@@ -107,10 +117,11 @@ _MISSING = np.uint64(2 ** 64 - 1)
 
 
 def write_bits_chunk(array_path: str, meta: dict, i: int, rows: list, fs=LOCAL,
-                     fsync: bool = True) -> set:
+                     fsync: bool = True, fresh: bool = False) -> set:
     """Write chunk ``i`` (rows ``i*cr...``) of a packed-bit array ``(step, byte)`` from
     ``rows`` (1-D uint8 arrays of ``ncols`` bytes: the chunk's first rows, the others not written
-    yet). Returns the folders files were renamed into.
+    yet). Returns the folders files were renamed into. ``fresh``: the chunk holds no committed
+    row (its files are written in place, ``write_plain_chunk``).
 
     A sharded array (``bits_meta`` kind "sharded": one shard file per ``cr`` steps, an inner
     chunk per step) gets a shard holding only the given rows that are not all fill value (a
@@ -135,15 +146,16 @@ def write_bits_chunk(array_path: str, meta: dict, i: int, rows: list, fs=LOCAL,
         if not parts:
             fs.remove(path)
             return {folder}
-        fs.write(path, b"".join([*(p.data for p in parts), index.tobytes()]), fsync=fsync)
+        fs.write(path, b"".join([*(p.data for p in parts), index.tobytes()]), fsync=fsync,
+                 atomic=not fresh)
         return {folder}
     ncol_chunks = -(-ncols // cc)
 
     def put(path, data, pad=0):
-        if fill and np.all(np.asarray(data) == fill) and (not pad or fill == 0):
+        if fill and (not pad or fill == 0) and _all_fill(np.ravel(data), fill):
             fs.remove(path)
             return
-        fs.write(path, data, pad=pad, fsync=fsync)
+        fs.write(path, data, pad=pad, fsync=fsync, atomic=not fresh)
 
     if cr == 1:  # one step per chunk (large models): the row's pieces as they are
         row = rows[0]

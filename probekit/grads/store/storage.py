@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from ...atomic import atomic_write, fsync_dir
+from ...atomic import atomic_write, fsync_dir, write_in_place
 from ...errors import GradStoreError
 
 #: packages providing the common object-store protocols (fsspec names them in its registry too)
@@ -66,8 +66,11 @@ class Local:
         return out
 
     @staticmethod
-    def write(path, data, pad: int = 0, fsync: bool = True) -> None:
-        atomic_write(path, data, pad=pad, fsync=fsync)
+    def write(path, data, pad: int = 0, fsync: bool = True, atomic: bool = True) -> None:
+        """``data`` (then ``pad`` zero bytes) as the file ``path``: replaced whole
+        (``atomic_write``), or, ``atomic=False`` for a file no reader reads yet (a chunk of
+        uncommitted rows), written in place."""
+        (atomic_write if atomic else write_in_place)(path, data, pad=pad, fsync=fsync)
 
     @staticmethod
     def sync_dirs(paths) -> None:
@@ -180,8 +183,9 @@ class Remote:
                 out[p] = v
         return out
 
-    def write(self, path, data, pad: int = 0, fsync: bool = True) -> None:
-        # a PUT is durable once it returned: ``fsync`` has nothing to add
+    def write(self, path, data, pad: int = 0, fsync: bool = True, atomic: bool = True) -> None:
+        # a PUT is durable once it returned and replaces the object whole: ``fsync`` and
+        # ``atomic`` have nothing to add
         if isinstance(data, str):
             data = data.encode("utf-8")
         data = bytes(data)

@@ -743,12 +743,15 @@ class GradWriter:
 
     def _write_chunk(self, arr: _Array, i: int) -> set:
         fs, fsync = self.fs, self.durable
+        # a chunk past the committed rows is read by no reader: written in place (a writer
+        # killed meanwhile leaves rows no commit names); one holding committed rows is replaced
+        fresh = i * arr.chunk_rows >= self.committed
         if arr.kind == "bits":
-            return write_bits_chunk(arr.path, arr.meta, i, arr.pending, fs, fsync)
+            return write_bits_chunk(arr.path, arr.meta, i, arr.pending, fs, fsync, fresh)
         block = np.zeros((arr.chunk_rows, *arr.tail), arr.dtype)
         block[:len(arr.pending)] = np.asarray(arr.pending, arr.dtype).reshape(
             len(arr.pending), *arr.tail)
-        return {write_plain_chunk(arr.path, i, block, fs, fsync)}
+        return {write_plain_chunk(arr.path, i, block, fs, fsync, fresh)}
 
     def _commit(self) -> None:
         """The open chunks, then the arrays' shapes, then ``commit.json``."""
