@@ -33,12 +33,24 @@ from benchmarks.silent_bugs._harness import ONSET, STEPS, read_replicas, spawn  
 KINDS = {1: "signs", 2: "scale", 3: "NaN/Inf"}
 
 
-def replica_verdict(run_dir: str) -> dict | None:
-    """probekit's own verdict on whether the replicas of ``run_dir`` agree (issue 35, point 1):
-    ``{"disagree": bool, "text": str}``, or None while probekit has no replica check. The one
-    place the harness asks probekit about replicas: the lead wires the replica check here once
-    it is merged."""
-    return None
+def replica_verdict(run_dir: str) -> dict:
+    """probekit's own replica check of the run recorded in ``run_dir`` (``replica_disagreements``,
+    issue 35 point 1): ``{"disagree", "text", "step", "param", "what", "group", "ranks",
+    "params"}``: the first disagreement (by step, then name) in words and its parts, the
+    parameters whose replicas disagreed at some step; ``step`` -1 and ``text`` "" when they
+    always agreed (or nothing was checked)."""
+    from probekit.grads import replica_disagreements
+    from probekit.grads.store.replicas import replica_line
+
+    table = replica_disagreements(run_dir)
+    if not len(table):
+        return {"disagree": False, "text": "", "step": -1, "param": "", "what": "",
+                "group": "", "ranks": [], "params": []}
+    first = table.iloc[0]
+    return {"disagree": True, "text": replica_line(first), "step": int(first["first_step"]),
+            "param": str(first["param"]), "what": str(first["what"]),
+            "group": str(first["group"]), "ranks": [int(r) for r in first["ranks"]],
+            "params": [str(p) for p in table["param"]]}
 
 
 def judge(ref: str, run: str, control: str, target=()) -> dict:

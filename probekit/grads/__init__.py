@@ -10,6 +10,7 @@ from .compare.report import GradComparator
 from .compare.suspects import suspects  # also registers the ``cmp.probekit`` accessor
 from .record.control import perturb
 from .record.recorder import GradProbe
+from .record.shards import LocalShards, megatron_shards
 from .store.names import layer_offset
 from .store.replicas import replica_disagreements
 from .store.restarts import segments
@@ -18,4 +19,4 @@ from .store.store import GradStoreError
 
 __all__ = ["GradProbe", "open_grads", "compare_grads", "first_divergence", "perturb",
            "GradComparator", "GradCompareError", "GradStoreError", "suspects", "segments",
-           "layer_offset", "replica_disagreements"]
+           "layer_offset", "replica_disagreements", "LocalShards", "megatron_shards"]

@@ -202,12 +202,14 @@ def _ddp_ranks(model) -> list | None:
     return ranks if len(ranks) > 1 else None
 
 
-def pieces(model, named, places, tied=()) -> list:
+def pieces(model, named, places, tied=(), meshes=None) -> list:
     """The replicated pieces this rank holds, in the order of ``named`` ([(canonical name,
     recorded name, parameter)]; ``places``: each one's ``placement.dtensor_placement`` or
-    None): [{"index", "key", "label", "name", "gshape"}]. A piece is replicated when the model
-    is wrapped in DDP (over its process group), when it is a DTensor ``Replicate`` over a mesh
-    dimension of size > 1 (over those coordinates), or when ``tied`` names it (wherever held)."""
+    None; ``meshes``: each one's mesh, default its DTensor's): [{"index", "key", "label",
+    "name", "gshape"}]. A piece is replicated when the model is wrapped in DDP (over its process
+    group), when it is ``Replicate`` over a mesh dimension of size > 1 (a DTensor, or a plain
+    shard declared so: ``shards.py``; over those coordinates), or when ``tied`` names it
+    (wherever held)."""
     canonical = {}
     for c, n, _ in named:
         canonical[c] = c
@@ -230,7 +232,7 @@ def pieces(model, named, places, tied=()) -> list:
                         "gshape": list(gshape)})
             continue
         if place is not None:
-            ranks = _mesh_group(place, p.device_mesh)
+            ranks = _mesh_group(place, meshes[i] if meshes is not None else p.device_mesh)
             if ranks is None:
                 continue
             dims = [d for d, x in enumerate(place["placements"]) if x == "R"
