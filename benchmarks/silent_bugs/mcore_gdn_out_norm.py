@@ -92,7 +92,7 @@ def distributed(out, buggy: bool):
         mixer.out_proj = _megatron.row(ref.mixer.out_proj, config)
         model.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
         config_for_finalize = SimpleNamespace(sequence_parallel=False, qk_layernorm=False)
-        view, witness = _megatron.shard_view(model)
+        shards = _megatron.shards(model)
 
         def loss(step):
             x, y = batch(step)
@@ -105,5 +105,5 @@ def distributed(out, buggy: bool):
                 dist.all_reduce(mixer.out_norm.weight.grad,
                                 group=ps.get_tensor_model_parallel_group())
 
-        record(out, model, loss, lr=LR, clock=Clock(), witness=witness, view=view,
+        record(out, model, loss, lr=LR, clock=Clock(), shards=shards,
                finalize=finalize)

@@ -100,7 +100,7 @@ def distributed(out, buggy: bool):
                 p.sequence_parallel = True
         model.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
         config_for_finalize = SimpleNamespace(sequence_parallel=True, qk_layernorm=False)
-        view, witness = _megatron.shard_view(model)
+        shards = _megatron.shards(model)
 
         def loss(step):
             x, labels = batch(step)
@@ -116,5 +116,5 @@ def distributed(out, buggy: bool):
                     p.sequence_parallel = False
             _allreduce_non_tensor_model_parallel_grads([model], config_for_finalize)
 
-        record(out, model, loss, lr=LR, clock=Clock(), witness=witness, view=view,
+        record(out, model, loss, lr=LR, clock=Clock(), shards=shards,
                finalize=finalize)

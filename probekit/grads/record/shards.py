@@ -122,7 +122,8 @@ class LocalShards:
                 f"{self.default!r})")
 
 
-def megatron_shards(model, group=None, *, device_type: str | None = None) -> LocalShards:
+def megatron_shards(model, group=None, *, placements: Mapping | None = None,
+                    device_type: str | None = None) -> LocalShards:
     """The ``LocalShards`` of a Megatron model under tensor parallelism, from Megatron's own
     marks: a parameter marked ``tensor_model_parallel`` is ``Shard(partition_dim)`` over the TP
     group (``ColumnParallelLinear``'s weight and bias: rows; ``RowParallelLinear``'s weight:
@@ -131,8 +132,10 @@ def megatron_shards(model, group=None, *, device_type: str | None = None) -> Loc
     TP group (LayerNorms, a row-parallel bias, a router: copies that must agree, checked by the
     replica check). ``group``: the TP process group (default: megatron-core's
     ``parallel_state.get_tensor_model_parallel_group()``); the mesh dimension is named "tp".
-    ``device_type``: the mesh's ("cuda" under NCCL; default: the model's parameters' device
-    type). A strided partition (``partition_stride`` > 1) is not a block: ``ValueError``."""
+    ``placements``: ``LocalShards``' placements of parameters the marks miss or get wrong (a
+    head-sharded parameter left unmarked); they win. ``device_type``: the mesh's ("cuda" under
+    NCCL; default: the model's parameters' device type). A strided partition
+    (``partition_stride`` > 1) is not a block: ``ValueError``."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
 
@@ -143,8 +146,11 @@ def megatron_shards(model, group=None, *, device_type: str | None = None) -> Loc
     named = list(model.named_parameters())
     if device_type is None:
         device_type = named[0][1].device.type if named else "cpu"
+    chosen = dict(placements or {})
     placements = {}
     for name, p in named:
+        if name in chosen or canonical_name(name) in chosen:
+            continue
         if getattr(p, "tensor_model_parallel", False):
             stride = int(getattr(p, "partition_stride", 1))
             if stride != 1:
@@ -155,4 +161,4 @@ def megatron_shards(model, group=None, *, device_type: str | None = None) -> Loc
         elif getattr(p, "allreduce", True) is False:
             placements[name] = None
     mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("tp",))
-    return LocalShards(mesh, placements)
+    return LocalShards(mesh, {**placements, **chosen})
