@@ -335,6 +335,8 @@ class GradProbe:
             rec = {id(p): i for i, p in enumerate(self._params)}
             self._piece_rec = np.array([rec.get(id(p), -1) for p in self._replicas.params],
                                        np.int64)
+            held = self._piece_rec >= 0  # the pieces recorded here, and where
+            self._piece_at = (held, np.where(held, self._piece_rec, 0))
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -733,22 +735,20 @@ class GradProbe:
         ``replica_gap``). The gradients' max and min come from ``stats`` where it holds them
         (``grad_point="step"``, taken at this step: ``live``)."""
         check = self._replicas
-        grads = []
-        for p in check.params:
-            g = self._grad_of(p)
-            if g is not None and is_dtensor(g):
-                g = (local_tensor(g) if tuple(g.placements) == tuple(p.placements)
-                     else "partial")
-            grads.append(g)
+        grads = [self._grad_of(p) for p in check.params]
+        if check.has_dtensors:  # a DTensor's gradient: its local tensor, or still pending
+            grads = [(local_tensor(g) if tuple(g.placements) == tuple(p.placements)
+                      else "partial") if g is not None and is_dtensor(g) else g
+                     for g, p in zip(grads, check.params)]
         rec = self._piece_rec
         known = None
         if stats is not None and self.config.grad_probe.grad_point == "step" and rec.size:
-            held = rec >= 0
-            at = np.where(held, rec, 0)
+            held, at = self._piece_at
             took = np.zeros(len(self._params), bool)
             took[list(live)] = True
-            have = held & took[at] & np.asarray(stats.present, bool)[at] & np.array(
-                [not isinstance(g, str) for g in grads], bool)
+            have = held & took[at] & np.asarray(stats.present, bool)[at]
+            if check.has_dtensors:
+                have &= np.array([not isinstance(g, str) for g in grads], bool)
             known = (have, np.asarray(stats.max)[at], np.asarray(stats.min)[at])
         got = check.run(optimizer, grads, known)
         if stats is None:
