@@ -5,9 +5,10 @@
 Per bug (``benchmarks/silent_bugs/``): a one-process fp32 reference, a control run of it
 (``GradProbe(..., control=...)``), and the distributed layout twice on gloo processes, healthy and
 with the bug switched on from step ``ONSET``; each recorded for ``STEPS`` steps by the grad probe
-and compared with ``compare_grads(reference, run, control=...)``. A bug is caught when its run
-reads "beyond" at ``ONSET`` at a parameter of the buggy module, or when the replicas disagree
-(``replica_verdict``); its healthy twin must read "within" and raise no replica flag.
+and judged twice: compared with ``compare_grads(reference, run, control=...)``, and by probekit's
+replica check alone, which needs no reference (``replica_verdict``: ``replica_disagreements``).
+A bug is caught when its run reads "beyond" at ``ONSET`` at a parameter of the buggy module, or
+when the replicas disagree; its healthy twin must read "within" and raise no replica flag.
 """
 from __future__ import annotations
 

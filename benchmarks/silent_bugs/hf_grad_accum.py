@@ -25,7 +25,8 @@ IMPLEMENTATION = "plain PyTorch DDP; the Trainer's loss normalisation before and
 WORLD = 2
 TARGET = ("",)   # the loss: every gradient is the sum it weighs
 CONTROL = "fp32"
-NOTE = ("Every rank normalises the same wrong way: the replicas agree.")
+NOTE = ("Replica check: every rank normalises the same wrong way and DDP averages the result, "
+        "so the replicas agree; only a reference sees it.")
 
 VOCAB, D, SEQ, ROWS, ACCUM = 32, 16, 16, 2, 2
 LR = 1e-2

@@ -24,8 +24,8 @@ IMPLEMENTATION = "plain PyTorch: the deferred GEMM and the order of the calls"
 WORLD = 2
 TARGET = ("output_layer.",)
 CONTROL = "fp32"
-NOTE = ("Rank 0's copy is its own un-averaged share added to the averaged buffer: found without a "
-        "replica check.")
+NOTE = ("Each rank adds its own un-averaged share to the averaged buffer: rank 0's recorded copy "
+        "is wrong (the comparison) and differs from rank 1's (the replica check).")
 
 VOCAB, D, ROWS, SEQ = 32, 16, 8, 6
 LR = 1e-2

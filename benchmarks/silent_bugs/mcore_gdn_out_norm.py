@@ -31,7 +31,8 @@ WORLD = 2
 MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("mixer.out_norm.",)
 CONTROL = "fp32"
-NOTE = ("Rank 0's copy holds its heads' share: found without a replica check.")
+NOTE = ("Each rank's copy holds its own heads' share: rank 0's recorded copy is wrong (the "
+        "comparison) and differs from rank 1's (the replica check).")
 
 T, BATCH, DIN, D, HEADS, OUT = 8, 4, 8, 32, 4, 8
 HD = D // HEADS

@@ -27,7 +27,8 @@ from ._harness import ONSET, Clock, generator, record, reference
 NAME = "mcore_moe_router_sp"
 TITLE = "MoE router replicated over TP, its gradient never summed under sequence parallelism"
 SOURCE = "https://github.com/NVIDIA/Megatron-LM/issues/599"
-LAYOUT = "TP=2 + SP (Megatron): experts' MLPs column/row-parallel, router and LayerNorms on sequence slices"
+LAYOUT = ("TP=2 + SP (Megatron): experts' MLPs column/row-parallel, router and LayerNorms on "
+          "sequence slices")
 IMPLEMENTATION = ("megatron-core 0.16.1 SP layers, mappings, vocab_parallel_cross_entropy and "
                   "_allreduce_non_tensor_model_parallel_grads; the router's gate a plain linear "
                   "marked as megatron-core's Router marks it")

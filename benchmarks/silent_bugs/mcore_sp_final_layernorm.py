@@ -31,7 +31,8 @@ WORLD = 2
 MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("decoder.final_layernorm.",)
 CONTROL = "fp32"
-NOTE = ("Rank 0's copy holds its half of the sequence's share: found without a replica check.")
+NOTE = ("Each rank's copy holds its half of the sequence's share: rank 0's recorded copy is "
+        "wrong (the comparison) and differs from rank 1's (the replica check).")
 
 S, B, DIN, D, FF, V = 8, 4, 16, 32, 64, 48
 LR = 1e-2

@@ -29,7 +29,8 @@ WORLD = 2
 TARGET = ("attention.",)
 CONTROL = "fp32"
 NOTE = ("The stale read happens on rank 1 only; the CP all-reduce of the replicated weights "
-        "carries it into rank 0's copy.")
+        "carries it into rank 0's copy, and leaves the copies equal: the replica check cannot see "
+        "it, only a reference can.")
 
 BATCH, T, DIN, D, HEADS, OUT = 4, 16, 8, 32, 4, 8
 LR = 1e-2

@@ -25,8 +25,8 @@ IMPLEMENTATION = "DTensor (torch.distributed.tensor), torchtitan's boundary in a
 WORLD = 2
 TARGET = ("router.",)
 CONTROL = "fp32"
-NOTE = ("Rank 0 records the replicated router, and its copy holds one rank's partial gradient: "
-        "found without a replica check.")
+NOTE = ("Each rank's router copy holds its own partial gradient: rank 0's recorded copy is "
+        "wrong (the comparison) and differs from rank 1's (the replica check).")
 
 D, H, E, N, OUT = 16, 32, 2, 24, 4
 LR = 1e-2
