@@ -153,7 +153,7 @@ def render(rows: list, skipped: dict, notes: str) -> str:
         "and both distributed runs (process start included) plus two comparisons, seconds on "
         "this shared machine.", "",
         "| bug | source | layout; what runs | caught by | comparison: step, parameter | "
-        "replica check alone (no reference) | healthy twin | missed, and why | time |",
+        "replica check alone (no reference) | healthy twin | why; what was missed | time |",
         "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, h = r["buggy"], r["healthy"]
