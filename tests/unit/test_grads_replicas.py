@@ -299,3 +299,18 @@ def test_a_rank_with_no_counterpart_is_named(caplog):
     assert "unpaired_first" not in res.attrs and "unpaired_second" not in res.attrs
     res = compare_grads(a, {0: a, 1: a, 3: a}, ranks=[1])
     assert res["rank"].values.tolist() == [1]
+
+
+def test_megatron_shards_without_a_group_needs_megatron():
+    """``group=None`` means Megatron's tensor-parallel group; where megatron.core is not
+    importable (this venv) that is a clear error naming what to pass instead."""
+    import importlib.util
+
+    from probekit.grads import megatron_shards
+
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron.core is importable here")
+    with pytest.raises(ValueError, match="group=None takes Megatron's TP group, and "
+                                         "megatron.core is not importable here; accepted: "
+                                         "the tensor-parallel process group"):
+        megatron_shards(torch.nn.Linear(2, 2))

@@ -144,7 +144,8 @@ class SampleHash:
             if t is None or self.counts[i] == 0:
                 addr.append(0)
                 width.append(0)
-            elif t.is_cpu and t.is_contiguous() and t.numel() == self.numels[i]:
+            elif (t.is_cpu and t.is_contiguous() and t.numel() == self.numels[i]
+                  and t.element_size() in _INTS):
                 addr.append(t.data_ptr())
                 width.append(t.element_size())
             else:

@@ -140,8 +140,12 @@ def megatron_shards(model, group=None, *, placements: Mapping | None = None,
     from torch.distributed.tensor import Shard
 
     if group is None:
-        from megatron.core import parallel_state
-
+        try:
+            from megatron.core import parallel_state
+        except ImportError:
+            raise ValueError("megatron_shards: group=None takes Megatron's TP group, and "
+                             "megatron.core is not importable here; accepted: the tensor-"
+                             "parallel process group") from None
         group = parallel_state.get_tensor_model_parallel_group()
     named = list(model.named_parameters())
     if device_type is None:
