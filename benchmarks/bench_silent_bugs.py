@@ -5,9 +5,10 @@
 Per bug (``benchmarks/silent_bugs/``): a one-process fp32 reference, a control run of it
 (``GradProbe(..., control=...)``), and the distributed layout twice on gloo processes, healthy and
 with the bug switched on from step ``ONSET``; each recorded for ``STEPS`` steps by the grad probe
-and compared with ``compare_grads(reference, run, control=...)``. A bug is caught when its run
-reads "beyond" at ``ONSET`` at a parameter of the buggy module, or when the replicas disagree
-(``replica_verdict``); its healthy twin must read "within" and raise no replica flag.
+and judged twice: compared with ``compare_grads(reference, run, control=...)``, and by probekit's
+replica check alone, which needs no reference (``replica_verdict``: ``replica_disagreements``).
+A bug is caught when its run reads "beyond" at ``ONSET`` at a parameter of the buggy module, or
+when the replicas disagree; its healthy twin must read "within" and raise no replica flag.
 """
 from __future__ import annotations
 
@@ -28,17 +29,29 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 
 from benchmarks.silent_bugs import BUGS, load  # noqa: E402
-from benchmarks.silent_bugs._harness import ONSET, STEPS, read_replicas, spawn  # noqa: E402
+from benchmarks.silent_bugs._harness import ONSET, STEPS, spawn  # noqa: E402
 
 KINDS = {1: "signs", 2: "scale", 3: "NaN/Inf"}
 
 
-def replica_verdict(run_dir: str) -> dict | None:
-    """probekit's own verdict on whether the replicas of ``run_dir`` agree (issue 35, point 1):
-    ``{"disagree": bool, "text": str}``, or None while probekit has no replica check. The one
-    place the harness asks probekit about replicas: the lead wires the replica check here once
-    it is merged."""
-    return None
+def replica_verdict(run_dir: str) -> dict:
+    """probekit's own replica check of the run recorded in ``run_dir`` (``replica_disagreements``,
+    issue 35 point 1): ``{"disagree", "text", "step", "param", "what", "group", "ranks",
+    "params"}``: the first disagreement (by step, then name) in words and its parts, the
+    parameters whose replicas disagreed at some step; ``step`` -1 and ``text`` "" when they
+    always agreed (or nothing was checked)."""
+    from probekit.grads import replica_disagreements
+    from probekit.grads.store.replicas import replica_line
+
+    table = replica_disagreements(run_dir)
+    if not len(table):
+        return {"disagree": False, "text": "", "step": -1, "param": "", "what": "",
+                "group": "", "ranks": [], "params": []}
+    first = table.iloc[0]
+    return {"disagree": True, "text": replica_line(first), "step": int(first["first_step"]),
+            "param": str(first["param"]), "what": str(first["what"]),
+            "group": str(first["group"]), "ranks": [int(r) for r in first["ranks"]],
+            "params": [str(p) for p in table["param"]]}
 
 
 def judge(ref: str, run: str, control: str, target=()) -> dict:
@@ -96,24 +109,25 @@ def run_bug(name: str, root: str) -> dict:
         t0 = time.perf_counter()
         res[twin] = judge(ref, run, ctrl, bug.TARGET)
         res[twin]["compare_s"] = round(time.perf_counter() - t0, 2)
-        res[twin]["replicas_probekit"] = replica_verdict(run)
-        res[twin]["replicas_harness"] = read_replicas(run)
+        res[twin]["replicas"] = replica_verdict(run)
     res.update(assess(res))
     return res
 
 
 def assess(res: dict) -> dict:
-    """Did the comparison (or the replica check) catch the bug, and did the healthy twin stay
-    quiet?"""
+    """Did the comparison or the replica check catch the bug, and did the healthy twin stay
+    quiet (within, no replica flag)? ``caught_by``: what caught it, the comparison's kind at
+    the onset in the buggy module (signs / scale / NaN/Inf) and "replicas" when probekit's
+    replica check (no reference) flagged it; ``replicas_alone``: the replica check caught it at
+    the onset."""
     h, b = res["healthy"], res["buggy"]
-    def probekit_flag(r):
-        return bool(r["replicas_probekit"] and r["replicas_probekit"]["disagree"])
-
     at_onset = (b["verdict"] == "beyond" and b["step"] == res["onset"]
                 and b["param"].startswith(tuple(res["target"])))
-    caught_by = b["kind"] if at_onset else ("replicas" if probekit_flag(b) else "")
-    healthy_ok = h["verdict"] == "within" and not probekit_flag(h)
-    return {"caught": bool(caught_by), "caught_by": caught_by, "healthy_ok": healthy_ok}
+    by = ([b["kind"]] if at_onset else []) + (["replicas"] if b["replicas"]["disagree"] else [])
+    healthy_ok = h["verdict"] == "within" and not h["replicas"]["disagree"]
+    return {"caught": bool(by), "caught_by": " + ".join(by), "healthy_ok": healthy_ok,
+            "compare_at_onset": at_onset,
+            "replicas_alone": b["replicas"]["step"] == res["onset"]}
 
 
 BEGIN = "<!-- silent-bugs: written by bench_silent_bugs.py -->"
@@ -127,51 +141,61 @@ def render(rows: list, skipped: dict, notes: str) -> str:
         f"`python benchmarks/bench_silent_bugs.py` ({notes}). Each bug runs on CPU with gloo "
         f"({', '.join(sorted({str(r['world']) for r in rows}))} processes), tiny models, "
         f"{STEPS} AdamW steps, the bug switched on from step {ONSET}; its healthy twin is the "
-        "same layout without it. Both are recorded by the grad probe and compared with a "
-        "one-process fp32 reference and a control run of it (`compare_grads(reference, run, "
-        "control=...)`). *Caught by*: what flagged the first diverging parameter at the onset "
-        "step when it lies in the buggy module (signs / scale / NaN), else what happened. "
-        "*Replicas differ*: the harness's own check (digests of every replicated gradient "
-        "and parameter all-gathered each step), the ground truth for probekit's replica check, "
-        "which does not exist yet (`replica_verdict()` answers None). *Time*: reference, "
-        "control and both distributed runs (process start included) plus two comparisons, "
-        "seconds on this shared machine.", "",
-        "| bug | source | layout; what runs | caught by | step | parameter | healthy twin | "
-        "replicas differ (harness) | missed, and why | time |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "same layout without it. Both are recorded by the grad probe (plain local shards "
+        "declared with `GradProbe(shards=...)`) and judged twice: *compared* with a one-process "
+        "fp32 reference and a control run of it (`compare_grads(reference, run, control=...)`), "
+        "and by probekit's *replica check* alone, which needs no reference "
+        "(`replica_disagreements(run)`: every replicated parameter's copies compared at every "
+        "step). *Caught by*: what flagged the first diverging parameter at the onset step when "
+        "it lies in the buggy module (signs / scale / NaN), and `replicas` when the replica check "
+        "flagged the run. *Replica check alone*: its first disagreement (step, parameter, "
+        "ranks, what differs) and how many parameters disagreed. *Time*: reference, control "
+        "and both distributed runs (process start included) plus two comparisons, seconds on "
+        "this shared machine.", "",
+        "| bug | source | layout; what runs | caught by | comparison: step, parameter | "
+        "replica check alone (no reference) | healthy twin | why; what was missed | time |",
+        "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, h = r["buggy"], r["healthy"]
         caught = r["caught_by"] or ("nothing (within)" if b["verdict"] == "within" else (
             f"{b['kind']}, another module first" if b["step"] == r["onset"]
             else f"{b['kind']} from step {b['step']}"))
+        if not r["compare_at_onset"] and r["caught"]:
+            caught += (" (comparison: within)" if b["verdict"] == "within" else
+                       f" (comparison: {b['kind']}, another module first)"
+                       if b["step"] == r["onset"] else
+                       f" (comparison: {b['kind']} from step {b['step']})")
+        compared = (f"{b['step']}, `{b['param']}`" if b["step"] >= 0 else "-")
         missed = []
-        if b["verdict"] == "beyond" and not r["caught"] and b["target_at_step"]:
-            missed.append(f"Named `{b['param']}` first; `{b['target_at_step'][0]}` flagged at "
-                          f"the same step, #{b['target_suspect_rank']} in `suspects()`.")
+        if b["verdict"] == "beyond" and not r["compare_at_onset"] and b["target_at_step"]:
+            missed.append(f"Compared: named `{b['param']}` first; `{b['target_at_step'][0]}` "
+                          f"flagged at the same step, #{b['target_suspect_rank']} in "
+                          "`suspects()`.")
         if r["note"]:
             missed.append(r["note"])
-        rep = b.get("replicas_harness") or {}
-        replicas = (f"from step {rep['step']} (`{rep['param']}` {rep['what']}, ranks "
-                    f"{'/'.join(map(str, rep['ranks']))})" if rep.get("step", -1) >= 0 else "no")
-        hrep = h.get("replicas_harness") or {}
-        if hrep.get("step", -1) >= 0:
-            replicas += f"; healthy twin: from step {hrep['step']}"
-        twin = "within" if r["healthy_ok"] else f"{h['verdict']} at step {h['step']} `{h['param']}`"
+        rep = b["replicas"]
+        replicas = "agree" if not rep["disagree"] else (
+            f"**disagree from step {rep['step']}**: {rep['text'].split(' disagree ')[0]} "
+            f"({rep['text'].rsplit('(', 1)[1]}"
+            + (f"; {len(rep['params'])} parameters in all: "
+               + ", ".join(f"`{p}`" for p in rep["params"]) if len(rep["params"]) > 1 else ""))
+        twin = ("within, replicas agree" if r["healthy_ok"] else
+                f"{h['verdict']} at step {h['step']} `{h['param']}`"
+                + (f"; {h['replicas']['text']}" if h["replicas"]["disagree"] else ""))
         total = sum(r["seconds"].values()) + h["compare_s"] + b["compare_s"]
         lines.append(
             f"| {r['title']} | [{_link(r['source'])}]({r['source']}) | {r['layout']}; "
-            f"{r['implementation']} | **{caught}** | {b['step'] if b['step'] >= 0 else '-'} | "
-            f"`{b['param'] or '-'}` | {twin} | {replicas} | {' '.join(missed) or '-'} | "
-            f"{total:.0f} |")
+            f"{r['implementation']} | **{caught}** | {compared} | {replicas} | {twin} | "
+            f"{' '.join(missed) or '-'} | {total:.0f} |")
     for name, why in skipped.items():
-        lines.append(f"| {name} | | | not run: {why} | | | | | | |")
+        lines.append(f"| {name} | | | not run: {why} | | | | | |")
     n = len(rows)
-    differ = sum((r["buggy"].get("replicas_harness") or {}).get("step", -1) >= 0 for r in rows)
-    lines += ["", f"Caught at the onset in the buggy module: {sum(r['caught'] for r in rows)} "
-              f"of {n}; beyond at the onset step: "
-              f"{sum(r['buggy']['step'] == r['onset'] for r in rows)} of {n}; healthy twins "
-              f"within: {sum(r['healthy_ok'] for r in rows)} of {n}; replicas differ (harness): "
-              f"{differ} of {n}.", END]
+    lines += ["", f"Caught: {sum(r['caught'] for r in rows)} of {n}; by the comparison at the "
+              f"onset in the buggy module: {sum(r['compare_at_onset'] for r in rows)} of {n}; "
+              "by the replica check alone (no reference) at the onset: "
+              f"{sum(r['replicas_alone'] for r in rows)} of {n}, at any step: "
+              f"{sum(r['buggy']['replicas']['disagree'] for r in rows)} of {n}; healthy twins "
+              f"within with no replica flag: {sum(r['healthy_ok'] for r in rows)} of {n}.", END]
     return "\n".join(lines)
 
 

@@ -16,10 +16,17 @@ argv: output folder, then layouts, in order (each store is ``{out}/{layout}``):
   weight is tied to ``embed``'s: ``tied=[["embed.weight", "head.weight"]]``); the tied gradients
   are all-reduced between the stages, except in ``pp_bad``;
 * ``pp_local``: ``pp`` without ``rename`` (stage-local layer names in the store);
-* ``copies``: an unwrapped model on each rank, every rank recording a full copy.
+* ``copies``: an unwrapped model on each rank, every rank recording a full copy;
+* ``mtp``, ``mtp_bad``: Megatron-style tensor parallelism on plain tensors: a replicated input
+  projection and norm, a column-parallel ``fc`` (each rank its rows) and a row-parallel
+  ``proj`` (its columns; its bias replicated), the sharded ones marked as Megatron marks them
+  (``tensor_model_parallel``, ``partition_dim``) and declared by ``megatron_shards(model,
+  group)``; Megatron's two mappings (the input's gradient all-reduced over TP, the partial
+  output all-reduced); in ``mtp_bad`` the input's gradient is not all-reduced from step 1, so
+  the replicated parameters below ``fc`` keep each rank's partial gradient.
 
-``single(out)`` records the one-process references of ``tp`` and ``pp`` (``{out}/tp_single``,
-``{out}/pp_single``).
+``single(out)`` records the one-process references of ``tp``, ``pp``, ``copies`` and ``mtp``
+(``{out}/tp_single``, ...).
 """
 import os
 import sys
@@ -269,16 +276,150 @@ def copies_single(path):
     run_copies(path)
 
 
+# -- Megatron-style tensor parallelism on plain tensors -----------------------------------------
+class MegatronLike(torch.nn.Module):
+    """``inp`` and ``norm`` replicated, ``fc`` (D -> 2D) column-parallel, ``proj`` (2D -> D)
+    row-parallel; ``world`` 1: the one-process model."""
+
+    def __init__(self, world=1, rank=0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(D, D)
+        self.norm = PlainNorm()
+        self.fc = torch.nn.Linear(D, 2 * D)
+        self.proj = torch.nn.Linear(2 * D, D)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1)
+        if world > 1:
+            fc, proj = self.fc, self.proj
+            self.fc = torch.nn.Linear(D, 2 * D // world)
+            self.proj = torch.nn.Linear(2 * D // world, D)
+            with torch.no_grad():
+                self.fc.weight.copy_(fc.weight.chunk(world, 0)[rank])
+                self.fc.bias.copy_(fc.bias.chunk(world, 0)[rank])
+                self.proj.weight.copy_(proj.weight.chunk(world, 1)[rank])
+                self.proj.bias.copy_(proj.bias)
+            for p, dim in ((self.fc.weight, 0), (self.fc.bias, 0), (self.proj.weight, 1)):
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``copy_to_tensor_model_parallel_region``: identity forward, the gradient
+    all-reduced backward (not, when ``skip``)."""
+
+    @staticmethod
+    def forward(ctx, x, skip):
+        ctx.skip = skip
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        if not ctx.skip:
+            dist.all_reduce(g)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``reduce_from_tensor_model_parallel_region``: all-reduce forward, identity
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _mtp_forward(model, x, world, skip=False):
+    h = model.norm(model.inp(x))
+    if world > 1:
+        h = _CopyToTP.apply(h, skip)
+    a = torch.nn.functional.gelu(model.fc(h))
+    if world == 1:
+        return model.proj(a)
+    y = _ReduceFromTP.apply(a @ model.proj.weight.t())
+    return y + model.proj.bias
+
+
+def run_mtp(path, bad):
+    from probekit.grads import GradProbe, megatron_shards
+
+    world = dist.get_world_size()
+    model = MegatronLike(world, dist.get_rank())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with GradProbe(model, dump_path=path, flush_every=1,
+                   shards=megatron_shards(model, dist.group.WORLD)):
+        for step, (x, y) in enumerate(data()):
+            opt.zero_grad()
+            out = _mtp_forward(model, x, world, skip=bad and step >= 1)
+            torch.nn.functional.mse_loss(out, y).backward()
+            opt.step()
+
+
+def mtp_errors(path):
+    """What a bad declaration says (``{path}/errors.json``: one message per case)."""
+    import json
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Partial, Shard
+
+    from probekit.grads import GradProbe, LocalShards, megatron_shards
+
+    model = MegatronLike(dist.get_world_size(), dist.get_rank())
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
+    cases = {
+        "unknown": lambda: GradProbe(model, dump_path=path,
+                                     shards=LocalShards(mesh, {"fc.wieght": Shard(0)})),
+        "dim": lambda: GradProbe(model, dump_path=path,
+                                 shards=LocalShards(mesh, {"fc.bias": Shard(1)})),
+        "partial": lambda: LocalShards(mesh, {"fc.weight": Partial()}),
+        "type": lambda: GradProbe(model, dump_path=path, shards={"fc.weight": Shard(0)}),
+    }
+    model.fc.weight.partition_stride = 2
+    cases["stride"] = lambda: megatron_shards(model, dist.group.WORLD)
+    out = {}
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 (the message is what is tested)
+            out[name] = f"{type(exc).__name__}: {exc}"
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "errors.json"), "w") as fh:
+            json.dump(out, fh)
+
+
+def mtp_single(path):
+    from probekit.grads import GradProbe
+
+    model = MegatronLike()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with GradProbe(model, dump_path=path, flush_every=1):
+        for x, y in data():
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(_mtp_forward(model, x, 1), y).backward()
+            opt.step()
+
+
 LAYOUTS = {"ddp": lambda p: run_ddp(p, False), "ddp_bad": lambda p: run_ddp(p, True),
            "tp": lambda p: run_tp(p, False), "tp_bad": lambda p: run_tp(p, True),
            "pp": lambda p: run_pp(p), "pp_bad": lambda p: run_pp(p, bad=True),
-           "pp_local": lambda p: run_pp(p, rename=False), "copies": run_copies}
+           "pp_local": lambda p: run_pp(p, rename=False), "copies": run_copies,
+           "mtp": lambda p: run_mtp(p, False), "mtp_bad": lambda p: run_mtp(p, True),
+           "mtp_errors": mtp_errors}
 
 
 def single(out):
     tp_single(os.path.join(out, "tp_single"))
     pp_single(os.path.join(out, "pp_single"))
     copies_single(os.path.join(out, "copies_single"))
+    mtp_single(os.path.join(out, "mtp_single"))
 
 
 def main():

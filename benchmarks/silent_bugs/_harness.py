@@ -1,8 +1,10 @@
 """What every reproduction of the silent-bug corpus shares: the step the bug starts at, the
-recorded training loop, gloo processes, a DTensor view of Megatron-style local shards (so the grad
-probe records them with their placements and the reader assembles full parameters), and the
-harness's own check of replicated gradients (the ground truth the replica check will be judged
-against; it is not part of probekit).
+recorded training loop and gloo processes. Layouts that keep plain local shards (Megatron's
+tensor parallelism, data or context parallelism written by hand) declare them to the grad probe
+with ``GradProbe(shards=...)`` (``probekit.grads.LocalShards``, ``megatron_shards``): it records
+each rank's block with its place, the reader assembles full parameters, and probekit's replica
+check compares the replicated copies (the only replica check here: ``bench_silent_bugs.py``'s
+``replica_verdict`` reads it).
 
 A reproduction module (``benchmarks/silent_bugs/<name>.py``) defines ``NAME``, ``TITLE``,
 ``SOURCE`` (a public link), ``LAYOUT``, ``IMPLEMENTATION`` (what runs: megatron-core, DTensor or
@@ -15,8 +17,6 @@ rank of a gloo group of ``WORLD`` processes; records into ``out``; the bug on fr
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 
@@ -36,16 +36,15 @@ ONSET, STEPS = 3, 10
 
 
 def train(model, opt, step_fn, path, *, clock: Clock, control=None, steps: int = STEPS,
-          probe_model=None, after_step=None) -> list[float]:
+          after_step=None, **probe) -> list[float]:
     """``steps`` optimizer steps recorded by a grad probe into ``path``: ``step_fn(step)`` runs
     the forward and backward (and whatever the layout does before ``opt.step()``) and returns the
-    loss. ``probe_model``: what the probe watches (default ``model``); ``after_step(step)``: run
-    after each ``opt.step()``."""
+    loss. ``after_step(step)``: run after each ``opt.step()``; ``probe``: more options of the
+    ``GradProbe`` (``shards``, ``tied``, ``param_list``...)."""
     from probekit.grads import GradProbe
 
     losses = []
-    with GradProbe(probe_model if probe_model is not None else model, dump_path=str(path),
-                   control=control, flush_every=steps):
+    with GradProbe(model, dump_path=str(path), control=control, flush_every=steps, **probe):
         for step in range(steps):
             clock.step = step
             opt.zero_grad(set_to_none=True)
@@ -73,26 +72,22 @@ def reference(model, loss_of_step, path, control=None, *, lr: float, after_backw
     return train(model, opt, step_fn, path, clock=Clock(), control=control)
 
 
-def record(out, model, loss_of_step, *, lr: float, clock: Clock, witness, view=None,
-           finalize=None) -> None:
+def record(out, model, loss_of_step, *, lr: float, clock: Clock, finalize=None,
+           **probe) -> None:
     """The distributed run on this rank: the loss's backward, ``finalize(step)`` (what the layout
-    does to the gradients before the step: its reductions, clipping), the gradients handed to
-    ``view`` (a ``ShardView``) when there is one, the witness's check; AdamW at ``lr`` steps the
-    view's parameters (or the model's), the grad probe records them into ``out``."""
-    opt = torch.optim.AdamW((view if view is not None else model).parameters(), lr=lr)
+    does to the gradients before the step: its reductions, clipping); AdamW at ``lr`` steps the
+    model's parameters, the grad probe records them into ``out`` (``probe``: its options, e.g.
+    ``shards=`` for plain local shards)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def step_fn(step):
         loss = loss_of_step(step)
         loss.backward()
         if finalize is not None:
             finalize(step)
-        if view is not None:
-            view.pull_grads()
-        witness.grads(step)
         return loss
 
-    train(model, opt, step_fn, out, clock=clock, probe_model=view, after_step=witness.params)
-    witness.write(out)
+    train(model, opt, step_fn, out, clock=clock, **probe)
 
 
 def generator(step: int, salt: int = 0) -> torch.Generator:
@@ -130,43 +125,7 @@ def _child(rank: int, world: int, store: str, name: str, out: str) -> None:
     finish()  # leave together, skip the interpreter's finalization (tests/_torchrun_exit.py)
 
 
-# -- Megatron's layout seen as DTensors -------------------------------------------------------
-class ShardView(torch.nn.Module):
-    """The parameters of ``model`` (whose layers hold plain local shards, as Megatron's do) as
-    DTensor parameters over ``mesh`` sharing their storage: ``placements`` maps a parameter name
-    to its placement (default ``Replicate()``). The optimizer steps these (updating ``model`` in
-    place) and the grad probe records them: a rank records its shard with its placement, a
-    replicated parameter only on mesh coordinate 0, and the reader assembles full parameters
-    under the same names as the one-process reference. ``pull_grads()`` hands each local
-    gradient over, after the layout's own reductions."""
-
-    def __init__(self, model: torch.nn.Module, mesh, placements: dict | None = None):
-        from torch.distributed.tensor import DTensor, Replicate
-
-        super().__init__()
-        self.mesh = mesh
-        self.pairs = []
-        for name, p in model.named_parameters():
-            place = (placements or {}).get(name, Replicate())
-            view = torch.nn.Parameter(DTensor.from_local(p.detach(), mesh, [place],
-                                                         run_check=False))
-            *path, leaf = name.split(".")
-            owner = self
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, torch.nn.Module())
-                owner = getattr(owner, part)
-            owner.register_parameter(leaf, view)
-            self.pairs.append((view, p, place))
-
-    def pull_grads(self) -> None:
-        from torch.distributed.tensor import DTensor
-
-        for view, p, place in self.pairs:
-            view.grad = (None if p.grad is None else
-                         DTensor.from_local(p.grad, self.mesh, [place], run_check=False))
-
-
+# -- DTensor layouts -----------------------------------------------------------------------------
 def settle_grads(params) -> None:
     """Every DTensor gradient in its parameter's placements (a ``Partial`` gradient is reduced):
     what the optimizer's first touch would do, done on every rank before the probe reads it."""
@@ -175,56 +134,3 @@ def settle_grads(params) -> None:
         if g is not None and hasattr(g, "placements") and tuple(g.placements) != tuple(
                 p.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)
-
-
-# -- the harness's own replica check (ground truth, not probekit) ------------------------------
-class ReplicaWitness:
-    """Whether the copies of replicated tensors agree across ``group`` (digests of their bytes
-    all-gathered), step by step: the gradients before ``opt.step()`` (``grads(step)``) and the
-    parameters after it (``params(step)``). Written by the group's first rank to
-    ``{out}/replicas.json``: the first step and tensor where the copies differ, or -1."""
-
-    def __init__(self, named: dict, group=None):
-        self.named, self.group = named, group
-        self.first = {"step": -1, "what": "", "param": "", "ranks": []}
-
-    def grads(self, step: int) -> None:
-        self._check(step, "grad", {n: p.grad for n, p in self.named.items()})
-
-    def params(self, step: int) -> None:
-        self._check(step, "param", dict(self.named))
-
-    def _check(self, step, what, tensors) -> None:
-        if self.first["step"] >= 0:
-            return
-        names = sorted(n for n, t in tensors.items() if t is not None)
-        mine = [_digest(tensors[n]) for n in names]
-        world = dist.get_world_size(self.group)
-        every = [None] * world
-        dist.all_gather_object(every, mine, group=self.group)
-        for i, n in enumerate(names):
-            differ = sorted({r for r in range(world) if every[r][i] != every[0][i]})
-            if differ:
-                self.first = {"step": step, "what": what, "param": n, "ranks": [0, *differ]}
-                return
-
-    def write(self, out: str) -> None:
-        if dist.get_rank(self.group) == 0:
-            os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, "replicas.json"), "w") as fh:
-                json.dump(self.first, fh)
-
-
-def _digest(t) -> str:
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    return hashlib.md5(t.detach().contiguous().float().numpy().tobytes()).hexdigest()
-
-
-def read_replicas(out: str) -> dict | None:
-    """What ``ReplicaWitness`` wrote for the run in ``out``, or None."""
-    try:
-        with open(os.path.join(out, "replicas.json")) as fh:
-            return json.load(fh)
-    except OSError:
-        return None

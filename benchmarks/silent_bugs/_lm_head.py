@@ -56,7 +56,7 @@ def distributed(out, loss_fn, *, gather=lambda step: False):
         model = torch.nn.Module()
         model.inp, model.norm = ref.inp, ref.norm
         model.output_layer = _megatron.column(ref.output_layer, config)
-        view, witness = _megatron.shard_view(model)
+        shards = _megatron.shards(model)
 
         def loss(step):
             x, labels = batch(step)
@@ -64,4 +64,4 @@ def distributed(out, loss_fn, *, gather=lambda step: False):
                                            runtime_gather_output=gather(step))
             return loss_fn(logits, labels, step).mean()
 
-        record(out, model, loss, lr=LR, clock=Clock(), witness=witness, view=view)
+        record(out, model, loss, lr=LR, clock=Clock(), shards=shards)

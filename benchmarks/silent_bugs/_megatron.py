@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from ._harness import ROOT, ReplicaWitness, ShardView
+from ._harness import ROOT
 
 VERSION = "0.16.1"
 
@@ -108,23 +108,13 @@ def _load(layer, ref, *, weight_dim: int, bias_dim: int | None) -> None:
                              ref.bias.chunk(world, dim=bias_dim)[rank])
 
 
-def shard_view(model, extra: dict | None = None):
-    """A ``ShardView`` of ``model`` over the TP group with Megatron's placements (and
-    ``extra``), and a ``ReplicaWitness`` of its replicated parameters over the TP group."""
+def shards(model, extra: dict | None = None):
+    """How the grad probe sees ``model``'s plain local shards: probekit's ``megatron_shards``
+    over Megatron's TP group (its marks: ``tensor_model_parallel`` parameters sharded along
+    ``partition_dim``, the others replicated and checked across the group), ``extra``
+    (placements of parameters Megatron's marks miss) winning."""
     from megatron.core import parallel_state as ps
-    from torch.distributed.device_mesh import init_device_mesh
 
-    places = {**placements(model), **(extra or {})}
-    mesh = init_device_mesh("cpu", (ps.get_tensor_model_parallel_world_size(),))
-    return ShardView(model, mesh, places), ReplicaWitness(
-        {n: p for n, p in model.named_parameters() if n not in places},
-        group=ps.get_tensor_model_parallel_group())
+    from probekit.grads import megatron_shards
 
-
-def placements(model) -> dict:
-    """``{name: Shard(dim)}`` for the parameters Megatron marks ``tensor_model_parallel`` (their
-    ``partition_dim``): what ``ShardView`` needs; the others are replicated."""
-    from torch.distributed.tensor import Shard
-
-    return {n: Shard(p.partition_dim) for n, p in model.named_parameters()
-            if getattr(p, "tensor_model_parallel", False)}
+    return megatron_shards(model, ps.get_tensor_model_parallel_group(), placements=extra)

@@ -102,7 +102,7 @@ def distributed(out, attend, *, sink=False, after_backward=None):
                 WORLD)[rank].clone())
             att.core_attention.softmax_offset = off
             extra["self_attention.core_attention.softmax_offset"] = Shard(0)
-        view, witness = _megatron.shard_view(model, extra)
+        shards = _megatron.shards(model, extra)
         clock = Clock()
 
         def loss(step):
@@ -112,6 +112,6 @@ def distributed(out, attend, *, sink=False, after_backward=None):
                                     lambda q, k, v: attend(q, k, v, off, step),
                                     HEADS // WORLD), y)
 
-        record(out, model, loss, lr=LR, clock=clock, witness=witness, view=view,
+        record(out, model, loss, lr=LR, clock=clock, shards=shards,
                finalize=None if after_backward is None else (
                    lambda step: after_backward(model, step)))

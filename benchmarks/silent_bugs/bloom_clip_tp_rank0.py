@@ -27,9 +27,10 @@ WORLD = _tp_attention.WORLD
 MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("",)   # the clip coefficient scales every gradient
 CONTROL = "fp32"
-NOTE = ("Rank 1 records its shards of the TP weights, whose unclipped gradients show as scale; "
-        "the drift of the replicated LayerNorm's copies on rank 1 (what BLOOM saw) is never read "
-        "by the recording: that part needs the replica check.")
+NOTE = ("The comparison sees rank 1's own shards of the TP weights unclipped (scale). The copies "
+        "rank 1 holds of the replicated parameters (the LayerNorm BLOOM saw drift, the input "
+        "projection, the head, the row-parallel bias) are recorded by rank 0 only: the replica "
+        "check finds them unclipped from step 3, with no reference.")
 MAX_NORM = 0.3
 
 

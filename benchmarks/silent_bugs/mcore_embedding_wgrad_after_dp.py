@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._harness import (ONSET, Clock, ReplicaWitness, ShardView, generator, record,
-                       reference)
+from ._harness import ONSET, Clock, generator, record, reference
 
 NAME = "mcore_embedding_wgrad_after_dp"
 TITLE = "Deferred output-layer weight gradient added after the DP all-reduce"
@@ -25,8 +24,8 @@ IMPLEMENTATION = "plain PyTorch: the deferred GEMM and the order of the calls"
 WORLD = 2
 TARGET = ("output_layer.",)
 CONTROL = "fp32"
-NOTE = ("Rank 0's copy is its own un-averaged share added to the averaged buffer: found without a "
-        "replica check.")
+NOTE = ("Each rank adds its own un-averaged share to the averaged buffer: rank 0's recorded copy "
+        "is wrong (the comparison) and differs from rank 1's (the replica check).")
 
 VOCAB, D, ROWS, SEQ = 32, 16, 8, 6
 LR = 1e-2
@@ -89,9 +88,12 @@ def distributed(out, buggy: bool):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from probekit.grads import LocalShards
+
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Net()
-    view = ShardView(model, init_device_mesh("cpu", (WORLD,)))   # replicated: rank 0 records
+    # every parameter a plain copy on each rank, replicated: rank 0 records, the copies checked
+    shards = LocalShards(init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",)))
     pending = []
 
     def loss(step):
@@ -110,5 +112,4 @@ def distributed(out, buggy: bool):
         if late:
             finish_wgrad(pending)
 
-    record(out, model, loss, lr=LR, clock=Clock(), view=view, finalize=finalize,
-           witness=ReplicaWitness(dict(model.named_parameters())))
+    record(out, model, loss, lr=LR, clock=Clock(), shards=shards, finalize=finalize)

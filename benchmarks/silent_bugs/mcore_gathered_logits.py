@@ -25,7 +25,8 @@ WORLD = _lm_head.WORLD
 MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("output_layer.",)
 CONTROL = "fp32"
-NOTE = ""
+NOTE = ("Replica check: the error sits in each rank's own shard of the output layer; the "
+        "replicated parameters below get the all-reduced input gradient, equal on every rank.")
 
 
 def single(path, control=None):

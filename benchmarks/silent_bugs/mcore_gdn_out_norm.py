@@ -31,7 +31,8 @@ WORLD = 2
 MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("mixer.out_norm.",)
 CONTROL = "fp32"
-NOTE = ("Rank 0's copy holds its heads' share: found without a replica check.")
+NOTE = ("Each rank's copy holds its own heads' share: rank 0's recorded copy is wrong (the "
+        "comparison) and differs from rank 1's (the replica check).")
 
 T, BATCH, DIN, D, HEADS, OUT = 8, 4, 8, 32, 4, 8
 HD = D // HEADS
@@ -92,7 +93,7 @@ def distributed(out, buggy: bool):
         mixer.out_proj = _megatron.row(ref.mixer.out_proj, config)
         model.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
         config_for_finalize = SimpleNamespace(sequence_parallel=False, qk_layernorm=False)
-        view, witness = _megatron.shard_view(model)
+        shards = _megatron.shards(model)
 
         def loss(step):
             x, y = batch(step)
@@ -105,5 +106,5 @@ def distributed(out, buggy: bool):
                 dist.all_reduce(mixer.out_norm.weight.grad,
                                 group=ps.get_tensor_model_parallel_group())
 
-        record(out, model, loss, lr=LR, clock=Clock(), witness=witness, view=view,
+        record(out, model, loss, lr=LR, clock=Clock(), shards=shards,
                finalize=finalize)

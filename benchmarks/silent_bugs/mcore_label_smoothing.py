@@ -29,7 +29,8 @@ MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("output_layer.",)
 CONTROL = "fp32"
 NOTE = ("The loss's error enters at the logits; the LayerNorm below the output layer departs "
-        "furthest from the reference.")
+        "furthest from the reference. Replica check: the replicated parameters "
+        "below the output layer get the all-reduced input gradient, equal on every rank.")
 ALPHA = 0.2
 
 

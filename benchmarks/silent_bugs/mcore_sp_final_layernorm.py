@@ -31,7 +31,8 @@ WORLD = 2
 MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("decoder.final_layernorm.",)
 CONTROL = "fp32"
-NOTE = ("Rank 0's copy holds its half of the sequence's share: found without a replica check.")
+NOTE = ("Each rank's copy holds its half of the sequence's share: rank 0's recorded copy is "
+        "wrong (the comparison) and differs from rank 1's (the replica check).")
 
 S, B, DIN, D, FF, V = 8, 4, 16, 32, 64, 48
 LR = 1e-2
@@ -100,7 +101,7 @@ def distributed(out, buggy: bool):
                 p.sequence_parallel = True
         model.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
         config_for_finalize = SimpleNamespace(sequence_parallel=True, qk_layernorm=False)
-        view, witness = _megatron.shard_view(model)
+        shards = _megatron.shards(model)
 
         def loss(step):
             x, labels = batch(step)
@@ -116,5 +117,5 @@ def distributed(out, buggy: bool):
                     p.sequence_parallel = False
             _allreduce_non_tensor_model_parallel_grads([model], config_for_finalize)
 
-        record(out, model, loss, lr=LR, clock=Clock(), witness=witness, view=view,
+        record(out, model, loss, lr=LR, clock=Clock(), shards=shards,
                finalize=finalize)

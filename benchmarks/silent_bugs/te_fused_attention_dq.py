@@ -26,7 +26,8 @@ MEGATRON = True   # runs megatron-core (``_megatron.load``)
 TARGET = ("self_attention.linear_qkv.",)
 CONTROL = "fp32"
 NOTE = ("The kernel has no parameters: the error enters at the QKV projection, and the LayerNorm "
-        "below it departs furthest.")
+        "below it departs furthest. Replica check: the wrong dQ reaches the replicated LayerNorm "
+        "through the TP all-reduce of the input gradient, equal on every rank: the copies agree.")
 
 
 def single(path, control=None):

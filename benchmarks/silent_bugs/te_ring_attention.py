@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ._attention import backward_blocks, forward_blocks
-from ._harness import (ONSET, Clock, ReplicaWitness, ShardView, generator, record,
-                       reference)
+from ._harness import ONSET, Clock, generator, record, reference
 
 NAME = "te_ring_attention"
 TITLE = "Ring attention (context parallel) backward reads a stale K/V buffer"
@@ -30,7 +29,8 @@ WORLD = 2
 TARGET = ("attention.",)
 CONTROL = "fp32"
 NOTE = ("The stale read happens on rank 1 only; the CP all-reduce of the replicated weights "
-        "carries it into rank 0's copy.")
+        "carries it into rank 0's copy, and leaves the copies equal: the replica check cannot see "
+        "it, only a reference can.")
 
 BATCH, T, DIN, D, HEADS, OUT = 4, 16, 8, 32, 4, 8
 LR = 1e-2
@@ -113,9 +113,12 @@ def distributed(out, buggy: bool):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from probekit.grads import LocalShards
+
     rank = dist.get_rank()
     model = Net()
-    view = ShardView(model, init_device_mesh("cpu", (WORLD,)))   # replicated: rank 0 records
+    # every parameter a plain copy on each rank, replicated: rank 0 records, the copies checked
+    shards = LocalShards(init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",)))
     clock = Clock()
     n = T // WORLD
 
@@ -131,5 +134,4 @@ def distributed(out, buggy: bool):
         for p in model.parameters():   # the replicas' shares, summed over the CP group
             dist.all_reduce(p.grad)
 
-    record(out, model, loss, lr=LR, clock=clock, view=view, finalize=finalize,
-           witness=ReplicaWitness(dict(model.named_parameters())))
+    record(out, model, loss, lr=LR, clock=clock, shards=shards, finalize=finalize)

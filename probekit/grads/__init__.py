@@ -11,6 +11,7 @@ from .compare.suspects import suspects  # also registers the ``cmp.probekit`` ac
 from .compare.verdict import Verdict, verdict_of
 from .record.control import perturb
 from .record.recorder import GradProbe
+from .record.shards import LocalShards, megatron_shards
 from .store.names import layer_offset
 from .store.replicas import replica_disagreements
 from .store.restarts import segments
@@ -19,4 +20,5 @@ from .store.store import GradStoreError
 
 __all__ = ["GradProbe", "open_grads", "compare_grads", "first_divergence", "perturb",
            "GradComparator", "GradCompareError", "GradStoreError", "suspects", "segments",
-           "layer_offset", "replica_disagreements", "Verdict", "verdict_of"]
+           "layer_offset", "replica_disagreements", "Verdict", "verdict_of", "LocalShards",
+           "megatron_shards"]

@@ -1,6 +1,7 @@
 """torchrun with gloo, 2 ranks: replicas checked against each other with no reference run (DDP,
-tensor parallel under sequence parallelism, tied weights across pipeline stages), and sharded
-or staged runs compared with a one-process reference by logical name and full shape.
+tensor parallel under sequence parallelism, tied weights across pipeline stages, Megatron-style
+plain shards declared by ``shards=``), and sharded or staged runs compared with a one-process
+reference by logical name and full shape.
 
 One torchrun runs every layout of ``tests/_replica_layouts.py`` (module fixture); each test
 reads its stores."""
@@ -16,7 +17,8 @@ from probekit.grads import compare_grads, open_grads, replica_disagreements
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(HERE, "_replica_layouts.py")
-LAYOUTS = ("ddp_bad", "tp", "tp_bad", "pp", "pp_bad", "copies")
+LAYOUTS = ("ddp_bad", "tp", "tp_bad", "pp", "pp_bad", "copies", "mtp", "mtp_bad",
+           "mtp_errors")
 
 
 def _free_port():
@@ -165,3 +167,62 @@ def test_cli_says_the_replica_check(runs, capsys):
     assert capsys.readouterr().out.splitlines()[0] == (
         "the second run: replicas of `final_norm.weight` disagree from step 0 (tp ranks 0/1: "
         "gradients)")
+
+
+@pytest.mark.slow
+def test_plain_megatron_shards_declared_pair_and_are_checked(runs):
+    """Megatron's tensor parallelism keeps plain tensors (a column-parallel ``fc``'s rows, a
+    row-parallel ``proj``'s columns, marked ``tensor_model_parallel``/``partition_dim``; the
+    input projection and norm plain copies). ``shards=megatron_shards(model, group)`` declares
+    them: each rank records its block, rank 0 the replicated ones, and the run assembles into
+    the one-process model's full parameters (equal to it); the replicated copies are checked:
+    with the input's gradient no longer all-reduced over TP from step 1 (``mtp_bad``), the
+    parameters below ``fc`` disagree from step 1, and nothing else."""
+    import json
+
+    out, log = runs
+    ds = open_grads(out / "mtp")
+    assert ds["param"].values.tolist() == ["inp.weight", "inp.bias", "norm.weight",
+                                           "fc.weight", "fc.bias", "proj.weight", "proj.bias"]
+    cmp = compare_grads(out / "mtp_single", out / "mtp", progress=False)
+    assert cmp["param"].values.tolist() == ds["param"].values.tolist()
+    assert np.all(cmp["similarity"].values == 1.0)
+    np.testing.assert_allclose(ds["norm"].values, open_grads(out / "mtp_single")["norm"].values,
+                               rtol=1e-6)
+    # rank 1 recorded only its blocks of the sharded parameters, with their places
+    r1 = open_grads(out / "mtp", rank=1, shards=True)
+    assert r1["param"].values.tolist() == ["fc.weight", "fc.bias", "proj.weight"]
+    places = json.loads(r1.attrs["placement"]) if isinstance(r1.attrs["placement"], str) \
+        else r1.attrs["placement"]
+    assert [(p["global_shape"], p["offset"], p["local_shape"], p["placements"], p["mesh_dims"])
+            for p in places] == [([16, 8], [8, 0], [8, 8], ["S(0)"], ["tp"]),
+                                 ([16], [8], [8], ["S(0)"], ["tp"]),
+                                 ([8, 16], [0, 8], [8, 8], ["S(1)"], ["tp"])]
+    assert replica_disagreements(out / "mtp").empty
+    table = replica_disagreements(out / "mtp_bad")
+    assert table.to_dict("records") == [
+        {"param": p, "first_step": 1, "last_step": 3, "steps": 3, "what": "gradients",
+         "group": "tp", "ranks": (0, 1)} for p in ("inp.bias", "inp.weight", "norm.weight")]
+    assert ("replicas of `inp.bias` disagree from step 1 (tp ranks 0/1: gradients); ... and 2 "
+            "more parameters whose replicas disagree") in log
+
+
+@pytest.mark.slow
+def test_bad_shard_declarations_say_what_is_wrong(runs):
+    import json
+
+    out, _ = runs
+    with open(out / "mtp_errors" / "errors.json") as fh:
+        errors = json.load(fh)
+    assert errors == {
+        "unknown": "ConfigError: GradProbe(shards=): ['fc.wieght'] not found in the model; "
+                   "accepted: names from model.named_parameters() (e.g. fc.bias, fc.weight, "
+                   "inp.bias, inp.weight, norm.weight, proj.bias, proj.weight)",
+        "dim": "ConfigError: GradProbe(shards=): Shard(1) is not valid for 'fc.bias', of shape "
+               "[8]; accepted: Shard(0) to Shard(0) or Replicate()",
+        "partial": "ConfigError: GradProbe(shards=): 'fc.weight' -> Partial(sum) is not valid; "
+                   "accepted: Shard(dim) or Replicate(), one per dimension of the mesh (1)",
+        "type": "TypeError: GradProbe(shards=): dict is not valid; accepted: "
+                "probekit.grads.LocalShards (or megatron_shards(model)), or None",
+        "stride": "ValueError: megatron_shards: 'fc.weight' is partitioned with stride 2, not a "
+                  "block of the whole parameter; accepted: partition_stride 1"}

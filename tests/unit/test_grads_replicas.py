@@ -117,6 +117,58 @@ def test_sample_hash_is_exact_and_sees_any_sampled_change():
         h([t[0], torch.randn(999), t[2]])
 
 
+def _hash_by_hand(t: torch.Tensor, sample: int = 256) -> int:
+    """The sample hash in Python integers: the sampled elements' bits as signed integers of
+    their width, times 2j + 1, summed modulo 2^64, as a signed int64."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    flat = t.detach().reshape(-1)
+    stride = max(1, flat.numel() // sample)
+    xs = flat[::stride][:sample].contiguous().view(ints[t.element_size()]).tolist()
+    total = sum(x * (2 * j + 1) for j, x in enumerate(xs)) % 2 ** 64
+    return total - 2 ** 64 if total >= 2 ** 63 else total
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+def test_sample_hash_kernel_and_numpy_give_the_same_exact_values(path):
+    """The compiled kernel hashes every contiguous CPU tensor in one call; numpy hashes the
+    rest (non-contiguous ones) and everything where the kernel is not built: the same exact
+    value as the definition, for every width, size and layout."""
+    from probekit.grads.numerics import kernel
+
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(300, 700, generator=gen) * 1e3
+    tensors = [big, torch.randn(257, generator=gen).to(torch.bfloat16),
+               torch.randn(1000, generator=gen, dtype=torch.float64),
+               torch.randn(5, generator=gen).to(torch.float16), big.t(),  # not contiguous
+               torch.nn.Parameter(torch.randn(33, 9, generator=gen)),    # requires grad
+               torch.randint(-128, 127, (600,), generator=gen, dtype=torch.int8), None,
+               torch.empty(0)]
+    numels = [0 if t is None else t.numel() for t in tensors]
+    want = [0 if t is None else _hash_by_hand(t) for t in tensors]
+    before = kernel.path
+    try:
+        if path == "numpy":
+            kernel.set_path("numpy")
+        elif kernel.path == "numpy":
+            pytest.skip("the compiled kernel is not built here")
+        else:  # the kernel itself: every tensor by address, in one call
+            flat = [big, tensors[1], tensors[2]]
+            out = np.zeros(3, np.int64)
+            assert kernel.sample_hash(
+                np.array([t.data_ptr() for t in flat], np.int64),
+                np.array([max(1, t.numel() // 256) for t in flat], np.int64),
+                np.array([min(256, t.numel()) for t in flat], np.int64),
+                np.array([t.element_size() for t in flat], np.int32), out)
+            assert out.tolist() == want[:3]
+        assert SampleHash(numels)(tensors).tolist() == want
+        # a tensor of another size than the check planned is an error on either path
+        with pytest.raises(ValueError, match="tensor 0 has 209999 elements, the check "
+                                             "started with 210000"):
+            SampleHash(numels)([big.reshape(-1)[1:], *tensors[1:]])
+    finally:
+        kernel.set_path(before)
+
+
 def test_merge_keeps_each_optimizers_replica_codes():
     layout = Layout(("a", "b"), (1, 1), ((1,), (1,)))
 
@@ -247,3 +299,18 @@ def test_a_rank_with_no_counterpart_is_named(caplog):
     assert "unpaired_first" not in res.attrs and "unpaired_second" not in res.attrs
     res = compare_grads(a, {0: a, 1: a, 3: a}, ranks=[1])
     assert res["rank"].values.tolist() == [1]
+
+
+def test_megatron_shards_without_a_group_needs_megatron():
+    """``group=None`` means Megatron's tensor-parallel group; where megatron.core is not
+    importable (this venv) that is a clear error naming what to pass instead."""
+    import importlib.util
+
+    from probekit.grads import megatron_shards
+
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron.core is importable here")
+    with pytest.raises(ValueError, match="group=None takes Megatron's TP group, and "
+                                         "megatron.core is not importable here; accepted: "
+                                         "the tensor-parallel process group"):
+        megatron_shards(torch.nn.Linear(2, 2))

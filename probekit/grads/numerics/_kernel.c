@@ -789,6 +789,38 @@ void pk_count_runs(const int64_t *ta, const int64_t *tb, const int64_t *rs, int6
     }
 }
 
+/* ------------------------------------------------------------------ replica check: sample hash
+ *
+ * pk_sample_hash: per tensor i (contiguous memory at addr[i]; 0: no tensor, hash 0), the
+ * elements at j * stride[i] for j < count[i], each read as the signed integer of width[i]
+ * bytes (1, 2, 4 or 8) that holds its bits, sign-extended to 64 bits, times the odd weight
+ * 2j + 1, summed modulo 2^64 (unsigned arithmetic: the wrap is defined). The same value as
+ * probekit/grads/record/replicas.py's numpy path (int64 products and sums, wrapping), tested
+ * against it. One call for every tensor of a step: no Python work per tensor but its address. */
+#define PK_SAMPLE_LOOP(T)                                                                     \
+    {                                                                                         \
+        const T *x = (const T *)(intptr_t)addr[i];                                            \
+        for (int64_t j = 0; j < c; j++)                                                       \
+            h += (uint64_t)(int64_t)x[j * s] * (uint64_t)(2 * j + 1);                         \
+        break;                                                                                \
+    }
+
+void pk_sample_hash(const int64_t *addr, const int64_t *stride, const int64_t *count,
+                    const int32_t *width, int64_t n, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t h = 0;
+        const int64_t s = stride[i], c = addr[i] ? count[i] : 0;
+        switch (c ? width[i] : 0) {
+        case 1: PK_SAMPLE_LOOP(int8_t)
+        case 2: PK_SAMPLE_LOOP(int16_t)
+        case 4: PK_SAMPLE_LOOP(int32_t)
+        case 8: PK_SAMPLE_LOOP(int64_t)
+        default: break;
+        }
+        out[i] = (int64_t)h;
+    }
+}
+
 static struct PyModuleDef pk_module = {PyModuleDef_HEAD_INIT, "_kernel",
                                        "probekit's fused gradient-statistics kernel (ctypes)",
                                        -1, NULL, NULL, NULL, NULL, NULL};

@@ -10,6 +10,8 @@ Functions on a contiguous 1-D float32 or float64 numpy array (a chunk of a gradi
   of ``a <= b`` for each bound, then of zeros, then of NaNs (else None);
 * ``chunk(...)``: both in one read, the significance bits against a provisional threshold and
   the elements near it listed; ``fix(...)`` sets the listed bits again against the real one;
+* ``sample_hash(...)``: the replica check's exact hash of a strided sample of many tensors at
+  once (C only: the numpy twin is ``record/replicas.SampleHash``'s own path);
 * ``count_runs(...)``: the comparison's counts (bits that differ between two runs, and with
   significance bits those differing and significant in both, and those significant in both)
   over run sets of bits at any offsets (``geometry.py``).
@@ -73,6 +75,8 @@ def _load():
                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
                                   ctypes.c_void_p, ctypes.c_int64]
     lib.pk_count_runs.restype = None
+    lib.pk_sample_hash.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
+    lib.pk_sample_hash.restype = None
     lib.pk_set_path.argtypes = [ctypes.c_int32]
     lib.pk_set_path.restype = ctypes.c_int32
     _lib = lib
@@ -120,6 +124,20 @@ def chunk_stats(a: np.ndarray, thr: float, signs, sig, bounds: np.ndarray,
                    len(bounds), _ptr(counts), int(want_counts))
         return float(total), counts
     return _stats_numpy(a, thr, signs, sig, bounds, want_counts)
+
+
+def sample_hash(addr: np.ndarray, stride: np.ndarray, count: np.ndarray, width: np.ndarray,
+                out: np.ndarray) -> bool:
+    """The replica check's sample hash (``record/replicas.SampleHash``) of every tensor at once:
+    per tensor at address ``addr[i]`` (contiguous memory; 0: none), its ``count[i]`` elements
+    ``stride[i]`` apart read as signed integers of ``width[i]`` bytes, times ``2j + 1``, summed
+    in int64 (wrapping) into ``out``. int64 arrays (``width`` int32). False, and ``out``
+    untouched, on the numpy path: the caller hashes with numpy (the same values)."""
+    if path == "numpy":
+        return False
+    _lib.pk_sample_hash(_ptr(addr), _ptr(stride), _ptr(count), _ptr(width), len(addr),
+                        _ptr(out))
+    return True
 
 
 BAND = 4.0  # chunk(): elements within this factor of the provisional threshold are listed

@@ -25,23 +25,50 @@ def is_dtensor(t) -> bool:
 def dtensor_placement(t) -> dict | None:
     """Where this rank's shard of DTensor ``t`` lies; None for a placement that is not a plain
     block (``Partial``, ``_StridedShard``...): such a tensor is gathered whole instead."""
+    return block_placement(t.shape, t.device_mesh, t.placements)
+
+
+def block_placement(shape, mesh, placements) -> dict | None:
+    """Where this rank's block of a tensor of global ``shape`` placed by ``placements`` over
+    ``mesh`` lies (``dtensor_placement``'s dict); None when a placement is not ``Shard`` or
+    ``Replicate``, or this rank is not on the mesh."""
     from torch.distributed.tensor import Replicate, Shard
 
-    places = tuple(t.placements)
+    places = tuple(placements)
     if any(type(p) not in (Shard, Replicate) for p in places):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    mesh = t.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is outside the tensor's mesh: it holds nothing of it
         return None
-    local_shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, places)
-    return {"global_shape": [int(x) for x in t.shape], "offset": [int(x) for x in offset],
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, places)
+    return {"global_shape": [int(x) for x in shape], "offset": [int(x) for x in offset],
             "local_shape": [int(x) for x in local_shape],
             "mesh_shape": [int(x) for x in mesh.shape], "mesh_coord": [int(x) for x in coord],
             "mesh_dims": list(mesh.mesh_dim_names or ()),
             "placements": [_name(p) for p in places]}
+
+
+def local_placement(t, mesh, placements, name: str = "") -> dict:
+    """Where plain tensor ``t``, this rank's piece of a parameter declared ``placements`` over
+    ``mesh`` (``shards.LocalShards``), lies: ``dtensor_placement``'s dict, the whole shape being
+    the local one times the mesh size along each sharded dimension (pieces of equal size). A
+    piece that is not such a block is a ``ValueError`` naming ``name``."""
+    shape = list(t.shape)
+    for d, p in enumerate(placements):
+        if hasattr(p, "dim"):
+            if not 0 <= p.dim < len(shape):
+                raise ValueError(f"GradProbe(shards=): Shard({p.dim}) is not valid for "
+                                 f"{name!r}, of shape {list(t.shape)}; accepted: Shard(0) to "
+                                 f"Shard({len(shape) - 1}) or Replicate()")
+            shape[p.dim] *= int(mesh.shape[d])
+    place = block_placement(shape, mesh, placements)
+    if place is None or place["local_shape"] != [int(x) for x in t.shape]:
+        raise ValueError(f"GradProbe(shards=): {name!r} holds {list(t.shape)} here, not a block "
+                         f"of {shape} placed {[_name(p) for p in placements]} on a mesh of "
+                         f"shape {list(mesh.shape)}; accepted: pieces of equal size")
+    return place
 
 
 def _name(p) -> str:
@@ -78,11 +105,12 @@ def ddp_first_rank(model) -> bool | None:
     return dist.get_rank(model.process_group) == 0
 
 
-def amax_reducer(params, places):
+def amax_reducer(params, places, meshes=None):
     """A function from this rank's largest finite ``|x|`` of each recorded gradient (a float64
     tensor, one per parameter of ``params``) to the whole gradients' (for the significance
     threshold ``eps(dtype) * max|x|`` of a shard, ``stats.compute(reduce_amax=)``, so
-    shard-local bits equal a single process's); None when no parameter is sharded.
+    shard-local bits equal a single process's); None when no parameter is sharded. ``meshes``:
+    each parameter's mesh (default: its DTensor's; a declared plain shard's, ``shards.py``).
 
     One MAX all-reduce per mesh group the shards are spread over (the ranks of the mesh
     dimensions they are sharded on: FSDP2's shard group, a TP group; one group for a 1-D
@@ -97,7 +125,8 @@ def amax_reducer(params, places):
         if pl is None or not any(x != "R" for x in pl["placements"]):
             continue
         dims = tuple(d for d, x in enumerate(pl["placements"]) if x != "R")
-        mesh = p.device_mesh  # each fully_shard call may build its own mesh of the same ranks
+        # each fully_shard call may build its own mesh of the same ranks
+        mesh = meshes[i] if meshes is not None else p.device_mesh
         key = (mesh.device_type, str(mesh.mesh.tolist()), dims)
         groups.setdefault(key, (mesh, dims, []))[2].append(i)
     if not groups:

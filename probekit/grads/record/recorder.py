@@ -28,7 +28,8 @@ from ...log import Once, ensure_handler, get_logger
 from ..numerics import stats as _stats
 from ..store.names import canonical_names, check_rename, renamed
 from .placement import (
-    amax_reducer, ddp_first_rank, dtensor_placement, first_replica, is_dtensor, local_grad)
+    amax_reducer, ddp_first_rank, dtensor_placement, first_replica, is_dtensor, local_grad,
+    local_placement)
 from .rawgrads import BackwardTap
 from .replicas import local_tensor
 from ..store.restarts import plan_run
@@ -75,7 +76,10 @@ class GradProbe:
     Distributed runs write one copy of every gradient: under DTensor sharding (FSDP2, tensor
     parallel, HSDP) each rank records its own shard with its placement, no gather, and
     ``open_grads`` assembles full parameters; under DDP the first rank of the group records.
-    A ``rank`` filter, when given, selects the recording ranks as in msprobe.
+    A ``rank`` filter, when given, selects the recording ranks as in msprobe. ``shards``: where
+    the plain local pieces of a layout that keeps them as plain tensors lie
+    (``LocalShards(mesh, {name: Shard(0)})``; Megatron's tensor parallelism:
+    ``megatron_shards(model)``; ``shards.py``): recorded and checked as DTensor shards are.
 
     Restarts: a run into a store that holds steps continues it. Its first step is
     ``start_step`` when given, else the optimizer's own step count (Adam, AdamW, RMSprop...
@@ -95,7 +99,7 @@ class GradProbe:
 
     def __init__(self, model: torch.nn.Module, optimizer=None, *, config=None, scaler=None,
                  storage_options: dict | None = None, control=None, control_seed=None,
-                 rename=None, **options):
+                 rename=None, shards=None, **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: {type(model).__name__} is not valid; accepted: a "
                             "torch.nn.Module")
@@ -111,6 +115,13 @@ class GradProbe:
         self.storage_options = dict(storage_options or {})
         self._rename_arg = rename
         self._rename = check_rename(rename, "GradProbe(rename=)")
+        from .shards import LocalShards
+
+        if shards is not None and not isinstance(shards, LocalShards):
+            raise TypeError(f"GradProbe(shards=): {type(shards).__name__} is not valid; "
+                            "accepted: probekit.grads.LocalShards (or megatron_shards(model)), "
+                            "or None")
+        self._shards = shards
         self._control = None
         section = self.config.grad_probe
         if section.control is not None:
@@ -157,6 +168,8 @@ class GradProbe:
     def _select_params(self) -> None:
         section = self.config.grad_probe
         named = list(self.model.named_parameters())
+        # plain local pieces declared as blocks (``shards.py``): {id: (mesh, placements)}
+        self._declared = {} if self._shards is None else self._shards.resolve(named)
         clean = canonical_names(n for n, _ in named)
         if self._rename is not None:  # the logical names: a pipeline stage's global ones
             self._check_rename_keys(named, clean)
@@ -200,7 +213,8 @@ class GradProbe:
         # a shard's significance threshold is the whole gradient's: one MAX all-reduce per
         # step and mesh group, among the ranks recording the shards (all of them, unless a
         # rank filter leaves some out: then each shard's threshold is its own)
-        self._reduce_amax = (amax_reducer(self._params, self._placement)
+        self._reduce_amax = (amax_reducer(self._params, self._placement,
+                                          [self._mesh_of(p) for p in self._params])
                              if self._sharded and self._all_ranks_record() else None)
         local = (self._placement or [None] * len(named))
         numels = tuple(int(torch.Size(pl["local_shape"]).numel()) if pl else p.numel()
@@ -231,14 +245,33 @@ class GradProbe:
         table = {raw.get(k, k): v for k, v in self._rename_arg.items()}
         self._rename = check_rename(table)
 
+    def _place_of(self, p, name: str = "") -> dict | None:
+        """Where this rank's piece of ``p`` lies (``placement.dtensor_placement``'s dict): a
+        DTensor's shard, a plain piece declared by ``shards=``; None otherwise."""
+        if is_dtensor(p):
+            return dtensor_placement(p)
+        got = self._declared.get(id(p))
+        if got is None:
+            return None
+        try:
+            return local_placement(p, *got, name=name)
+        except ValueError as exc:
+            raise ConfigError(str(exc), key="shards", value=name,
+                              accepted="pieces of equal size") from None
+
+    def _mesh_of(self, p):
+        """The mesh of ``p``'s placement: its DTensor's, or the one ``shards=`` declared."""
+        got = self._declared.get(id(p))
+        return got[0] if got is not None else getattr(p, "device_mesh", None)
+
     def _describe(self, named) -> dict:
         """What every rank of the run records, computed alike on each (the layout key of
         ``restarts.py``): the options that shape the store and every monitored parameter's
         global shape and placement, not this rank's shards."""
         section = self.config.grad_probe
         params = []
-        for c, _, p in named:
-            place = dtensor_placement(p) if is_dtensor(p) else None
+        for c, n, p in named:
+            place = self._place_of(p, n)
             params.append([c, [int(x) for x in p.shape], None if place is None else
                            {"mesh": place["mesh_shape"], "placements": place["placements"]}])
         return {"level": section.grad_level, "bounds": list(section.bounds),
@@ -259,9 +292,9 @@ class GradProbe:
         """(the parameters this rank records, their placements or None when no parameter is a
         DTensor): under DTensor sharding each rank records its own shard, and of a replicated
         shard only the first replica (``placement.py``), unless a ``rank`` filter is given."""
-        if not any(is_dtensor(p) for _, _, p in named):
+        if not any(is_dtensor(p) or id(p) in self._declared for _, _, p in named):
             return named, None
-        places = [dtensor_placement(p) if is_dtensor(p) else None for _, _, p in named]
+        places = [self._place_of(p, n) for _, n, p in named]
         keep = [i for i, pl in enumerate(places)
                 if pl is None or self.config.rank or first_replica(pl)]
         if len(keep) < len(named):
@@ -283,8 +316,9 @@ class GradProbe:
 
         section = self.config.grad_probe
         own = layout_key(self._layout_desc)
-        places = [dtensor_placement(p) if is_dtensor(p) else None for _, _, p in self._monitored]
-        mine = (rep.pieces(self.model, self._monitored, places, section.tied)
+        places = [self._place_of(p, n) for _, n, p in self._monitored]
+        mine = (rep.pieces(self.model, self._monitored, places, section.tied,
+                           [self._mesh_of(p) for _, _, p in self._monitored])
                 if section.check_replicas else [])
         table = rep.table(mine, self._monitored, section.tied, section.check_replicas,
                           layout=own)
@@ -303,6 +337,8 @@ class GradProbe:
             rec = {id(p): i for i, p in enumerate(self._params)}
             self._piece_rec = np.array([rec.get(id(p), -1) for p in self._replicas.params],
                                        np.int64)
+            held = self._piece_rec >= 0  # the pieces recorded here, and where
+            self._piece_at = (held, np.where(held, self._piece_rec, 0))
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -719,22 +755,20 @@ class GradProbe:
         ``replica_gap``). The gradients' max and min come from ``stats`` where it holds them
         (``grad_point="step"``, taken at this step: ``live``)."""
         check = self._replicas
-        grads = []
-        for p in check.params:
-            g = self._grad_of(p)
-            if g is not None and is_dtensor(g):
-                g = (local_tensor(g) if tuple(g.placements) == tuple(p.placements)
-                     else "partial")
-            grads.append(g)
+        grads = [self._grad_of(p) for p in check.params]
+        if check.has_dtensors:  # a DTensor's gradient: its local tensor, or still pending
+            grads = [(local_tensor(g) if tuple(g.placements) == tuple(p.placements)
+                      else "partial") if g is not None and is_dtensor(g) else g
+                     for g, p in zip(grads, check.params)]
         rec = self._piece_rec
         known = None
         if stats is not None and self.config.grad_probe.grad_point == "step" and rec.size:
-            held = rec >= 0
-            at = np.where(held, rec, 0)
+            held, at = self._piece_at
             took = np.zeros(len(self._params), bool)
             took[list(live)] = True
-            have = held & took[at] & np.asarray(stats.present, bool)[at] & np.array(
-                [not isinstance(g, str) for g in grads], bool)
+            have = held & took[at] & np.asarray(stats.present, bool)[at]
+            if check.has_dtensors:
+                have &= np.array([not isinstance(g, str) for g in grads], bool)
             known = (have, np.asarray(stats.max)[at], np.asarray(stats.min)[at])
         got = check.run(optimizer, grads, known)
         if stats is None:

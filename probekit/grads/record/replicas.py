@@ -93,9 +93,12 @@ class SampleHash:
     """An exact, order-independent hash of a fixed sample of each of a list of tensors: the
     elements at ``SAMPLE`` evenly strided positions (all of a smaller tensor), their bit
     patterns as integers times odd weights ``2j + 1``, summed in int64 (wrapping): any change
-    of a sampled element changes it. CPU tensors: numpy views of the samples (cached for a
-    tensor whose memory stays put, as a parameter's), one concatenation and one segmented
-    sum per element width; accelerator tensors: the same in torch on their device."""
+    of a sampled element changes it. Contiguous CPU tensors: every one in a single call of the
+    compiled kernel (``kernel.sample_hash``: their addresses, the strides and counts planned
+    here once), no other Python work per tensor. Where the kernel is not built, and for other
+    CPU tensors: numpy views of the samples (cached for a tensor whose memory stays put, as a
+    parameter's), one concatenation and one segmented sum per element width; accelerator
+    tensors: the same in torch on their device. All give the same values."""
 
     def __init__(self, numels, keep=()) -> None:
         self.numels = [int(n) for n in numels]
@@ -105,6 +108,8 @@ class SampleHash:
         self._weights = np.arange(SAMPLE, dtype=np.int64) * 2 + 1
         self._views: dict = {}  # i -> (data_ptr, numpy view of the sample)
         self._plans: dict = {}
+        self._c_stride = np.array(self.strides, np.int64)
+        self._c_count = np.array(self.counts, np.int64)
 
     def _sample(self, i: int, t: torch.Tensor) -> torch.Tensor:
         flat = t.detach().reshape(-1)
@@ -129,13 +134,37 @@ class SampleHash:
     def __call__(self, tensors) -> np.ndarray:
         """int64 hashes, one per tensor; 0 where a tensor is None. The tensors of ``keep``
         (positions given at construction) keep their memory from call to call (parameters):
-        their sample views are reused."""
-        out = np.zeros(len(tensors), np.int64)
-        host: dict = {}
-        device: dict = {}
+        their sample views are reused on the numpy path."""
+        from ..numerics import kernel
+
+        n = len(tensors)
+        out = np.zeros(n, np.int64)
+        addr, width, rest = [], [], []
         for i, t in enumerate(tensors):
             if t is None or self.counts[i] == 0:
-                continue
+                addr.append(0)
+                width.append(0)
+            elif (t.is_cpu and t.is_contiguous() and t.numel() == self.numels[i]
+                  and t.element_size() in _INTS):
+                addr.append(t.data_ptr())
+                width.append(t.element_size())
+            else:
+                addr.append(0)
+                width.append(0)
+                rest.append(i)
+        if not kernel.sample_hash(np.array(addr, np.int64), self._c_stride, self._c_count,
+                                  np.array(width, np.int32), out):
+            rest = [i for i, t in enumerate(tensors) if t is not None and self.counts[i]]
+        if rest:
+            self._numpy(tensors, rest, out)
+        return out
+
+    def _numpy(self, tensors, which, out) -> None:
+        """The hashes of the tensors at positions ``which`` into ``out``, without the kernel."""
+        host: dict = {}
+        device: dict = {}
+        for i in which:
+            t = tensors[i]
             if t.device.type == "cpu":
                 v = self._host(i, t, i in self.keep)
                 host.setdefault(v.dtype, []).append((i, v))
@@ -165,7 +194,6 @@ class SampleHash:
             x = torch.cat([s for _, s in items]).to(torch.int64) * w
             sums = torch.zeros(len(idx), dtype=torch.int64, device=dev).index_add_(0, seg, x)
             out[list(idx)] = sums.cpu().numpy()
-        return out
 
 
 # -- which pieces are replicated --------------------------------------------------------------
@@ -202,12 +230,14 @@ def _ddp_ranks(model) -> list | None:
     return ranks if len(ranks) > 1 else None
 
 
-def pieces(model, named, places, tied=()) -> list:
+def pieces(model, named, places, tied=(), meshes=None) -> list:
     """The replicated pieces this rank holds, in the order of ``named`` ([(canonical name,
     recorded name, parameter)]; ``places``: each one's ``placement.dtensor_placement`` or
-    None): [{"index", "key", "label", "name", "gshape"}]. A piece is replicated when the model
-    is wrapped in DDP (over its process group), when it is a DTensor ``Replicate`` over a mesh
-    dimension of size > 1 (over those coordinates), or when ``tied`` names it (wherever held)."""
+    None; ``meshes``: each one's mesh, default its DTensor's): [{"index", "key", "label",
+    "name", "gshape"}]. A piece is replicated when the model is wrapped in DDP (over its process
+    group), when it is ``Replicate`` over a mesh dimension of size > 1 (a DTensor, or a plain
+    shard declared so: ``shards.py``; over those coordinates), or when ``tied`` names it
+    (wherever held)."""
     canonical = {}
     for c, n, _ in named:
         canonical[c] = c
@@ -230,7 +260,7 @@ def pieces(model, named, places, tied=()) -> list:
                         "gshape": list(gshape)})
             continue
         if place is not None:
-            ranks = _mesh_group(place, p.device_mesh)
+            ranks = _mesh_group(place, meshes[i] if meshes is not None else p.device_mesh)
             if ranks is None:
                 continue
             dims = [d for d, x in enumerate(place["placements"]) if x == "R"
@@ -334,6 +364,7 @@ class ReplicaCheck:
         # per key its members' rows; per replicated piece of this rank, those rows one after
         # the other (``idx``, ``piece``: which piece, ``piece_starts``): one vectorised compare
         self.start = np.searchsorted(self.m_key, np.arange(len(self.keys) + 1))
+        self._firsts = self.start[self.m_key]  # each member's key's first member
         self.mine = np.flatnonzero(self.my_key >= 0)
         lo, hi = self.start[self.my_key[self.mine]], self.start[self.my_key[self.mine] + 1]
         lens = hi - lo
@@ -353,6 +384,10 @@ class ReplicaCheck:
         self.group = None
         self.first: dict = {}  # key index -> its first disagreement (``events``)
         self.pending: dict = {}  # the last run's disagreements, until ``note(step)``
+        # per step: the digest row, the all-gather's buffers (made at the first run)
+        self._row = np.zeros((max(1, self.slots), DIGEST), np.int64)
+        self._comm = None
+        self.has_dtensors = any(self._dtensor)
 
     @property
     def active(self) -> bool:
@@ -419,49 +454,74 @@ class ReplicaCheck:
 
         n = len(self.entries)
         mask = self.owned(optimizer)
-        local = [g if mask[k] and not isinstance(g, str) else None
-                 for k, g in enumerate(grads)]
+        every = bool(mask.all())  # this optimizer steps every piece: no per-piece masking
+        if every:
+            local = [None if isinstance(g, str) else g for g in grads]
+        else:
+            on = mask.tolist()
+            local = [g if on[k] and not isinstance(g, str) else None
+                     for k, g in enumerate(grads)]
+        present = np.fromiter((g is not None for g in local), bool, n)
         ext = np.full((n, 2), np.nan)
         have = np.zeros(n, bool)
         if known is not None:
             have, mx, mn = known
             ext[have, 0], ext[have, 1] = mx[have], mn[have]
-        todo = [k for k, g in enumerate(local) if g is not None and not have[k] and g.numel()]
+        todo = np.flatnonzero(present & ~have).tolist()
+        todo = [k for k in todo if local[k].numel()]
         if todo:  # the pieces this rank does not record: one pass each, on their device
             mm = torch.stack([torch.stack(torch.aminmax(local[k].detach())).double()
                               for k in todo]).cpu().numpy()
             ext[todo] = mm[:, ::-1]  # aminmax gives (min, max)
-        vals = [(local_tensor(p) if dt else p) if on else None
-                for p, dt, on in zip(self.params, self._dtensor, mask)]
-        flags = np.where(mask, _CHECKED, 0) | np.array(
-            [_GRAD if g is not None else 0 for g in local], np.int64).reshape(n)
+        if every and not self.has_dtensors:
+            vals = self.params  # plain parameters: their own memory
+        else:
+            vals = [(local_tensor(p) if dt else p) if on else None
+                    for p, dt, on in zip(self.params, self._dtensor, mask.tolist())]
+        flags = np.where(mask, _CHECKED, 0) | np.where(present, _GRAD, 0)
         ext = ext + 0.0  # -0.0 -> 0.0
         ext[np.isnan(ext)] = np.nan  # one NaN
-        row = np.zeros((max(1, self.slots), DIGEST), np.int64)
+        row = self._row
         row[:n, 0] = flags
         row[:n, 1:3] = ext.view(np.int64)
-        hashes = self.hash(local + vals)
+        hashes = self.hash(local + list(vals))
         row[:n, 3] = hashes[:n]
         row[:n, 4] = hashes[n:]
         if self.world > 1:
-            device = _comm_device()
-            size = len(self.members)
-            send = torch.from_numpy(row).to(device)
-            recv = torch.empty((size * row.shape[0], DIGEST), dtype=torch.int64, device=device)
-            dist.all_gather_into_tensor(recv, send, group=self.group)
-            got = recv.cpu().numpy().reshape(size, row.shape[0], DIGEST)
-            table = np.zeros((self.world, row.shape[0], DIGEST), np.int64)
-            table[self.members] = got
+            if self._comm is None:  # the buffers of the all-gather, once
+                device = _comm_device()
+                size = len(self.members)
+                self._comm = (device, torch.empty((size * row.shape[0], DIGEST),
+                                                  dtype=torch.int64, device=device),
+                              torch.from_numpy(row) if device.type == "cpu" else None,
+                              np.zeros((self.world, row.shape[0], DIGEST), np.int64))
+            device, recv, send, table = self._comm
+            send = send if send is not None else torch.from_numpy(row).to(device)
+            _all_gather(recv, send, group=self.group)
+            table[self.members] = recv.cpu().numpy().reshape(len(self.members),
+                                                             row.shape[0], DIGEST)
         else:
             table = row[None]
         return self._compare(table, n)
 
     def _compare(self, table: np.ndarray, n: int) -> dict:
         vals = table[self.m_rank, self.m_slot]  # (members, DIGEST)
-        # every key against its first member: what the probe's summary keeps
-        g_diff, p_diff = _differ(vals, vals[self.start[self.m_key]])
-        bad = g_diff | p_diff
+        code = np.zeros(n, np.uint8)
+        other = np.full(n, -1, np.int64)
+        gap = np.full(n, np.nan)
         self.pending = {}
+        if np.array_equal(vals, vals[self._firsts]):
+            # the usual step: every replica's digest equals its key's first's, bit for bit;
+            # what the full comparison below gives then: checked pieces agree, gap 0 where a
+            # gradient was compared
+            flags = table[self.rank, self.mine, 0]
+            checked = (flags & _CHECKED) > 0
+            code[self.mine] = np.where(checked, CHECKED, 0)
+            gap[self.mine] = np.where(checked & ((flags & _GRAD) > 0), 0.0, np.nan)
+            return {"code": code, "other": other, "gap": gap}
+        # every key against its first member: what the probe's summary keeps
+        g_diff, p_diff = _differ(vals, vals[self._firsts])
+        bad = g_diff | p_diff
         if bad.any():  # rare: said once per key (``note``)
             for j in np.unique(self.m_key[bad]):
                 lo, hi = self.start[j], self.start[j + 1]
@@ -471,9 +531,6 @@ class ReplicaCheck:
                                           | (PARAM_DIFFERS if p_diff[lo:hi].any() else 0)),
                     "ranks": [int(self.m_rank[lo]), int(odd[0])]}
         # this rank's pieces against every replica of theirs: what its store keeps
-        code = np.zeros(n, np.uint8)
-        other = np.full(n, -1, np.int64)
-        gap = np.full(n, np.nan)
         if not self.mine.size:
             return {"code": code, "other": other, "gap": gap}
         ref = table[self.rank, self.mine[self.piece]]
@@ -535,11 +592,20 @@ def _gaps(vals, ref, starts) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         scale = np.maximum(np.abs(a), np.abs(b))
         rel = np.where(scale > 0, np.abs(a - b) / np.where(scale > 0, scale, 1.0), 0.0)
-    rel = np.where(np.isnan(a) & np.isnan(b), 0.0, rel)
+    rel = np.where((np.isnan(a) & np.isnan(b)) | (a == b), 0.0, rel)  # inf == inf: no gap
     rel = np.where(np.isnan(rel), np.inf, rel).max(axis=1)
     rel = np.where(ok, rel, -1.0)
     out = np.maximum.reduceat(rel, starts)
     return np.where(out < 0, np.nan, out)
+
+
+def _all_gather(out, inp, group=None) -> None:
+    """One tensor from every rank of ``group`` into ``out`` (``all_gather_single`` where torch
+    has it: its deprecated alias warns at every call)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
 
 
 def _comm_device():
