@@ -461,3 +461,16 @@ def test_scale_headline_prints_the_digits_that_decided_it():
     assert verdict_text(cmp).startswith(
         "beyond rounding noise from step 3 at layer2.weight (gradient norm 1.00002x the "
         "reference's, the fp32 control's 1.000002x;"), verdict_text(cmp)
+
+
+def test_one_step_and_one_parameter_are_said_in_the_singular():
+    """A comparison of one step and one parameter says "1 step", "this 1 step x 1 parameter"."""
+    from probekit.grads.compare.verdict import _rate, _steps
+
+    assert (_steps(1), _steps(2), _steps(0)) == ("1 step", "2 steps", "0 steps")
+    v = {"controls": 1, "steps": 1, "param_count": 1, "alpha": 0.01}
+    assert _rate(v) == (" False-alarm rate at most 1% over this 1 step x 1 parameter, judged "
+                        "with 1 control.")
+    assert _rate({**v, "controls": 2, "steps": 3, "param_count": 4}) == (
+        " False-alarm rate at most 1% over these 3 steps x 4 parameters, judged with 2 "
+        "controls.")

@@ -600,7 +600,7 @@ def verdict_line(cmp, rank=None) -> str:
                     f"({sim} {v['similarity']:.4f})")
         else:
             head = (f"uncalibrated: the fixed threshold flags nothing (lowest {sim} "
-                    f"{v['similarity']:.4f} over {v['steps']} steps)")
+                    f"{v['similarity']:.4f} over {_steps(v['steps'])})")
         return (f"{who}{head}. Without a control run, drift from rounding after step 0 cannot "
                 "be told from a divergence. To calibrate: train the reference's code again "
                 "with GradProbe(model, dump_path=..., control='bf16') (the precision under "
@@ -608,7 +608,7 @@ def verdict_line(cmp, rank=None) -> str:
                 "compare_grads(ref, test, control=that_run) or --control PATH.")
     if v["kind"] == "within":
         what = f"{name} rounding" if name else "rounding at the control's precision"
-        return (f"{who}within what {what} explains over {v['steps']} steps: no "
+        return (f"{who}within what {what} explains over {_steps(v['steps'])}: no "
                 f"parameter departs from the reference further than {ctrl} does "
                 f"(lowest {sim} {_fmt(v['similarity'])}; the control's lowest "
                 f"{_fmt(v['control_similarity'])})." + _rate(v) + _uncontrolled(v))
@@ -633,11 +633,16 @@ def verdict_line(cmp, rank=None) -> str:
         _uncontrolled(v)
 
 
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 def _rate(v) -> str:
     """The false-alarm rate the verdict holds, and over what."""
-    k = v["controls"]
-    return (f" False-alarm rate at most {v['alpha']:.0%} over these {v['steps']} steps x "
-            f"{v['param_count']} parameters, judged with {k} control{'s' * (k != 1)}.")
+    k, n, p = v["controls"], v["steps"], v["param_count"]
+    return (f" False-alarm rate at most {v['alpha']:.0%} over {'this' if n == 1 else 'these'} "
+            f"{_steps(n)} x {p} parameter{'s' * (p != 1)}, judged with {k} "
+            f"control{'s' * (k != 1)}.")
 
 
 def _uncontrolled(v) -> str:
