@@ -101,9 +101,10 @@ def generate(spec: dict):
 
 # -- the one-ulp nudges (probekit.freebench.perturb.perturb's, applied as cause.py applies them)
 def add_noise(t):
-    """Every element with ``|x|`` >= the smallest normal moved one ulp towards +inf."""
+    """Every element with ``|x|`` >= the smallest normal moved one ulp towards +inf (the largest
+    finite value stays: its next value up is Inf, which the input did not have)."""
     c = 1.0 - torch.finfo(t.dtype).eps / 2
-    return torch.fmax(t / c, t * c)
+    return torch.fmax((t / c).clamp_max_(torch.finfo(t.dtype).max), t * c)
 
 
 def flip_last_bit(t):
