@@ -205,3 +205,38 @@ def test_a_cancelled_sum_surfaces_with_the_bits_it_lost(tmp_path):
     fb = probe(tmp_path / "sub", "bit_noise",
                lambda: torch.sub(torch.tensor([1e8 + 64.0]), torch.tensor([1e8])))
     assert rows(fb) == [("Torch.sub.0.forward", "ill-conditioned")]
+
+
+def test_the_underflow_unit_of_each_dtype():
+    """eta = tiny * u: the absolute error one rounding may add below the normal range (Higham,
+    Accuracy and Stability 2.1), half the smallest subnormal of the dtype."""
+    from probekit.freebench.judge import scales
+    assert scales.underflow(2.0 ** -24) == 2.0 ** -150            # float32
+    assert scales.underflow(2.0 ** -8) == 2.0 ** -134             # bfloat16
+    assert scales.underflow(2.0 ** -11) == 2.0 ** -25             # float16
+    assert scales.underflow(2.0 ** -53) == 2.0 ** -1075           # float64
+    # k products accumulated in u_acc (sums of subnormals are exact) and one rounding to u_out
+    assert scales.underflow_floor(49, 2.0 ** -8, 2.0 ** -24) == 49 * 2.0 ** -150 + 2.0 ** -134
+    assert scales.underflow_floor(0, 2.0 ** -24, 2.0 ** -24) == 2 * 2.0 ** -150
+
+
+def test_a_subnormal_result_is_judged_with_the_underflow_floor(tmp_path):
+    """Swin's shifted-window attention: a -100 mask makes exp(-100) = 3.7e-44, subnormal fp32
+    probabilities, and the tokens left unmasked are zero padding, so ``attn @ v`` is a sum of
+    subnormal products. Each product is off by up to 2^-150 absolute however correct the
+    kernel: 100 % of a result near 1e-45. Without the floor the bound ``u |r| + gamma_k S`` was
+    a relative one and the matmul ``inaccurate`` at 6.8e5x (issue 34, class U: 26 rows)."""
+    g = gen()
+    s = torch.randn(2, 3, 49, 49, generator=g)
+    s[..., :25] -= 100.0
+    attn = torch.softmax(s, -1)
+    v = torch.randn(2, 3, 49, 8, generator=g)
+    v[..., 25:, :] = 0
+    tiny = torch.finfo(torch.float32).tiny
+    assert bool(((attn != 0) & (attn < tiny)).any())
+    exact = attn.double() @ v.double()
+    err = ((attn @ v).double() - exact).abs().max().item()
+    assert 0 < err <= 49 * 2.0 ** -150 + 2.0 ** -150      # within the floor, far beyond u |r|
+    fb = probe(tmp_path, "improve_precision", lambda: attn @ v)
+    assert fb.summary["checked"] == 1 and fb.results.empty, fb.results
+
