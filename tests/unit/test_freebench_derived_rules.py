@@ -240,3 +240,34 @@ def test_a_subnormal_result_is_judged_with_the_underflow_floor(tmp_path):
     fb = probe(tmp_path, "improve_precision", lambda: attn @ v)
     assert fb.summary["checked"] == 1 and fb.results.empty, fb.results
 
+
+def test_the_source_coordinate_term_of_a_linear_ramp():
+    """``resample.term``: gamma_3(u_acc) (|x_src| + 1) |dy/dx_src|, per axis. A 1-D linear
+    interpolation of the ramp 0, 1, 2, 3 (slope 1 per pixel) from 4 to 8 samples,
+    align_corners=False: x_src = (dst + 1/2) / 2 - 1/2, clamped at 0 (PyTorch's linear modes)."""
+    from probekit.freebench.judge import resample, scales
+    x = torch.arange(4, dtype=torch.float64).view(1, 1, 4)
+    r = F.interpolate(x, size=8, mode="linear", align_corners=False)
+    a = scales.Args(F.interpolate, "interpolate", (x,), {"size": 8, "mode": "linear"})
+    u = 2.0 ** -24
+    t = resample.term("interpolate", a, [x], r, u)
+    src = ((torch.arange(8, dtype=torch.float64) + 0.5) / 2 - 0.5).clamp_min(0)
+    want = scales.gamma(3, u) * (src + 1)
+    want[7] = 0.0       # x_src = 3.25, past the last pixel: the kernel clamps, the result is flat
+    assert t.shape == r.shape
+    assert torch.allclose(t.view(-1), want, rtol=1e-9, atol=0)
+    # nearest has no slope: no term; a call float64 grid_sample does not reproduce: none either
+    an = scales.Args(F.interpolate, "interpolate", (x,), {"size": 8, "mode": "nearest"})
+    assert resample.term("interpolate", an, [x], r, u) is None
+    assert resample.term("interpolate", a, [x], r + 1.0, u) is None
+
+
+def test_fp32_bicubic_upsampling_is_judged_with_its_source_coordinates(tmp_path):
+    """CrossViT's bicubic interpolate of a 64 px input to 240 px in fp32: the kernel computes
+    the source coordinate scale (dst + 1/2) - 1/2 in fp32, 135 u of max|exact| off, 134.4 of
+    them from the fp32 coordinates alone, where the tensor scale's bound allowed 30 u: it was
+    ``inaccurate`` at 4.5x (issue 34, class I). With the coordinate term: no row."""
+    x = torch.randn(1, 2, 64, 64, generator=gen())
+    fb = probe(tmp_path, "improve_precision",
+               lambda: F.interpolate(x, size=(240, 240), mode="bicubic", align_corners=False))
+    assert fb.summary["checked"] == 1 and fb.results.empty, fb.results

@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from . import handlers, magnitudes, saved, scales
+from . import handlers, magnitudes, resample, saved, scales
 from ..perturb import perturb
 from .metric import CHUNK, _chunks
 
@@ -396,14 +396,23 @@ def _input_terms(func, x64, spec, i, shape) -> torch.Tensor | None:
     return k
 
 
-def forward_bounds(judges: dict, func, x64, spec, r: dict, S: dict) -> dict:
+def forward_bounds(judges: dict, func, x64, spec, r: dict, S: dict, api=None) -> dict:
     """``{output index: B}``: what replaces ``gamma_k S`` in a row's bound where the data say
     more than the worst case (None elsewhere):
 
     * a multilinear call (``Judge.data``): the data-aware bound of its sums, ``u_acc k (|r| / 2
       + beta sqrt(Q))`` (``scales.data_bound``; ``Q`` the call on squared inputs, ``k`` counted
-      per element for an index accumulation), capped at ``gamma_k S``."""
+      per element for an index accumulation), capped at ``gamma_k S``;
+    * a resampling call (``resample.APIS``): ``gamma_k S`` plus its source coordinates' term
+      (``resample.term``)."""
     out = {}
+    if api in resample.APIS and 0 in judges and r.get(0) is not None:
+        args, kwargs = perturb.unflatten(x64, spec)
+        j = judges[0]
+        T = resample.term(api, scales.Args(func, api, args, kwargs), x64, r[0], j.u_acc)
+        if T is not None:
+            g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
+            out[0] = T if S.get(0) is None else T + S[0].to(torch.float64) * g
     data = {i: j for i, j in judges.items() if j.fam == "multilinear" and j.data}
     if data:
         squares = dict(outputs(func, scales.square_leaves(x64), spec, scales.square_kwargs))
@@ -459,7 +468,7 @@ def analyse(func, fresh, spec, items: list, blocks=None, api: str | None = None)
             x64 = [to64(t) for t in x]
             r = dict(outputs(func, x64, spec, compared=True))
             S = forward_magnitudes(judges, api, func, x64, spec, r)
-            B = forward_bounds(judges, func, x64, spec, r, S)
+            B = forward_bounds(judges, func, x64, spec, r, S, api)
             for i, o, _ in items:
                 scores[i].accuracy(original(o), r[i], S[i], B.get(i))
             for noise, first in NUDGES:

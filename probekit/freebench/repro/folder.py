@@ -287,7 +287,7 @@ def magnitudes(c: _Case, leaves, g, judges: dict) -> tuple[dict, dict]:
             with torch.no_grad():
                 r = dict(cause.outputs(c.func, x64, c.spec, compared=True))
                 S = cause.forward_magnitudes(judges, api, c.func, x64, c.spec, r)
-                B = cause.forward_bounds(judges, c.func, x64, c.spec, r, S)
+                B = cause.forward_bounds(judges, c.func, x64, c.spec, r, S, api)
         else:
             case = c.case
             with torch.enable_grad():

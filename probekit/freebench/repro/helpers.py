@@ -17,10 +17,11 @@ come from probekit, ``scales.py`` / ``cause.py``, and are written into the scrip
   element whose exact value is 0, within that rounding, has no bits to lose: issue 34);
 
 ``b`` reads ``S_b`` where probekit wrote one (the data-aware bound of a sum, an element-wise
-function's backward-stable term: issue 34), ``S`` otherwise, plus the bound's absolute floor ``f``
-(the underflow floor: issue 34). Where the call's backward reads its saved forward output
-(``saves_output``), ``accuracy`` is measured against the float64 backward reading the output the
-kernel's own forward gave (the kernel is handed it), ``moved`` and ``lost`` against the exact one;
+function's backward-stable term, a resampling call's source-coordinate term: issue 34), ``S``
+otherwise, plus the bound's absolute floor ``f`` (the underflow floor: issue 34). Where the call's
+backward reads its saved forward output (``saves_output``), ``accuracy`` is measured against the
+float64 backward reading the output the kernel's own forward gave (the kernel is handed it),
+``moved`` and ``lost`` against the exact one;
 
 and the verdict of ``cause.py``: ``inaccurate`` when ``accuracy > 1`` and ``accuracy > blame *
 moved``; ``ill-conditioned`` when ``lost`` exceeds half the dtype's bits (in the accuracy modes
