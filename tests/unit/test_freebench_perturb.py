@@ -432,3 +432,21 @@ def test_a_masks_finfo_min_under_bit_noise_is_no_finding(tmp_path):
         y = x - x.max(dim=-1, keepdim=True).values
     assert y.isfinite().all() and fb.summary["checked"] == 2
     assert fb.results.empty, fb.results
+
+
+def test_a_mask_product_nudged_past_max_is_no_finding(tmp_path):
+    """Longformer builds its sliding-window mask as ``einsum(ones, float_mask)``, the mask
+    holding finfo.min: the result is finfo.min exactly, and bit_noise's ``1 / (1 - u)`` nudge of
+    the ones moves it to ``(1 + 2u) finfo.min``, which fp32 rounds to -inf. That Inf is the
+    range's edge, not a property of the call (issue 34, class O: 12 rows in LED and Longformer
+    once finfo.min itself stayed finite): the comparison counts it as no move."""
+    from probekit import FreeBench
+    lo = torch.finfo(torch.float32).min
+    mask = torch.zeros(2, 8, 1)
+    mask[:, 5:] = lo
+    ones = torch.ones_like(mask)
+    assert torch.einsum("bxd,byd->bxy", perturb.bit_noise(ones), mask).isinf().any()
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        torch.einsum("bxd,byd->bxy", ones, mask)
+    assert fb.summary["checked"] == 1 and fb.results.empty, fb.results
