@@ -271,3 +271,26 @@ def test_fp32_bicubic_upsampling_is_judged_with_its_source_coordinates(tmp_path)
     fb = probe(tmp_path, "improve_precision",
                lambda: F.interpolate(x, size=(240, 240), mode="bicubic", align_corners=False))
     assert fb.summary["checked"] == 1 and fb.results.empty, fb.results
+
+
+def test_a_clamps_bound_is_judged_as_the_kernel_receives_it(tmp_path):
+    """``clamp(x, min=0.001)`` on bf16: PyTorch's type promotion gives the Python number x's
+    dtype in the backward's comparison ``x >= min``, so the kernel's bound is bf16(0.001) =
+    0.00099945068359375, and at x equal to it the gradient passes; float64 on the literal 0.001
+    stopped it, and the row was ``inaccurate`` at 128x (Zamba2's ``clamp(dt, min=dt_limit[0])``:
+    4 rows of the library sweep, issue 34). The reference now takes the bound as received."""
+    from probekit.freebench.judge import cause
+    f = cause.bounds_as_received(lambda x, min=None, max=None: (min, max), "clamp",
+                                 [torch.zeros(1, dtype=bf16)])
+    assert f(None, min=0.001, max=math.inf) == (0.00099945068359375, math.inf)
+    assert cause.bounds_as_received(torch.add, "add", [torch.zeros(1, dtype=bf16)]) is torch.add
+    x = torch.tensor([0.001, 0.002, 0.0005, 0.001] * 8).to(bf16).requires_grad_()
+    torch.clamp(x, min=0.001).backward(torch.ones(32, dtype=bf16))
+    assert x.grad[0].item() == 1.0 and x[0].item() < 0.001       # the kernel passes it
+    for mode in ("improve_precision", "bit_noise"):
+        for name, fn in (("torch", lambda: torch.clamp(x, min=0.001)),
+                         ("tensor", lambda: x.clamp(min=0.001))):
+            fb = probe(tmp_path / f"{mode}{name}", mode,
+                       lambda: fn().backward(torch.full((32,), 1e-8, dtype=bf16)),
+                       fuzz_stage="backward")
+            assert fb.summary["checked"] == 1 and fb.results.empty, (mode, name, fb.results)
