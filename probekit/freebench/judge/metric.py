@@ -100,8 +100,8 @@ def _at_the_edge(oc, pc, big: float):
     class O: Longformer's mask, ``ones @ finfo.min``, nudged to ``(1 + 2u) finfo.min``). The
     move is at most that ulp, far below any threshold; counting it as none keeps the Inf that
     IEEE arithmetic made of it from being a NaN/Inf mismatch. The exact form only (the fast
-    form is inconclusive on an Inf)."""
-    edge = pc.isinf() & (oc.abs() == big) & (pc.sign() == oc.sign())
+    form is inconclusive on an Inf): six kernels (``oc * inf`` is the Inf of ``oc``'s sign)."""
+    edge = (pc == oc * math.inf).logical_and_(oc.abs() == big)
     return torch.where(edge, oc, pc)
 
 
