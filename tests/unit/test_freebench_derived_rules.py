@@ -205,3 +205,92 @@ def test_a_cancelled_sum_surfaces_with_the_bits_it_lost(tmp_path):
     fb = probe(tmp_path / "sub", "bit_noise",
                lambda: torch.sub(torch.tensor([1e8 + 64.0]), torch.tensor([1e8])))
     assert rows(fb) == [("Torch.sub.0.forward", "ill-conditioned")]
+
+
+def test_the_underflow_unit_of_each_dtype():
+    """eta = tiny * u: the absolute error one rounding may add below the normal range (Higham,
+    Accuracy and Stability 2.1), half the smallest subnormal of the dtype."""
+    from probekit.freebench.judge import scales
+    assert scales.underflow(2.0 ** -24) == 2.0 ** -150            # float32
+    assert scales.underflow(2.0 ** -8) == 2.0 ** -134             # bfloat16
+    assert scales.underflow(2.0 ** -11) == 2.0 ** -25             # float16
+    assert scales.underflow(2.0 ** -53) == 2.0 ** -1075           # float64
+    # k products accumulated in u_acc (sums of subnormals are exact) and one rounding to u_out
+    assert scales.underflow_floor(49, 2.0 ** -8, 2.0 ** -24) == 49 * 2.0 ** -150 + 2.0 ** -134
+    assert scales.underflow_floor(0, 2.0 ** -24, 2.0 ** -24) == 2 * 2.0 ** -150
+
+
+def test_a_subnormal_result_is_judged_with_the_underflow_floor(tmp_path):
+    """Swin's shifted-window attention: a -100 mask makes exp(-100) = 3.7e-44, subnormal fp32
+    probabilities, and the tokens left unmasked are zero padding, so ``attn @ v`` is a sum of
+    subnormal products. Each product is off by up to 2^-150 absolute however correct the
+    kernel: 100 % of a result near 1e-45. Without the floor the bound ``u |r| + gamma_k S`` was
+    a relative one and the matmul ``inaccurate`` at 6.8e5x (issue 34, class U: 26 rows)."""
+    g = gen()
+    s = torch.randn(2, 3, 49, 49, generator=g)
+    s[..., :25] -= 100.0
+    attn = torch.softmax(s, -1)
+    v = torch.randn(2, 3, 49, 8, generator=g)
+    v[..., 25:, :] = 0
+    tiny = torch.finfo(torch.float32).tiny
+    assert bool(((attn != 0) & (attn < tiny)).any())
+    exact = attn.double() @ v.double()
+    err = ((attn @ v).double() - exact).abs().max().item()
+    assert 0 < err <= 49 * 2.0 ** -150 + 2.0 ** -150      # within the floor, far beyond u |r|
+    fb = probe(tmp_path, "improve_precision", lambda: attn @ v)
+    assert fb.summary["checked"] == 1 and fb.results.empty, fb.results
+
+
+def test_the_source_coordinate_term_of_a_linear_ramp():
+    """``resample.term``: gamma_3(u_acc) (|x_src| + 1) |dy/dx_src|, per axis. A 1-D linear
+    interpolation of the ramp 0, 1, 2, 3 (slope 1 per pixel) from 4 to 8 samples,
+    align_corners=False: x_src = (dst + 1/2) / 2 - 1/2, clamped at 0 (PyTorch's linear modes)."""
+    from probekit.freebench.judge import resample, scales
+    x = torch.arange(4, dtype=torch.float64).view(1, 1, 4)
+    r = F.interpolate(x, size=8, mode="linear", align_corners=False)
+    a = scales.Args(F.interpolate, "interpolate", (x,), {"size": 8, "mode": "linear"})
+    u = 2.0 ** -24
+    t = resample.term("interpolate", a, [x], r, u)
+    src = ((torch.arange(8, dtype=torch.float64) + 0.5) / 2 - 0.5).clamp_min(0)
+    want = scales.gamma(3, u) * (src + 1)
+    want[7] = 0.0       # x_src = 3.25, past the last pixel: the kernel clamps, the result is flat
+    assert t.shape == r.shape
+    assert torch.allclose(t.view(-1), want, rtol=1e-9, atol=0)
+    # nearest has no slope: no term; a call float64 grid_sample does not reproduce: none either
+    an = scales.Args(F.interpolate, "interpolate", (x,), {"size": 8, "mode": "nearest"})
+    assert resample.term("interpolate", an, [x], r, u) is None
+    assert resample.term("interpolate", a, [x], r + 1.0, u) is None
+
+
+def test_fp32_bicubic_upsampling_is_judged_with_its_source_coordinates(tmp_path):
+    """CrossViT's bicubic interpolate of a 64 px input to 240 px in fp32: the kernel computes
+    the source coordinate scale (dst + 1/2) - 1/2 in fp32, 135 u of max|exact| off, 134.4 of
+    them from the fp32 coordinates alone, where the tensor scale's bound allowed 30 u: it was
+    ``inaccurate`` at 4.5x (issue 34, class I). With the coordinate term: no row."""
+    x = torch.randn(1, 2, 64, 64, generator=gen())
+    fb = probe(tmp_path, "improve_precision",
+               lambda: F.interpolate(x, size=(240, 240), mode="bicubic", align_corners=False))
+    assert fb.summary["checked"] == 1 and fb.results.empty, fb.results
+
+
+def test_a_clamps_bound_is_judged_as_the_kernel_receives_it(tmp_path):
+    """``clamp(x, min=0.001)`` on bf16: PyTorch's type promotion gives the Python number x's
+    dtype in the backward's comparison ``x >= min``, so the kernel's bound is bf16(0.001) =
+    0.00099945068359375, and at x equal to it the gradient passes; float64 on the literal 0.001
+    stopped it, and the row was ``inaccurate`` at 128x (Zamba2's ``clamp(dt, min=dt_limit[0])``:
+    4 rows of the library sweep, issue 34). The reference now takes the bound as received."""
+    from probekit.freebench.judge import cause
+    f = cause.bounds_as_received(lambda x, min=None, max=None: (min, max), "clamp",
+                                 [torch.zeros(1, dtype=bf16)])
+    assert f(None, min=0.001, max=math.inf) == (0.00099945068359375, math.inf)
+    assert cause.bounds_as_received(torch.add, "add", [torch.zeros(1, dtype=bf16)]) is torch.add
+    x = torch.tensor([0.001, 0.002, 0.0005, 0.001] * 8).to(bf16).requires_grad_()
+    torch.clamp(x, min=0.001).backward(torch.ones(32, dtype=bf16))
+    assert x.grad[0].item() == 1.0 and x[0].item() < 0.001       # the kernel passes it
+    for mode in ("improve_precision", "bit_noise"):
+        for name, fn in (("torch", lambda: torch.clamp(x, min=0.001)),
+                         ("tensor", lambda: x.clamp(min=0.001))):
+            fb = probe(tmp_path / f"{mode}{name}", mode,
+                       lambda: fn().backward(torch.full((32,), 1e-8, dtype=bf16)),
+                       fuzz_stage="backward")
+            assert fb.summary["checked"] == 1 and fb.results.empty, (mode, name, fb.results)

@@ -86,6 +86,22 @@ def test_nan_inf_mismatch_does_not_hide_the_rest():
     assert metric.fast_error(fast) is None and metric.stats_from(fast) is None
 
 
+def test_an_inf_one_ulp_past_the_originals_max_is_no_mismatch():
+    """A nudged re-run whose result sits one ulp beyond the original's +-max rounds to +-Inf:
+    the dtype holds nothing between (issue 34, class O). Same-signed +-max against +-Inf is a
+    move of 0; anything else stays a NaN/Inf mismatch."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        big = torch.finfo(dtype).max
+        inf = float("inf")
+        o = torch.tensor([-big, big, 1.0, big, -big, 2.0], dtype=dtype)
+        p = torch.tensor([-inf, inf, 1.0, -inf, inf, inf], dtype=dtype)
+        s = metric.compare(o, p)
+        # the last three: max against -Inf (the other sign), -max against +Inf, 2 against Inf
+        assert s.nan_inf == 3 and s.max_abs == 0.0, (dtype, s)
+        s = metric.compare(o[:3], p[:3])
+        assert s.nan_inf == 0 and s.max_abs == 0.0 and s.max_rel == 0.0, (dtype, s)
+
+
 def test_nan_in_one_chunk_does_not_hide_that_chunk(monkeypatch):
     monkeypatch.setattr(metric, "CHUNK", 4)
     o = torch.ones(16)

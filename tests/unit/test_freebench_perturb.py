@@ -84,8 +84,12 @@ def test_noise_leaves_inf_nan_and_zeros_alone():
             y = fn(x)
             assert y[:2].tolist() == x[:2].tolist() and bool(y[2].isnan())
             assert y[4:].tolist() == [0.0, 0.0] and torch.signbit(y[4:]).tolist() == [False, True]
-        assert perturb.add_noise(x)[3].item() == math.inf     # max's next value up
-        assert perturb.bit_noise(x)[3].item() == math.inf     # odd position: away from zero
+        # max's next value up (add_noise; bit_noise at an odd position: away from zero) is Inf,
+        # which the input did not have: max stays (issue 34, class O: a mask's finfo.min became
+        # -inf and the re-run a NaN/Inf mismatch of the perturbation's own making)
+        assert perturb.add_noise(x)[3].item() == fi.max
+        assert perturb.bit_noise(x)[3].item() == fi.max
+        assert perturb.bit_noise(-x)[3].item() == -fi.max
         assert perturb.bit_noise(x[3:4])[0].item() < fi.max   # even position: towards zero
 
 
@@ -310,11 +314,14 @@ def test_noise_is_exact_on_every_16_bit_value(dtype):
         y = perturb.bit_noise(layout).reshape(-1)
         expected = torch.where(kk, torch.where(even, to, aw), xk)
         expected = torch.where((xk.abs() == sn) & ~even, aw, expected)   # towards zero: a tie
+        expected = torch.where(expected.isinf() & xk.isfinite(), xk, expected)  # max stays
         assert same_bits(y, expected)
     a = perturb.add_noise(x)
     expected = torch.where(keep | (x == sn), up, x)
+    expected = torch.where(expected.isinf() & x.isfinite(), x, expected)        # max stays
     assert same_bits(a, expected)
-    assert bool((a[keep] > x[keep]).all())
+    moved = keep & (x != torch.finfo(dtype).max)
+    assert bool((a[moved] > x[moved]).all())
 
 
 def _exhaustive_of(flat):
@@ -363,7 +370,8 @@ def test_add_noise_is_nextafter_at_the_edges(dtype):
             float("inf"), -float("inf"), float("nan")]
     x = torch.tensor(vals, dtype=dtype)
     a = x.abs()
-    keep = ((a > fi.smallest_normal) & (a <= fi.max)) | (x == fi.smallest_normal)
+    keep = ((a > fi.smallest_normal) & (a < fi.max)) | (x == fi.smallest_normal) | \
+        (x == -fi.max)          # +max stays: its next value up is Inf
     expected = torch.where(keep, torch.nextafter(x, torch.tensor(float("inf"), dtype=dtype)), x)
     itype = {torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
     y = perturb.add_noise(x)
@@ -408,3 +416,37 @@ def test_bit_noise_of_an_expanded_input_replays_a_dropout_mask_on_the_same_eleme
         torch.nn.functional.dropout(x, 0.5, training=True)
     assert fb.summary["checked"] == 1 and fb.summary["replayed"] == 1
     assert fb.results.empty and fb.hotspots.empty, fb.hotspots
+
+
+def test_a_masks_finfo_min_under_bit_noise_is_no_finding(tmp_path):
+    """Masked logits hold fp32's finfo.min (a causal mask: gpt_oss, deepseek_v4, longformer).
+    ``x - max(x)`` is exact on them; bit_noise nudged finfo.min one ulp away from zero, to -inf,
+    and the re-run's -inf against the original's finite values was a NaN/Inf row of the
+    perturbation's own making (issue 34, class O: 39 rows). finfo.min now stays: no row."""
+    from probekit import FreeBench
+    x = torch.randn(2, 4, 16, 17, generator=torch.Generator().manual_seed(0))
+    x[..., :8] = torch.finfo(torch.float32).min
+    assert perturb.bit_noise(x).isinf().sum().item() == 0
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        y = x - x.max(dim=-1, keepdim=True).values
+    assert y.isfinite().all() and fb.summary["checked"] == 2
+    assert fb.results.empty, fb.results
+
+
+def test_a_mask_product_nudged_past_max_is_no_finding(tmp_path):
+    """Longformer builds its sliding-window mask as ``einsum(ones, float_mask)``, the mask
+    holding finfo.min: the result is finfo.min exactly, and bit_noise's ``1 / (1 - u)`` nudge of
+    the ones moves it to ``(1 + 2u) finfo.min``, which fp32 rounds to -inf. That Inf is the
+    range's edge, not a property of the call (issue 34, class O: 12 rows in LED and Longformer
+    once finfo.min itself stayed finite): the comparison counts it as no move."""
+    from probekit import FreeBench
+    lo = torch.finfo(torch.float32).min
+    mask = torch.zeros(2, 8, 1)
+    mask[:, 5:] = lo
+    ones = torch.ones_like(mask)
+    assert torch.einsum("bxd,byd->bxy", perturb.bit_noise(ones), mask).isinf().any()
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        torch.einsum("bxd,byd->bxy", ones, mask)
+    assert fb.summary["checked"] == 1 and fb.results.empty, fb.results

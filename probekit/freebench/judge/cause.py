@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from . import handlers, magnitudes, saved, scales
+from . import handlers, magnitudes, resample, saved, scales
 from ..perturb import perturb
 from .metric import CHUNK, _chunks
 
@@ -138,6 +138,32 @@ def outputs(func, leaves, spec, kwargs_fix=None, compared: bool = False) -> list
     return handlers.compared_outputs(out) if compared else handlers.float_outputs(out, True)
 
 
+#: calls that compare their input with Python-number bounds in the input's dtype: PyTorch's type
+#: promotion gives a Python number the tensor's dtype in a comparison (``clamp_backward``'s
+#: ``self >= min``), so the kernel's bound is the number rounded to that dtype (issue 34: a bf16
+#: ``clamp(x, min=0.001)`` passes the gradient at ``x = bf16(0.001) = 0.00099945``, which is
+#: below ``0.001`` in float64: 4 Zamba2 rows, ``inaccurate``)
+BOUNDED = frozenset({"clamp", "clip", "clamp_", "clip_", "clamp_min", "clamp_max", "clamp_min_",
+                     "clamp_max_"})
+
+
+def bounds_as_received(func, api, leaves: list):
+    """``func`` with its Python-number bounds rounded to its input's dtype, as the kernel
+    receives them (``BOUNDED``); ``func`` itself for any other call."""
+    dtype = next((t.dtype for t in leaves if perturb.is_float(t)), None)
+    if api not in BOUNDED or dtype is None:
+        return func
+
+    def rounded(v):
+        if isinstance(v, float) and math.isfinite(v):
+            return torch.tensor(v, dtype=dtype).item()
+        return v
+
+    def call(*args, **kwargs):
+        return func(*[rounded(a) for a in args], **{k: rounded(v) for k, v in kwargs.items()})
+    return call
+
+
 def input_roundoff(leaves: list, judged) -> float:
     """``u_in``: the least precise of the row's dtype and the floating inputs' dtypes."""
     u = scales.unit_roundoff(judged)
@@ -173,7 +199,9 @@ class Score:
     def bound(self, r: torch.Tensor, S, B=None) -> torch.Tensor:
         j = self.judge
         c = scales.C * (j.factor if j.upcast else 1.0)
-        b = r.abs() * (c * j.u_out)
+        # u_out |r| plus the underflow floor: below the normal range a correct kernel is off by
+        # a few units of the smallest subnormal, 100 % of a subnormal result (issue 34, class U)
+        b = r.abs().mul_(c * j.u_out).add_(c * scales.underflow_floor(j.k, j.u_out, j.u_acc))
         if B is not None:
             return b + B * c
         g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
@@ -394,14 +422,23 @@ def _input_terms(func, x64, spec, i, shape) -> torch.Tensor | None:
     return k
 
 
-def forward_bounds(judges: dict, func, x64, spec, r: dict, S: dict) -> dict:
+def forward_bounds(judges: dict, func, x64, spec, r: dict, S: dict, api=None) -> dict:
     """``{output index: B}``: what replaces ``gamma_k S`` in a row's bound where the data say
     more than the worst case (None elsewhere):
 
     * a multilinear call (``Judge.data``): the data-aware bound of its sums, ``u_acc k (|r| / 2
       + beta sqrt(Q))`` (``scales.data_bound``; ``Q`` the call on squared inputs, ``k`` counted
-      per element for an index accumulation), capped at ``gamma_k S``."""
+      per element for an index accumulation), capped at ``gamma_k S``;
+    * a resampling call (``resample.APIS``): ``gamma_k S`` plus its source coordinates' term
+      (``resample.term``)."""
     out = {}
+    if api in resample.APIS and 0 in judges and r.get(0) is not None:
+        args, kwargs = perturb.unflatten(x64, spec)
+        j = judges[0]
+        T = resample.term(api, scales.Args(func, api, args, kwargs), x64, r[0], j.u_acc)
+        if T is not None:
+            g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
+            out[0] = T if S.get(0) is None else T + S[0].to(torch.float64) * g
     data = {i: j for i, j in judges.items() if j.fam == "multilinear" and j.data}
     if data:
         squares = dict(outputs(func, scales.square_leaves(x64), spec, scales.square_kwargs))
@@ -454,14 +491,15 @@ def analyse(func, fresh, spec, items: list, blocks=None, api: str | None = None)
             if scores is None:
                 scores = {i: Score(judges[i], input_roundoff(x, items_dtype(items, i)))
                           for i, _, _ in items}
+            call = bounds_as_received(func, api, x)
             x64 = [to64(t) for t in x]
-            r = dict(outputs(func, x64, spec, compared=True))
-            S = forward_magnitudes(judges, api, func, x64, spec, r)
-            B = forward_bounds(judges, func, x64, spec, r, S)
+            r = dict(outputs(call, x64, spec, compared=True))
+            S = forward_magnitudes(judges, api, call, x64, spec, r)
+            B = forward_bounds(judges, call, x64, spec, r, S, api)
             for i, o, _ in items:
                 scores[i].accuracy(original(o), r[i], S[i], B.get(i))
             for noise, first in NUDGES:
-                s = dict(outputs(func, [to64(t) for t in nudged(inputs(), noise, first)], spec,
+                s = dict(outputs(call, [to64(t) for t in nudged(inputs(), noise, first)], spec,
                                  compared=True))
                 for i, _, _ in items:
                     scores[i].move(s[i], r[i], S[i], B.get(i),
@@ -629,6 +667,7 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
     saves: dict = {}
     with no_autocast(True), torch.enable_grad():
         x = fresh()
+        func = bounds_as_received(func, api, x)
         x64 = [to64(t) for t in x]
         r = grads64(func, x64, spec, diff, out_index, g, saves=saves)
         r_acc = r

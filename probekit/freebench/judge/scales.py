@@ -143,6 +143,28 @@ def accumulation_roundoff(dtype: torch.dtype) -> float:
     return unit_roundoff(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
 
 
+#: the smallest normal of the dtype whose unit roundoff is the key: float32 and bfloat16 share
+#: float32's exponent range, float16 has its own
+_TINY = {torch.finfo(t).eps / 2: torch.finfo(t).tiny
+         for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
+
+
+def underflow(u: float) -> float:
+    """``eta``: the absolute error one rounding may add below the normal range of the dtype
+    whose unit roundoff is ``u``, ``tiny * u`` = half the smallest subnormal (2^-150 in float32,
+    2^-134 in bfloat16, 2^-25 in float16). Higham's model of gradual underflow: ``fl(x op y) =
+    (x op y)(1 + delta) + eta`` (Accuracy and Stability, 2.1): a result of ``1e-45`` in float32
+    is 100 % off by one such unit, however correct the kernel."""
+    return _TINY.get(u, torch.finfo(torch.float32).tiny) * u
+
+
+def underflow_floor(k: float, u_out: float, u_acc: float) -> float:
+    """The absolute part of a correct kernel's error: ``k eta(u_acc) + eta(u_out)``, one
+    underflow per product it accumulates (additions of subnormals are exact) and one for the
+    result's rounding to its dtype (issue 34, class U)."""
+    return max(k, 1) * underflow(u_acc) + underflow(u_out)
+
+
 def gamma(k: float, u: float) -> float:
     """``gamma_k(u) = k u / (1 - k u)`` (infinite once ``k u >= 1``)."""
     ku = k * u

@@ -111,8 +111,11 @@ def bit_noise(t: torch.Tensor) -> torch.Tensor:
     ``x * (1 - u)`` and ``x / (1 - u)`` are the next values towards and away from zero (see
     ``add_noise``); the factors are exact in every floating dtype, so every kernel path gives the
     same bits. Zeros (with their sign), subnormals, +-Inf and NaN are unchanged (so is the
-    smallest normal where it moves towards zero, a tie; the largest finite value where it moves
-    away from zero becomes Inf, its next value up).
+    smallest normal where it moves towards zero, a tie), and so is the largest finite value
+    where it would move away from zero: its next value up is Inf, and a perturbation must never
+    make an Inf the input did not have (a mask's ``finfo.min`` became ``-inf``, and the re-run a
+    NaN/Inf mismatch of the perturbation's own making: issue 34, class O). Two kernels more
+    (``_finite_as``: the checkerboard's sign-dependent direction leaves no one-kernel cap).
 
     The result is laid out as ``torch.empty_like(t)`` (as every other perturbation's is): for an
     expanded input (a stride-0 dim) the checkerboard's overlapping strides would otherwise pick
@@ -120,8 +123,15 @@ def bit_noise(t: torch.Tensor) -> torch.Tensor:
     drawn in memory order) would put the replayed draws on other elements (issue 34, defect C)."""
     m, d = _checker(t)
     if 0 in t.stride():
-        return torch.mul(t, m, out=torch.empty_like(t)).div_(d)
-    return t.mul(m).div_(d)
+        return _finite_as(torch.mul(t, m, out=torch.empty_like(t)).div_(d), t)
+    return _finite_as(t.mul(m).div_(d), t)
+
+
+def _finite_as(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``out`` (``t`` moved by one ulp) with the elements that overflowed to +-Inf back at their
+    value in ``t``: only the largest finite value overflows (its next value away from zero is
+    Inf), and an Inf of ``t`` is Inf in ``out`` already. In place, two kernels."""
+    return torch.where(torch.isinf(out), t, out, out=out)
 
 
 def flip_last_bit(t: torch.Tensor) -> torch.Tensor:
@@ -147,11 +157,13 @@ def add_noise(t: torch.Tensor) -> torch.Tensor:
     quotient's rounding stays far inside the margin), the divisor is representable in every
     floating dtype, and no intermediate is rounded to the low-precision type, so every CPU kernel
     path gives the same bits. Zeros (with their sign), subnormals, the negative smallest normal
-    (a tie), +-Inf and NaN are unchanged; +max becomes +Inf, its next value up. Unlike msprobe's
+    (a tie), +-Inf and NaN are unchanged; so is +max, whose next value up is +Inf (a perturbation
+    never makes an Inf the input did not have, issue 34 class O: ``t / c`` is capped at max, one
+    kernel more; an input +Inf stays +Inf through ``t * c``, NaN through both). Unlike msprobe's
     constant epsilon (which left fp16 inputs unchanged) it cannot round away, and since every
     element moves the same way it measures the condition number of sums directly."""
     c = _noise_consts(t)[1]
-    return torch.fmax(t / c, t * c)
+    return torch.fmax((t / c).clamp_max_(torch.finfo(t.dtype).max), t * c)
 
 
 def change_value(t: torch.Tensor) -> torch.Tensor:

@@ -287,7 +287,7 @@ def magnitudes(c: _Case, leaves, g, judges: dict) -> tuple[dict, dict]:
             with torch.no_grad():
                 r = dict(cause.outputs(c.func, x64, c.spec, compared=True))
                 S = cause.forward_magnitudes(judges, api, c.func, x64, c.spec, r)
-                B = cause.forward_bounds(judges, c.func, x64, c.spec, r, S)
+                B = cause.forward_bounds(judges, c.func, x64, c.spec, r, S, api)
         else:
             case = c.case
             with torch.enable_grad():
@@ -328,7 +328,9 @@ def bound_entry(judge: scales.Judge, leaves, e: dict, stage: str) -> dict:
     sc = cause.Score(judge, u_in)
     one, zero = torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
     c = scales.C * (judge.factor if judge.upcast else 1.0)
-    return {"a": sc.bound(one, zero).item(), "b": sc.bound(zero, one).item(),
+    floor = sc.bound(zero, zero).item()     # the underflow floor (an absolute term)
+    return {"a": sc.bound(one, zero).item() - floor, "b": sc.bound(zero, one).item() - floor,
+            "f": floor,
             "a64": sc.floor64(one, zero).item(), "b64": sc.floor64(zero, one).item(),
             "lost_level": math.sqrt(u_in) * (1.0 if judge.upcast else judge.factor),
             "upcast": bool(judge.upcast), "u": judge.u_out, "u_acc": judge.u_acc,

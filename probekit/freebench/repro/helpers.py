@@ -17,10 +17,11 @@ come from probekit, ``scales.py`` / ``cause.py``, and are written into the scrip
   element whose exact value is 0, within that rounding, has no bits to lose: issue 34);
 
 ``b`` reads ``S_b`` where probekit wrote one (the data-aware bound of a sum, an element-wise
-function's backward-stable term: issue 34), ``S`` otherwise. Where the call's backward reads its
-saved forward output (``saves_output``), ``accuracy`` is measured against the float64 backward
-reading the output the kernel's own forward gave (the kernel is handed it), ``moved`` and
-``lost`` against the exact one;
+function's backward-stable term, a resampling call's source-coordinate term: issue 34), ``S``
+otherwise, plus the bound's absolute floor ``f`` (the underflow floor: issue 34). Where the call's
+backward reads its saved forward output (``saves_output``), ``accuracy`` is measured against the
+float64 backward reading the output the kernel's own forward gave (the kernel is handed it),
+``moved`` and ``lost`` against the exact one;
 
 and the verdict of ``cause.py``: ``inaccurate`` when ``accuracy > 1`` and ``accuracy > blame *
 moved``; ``ill-conditioned`` when ``lost`` exceeds half the dtype's bits (in the accuracy modes
@@ -101,9 +102,10 @@ def generate(spec: dict):
 
 # -- the one-ulp nudges (probekit.freebench.perturb.perturb's, applied as cause.py applies them)
 def add_noise(t):
-    """Every element with ``|x|`` >= the smallest normal moved one ulp towards +inf."""
+    """Every element with ``|x|`` >= the smallest normal moved one ulp towards +inf (the largest
+    finite value stays: its next value up is Inf, which the input did not have)."""
     c = 1.0 - torch.finfo(t.dtype).eps / 2
-    return torch.fmax(t / c, t * c)
+    return torch.fmax((t / c).clamp_max_(torch.finfo(t.dtype).max), t * c)
 
 
 def flip_last_bit(t):
@@ -332,9 +334,10 @@ def measure(call, fresh, case: dict, S: dict, g=None, rng_state=None, expected=N
         s_i = S[i].to(r[i].device, torch.float64)
         s_i = s_i.expand_as(r[i]) if s_i.dim() == 0 else s_i
         sb_i = s_i if not SB or SB.get(i) is None else SB[i].to(r[i].device, torch.float64)
-        b = r[i].abs() * bd["a"] + sb_i * bd["b"]
+        f = bd.get("f", 0.0)      # the underflow floor
+        b = r[i].abs() * bd["a"] + sb_i * bd["b"] + f
         bounds[i] = (b, r[i].abs() * bd["a64"] + s_i * bd["b64"], s_i)
-        acc = ratio(o[i], r_acc[i], r_acc[i].abs() * bd["a"] + sb_i * bd["b"])
+        acc = ratio(o[i], r_acc[i], r_acc[i].abs() * bd["a"] + sb_i * bd["b"] + f)
         res = {"accuracy": acc, "moved": 0.0, "lost": 0.0}
         res.update(_worst(o[i], r_acc[i], b))
         res["magnitude"] = magnitude(r[i], s_i)
