@@ -181,8 +181,20 @@ def family_margin(controls: int, family: int, param_sd: float, alpha: float) -> 
     cells before a false alarm has the chance ``alpha`` (Bonferroni), if its log departs from
     each control's by a Gaussian term of standard deviation ``param_sd`` per run (its shift
     credited separately): ``exp(param_sd * t)``, ``t`` solving ``P(y - max_c y_c > t) =
-    alpha / family`` for ``k + 1`` standard normals (a 1-D integral, by bisection)."""
+    alpha / family`` for ``k + 1`` standard normals (a 1-D integral, by bisection). Cached (a
+    comparison asks it per rank, for its cells and its steps: ranks alike ask the same)."""
     k, f = max(int(controls), 1), max(int(family), 1)
+    key = (k, f, float(param_sd), float(alpha))
+    hit = _FAMILY.get(key)
+    if hit is None:
+        hit = _FAMILY[key] = _family_margin(k, f, float(param_sd), float(alpha))
+    return hit
+
+
+_FAMILY: dict = {}
+
+
+def _family_margin(k: int, f: int, param_sd: float, alpha: float) -> float:
     target = alpha / f
     y = np.linspace(-9.0, 9.0, 3601)
     dens = np.exp(-y * y / 2) / math.sqrt(2 * math.pi) * (y[1] - y[0])
