@@ -159,18 +159,22 @@ def margin(controls: int, params: int, run_sd: float, param_sd: float,
         rng = np.random.default_rng(0)
         k, p = max(int(controls), 1), max(int(params), 1)
         chunk = max(1, min(draws, 4_000_000 // ((k + 1) * p)))
-        excess, shift = [], []
-        for start in range(0, draws, chunk):
+        over, shift = np.empty((draws, p)), np.empty(draws)
+        for start in range(0, draws, chunk):   # in place: no temporary of the draws' size
             n = min(chunk, draws - start)
-            term = (rng.standard_normal((n, k + 1, p)) if tail is None else
-                    rng.standard_t(tail, (n, k + 1, p)) * math.sqrt((tail - 2) / tail))
-            x = rng.standard_normal((n, k + 1, 1)) * run_sd + term * param_sd
-            over = x[:, 0] - np.max(x[:, 1:], axis=1)      # the test over the band
-            excess.append(over)
-            shift.append(np.median(over, axis=1))
-        over, shift = np.concatenate(excess), np.concatenate(shift)
-        cap = max(float(np.quantile(shift, 1 - alpha)), 0.0)
-        worst = np.max(over - np.clip(shift, 0.0, cap)[:, None], axis=1)
+            if tail is None:
+                x = rng.standard_normal((n, k + 1, p))
+            else:
+                x = rng.standard_t(tail, (n, k + 1, p))
+                x *= math.sqrt((tail - 2) / tail)
+            x *= param_sd                                  # the parameter term, plus
+            x += rng.standard_normal((n, k + 1, 1)) * run_sd   # the run's shift
+            o = over[start:start + n]
+            np.subtract(x[:, 0], x[:, 1] if k == 1 else np.max(x[:, 1:], axis=1), out=o)
+            shift[start:start + n] = np.median(o, axis=1)  # the test over the band, and
+        cap = max(float(np.quantile(shift, 1 - alpha)), 0.0)   # its shift
+        over -= np.clip(shift, 0.0, cap)[:, None]
+        worst = np.max(over, axis=1)
         hit = _MARGINS[key] = (float(np.exp(max(np.quantile(worst, 1 - alpha), 0.0))),
                                float(np.exp(cap)))
     return hit
