@@ -490,7 +490,10 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
     next), so a sharded run is never assembled, and listing the segments, opening the rank
     groups and planning are tasks of the graph too. Datasets, msprobe dumps and layouts the
     planner does not handle are compared as Datasets (a sharded store assembled by
-    ``open_grads``). Both give the same result.
+    ``open_grads``). Both give the same result. With ``control``, the comparisons of ``a``
+    with ``b`` and with each control are one graph, and where those runs are stores laid out
+    alike, ``a``'s bits are read once for all of them (``count_stages``): the same result as
+    each comparison alone.
 
     Where it runs: a dask graph (each store's segments, their rank groups opened in batches,
     the plan, then one
@@ -570,9 +573,8 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
         given = [a, b, *controls]
         # each run's statistics read once for the judgement ({rank: Dataset} passes through
         # load_runs as it is); the comparisons take the stores themselves where they are stores
-        # (shard by shard: no bit assembled), the Datasets otherwise; one after the other in
-        # this thread, whose dask pool and read buffers stay warm (measured: two at once from
-        # threads of their own cost 1.2-1.8x as much, each thread a fresh pool)
+        # (shard by shard: no bit assembled), in one graph that reads the reference's bits once
+        # for the test and the controls laid out alike (_compare_joint), the Datasets otherwise
         runs = [load_runs(x, storage_options=storage_options) for x in given]
         sources = [x if store_of(x, storage_options) is not None else r
                    for x, r in zip(given, runs)]
