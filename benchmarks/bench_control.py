@@ -16,7 +16,8 @@ control=...)``: bf16 autocast seeds 0 and 1, bf16 cast seeds 0 and 1, fp32 seeds
 third bf16 seed as a healthy test); then ``compare_grads(ref, test, control=...)`` with two
 controls (their envelope) and with one. ``line``: the bf16-accumulation bug at 128 and 1024
 tokens per step, sequential or in fp32 chunks. ``cost``: a control run's step time and a
-comparison with a control against a plain comparison (medians of repeats, same process).
+comparison with a control against a plain comparison (medians of repeats, same process; the
+verdict's margins cached and cold; ``--compare-only``: the comparisons alone).
 ``sweep`` (issue 37): the false-alarm rate over many healthy fp32 pairs (kernel and backend
 swaps, reduction orders, attention paths) on zoo models the verdict's priors were not measured
 on, with one control and with two, each control judged against the others too, and planted
