@@ -16,7 +16,8 @@ control=...)``: bf16 autocast seeds 0 and 1, bf16 cast seeds 0 and 1, fp32 seeds
 third bf16 seed as a healthy test); then ``compare_grads(ref, test, control=...)`` with two
 controls (their envelope) and with one. ``line``: the bf16-accumulation bug at 128 and 1024
 tokens per step, sequential or in fp32 chunks. ``cost``: a control run's step time and a
-comparison with a control against a plain comparison (medians of repeats, same process).
+comparison with a control against a plain comparison (medians of repeats, same process; the
+verdict's margins cached and cold; ``--compare-only``: the comparisons alone).
 ``sweep`` (issue 37): the false-alarm rate over many healthy fp32 pairs (kernel and backend
 swaps, reduction orders, attention paths) on zoo models the verdict's priors were not measured
 on, with one control and with two, each control judged against the others too, and planted
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 import _control_models as cm  # noqa: E402
 
 from probekit.grads import GradProbe, compare_grads  # noqa: E402
+from probekit.grads.compare import verdict  # noqa: E402
 from probekit.grads.compare.verdict import verdict_kind  # noqa: E402
 
 ONSET = 5
@@ -423,9 +425,10 @@ def cost(args) -> dict:
     """Step time of a control run against a plain fp32 run and a bf16-autocast run (GPT-2 of
     the validation); a comparison with one control against a plain comparison (wall and CPU
     time, alternating, medians), on those runs and on larger recordings (MLPs of 16.8M and 67M
-    parameters, 20 steps)."""
+    parameters, 20 steps): with the verdict's margins cached (a process's later comparisons)
+    and cold (simulated again, as in a process's first)."""
     root = args.dir or tempfile.mkdtemp(prefix="probekit-cost-")
-    res = _step_costs(args.repeats)
+    res = {} if args.compare_only else _step_costs(args.repeats)
     if args.steps_only:
         return res
     # comparisons: the validation's GPT-2 runs, and larger recordings
@@ -442,19 +445,28 @@ def cost(args) -> dict:
         def with_control():
             compare_grads(runs["ref"], runs["test"], control=runs["ctrl"], progress=False)
 
+        def cold():                      # the verdict's margins simulated again (first use)
+            verdict._MARGINS.clear()
+            getattr(verdict, "_FAMILY", {}).clear()
+            with_control()
+
         plain(), with_control()          # the page cache warm for both
-        times = {"plain": [], "control": []}
+        fns = (("plain", plain), ("control", with_control), ("cold", cold))
+        times = {name: [] for name, _ in fns}
         for i in range(args.repeats):    # alternating, wall and CPU time of this process
-            for name, fn in (("plain", plain), ("control", with_control))[::1 if i % 2 else -1]:
+            for name, fn in fns[::1 if i % 2 else -1]:
                 t0, c0 = time.perf_counter(), time.process_time()
                 fn()
                 times[name].append((time.perf_counter() - t0, time.process_time() - c0))
         for what, k in (("wall", 0), ("cpu", 1)):
             p = statistics.median(t[k] for t in times["plain"])
             c = statistics.median(t[k] for t in times["control"])
+            f = statistics.median(t[k] for t in times["cold"])
             res[f"compare {label} {what} plain s"] = round(p, 3)
             res[f"compare {label} {what} with control s"] = round(c, 3)
             res[f"compare {label} {what} ratio"] = round(c / p, 2)
+            res[f"compare {label} {what} with control, margins cold s"] = round(f, 3)
+            res[f"compare {label} {what} ratio, margins cold"] = round(f / p, 2)
     return res
 
 
@@ -491,6 +503,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="keep the recorded runs here")
     p.add_argument("--steps-only", action="store_true",
                    help="cost: the control runs' step times only (no comparisons)")
+    p.add_argument("--compare-only", action="store_true",
+                   help="cost: the comparisons only (no control runs' step times)")
     p.add_argument("--judge-only", action="store_true",
                    help="validate: judge the runs already recorded in --dir again")
     p.add_argument("--bf16", action="store_true", help="sweep: bf16 autocast pairs too")

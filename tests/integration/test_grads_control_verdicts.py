@@ -140,3 +140,47 @@ def test_triage_stops_within_noise_and_runs_beyond(runs):
                                   f"{cm.TARGETS[KIND]['grad_count']}")
     assert list(beyond.suspects["module"]) == ["transformer.h.1.attn"]
     assert math.isfinite(beyond.divergence["similarity"])
+
+
+def test_shared_reference_read_equals_the_plain_comparisons(runs, monkeypatch):
+    """A comparison with controls counts the reference's bits once against the test and every
+    control laid out alike (``counting.count_many``, issue 38): the result is that of the plain
+    comparisons, each alone, judged by ``calibrate``, variable for variable and bit for bit,
+    and the verdict's words with it."""
+    import numpy as np
+
+    from probekit.grads.compare import counting
+    from probekit.grads.compare.verdict import calibrate
+    from probekit.grads.store.sources import load_runs
+
+    shared = []
+    real = counting.count_many
+
+    def spy(*args):
+        out = real(*args)
+        shared.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(counting, "count_many", spy)
+    for test, controls in (("grad_count", ["ctrl", "amp"]), ("norm_scale", ["ctrl"])):
+        shared.clear()
+        got = compare_grads(runs["ref"], runs[test], control=[runs[c] for c in controls],
+                            progress=False)
+        assert shared and set(shared) == {1 + len(controls)}    # the shared read ran
+        alone = [compare_grads(runs["ref"], runs[x], progress=False)
+                 for x in (test, *controls)]
+        # the runs differ from the reference differently: counts mixed up would show
+        sims = [np.asarray(c["similarity_significant"].values) for c in alone]
+        assert all(not np.array_equal(sims[0], s) for s in sims[1:])
+        want = calibrate(alone[0], alone[1:], load_runs(runs["ref"]), load_runs(runs[test]),
+                         [load_runs(runs[c]) for c in controls])
+        assert sorted(got.data_vars) == sorted(want.data_vars)
+        assert sorted(got.coords) == sorted(want.coords) and got.attrs == want.attrs
+        for name in list(got.data_vars) + list(got.coords):
+            g, w = np.asarray(got[name].values), np.asarray(want[name].values)
+            assert g.dtype == w.dtype and g.shape == w.shape, name
+            if g.dtype.kind in "fc":
+                assert g.tobytes() == w.tobytes(), name          # NaNs and -0.0 included
+            else:
+                assert np.array_equal(g, w), name
+        assert str(got) == str(want)

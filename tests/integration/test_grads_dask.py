@@ -69,6 +69,18 @@ def test_local_cluster_client_and_address_give_the_local_result(runs, cluster, c
     assert capsys.readouterr().err == ""
 
 
+def test_a_comparison_with_a_control_on_the_cluster(runs, cluster, tmp_path):
+    """With a control, the plans of the test and the control are made in one stage and counted
+    in one, the reference's bits read once for both (``counting.count_many``), on the workers
+    too: the result is the local one."""
+    write_runs(tmp_path / "c", 6, 7, seed=3)
+    local = compare_grads(runs / "a", runs / "b", control=tmp_path / "c", progress=False)
+    assert local.attrs["calibrated"] == 1 and local["rank"].values.tolist() == list(range(6))
+    on_client = compare_grads(runs / "a", runs / "b", control=tmp_path / "c", progress=False,
+                              client=cluster[1])
+    xr.testing.assert_identical(on_client, local)
+
+
 def test_sharded_runs_on_the_cluster(tmp_path, cluster):
     """Assembled sharded runs travel to worker processes (their bit readers pickle)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "unit"))

@@ -211,6 +211,44 @@ def test_count_runs_every_path_equals_the_bits_unpacked():
                 kernel.set_path("auto")
 
 
+def test_count_runs_many_equals_count_runs_against_each_side():
+    """One side's bits against several sides laid out alike (a reference against its test and
+    its controls: ``kernel.count_runs_many``) count as ``count_runs`` against each alone, on
+    every path: runs longer than the piece the C kernel reads once for all sides (2^18 bits),
+    at the same bit phase in both and not, with significance bits and without, and more sides
+    than it takes at once (16)."""
+    rng = np.random.default_rng(5)
+    paths = [p for p in ("avx512", "avx2", "c") if kernel.set_path(p) == p] + ["numpy"]
+    kernel.set_path("auto")
+    nrows, width = 2, 80_000                 # 640,000 bits a row
+    for nsides, use_sig in ((3, True), (3, False), (18, True)):
+        def side():
+            return [(rng.integers(0, 256, (nrows, width), np.uint8),
+                     rng.integers(0, 256, (nrows, width), np.uint8) if use_sig else None)
+                    for _ in range(2)]
+
+        a = side()
+        others = [side() for _ in range(nsides)]
+        runs = np.zeros((4, 15), np.int64)
+        runs[:, 6::3] = 1                     # one run per set (no leading loop)
+        runs[0, :6] = (0, 0, 1, 8, 8, 600_000)                 # same phase, three pieces
+        runs[1, :6] = (1, 1, 0, 3, 70, 500_000)                # shifted
+        runs[2, :6] = (2, 1, 1, 0, 5, 100)                     # short
+        runs[3, :6] = (1, 0, 0, 640_000 - 300_000, 1, 300_000)  # to a row's last bit
+        for path in paths:
+            kernel.set_path(path)
+            try:
+                got = np.zeros((nsides, 3, nrows, 3), np.int64)
+                kernel.count_runs_many(a, others, runs, nrows, got)
+                for i, b in enumerate(others):
+                    want = np.zeros((3, nrows, 3), np.int64)
+                    kernel.count_runs(a, b, runs, nrows, want)
+                    assert want[0].all() and (want[1:].any() == use_sig)
+                    np.testing.assert_array_equal(got[i], want, err_msg=f"{path} side {i}")
+            finally:
+                kernel.set_path("auto")
+
+
 def _no_assembly(monkeypatch):
     """Make any assembly of a sharded run fail (the comparison of stores assembles nothing)."""
     from probekit.grads.store import assemble

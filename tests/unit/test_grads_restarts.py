@@ -364,8 +364,13 @@ def test_continuing_a_group_of_another_layout_is_refused(tmp_path):
     other = Layout(("w", "b"), (30, 6), ((6, 5), (6,)))
     w = GradWriter(str(tmp_path), 0, other, "L2", (-1, 0, 1), "md5", 2, significance=True,
                    layout_key="k")
-    with pytest.raises(GradStoreError, match=r"another layout \(differs in: params|numels"):
-        w.begin({"run": "r2", "time": 5000.0, "start": 3, "from": 3, "scope": "job"})
+    try:
+        with pytest.raises(GradStoreError, match=r"another layout \(differs in: params|numels"):
+            w.begin({"run": "r2", "time": 5000.0, "start": 3, "from": 3, "scope": "job"})
+    finally:
+        w.close(clean=False)  # a refused writer is closed as the probe's stop() closes it
+    # nothing of the refused run reached the store: the old run's 3 steps as they were
+    assert open_grads(tmp_path)["step"].values.tolist() == [0, 1, 2]
 
 
 def test_the_options_are_validated():

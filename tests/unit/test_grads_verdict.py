@@ -93,6 +93,20 @@ def test_margin_holds_the_false_alarm_rate_over_all_parameters(controls, run_sd,
     assert old > 0.1
 
 
+def test_margin_values_are_those_of_its_first_implementation():
+    """The simulation is rewritten for speed (issue 38: in place, no temporaries), not changed:
+    the same draws give the same margins, bit for bit, as the code before (values it gave)."""
+    from probekit.grads.compare import verdict
+
+    for args, kw, want in (((1, 8, 0.45, 0.45), {}, (8.317346452503983, 6.970746511282902)),
+                           ((2, 50, 1.38, 0.24), {"tail": 4.6},
+                            (8.92770424922701, 61.18320808266733)),
+                           ((3, 5, 0.3, 0.1), {"draws": 777},
+                            (1.5497984746127111, 2.1642461615918887))):
+        verdict._MARGINS.clear()
+        assert margin(*args, **kw) == want
+
+
 def test_margin_grows_with_the_family_and_the_spread_and_shrinks_with_controls():
     m = lambda *a: margin(*a)[0]  # noqa: E731
     assert m(1, 10, 0.3, 0.3) < m(1, 100, 0.3, 0.3) < m(1, 1000, 0.3, 0.3)

@@ -490,7 +490,10 @@ def compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHOL
     next), so a sharded run is never assembled, and listing the segments, opening the rank
     groups and planning are tasks of the graph too. Datasets, msprobe dumps and layouts the
     planner does not handle are compared as Datasets (a sharded store assembled by
-    ``open_grads``). Both give the same result.
+    ``open_grads``). Both give the same result. With ``control``, the comparisons of ``a``
+    with ``b`` and with each control are one graph, and where those runs are stores laid out
+    alike, ``a``'s bits are read once for all of them (``count_stages``): the same result as
+    each comparison alone.
 
     Where it runs: a dask graph (each store's segments, their rank groups opened in batches,
     the plan, then one
@@ -570,9 +573,8 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
         given = [a, b, *controls]
         # each run's statistics read once for the judgement ({rank: Dataset} passes through
         # load_runs as it is); the comparisons take the stores themselves where they are stores
-        # (shard by shard: no bit assembled), the Datasets otherwise; one after the other in
-        # this thread, whose dask pool and read buffers stay warm (measured: two at once from
-        # threads of their own cost 1.2-1.8x as much, each thread a fresh pool)
+        # (shard by shard: no bit assembled), in one graph that reads the reference's bits once
+        # for the test and the controls laid out alike (_compare_joint), the Datasets otherwise
         runs = [load_runs(x, storage_options=storage_options) for x in given]
         sources = [x if store_of(x, storage_options) is not None else r
                    for x, r in zip(given, runs)]
@@ -581,7 +583,7 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
                        scheduler=scheduler, progress=progress,
                        storage_options=storage_options, block_bytes=block_bytes,
                        task_bytes=task_bytes, rename=rename)
-        results = [_compare_grads(sources[0], x, **options) for x in sources[1:]]
+        results = _compare_joint(sources, options)
         return calibrate(results[0], results[1:], runs[0], runs[1], runs[2:],
                          storage_options=storage_options)
     with Session(client=client, scheduler=scheduler, progress=progress,
@@ -602,6 +604,36 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
     results, unpaired = results
     out = _combine(results, step0_threshold, drop_threshold)
     return _unpaired(out, unpaired)
+
+
+def _compare_joint(sources: list, options: dict) -> list:
+    """``_compare_grads(sources[0], x)`` for every other source (a reference against its test
+    and its controls), the results in order. Where the reference and others are stores, in one
+    graph: the reference's segments listed and rank groups opened once, every plan made in one
+    stage and counted in one (``count_stages``: the reference's bits read once for the runs
+    laid out alike). The rest (Datasets, what the planner declines) one comparison each."""
+    from .engine import Session
+
+    store = options["storage_options"]
+    stores = [_stores(sources[0], x, store) for x in sources[1:]]
+    joint = [k for k, st in enumerate(stores) if st is not None]
+    out: list = [None] * len(stores)
+    if len(joint) > 1:
+        thresholds = (options["step0_threshold"], options["drop_threshold"])
+        with Session(client=options["client"], scheduler=options["scheduler"],
+                     progress=options["progress"], label="compare") as session:
+            handles = plan_stages([stores[joint[0]][0]] + [stores[k][1] for k in joint],
+                                  session=session, ranks=options["ranks"],
+                                  block_bytes=options["block_bytes"],
+                                  task_bytes=options["task_bytes"], rename=options["rename"])
+            counted = count_stages(handles, session=session, thresholds=thresholds,
+                                   noise_aware=options["noise_aware"])
+            for k, handle, results in zip(joint, handles, counted):
+                if results is not None:
+                    unpaired = session.value(_plan_unpaired, handle)
+                    out[k] = _unpaired(_combine(results, *thresholds), unpaired)
+    return [r if r is not None else _compare_grads(sources[0], x, **options)
+            for r, x in zip(out, sources[1:])]
 
 
 def _unpaired(result, unpaired: dict):
@@ -685,24 +717,33 @@ def plan_stage(sa, sb, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
     """The first stages of a comparison of two stores (``opening.store_of``), as tasks of
     ``session``'s graph: each store's layout segments (``restarts.segments``), then their rank
     groups opened in batches, then the plan; the plan (on a cluster: its future)."""
+    return plan_stages([sa, sb], session=session, ranks=ranks, block_bytes=block_bytes,
+                       task_bytes=task_bytes, rename=rename)[0]
+
+
+def plan_stages(stores: list, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
+                task_bytes: int = _TASK_BYTES, rename=None) -> list:
+    """``plan_stage`` of the first store against each of the others (a reference against its
+    test and its controls) in one graph: every store's segments listed and rank groups opened
+    once (the first store's shared by all its plans); the plans' handles, in order."""
     import dask
 
     from .opening import batches, open_batch, shape, store_segments
 
     listed = session.run([dask.delayed(store_segments, pure=False)(fs, store)
-                          for fs, store in (sa, sb)], keep=True)
+                          for fs, store in stores], keep=True)
     segs = [h if session.on_cluster else dask.delayed(h, pure=False, traverse=False)
             for h in listed]
     opened = []
-    for (fs, _), handle, lazy in zip((sa, sb), listed, segs):
+    for (fs, _), handle, lazy in zip(stores, listed, segs):
         opened.append([dask.delayed(open_batch, pure=False)(fs, lazy, i, batch)
                        for i, (_, _, rks) in enumerate(session.value(shape, handle))
                        for batch in batches(rks)])
-    planned = dask.delayed(_plan_task, pure=False)(segs[0], segs[1], len(opened[0]), ranks,
-                                                   block_bytes, task_bytes, rename, *opened[0],
-                                                   *opened[1])
-    handle, = session.run([planned], keep=True, inner=opened[0] + opened[1])
-    return handle
+    planned = [dask.delayed(_plan_task, pure=False)(segs[0], segs[k], len(opened[0]), ranks,
+                                                    block_bytes, task_bytes, rename,
+                                                    *opened[0], *opened[k])
+               for k in range(1, len(stores))]
+    return session.run(planned, keep=True, inner=[t for o in opened for t in o])
 
 
 def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,
@@ -729,41 +770,79 @@ def count_stage(handle, *, session, thresholds=(STEP0_THRESHOLD, DROP_THRESHOLD)
     runs given as layout segments): one task per slab set and chunk of steps, summed per chunk;
     [(rank, (variables, coordinates, attributes))] for ``_combine``, or None when the planner
     declined."""
+    return count_stages([handle], session=session, thresholds=thresholds,
+                        noise_aware=noise_aware)[0]
+
+
+def count_stages(handles: list, *, session, thresholds=(STEP0_THRESHOLD, DROP_THRESHOLD),
+                 noise_aware: bool = True) -> list:
+    """``count_stage`` of several plans of one reference (``plan_stages``: the reference
+    against its test and its controls) in one graph: where a plan's pair has the first plan's
+    reference side, slab sets and steps (``counting.twins``: a test and a control recorded in
+    the same layout), one task reads the reference's bits once and counts them against every
+    such plan's other run (``counting.count_many``); the rest as ``count_stage``. Per plan the
+    same counts, hence the same result, as ``count_stage`` of it alone."""
     import dask
 
-    from .counting import count_task
+    from .counting import count_many, count_task, twins
 
-    shape = session.value(_plan_shape, handle)
-    if isinstance(shape, str):
-        log.info("compare: %s; the runs are compared as Datasets", shape)
-        return None
-    finish = session.value(_plan_finish, handle)
-    lazy = handle if session.on_cluster else dask.delayed(handle, pure=False, traverse=False)
-    outputs, inner, where = [], [], []
-    for p, (nsets, chunks) in enumerate(shape):
-        for s0, s1 in chunks:
-            parts = [dask.delayed(count_task, pure=False)(lazy, p, s, s0, s1)
-                     for s in range(nsets)]
-            if not parts:
-                continue
-            top, more = _tree_add(parts)
-            outputs.append(top)
-            inner += [t for t in parts if t is not top] + more
-            where.append(p)
+    shapes = [session.value(_plan_shape, h) for h in handles]
+    finish, lazy = {}, {}
+    for k, (h, shape) in enumerate(zip(handles, shapes)):
+        if isinstance(shape, str):
+            log.info("compare: %s; the runs are compared as Datasets", shape)
+            continue
+        finish[k] = session.value(_plan_finish, h)
+        lazy[k] = h if session.on_cluster else dask.delayed(h, pure=False, traverse=False)
+    # per pair of the first plan, the other plans counted with it (their pair of that index)
+    joined = {k: session.value(twins, handles[0], handles[k]) if 0 in finish else []
+              for k in finish if k > 0}
+    outputs, inner, where = [], [], []   # where: [(plan, pair)] of each output's parts
+    for k in finish:
+        for p, (nsets, chunks) in enumerate(shapes[k]):
+            if k > 0 and p < len(joined[k]) and joined[k][p]:
+                continue                    # counted with the first plan's pair p
+            group = [k] + ([j for j in joined if p < len(joined[j]) and joined[j][p]]
+                           if k == 0 else [])
+            for s0, s1 in chunks:
+                if len(group) == 1:
+                    parts = [dask.delayed(count_task, pure=False)(lazy[k], p, s, s0, s1)
+                             for s in range(nsets)]
+                else:
+                    parts = [dask.delayed(count_many, pure=False)(p, s, s0, s1,
+                                                                  *(lazy[j] for j in group))
+                             for s in range(nsets)]
+                if not parts:
+                    continue
+                top, more = _tree_add(parts)
+                outputs.append(top)
+                inner += [t for t in parts if t is not top] + more
+                where.append([(j, p) for j in group])
     counts = session.run(outputs, inner=inner)
-    per_pair = []
-    for p, info in enumerate(finish):
-        mine = [c for c, q in zip(counts, where) if q == p]
-        if mine:
-            per_pair.append(np.concatenate(mine, axis=1))
-        else:  # no parameter with elements in both runs
-            per_pair.append(np.zeros((3, info["steps"].size, len(info["common"])), np.int64))
-    results = []
-    for info, total in _by_label(finish, per_pair):
-        parts = [(total[0], total[1] if info["use_sig"] else None,
-                  total[2] if info["use_sig"] else None)]
-        results.append((info["label"], _finished(info, parts, thresholds, noise_aware)))
-    return results
+    mine = {}
+    for c, places in zip(counts, where):
+        for i, place in enumerate(places):
+            mine.setdefault(place, []).append(c if len(places) == 1 else c[i])
+    out = []
+    for k in range(len(handles)):
+        if k not in finish:
+            out.append(None)
+            continue
+        per_pair = []
+        for p, info in enumerate(finish[k]):
+            got = mine.get((k, p))
+            if got:
+                per_pair.append(np.concatenate(got, axis=1))
+            else:  # no parameter with elements in both runs
+                per_pair.append(np.zeros((3, info["steps"].size, len(info["common"])),
+                                         np.int64))
+        results = []
+        for info, total in _by_label(finish[k], per_pair):
+            parts = [(total[0], total[1] if info["use_sig"] else None,
+                      total[2] if info["use_sig"] else None)]
+            results.append((info["label"], _finished(info, parts, thresholds, noise_aware)))
+        out.append(results)
+    return out
 
 
 def _by_label(finish: list, counts: list) -> list:

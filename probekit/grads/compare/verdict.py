@@ -159,18 +159,22 @@ def margin(controls: int, params: int, run_sd: float, param_sd: float,
         rng = np.random.default_rng(0)
         k, p = max(int(controls), 1), max(int(params), 1)
         chunk = max(1, min(draws, 4_000_000 // ((k + 1) * p)))
-        excess, shift = [], []
-        for start in range(0, draws, chunk):
+        over, shift = np.empty((draws, p)), np.empty(draws)
+        for start in range(0, draws, chunk):   # in place: no temporary of the draws' size
             n = min(chunk, draws - start)
-            term = (rng.standard_normal((n, k + 1, p)) if tail is None else
-                    rng.standard_t(tail, (n, k + 1, p)) * math.sqrt((tail - 2) / tail))
-            x = rng.standard_normal((n, k + 1, 1)) * run_sd + term * param_sd
-            over = x[:, 0] - np.max(x[:, 1:], axis=1)      # the test over the band
-            excess.append(over)
-            shift.append(np.median(over, axis=1))
-        over, shift = np.concatenate(excess), np.concatenate(shift)
-        cap = max(float(np.quantile(shift, 1 - alpha)), 0.0)
-        worst = np.max(over - np.clip(shift, 0.0, cap)[:, None], axis=1)
+            if tail is None:
+                x = rng.standard_normal((n, k + 1, p))
+            else:
+                x = rng.standard_t(tail, (n, k + 1, p))
+                x *= math.sqrt((tail - 2) / tail)
+            x *= param_sd                                  # the parameter term, plus
+            x += rng.standard_normal((n, k + 1, 1)) * run_sd   # the run's shift
+            o = over[start:start + n]
+            np.subtract(x[:, 0], x[:, 1] if k == 1 else np.max(x[:, 1:], axis=1), out=o)
+            shift[start:start + n] = np.median(o, axis=1)  # the test over the band, and
+        cap = max(float(np.quantile(shift, 1 - alpha)), 0.0)   # its shift
+        over -= np.clip(shift, 0.0, cap)[:, None]
+        worst = np.max(over, axis=1)
         hit = _MARGINS[key] = (float(np.exp(max(np.quantile(worst, 1 - alpha), 0.0))),
                                float(np.exp(cap)))
     return hit
@@ -181,8 +185,20 @@ def family_margin(controls: int, family: int, param_sd: float, alpha: float) -> 
     cells before a false alarm has the chance ``alpha`` (Bonferroni), if its log departs from
     each control's by a Gaussian term of standard deviation ``param_sd`` per run (its shift
     credited separately): ``exp(param_sd * t)``, ``t`` solving ``P(y - max_c y_c > t) =
-    alpha / family`` for ``k + 1`` standard normals (a 1-D integral, by bisection)."""
+    alpha / family`` for ``k + 1`` standard normals (a 1-D integral, by bisection). Cached (a
+    comparison asks it per rank, for its cells and its steps: ranks alike ask the same)."""
     k, f = max(int(controls), 1), max(int(family), 1)
+    key = (k, f, float(param_sd), float(alpha))
+    hit = _FAMILY.get(key)
+    if hit is None:
+        hit = _FAMILY[key] = _family_margin(k, f, float(param_sd), float(alpha))
+    return hit
+
+
+_FAMILY: dict = {}
+
+
+def _family_margin(k: int, f: int, param_sd: float, alpha: float) -> float:
     target = alpha / f
     y = np.linspace(-9.0, 9.0, 3601)
     dens = np.exp(-y * y / 2) / math.sqrt(2 * math.pi) * (y[1] - y[0])

@@ -821,6 +821,65 @@ void pk_sample_hash(const int64_t *addr, const int64_t *stride, const int64_t *c
     }
 }
 
+/* pk_count_runs_many: pk_count_runs of one side's ranges (ta) against each of nb other sides
+ * (tbs[i]: the address of side i's table) laid out alike (the same run sets), into out
+ * ((nb, 3, nrows, ncols) int64, added to). A run is taken a piece of PK_PIECE bits at a time,
+ * counted against every other side in turn: the piece of ta's rows is read from memory once
+ * and from the cache after (the counts add up over any cut of a run). */
+#define PK_PIECE ((int64_t)1 << 18)
+#define PK_MANY 16
+
+void pk_count_runs_many(const int64_t *ta, const int64_t *tbs, int32_t nb, const int64_t *rs,
+                        int64_t nrs, int64_t nrows, int32_t use_sig, int64_t *out,
+                        int64_t ncols) {
+    pk_run_fn run = run_c;
+#ifdef PK_HAVE_AVX2_CODE
+    if (level >= 1 && __builtin_cpu_supports("popcnt")) run = run_popcnt;
+#ifdef PK_HAVE_VPOPCNT
+    if (level == 2 && __builtin_cpu_supports("avx512vpopcntdq")) run = run_avx512;
+#endif
+#endif
+    int64_t plane = nrows * ncols;
+    for (int32_t i0 = 0; i0 < nb; i0 += PK_MANY) { /* at most PK_MANY sides at once */
+        int32_t m = nb - i0 < PK_MANY ? nb - i0 : PK_MANY;
+        for (int64_t r = 0; r < nrows; r++) {
+            for (int64_t q = 0; q < nrs; q++) {
+                const int64_t *R = rs + PK_RS * q;
+                const int64_t *A = ta + PK_RT * R[1];
+                const uint8_t *a = (const uint8_t *)(intptr_t)A[0] + r * A[1];
+                const uint8_t *sa = use_sig ? (const uint8_t *)(intptr_t)A[2] + r * A[3] : NULL;
+                const uint8_t *b[PK_MANY], *sb[PK_MANY];
+                int64_t nbytes[PK_MANY], acc[PK_MANY][3];
+                for (int32_t i = 0; i < m; i++) {
+                    const int64_t *B = (const int64_t *)(intptr_t)tbs[i0 + i] + PK_RT * R[2];
+                    b[i] = (const uint8_t *)(intptr_t)B[0] + r * B[1];
+                    sb[i] = use_sig ? (const uint8_t *)(intptr_t)B[2] + r * B[3] : NULL;
+                    nbytes[i] = B[4];
+                    acc[i][0] = acc[i][1] = acc[i][2] = 0;
+                }
+                for (int64_t j0 = 0; j0 < R[6]; j0++)
+                    for (int64_t j1 = 0; j1 < R[9]; j1++)
+                        for (int64_t j2 = 0; j2 < R[12]; j2++) {
+                            int64_t abit = R[3] + j0 * R[7] + j1 * R[10] + j2 * R[13];
+                            int64_t bbit = R[4] + j0 * R[8] + j1 * R[11] + j2 * R[14];
+                            for (int64_t k = 0; k < R[5]; k += PK_PIECE) {
+                                int64_t len = R[5] - k < PK_PIECE ? R[5] - k : PK_PIECE;
+                                for (int32_t i = 0; i < m; i++)
+                                    run(a, sa, A[4], abit + k, b[i], sb[i], nbytes[i], bbit + k,
+                                        len, acc[i]);
+                            }
+                        }
+                for (int32_t i = 0; i < m; i++) {
+                    int64_t *o = out + (int64_t)(i0 + i) * 3 * plane + r * ncols + R[0];
+                    o[0] += acc[i][0];
+                    o[plane] += acc[i][1];
+                    o[2 * plane] += acc[i][2];
+                }
+            }
+        }
+    }
+}
+
 static struct PyModuleDef pk_module = {PyModuleDef_HEAD_INIT, "_kernel",
                                        "probekit's fused gradient-statistics kernel (ctypes)",
                                        -1, NULL, NULL, NULL, NULL, NULL};

@@ -14,7 +14,8 @@ Functions on a contiguous 1-D float32 or float64 numpy array (a chunk of a gradi
   once (C only: the numpy twin is ``record/replicas.SampleHash``'s own path);
 * ``count_runs(...)``: the comparison's counts (bits that differ between two runs, and with
   significance bits those differing and significant in both, and those significant in both)
-  over run sets of bits at any offsets (``geometry.py``).
+  over run sets of bits at any offsets (``geometry.py``); ``count_runs_many(...)``: the same of
+  one run's bits against several runs' laid out alike, each piece of the first read once.
 
 Comparisons are made in the array's own dtype (a float32 array against ``float32(thr)``,
 ``float32(b)``), as numpy and torch compare an array with a Python float.
@@ -77,6 +78,10 @@ def _load():
     lib.pk_count_runs.restype = None
     lib.pk_sample_hash.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
     lib.pk_sample_hash.restype = None
+    lib.pk_count_runs_many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64]
+    lib.pk_count_runs_many.restype = None
     lib.pk_set_path.argtypes = [ctypes.c_int32]
     lib.pk_set_path.restype = ctypes.c_int32
     _lib = lib
@@ -212,6 +217,31 @@ def count_runs(side_a: list, side_b: list, runs: np.ndarray, nrows: int,
                            _ptr(out), out.shape[2])
         return
     _count_runs_numpy(side_a, side_b, runs, nrows, out, use_sig)
+
+
+def count_runs_many(side_a: list, sides: list, runs: np.ndarray, nrows: int,
+                    out: np.ndarray) -> None:
+    """``count_runs(side_a, sides[i], runs, nrows, out[i])`` for every ``i``: one run's bits
+    (a reference's) against several runs' laid out alike (a test's and its controls'), into
+    ``out`` ((len(sides), 3, nrows, ncols) int64)."""
+    if (out.dtype != np.int64 or not out.flags.c_contiguous or out.ndim != 4
+            or out.shape[:3] != (len(sides), 3, nrows)):
+        raise ValueError(f"out: {out.dtype} {out.shape}; expected C-contiguous int64 "
+                         f"({len(sides)}, 3, {nrows}, ncols)")
+    use_sig = all(s is not None for _, s in side_a) and all(
+        s is not None for side in sides for _, s in side)
+    runs = np.ascontiguousarray(runs, np.int64)
+    if not len(runs) or not nrows or not sides:
+        return
+    if path != "numpy":
+        ta = _table(side_a, use_sig)
+        tbs = [_table(side, use_sig) for side in sides]
+        ptrs = np.array([_ptr(t) for t in tbs], np.int64)
+        _lib.pk_count_runs_many(_ptr(ta), _ptr(ptrs), len(sides), _ptr(runs), len(runs), nrows,
+                                int(use_sig), _ptr(out), out.shape[3])
+        return
+    for i, side_b in enumerate(sides):
+        _count_runs_numpy(side_a, side_b, runs, nrows, out[i], use_sig)
 
 
 def _table(side: list, use_sig: bool) -> np.ndarray:
