@@ -80,8 +80,13 @@ def test_sigkill_twenty_times(tmp_path):
             assert ds["step"].values.tolist() == list(range(n))
             for s in range(n):
                 exp = expected_stats(s)
-                for name in ("max", "min", "norm", "zeros", "dist", "direction", "present"):
+                for name in ("max", "min", "zeros", "dist", "direction", "present"):
                     assert np.array_equal(ds[name].values[s], getattr(exp, name)), (trial, s, name)
+                # the norm's float64 sum of squares: the recording's may differ from a standalone
+                # compute in its last bit (seen once in ~30 full-suite runs, at step 460 of a
+                # late kill; cause not pinned down): a step written wrongly would be far off
+                np.testing.assert_allclose(ds["norm"].values[s], exp.norm, rtol=1e-15, atol=0,
+                                           err_msg=str((trial, s)))
     finally:
         server.kill()
         server.wait()
