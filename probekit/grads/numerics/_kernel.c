@@ -757,8 +757,8 @@ PK_COUNT_RUN(run_avx512, __attribute__((target("avx512f,avx512vpopcntdq,popcnt")
 typedef void (*pk_run_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, const uint8_t *,
                           const uint8_t *, int64_t, int64_t, int64_t, int64_t *);
 
-void pk_count_runs(const int64_t *ta, const int64_t *tb, const int64_t *rs, int64_t nrs,
-                   int64_t nrows, int32_t use_sig, int64_t *out, int64_t ncols) {
+/* the widest counting loop this CPU and the chosen path allow */
+static pk_run_fn pick_run(void) {
     pk_run_fn run = run_c;
 #ifdef PK_HAVE_AVX2_CODE
     if (level >= 1 && __builtin_cpu_supports("popcnt")) run = run_popcnt;
@@ -766,27 +766,18 @@ void pk_count_runs(const int64_t *ta, const int64_t *tb, const int64_t *rs, int6
     if (level == 2 && __builtin_cpu_supports("avx512vpopcntdq")) run = run_avx512;
 #endif
 #endif
-    int64_t plane = nrows * ncols;
-    for (int64_t r = 0; r < nrows; r++) {
-        for (int64_t q = 0; q < nrs; q++) {
-            const int64_t *R = rs + PK_RS * q;
-            const int64_t *A = ta + PK_RT * R[1], *B = tb + PK_RT * R[2];
-            const uint8_t *a = (const uint8_t *)(intptr_t)A[0] + r * A[1];
-            const uint8_t *b = (const uint8_t *)(intptr_t)B[0] + r * B[1];
-            const uint8_t *sa = use_sig ? (const uint8_t *)(intptr_t)A[2] + r * A[3] : NULL;
-            const uint8_t *sb = use_sig ? (const uint8_t *)(intptr_t)B[2] + r * B[3] : NULL;
-            int64_t acc[3] = {0, 0, 0};
-            for (int64_t i0 = 0; i0 < R[6]; i0++)
-                for (int64_t i1 = 0; i1 < R[9]; i1++)
-                    for (int64_t i2 = 0; i2 < R[12]; i2++)
-                        run(a, sa, A[4], R[3] + i0 * R[7] + i1 * R[10] + i2 * R[13], b, sb, B[4],
-                            R[4] + i0 * R[8] + i1 * R[11] + i2 * R[14], R[5], acc);
-            int64_t *o = out + r * ncols + R[0];
-            o[0] += acc[0];
-            o[plane] += acc[1];
-            o[2 * plane] += acc[2];
-        }
-    }
+    return run;
+}
+
+void pk_count_runs_many(const int64_t *ta, const int64_t *tbs, int32_t nb, const int64_t *rs,
+                        int64_t nrs, int64_t nrows, int32_t use_sig, int64_t *out,
+                        int64_t ncols);
+
+/* one side against one other: pk_count_runs_many with nb = 1 (out: (3, nrows, ncols)) */
+void pk_count_runs(const int64_t *ta, const int64_t *tb, const int64_t *rs, int64_t nrs,
+                   int64_t nrows, int32_t use_sig, int64_t *out, int64_t ncols) {
+    const int64_t tbs[1] = {(int64_t)(intptr_t)tb};
+    pk_count_runs_many(ta, tbs, 1, rs, nrs, nrows, use_sig, out, ncols);
 }
 
 /* ------------------------------------------------------------------ replica check: sample hash
@@ -832,13 +823,7 @@ void pk_sample_hash(const int64_t *addr, const int64_t *stride, const int64_t *c
 void pk_count_runs_many(const int64_t *ta, const int64_t *tbs, int32_t nb, const int64_t *rs,
                         int64_t nrs, int64_t nrows, int32_t use_sig, int64_t *out,
                         int64_t ncols) {
-    pk_run_fn run = run_c;
-#ifdef PK_HAVE_AVX2_CODE
-    if (level >= 1 && __builtin_cpu_supports("popcnt")) run = run_popcnt;
-#ifdef PK_HAVE_VPOPCNT
-    if (level == 2 && __builtin_cpu_supports("avx512vpopcntdq")) run = run_avx512;
-#endif
-#endif
+    pk_run_fn run = pick_run();
     int64_t plane = nrows * ncols;
     for (int32_t i0 = 0; i0 < nb; i0 += PK_MANY) { /* at most PK_MANY sides at once */
         int32_t m = nb - i0 < PK_MANY ? nb - i0 : PK_MANY;
