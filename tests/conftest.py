@@ -28,6 +28,18 @@ def msprobe_config_dict():
 
 
 @pytest.fixture
+def one_thread():
+    """torch on one thread for the test, its thread count set back after: the free benchmark's
+    exact expectations (rows, operator counts) are those of one thread's reduction order."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def python_exe():
     return sys.executable
 

@@ -13,12 +13,7 @@ from test_freebench_training import TinyLM  # noqa: E402
 from probekit.freebench import FreeBench  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def train(steps, fb=None, seed=1):

@@ -25,12 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from _hf_models import VOCAB, build  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class Encoder(nn.Module):

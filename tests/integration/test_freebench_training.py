@@ -66,12 +66,7 @@ def make(seed=0, dtype=torch.bfloat16, blocks=("manual", "sdpa"), adam=True):
 
     return model, opt, step
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 ALL_MODES = [

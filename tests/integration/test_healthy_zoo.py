@@ -44,12 +44,7 @@ REAL_BF16 = frozenset({"Functional.layer_norm", "Functional.batch_norm", "Torch.
 DROPOUT_ON = ("rnnlm",)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def false_findings(fb, setting: str, mode: str, stage: str) -> list:

@@ -17,12 +17,7 @@ from probekit.freebench.perturb import perturb
 bf16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def gen(seed=0):

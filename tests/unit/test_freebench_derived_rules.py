@@ -21,12 +21,7 @@ def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def probe(tmp_path, mode, fn, **options):

@@ -8,7 +8,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from bench_freebench_ops import count, ops  # noqa: E402
@@ -46,12 +45,7 @@ EXPECTED["bit_noise"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=Tr
 EXPECTED["no_change"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 6))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("mode", list(EXPECTED))

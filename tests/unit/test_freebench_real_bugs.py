@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 from probekit.freebench import FreeBench
 
@@ -15,12 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from _real_bugs import NEW_BF16, REAL_BUGS, batch_norm_kernel_is_wrong  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def found(tmp_path, mode, options, fn, steps=1) -> list:
