@@ -70,6 +70,15 @@ def _bool(key: str, value: Any) -> None:
         _fail(key, value, "true or false")
 
 
+def _not_both(section: str, resume: bool, overwrite: bool, choice: str) -> None:
+    """``resume`` and ``overwrite`` of one section (``section``: "grad_probe." ...) are not
+    both true; ``choice`` says what each does."""
+    if resume and overwrite:
+        raise ConfigError(f"{section}resume and {section}overwrite: both true; accepted: one of "
+                          f"them ({choice})", key=section + "resume", value=True,
+                          accepted="resume or overwrite, not both")
+
+
 def _positive_int(key: str, value: Any) -> None:
     if not _is_int(value) or value <= 0:
         _fail(key, value, "an integer > 0")
@@ -142,11 +151,7 @@ class FreeBenchmarkConfig:
         _positive_int(s + "max_sample", self.max_sample)
         _bool(s + "resume", self.resume)
         _bool(s + "overwrite", self.overwrite)
-        if self.resume and self.overwrite:
-            raise ConfigError("free_benchmark.resume and free_benchmark.overwrite: both true; "
-                              "accepted: one of them (append to the dump, or replace it)",
-                              key="free_benchmark.resume", value=True,
-                              accepted="resume or overwrite, not both")
+        _not_both(s, self.resume, self.overwrite, "append to the dump, or replace it")
         if self.scope and self.api_list:
             raise ConfigError(
                 f"free_benchmark.scope {list(self.scope)!r} and free_benchmark.list "
@@ -289,11 +294,7 @@ class GradProbeConfig:
                   "store: the optimizer's step count, else the step after its newest)")
         _bool(s + "overwrite", self.overwrite)
         _bool(s + "resume", self.resume)
-        if self.resume and self.overwrite:
-            raise ConfigError("grad_probe.resume and grad_probe.overwrite: both true; accepted: "
-                              "one of them (continue the store, or replace it)",
-                              key="grad_probe.resume", value=True,
-                              accepted="resume or overwrite, not both")
+        _not_both(s, self.resume, self.overwrite, "continue the store, or replace it")
         _bool(s + "durable", self.durable)
         if self.control is not None:
             name, _, recipe = (self.control.partition(":") if isinstance(self.control, str)
