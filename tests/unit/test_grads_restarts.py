@@ -12,6 +12,7 @@ import torch
 from probekit.grads import GradProbe, compare_grads, open_grads
 from probekit.grads.store.restarts import plan_run, segments
 from probekit.grads.numerics.stats import Layout, compute
+from probekit.grads.store.live import LIVE
 from probekit.grads.store.store import GradStoreError, GradWriter
 
 SHAPES = [(6, 5), (7,)]
@@ -364,11 +365,11 @@ def test_continuing_a_group_of_another_layout_is_refused(tmp_path):
     other = Layout(("w", "b"), (30, 6), ((6, 5), (6,)))
     w = GradWriter(str(tmp_path), 0, other, "L2", (-1, 0, 1), "md5", 2, significance=True,
                    layout_key="k")
-    try:
-        with pytest.raises(GradStoreError, match=r"another layout \(differs in: params|numels"):
-            w.begin({"run": "r2", "time": 5000.0, "start": 3, "from": 3, "scope": "job"})
-    finally:
-        w.close(clean=False)  # a refused writer is closed as the probe's stop() closes it
+    with pytest.raises(GradStoreError, match=r"another layout \(differs in: params|numels"):
+        w.begin({"run": "r2", "time": 5000.0, "start": 3, "from": 3, "scope": "job"})
+    # a refused writer is no longer live: no SIGTERM handler or timer kept for it
+    assert id(w) not in LIVE.writers
+    w.close(clean=False)  # and closing it after is harmless
     # nothing of the refused run reached the store: the old run's 3 steps as they were
     assert open_grads(tmp_path)["step"].values.tolist() == [0, 1, 2]
 

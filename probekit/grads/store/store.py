@@ -466,7 +466,12 @@ class GradWriter:
             if run.get("aside") and run.get("by") == self.rank:
                 self._aside = run["aside"]
             self._group_open = False  # an empty group made before (``finish``) may be gone
-            self._open_group()
+            try:
+                self._open_group()
+            except BaseException:  # refused (another layout...): no run, no longer live
+                self._run = {}
+                LIVE.remove(self)
+                raise
 
     def append(self, step: int, stats: StepStats) -> None:
         """Hand one step over. The newest step stays here until the next one arrives (so
