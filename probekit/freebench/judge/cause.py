@@ -83,6 +83,9 @@ BLAME_FACTOR = 2.0
 #: over the nudge moves by a part between (a linear one by half)
 JUMP = 1.0 / 8
 _U64 = 2.0 ** -53
+#: the roundings of a normalisation's folded scale and shift: ``x a`` and ``mu a``
+#: (``magnitudes.norm_fold``)
+FOLD_ROUNDINGS = 2
 
 
 def to64(x):
@@ -430,8 +433,22 @@ def forward_bounds(judges: dict, func, x64, spec, r: dict, S: dict, api=None) ->
       + beta sqrt(Q))`` (``scales.data_bound``; ``Q`` the call on squared inputs, ``k`` counted
       per element for an index accumulation), capped at ``gamma_k S``;
     * a resampling call (``resample.APIS``): ``gamma_k S`` plus its source coordinates' term
-      (``resample.term``)."""
+      (``resample.term``);
+    * a normalisation: ``gamma_k S`` plus its fold term, ``gamma_2(u_acc) rstd |w| (|x| + |mu|)``
+      where ``x`` differs from its mean (``magnitudes.norm_fold``: the two rounded products of
+      ``x a + (b - mu a)``)."""
     out = {}
+    norms = [i for i, j in judges.items() if j.fam == "norm" and r.get(i) is not None]
+    if norms and api is not None:
+        args, kwargs = perturb.unflatten(x64, spec)
+        T = magnitudes.fold(api, scales.Args(func, api, args, kwargs), x64)
+        for i in norms:
+            if T is None or T.shape != r[i].shape:
+                continue
+            j = judges[i]
+            t = T * scales.gamma(FOLD_ROUNDINGS, j.u_acc)
+            g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
+            out[i] = t if S.get(i) is None else t.add_(S[i].to(torch.float64) * g)
     if api in resample.APIS and 0 in judges and r.get(0) is not None:
         args, kwargs = perturb.unflatten(x64, spec)
         j = judges[0]

@@ -152,6 +152,33 @@ def norm_forward(name: str, a: Args, leaves: list):
     return s
 
 
+def norm_fold(name: str, a: Args, leaves: list):
+    """The fold term of a normalisation's output (issue 34, class M): ``rstd |w| (|x| + |mu|)``
+    where ``x`` differs from its mean ``mu``, 0 where it equals it; None for ``rms_norm`` (no
+    mean: its ``S`` already holds ``rstd |w| |x|``) and outside the formula's cover.
+
+    A CPU kernel applies the statistics folded into one scale and shift, ``y = x a + c`` with
+    ``a = rstd w`` and ``c = b - mu a``, in its opmath type (the scalar and the vectorised
+    kernels alike): the products ``x a`` and ``mu a`` are each rounded, so the result carries up
+    to ``u_acc rstd |w| (|x| + |mu|)`` -- the size of ``x`` and ``mu``, not of ``x - mu``, which is
+    all ``S`` holds. Where the mean is far above the spread (batch norm over two values, mean
+    344 times the spread) that is hundreds of ``u`` of ``S``, and the scalar kernel, which
+    accumulates the statistics in float64, errs 106 ``u`` of ``S`` there. Where ``x`` equals its
+    mean the two products are the same rounded product and cancel exactly, and the result is the
+    bias: the scalar kernel returns it (a constant batch-norm channel, a ``LayerNorm(1)``), so
+    the term is 0 there, and the vectorised kernels' ``u |x| rstd`` (pytorch#5410's constant
+    channels, up to 0.93 at 1e5) stays the kernel's error."""
+    if name == "rms_norm":
+        return None
+    n = _Norm(name, a, leaves)
+    if not n.ok or n.mu is None:
+        return None
+    t = n.x.abs().add_(n.mu.abs()).mul_(n.rstd).masked_fill_(n.x == n.mu, 0.0)
+    if isinstance(n.w, torch.Tensor):
+        t = t.mul_(n.w.abs())
+    return t
+
+
 #: elements of a normalisation's input the backward formula works on at a time (2 MiB of
 #: float64 per temporary): the cause analysis runs it on a whole float64 tensor
 NORM_BLOCK = 1 << 18
@@ -342,3 +369,9 @@ def forward(name: str, a: Args, leaves: list):
     """``S`` of a normalisation's output (module doc), or None."""
     with torch.no_grad():
         return norm_forward(name, a, leaves)
+
+
+def fold(name: str, a: Args, leaves: list):
+    """A normalisation's fold term (``norm_fold``), or None."""
+    with torch.no_grad():
+        return norm_fold(name, a, leaves)
