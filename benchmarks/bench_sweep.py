@@ -760,11 +760,12 @@ ANALYSED = (
      "(u |x_src| |dy/dx_src|) outside the bound",
      "match": {"api": ("Functional.interpolate",), "setting": ("fp32", "autocast"),
                "stage": ("forward",), "cause": ("inaccurate",)}},
-    {"id": "N", "category": "false", "label": "a norm over one element (LayerNorm(1)): exact "
-     "0, the kernel's u |x| rstd",
+    {"id": "N", "category": "genuine", "label": "a norm over one element (LayerNorm(1)): "
+     "exact 0 (the bias), the vectorised kernels' fused fold gives u |x| rstd (pytorch#5410's "
+     "mechanism; the scalar kernel is exact)",
      "match": {"family": ("csatv2",), "api": ("Functional.layer_norm",)}},
     {"id": "M", "category": "false", "label": "norm statistics far above their spread: the "
-     "fp32 mean's rounding outside S, unseen by same-direction nudges",
+     "folded statistics' rounding u rstd (|x| + |mu|) outside S (closed by the fold term)",
      "match": {"two_sample": (True,), "cause": ("inaccurate",), "setting": ("fp32",)}},
     {"id": "M2", "category": "model", "label": "batch-norm statistics over 2 values (batch 2, "
      "1x1 map): x - mean cancels",

@@ -174,6 +174,15 @@ def _cross_entropy_mean():
     return F.cross_entropy(logits, torch.randint(0, 256, (64,), generator=g))
 
 
+def _nll_loss_mean():
+    # the same mean over the log-probabilities: CPU bf16 nll_loss sums it in bf16 (2.6 u of the
+    # loss, fp32 accumulation 0.04 u)
+    g = gen(97)
+    logits = torch.randn(64, 256, generator=g) * 3
+    return F.nll_loss(F.log_softmax(logits, -1).to(bf16),
+                      torch.randint(0, 256, (64,), generator=g))
+
+
 def _grid_sample(backward):
     g = gen()
     x = torch.randn(2, 4, 32, 32, generator=g).to(bf16).requires_grad_()
@@ -191,6 +200,8 @@ NEW_BF16 = [
      _broadcast_mul_backward, ("Tensor.__mul__.0.backward", 1)),
     ("cross_entropy_mean", {"list": ["cross_entropy"]}, _cross_entropy_mean,
      ("Functional.cross_entropy.0.forward", 0)),
+    ("nll_loss_mean", {"list": ["nll_loss"]}, _nll_loss_mean,
+     ("Functional.nll_loss.0.forward", 0)),
     ("grid_sample_forward", {"list": ["grid_sample"]}, lambda: _grid_sample(False),
      ("Functional.grid_sample.0.forward", 0)),
     ("grid_sample_grid_gradient", {"fuzz_stage": "backward", "list": ["grid_sample"]},

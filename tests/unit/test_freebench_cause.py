@@ -433,3 +433,25 @@ def test_a_layer_norm_over_one_element_stays_a_finding_where_the_kernel_misses_t
     else:
         assert fb.results[["api_name", "cause"]].values.tolist() == [
             ["Functional.layer_norm.0.forward", "inaccurate"]]
+
+
+def test_the_gradients_fold_term():
+    from probekit.freebench.judge import magnitudes
+    from probekit.freebench.judge.scales import Args
+    x = torch.tensor([[1.0, 3.0, 2.0], [5.0, 5.0, 5.0]], dtype=torch.float64)
+    w = torch.tensor([2.0, -1.0, 1.0], dtype=torch.float64)
+    g = torch.tensor([[1.0, -2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+    a = Args(F.layer_norm, "layer_norm", (x, (3,), w), {"eps": 1e-5})
+    t = magnitudes.backward_fold("layer_norm", a, [x, w], g)
+    r = 1 / math.sqrt(2 / 3 + 1e-5)
+    # d = rstd (|x| + |mu|) where x != mu: row 0 (3 r, 5 r, 0), row 1 (constant) 0; the
+    # weight's term sum_rows |g| d
+    torch.testing.assert_close(t[1], torch.tensor([3 * r, 10 * r, 0.0], dtype=torch.float64),
+                               rtol=1e-15, atol=0)
+    # the input's: rstd (d mean|g w x^| + |x^| mean(|g w| d)); row 1 has d = 0 and x^ = 0
+    xh = (x[0] - 2) * r
+    gw = (g[0] * w).abs()
+    d = torch.tensor([3 * r, 5 * r, 0.0], dtype=torch.float64)
+    want0 = r * (d * (gw * xh.abs()).mean() + xh.abs() * (gw * d).mean())
+    torch.testing.assert_close(t[0][0], want0, rtol=1e-14, atol=0)
+    assert t[0][1].tolist() == [0.0, 0.0, 0.0]

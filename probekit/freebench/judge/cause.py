@@ -609,19 +609,40 @@ def backward_magnitudes(func, api, leaves, spec, diff, out_index, g, judges: dic
     return out
 
 
+def _norm_backward_bounds(func, leaves, spec, diff, g, judges, r, S, api) -> dict:
+    norms = [i for i in diff if i in judges and judges[i].fam == "norm" and r.get(i) is not None]
+    if not norms or api is None:
+        return {}
+    args, kwargs = perturb.unflatten([x.detach() if isinstance(x, torch.Tensor) else x
+                                      for x in leaves], spec)
+    T = magnitudes.backward_fold(api, scales.Args(func, api, args, kwargs),
+                                 perturb.flatten(args, kwargs)[0], g.to(_dtype_of(leaves)))
+    out = {}
+    for i in norms:
+        t = None if T is None else T.get(i)
+        if t is None or t.shape != r[i].shape:
+            continue
+        j = judges[i]
+        t = t.to(torch.float64) * scales.gamma(FOLD_ROUNDINGS, j.u_acc)
+        gk = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
+        out[i] = t if S.get(i) is None else t.add_(S[i].to(torch.float64) * gk)
+    return out
+
+
 def backward_bounds(func, leaves, spec, diff, out_index, g, judges: dict, r: dict,
-                    S: dict) -> dict:
+                    S: dict, api: str | None = None) -> dict:
     """``forward_bounds`` for the input gradients ``r`` (``{position: float64 gradient}``):
     the data-aware bound of the multilinear and arithmetic families' gradients (their sums over
     the rows, the broadcast dims), from the backward on squared inputs with ``g^2``, capped at
-    ``gamma_k S``."""
+    ``gamma_k S``; a normalisation's gradients: ``gamma_k S`` plus their fold term
+    (``magnitudes.norm_backward_fold``, ``api`` given)."""
+    out = _norm_backward_bounds(func, leaves, spec, diff, g, judges, r, S, api)
     data = [i for i in diff if i in judges and judges[i].data and r.get(i) is not None]
     if not data:
-        return {}
+        return out
     sq = _grads_abs(func, leaves, spec, diff, out_index, g, True, squares=True)
     cnt = _grads_abs(func, leaves, spec, diff, out_index, g, False, counts=True) \
         if any(judges[i].data == "count" for i in data) else [None] * len(diff)
-    out = {}
     for i, Q, K in zip(diff, sq, cnt):
         if i not in data or Q is None or Q.shape != r[i].shape:
             continue
@@ -696,7 +717,7 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
         S = backward_magnitudes(func, api, x64, spec, diff, out_index, g.to(_wide(g)),
                                 judges)
         B = backward_bounds(func, x64, spec, diff, out_index, g.to(_wide(g)), judges,
-                            {i: r[pos[i]] for i in diff}, S)
+                            {i: r[pos[i]] for i in diff}, S, api)
         del x64
     scores = {}
     for index, gr, desc in items:

@@ -371,6 +371,41 @@ def forward(name: str, a: Args, leaves: list):
         return norm_forward(name, a, leaves)
 
 
+def norm_backward_fold(name: str, a: Args, leaves: list, g: torch.Tensor):
+    """The fold term of a normalisation's gradients (``norm_fold``): the backward recomputes
+    ``x^ = x rstd - mu rstd`` the same way, off by ``d = rstd (|x| + |mu|)`` per rounding where
+    ``x`` differs from its mean, which reaches the weight's gradient as ``sum |g| d`` and the
+    input's as ``rstd (d mean|g w x^| + |x^| mean|g w| d)``. ``{input position: term}``, or None
+    (``rms_norm``, outside the formula, or an input over ``NORM_BLOCK`` elements: the term is
+    left out there)."""
+    if name == "rms_norm":
+        return None
+    x = a.get("input", 0)
+    if not isinstance(x, torch.Tensor) or x.numel() > NORM_BLOCK:
+        return None
+    n = _Norm(name, a, leaves)
+    if not n.ok or n.mu is None:
+        return None
+    d = n.x.abs().add_(n.mu.abs()).mul_(n.rstd).masked_fill_(n.x == n.mu, 0.0)
+    ga = g.abs()
+    out = {}
+    wt = a.get("weight", None)
+    pw = _position(leaves, wt) if isinstance(wt, torch.Tensor) else None
+    if pw is not None:
+        t = ga * d
+        out[pw] = (t.sum(n.wdims) if n.wdims else t).reshape(wt.shape)
+    gw = ga.mul_(n.w.abs()) if isinstance(n.w, torch.Tensor) else ga
+    xa = n.xhat().abs_()
+    out[n.pos] = d.mul(n.mean(gw * xa)).add_(xa.mul_(n.mean(gw * d))).mul_(n.rstd)
+    return out
+
+
+def backward_fold(name: str, a: Args, leaves: list, g: torch.Tensor):
+    """A normalisation's gradients' fold term (``norm_backward_fold``), or None."""
+    with torch.no_grad():
+        return norm_backward_fold(name, a, leaves, g)
+
+
 def fold(name: str, a: Args, leaves: list):
     """A normalisation's fold term (``norm_fold``), or None."""
     with torch.no_grad():

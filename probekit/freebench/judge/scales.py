@@ -52,7 +52,7 @@ matmul __matmul__ __rmatmul__ mm bmm mv dot vdot inner einsum tensordot linear b
 addbmm baddbmm addr conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
 convolution sum nansum mean nanmean cumsum trace index_add index_add_ scatter_add scatter_add_
 index_put index_put_ put put_ embedding_bag bincount scatter_reduce scatter_reduce_ index_reduce
-index_reduce_ scatter scatter_ kron chain_matmul multi_dot _grouped_mm grouped_mm
+index_reduce_ scatter scatter_ kron chain_matmul multi_dot _grouped_mm grouped_mm nll_loss
 """.split())
 #: element-wise products: correctly rounded forward (``|p|``), and a backward that is a product of
 #: the upstream gradient with input values (the backward on absolute values is its magnitude)
@@ -247,6 +247,8 @@ def data_variant(name: str, a: "Args", stage: str = "forward"):
         return True
     if base in MEANS:
         return "mean"
+    if base == "nll_loss":      # -sum w_t x_t / sum w_t: the terms of a mean (unit weights)
+        return "mean" if a.get("reduction", 6) == "mean" else True
     if base not in COUNTED:
         return True
     if base in ("scatter_reduce", "index_reduce"):
@@ -453,6 +455,10 @@ def _multilinear_length(name: str, a: Args, x: torch.Tensor, out: torch.Tensor) 
         return x.numel() if x.dim() <= 1 else x.shape[-1]
     if name == "bincount":
         return _numel(a.get("weights", 1))
+    if name == "nll_loss":
+        # the selected log-probabilities behind each output element (N targets for a mean or
+        # a sum; 1 for reduction="none"), and the mean's division by the weights' sum
+        return max(1, _numel(a.get("target", 1)) // max(1, out.numel())) + 1
     return 0
 
 
