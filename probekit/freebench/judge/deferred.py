@@ -102,7 +102,7 @@ class Held(tuple):
     """Fast values of an accelerator check, with what its exact form needs until they are read:
     the original output (and its version), the re-run output, the scale."""
 
-    o = p = scale = exact = operands = None
+    o = p = scale = exact = operands = versions = None
     version = nbytes = 0
     lam = 0.0
 
@@ -111,11 +111,15 @@ class Held(tuple):
         o = self.o
         if o is None or o._version != self.version:
             return None
-        return device_stats(o, self.p, self.scale, True, self.lam, self.operands)
+        ops = self.operands
+        if ops and any(isinstance(x, torch.Tensor) and x._version != v
+                       for x, v in zip(ops, self.versions)):
+            ops = None   # an operand overwritten since: read without it (a row, not a silence)
+        return device_stats(o, self.p, self.scale, True, self.lam, ops)
 
     def release(self) -> int:
         n = self.nbytes
-        self.o = self.p = self.scale = self.operands = None
+        self.o = self.p = self.scale = self.operands = self.versions = None
         self.nbytes = 0
         return n
 
@@ -218,7 +222,8 @@ class Verdicts:
         held.o, held.version, held.p, held.scale, held.lam = o, o._version, p, scale, lam
         held.nbytes = _nbytes(p) + (_nbytes(scale) if scale is not o else 0)
         if operands:   # the call's inputs: held alive until the gather, so counted (their
-            held.operands = operands   # storage: an operand is expanded to o's shape)
+            held.operands = operands   # storage, kept whole whatever part of it is read)
+            held.versions = [getattr(x, "_version", 0) for x in operands]
             held.nbytes += sum(x.untyped_storage().nbytes() for x in operands
                                if isinstance(x, torch.Tensor))
         self.held.append(held)
