@@ -8,7 +8,10 @@ With ``d = p - o`` and the scale ``S`` of the call (``scales.py``):
   shaped like ``o`` (``sum |a||b|``, or ``|p| + offset``);
 * ``max_abs = max|d|``; ``nan_inf`` = elements where one side is NaN/Inf and the other is not, or
   both are non-finite but different (+Inf vs -Inf, NaN vs Inf); the maxima are taken over the
-  finite pairs, so a NaN does not hide the rest of the tensor.
+  finite pairs, so a NaN does not hide the rest of the tensor. Two edges of the range are no
+  mismatch (issue 34): a re-run's +-Inf against an original at the same-signed +-max (class O,
+  ``_at_the_edge``), and an element-wise call's original +-Inf whose own operand at that element
+  is the same-signed +-max of its dtype, a stand-in for +-infinity (class O2, ``_stood_in``).
 
 The comparison stays on the device (``device_stats``: 0-dim tensors, nothing read back) and is
 read back at the step's gather point (``deferred.py``). Its fast form is three kernels for the
