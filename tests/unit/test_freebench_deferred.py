@@ -511,3 +511,24 @@ def test_fast_values_read_on_the_host_are_the_values(dtype):
     assert host_errors([fb_vals, vals]) == [0.25, metric.fast_error(torch.stack(
         list(vals)).tolist())]
     assert host_errors([metric.device_stats(o, p, None, exact=True)]) is None   # exact form
+
+
+def test_a_held_check_reads_its_operands_as_they_were(tmp_path):
+    """The accelerator path (held, forced on the CPU) keeps an element-wise call's operands for
+    the +-max stand-in rule (issue 34, class O2) until the gather: GPT-Neo's ``finfo.min +
+    finfo.min`` is no row. An operand overwritten in place before the gather (even with the same
+    values) is not read: the mismatch stays a row rather than being silenced by other data."""
+    lo = torch.finfo(torch.float32).min
+    for overwrite, want in ((False, []), (True, [1])):
+        fb = FreeBench(dump_path=str(tmp_path / str(overwrite)), pert_mode="improve_precision",
+                       list=["add"])
+        fb._engine.verdicts.hold = True
+        s, m = torch.full((4, 4), lo), torch.full((4, 4), lo)
+        with fb:
+            for step in range(2):
+                torch.add(s, m)
+                if overwrite and step == 1:
+                    m.mul_(1.0)          # not checked (list), version moved
+                fb.step()
+        assert fb.results["step"].tolist() == want, fb.results
+        assert fb._engine.verdicts.inconclusive == 1      # step 1's fast check, held and redone

@@ -3,7 +3,8 @@
 measured from the output it was handed (found from autograd's saved tensors); a step across a
 kink is no loss of bits; an element-wise function with no relative contract is judged against
 its own variation; the data-aware bound of a sum (recall at large k, silence on alike terms);
-a result that lost half its bits relative to itself is a hot spot that says how many."""
+a result that lost half its bits relative to itself is a hot spot that says how many; an
+element-wise +-Inf that a +-max operand stands for is no lost result."""
 import math
 
 import pytest
@@ -289,3 +290,31 @@ def test_a_clamps_bound_is_judged_as_the_kernel_receives_it(tmp_path):
                        lambda: fn().backward(torch.full((32,), 1e-8, dtype=bf16)),
                        fuzz_stage="backward")
             assert fb.summary["checked"] == 1 and fb.results.empty, (mode, name, fb.results)
+
+
+# -- (O2) a +-max operand stands for +-infinity ---------------------------------------------------
+@pytest.mark.parametrize("n, hold", [(16, False), (16, True), (1024, False)],
+                         ids=["whole", "held", "blocked"])
+def test_a_masks_finfo_min_plus_finfo_min_is_no_finding(tmp_path, n, hold):
+    """GPT-Neo (issue 34, class O2): ``where(causal, scores, finfo.min) + mask`` with a mask of
+    ``finfo.min`` again. fp32 ``finfo.min + finfo.min`` is -Inf (IEEE); the float64 re-run holds
+    -6.8e38. The operands' ``finfo.min`` stands for -infinity, so the -Inf is the value it means:
+    no row, no hot spot, over steps (the site's later checks are exact: its fast form is
+    inconclusive on the Inf), on the accelerator path (held values, forced on the CPU) and
+    blocked (an output of 2^20 elements). A sum of ordinary finite operands that overflows
+    (fp32 ``3e38 + 3e38``) stays a NaN/Inf finding in the same setting."""
+    lo = torch.finfo(torch.float32).min
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    scores = torch.randn(1, 2 if n < 64 else 1, n, n, generator=gen()).masked_fill(future, lo)
+    mask = torch.zeros(1, 1, n, n).masked_fill(future, lo)
+    big = torch.full((1, 1, n, n), 3e38)
+    for fn, want in ((lambda: scores + mask, 0), (lambda: big + big, 2)):
+        fb = FreeBench(dump_path=str(tmp_path / str(want)), pert_mode="improve_precision")
+        fb._engine.verdicts.hold = hold or None
+        with fb:
+            for _ in range(2):
+                fn()
+                fb.step()
+        assert fb.summary["checked"] == 2
+        assert fb.results["kind"].tolist() == ["nan_inf"] * want, fb.results
+        assert fb.hotspots.empty

@@ -102,6 +102,48 @@ def test_an_inf_one_ulp_past_the_originals_max_is_no_mismatch():
         assert s.nan_inf == 0 and s.max_abs == 0.0 and s.max_rel == 0.0, (dtype, s)
 
 
+def test_an_original_inf_a_max_operand_stands_for_is_no_mismatch(monkeypatch):
+    """Issue 34, class O2: an element-wise call's +-Inf at an element whose own operands include
+    the same-signed +-max of their dtype (a mask's ``finfo.min``, a stand-in for -infinity) is
+    the value the stand-in means, not a lost result; an Inf from ordinary finite operands, or
+    against a stand-in of the other sign, stays a mismatch. Broadcast operands, a Python
+    number, a bf16 stand-in in an fp32 call, and chunks cut as the output is."""
+    lo32, lo16 = torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min
+    inf = float("inf")
+    a = torch.tensor([[lo32, 1.0, 3e38, lo32], [2.0, lo32, 3e38, -1.0]])
+    b = torch.tensor([lo32, lo32, 3e38, -lo32])          # broadcast along the rows
+    o = a + b                                             # fp32: -inf, lo, inf, 0 / lo, -inf,
+    p = a.double() + b.double()                           # inf, max; the float64 re-run: finite
+    assert o.tolist() == [[-inf, lo32, inf, 0.0], [lo32, -inf, inf, -lo32]]
+    ops = metric.stand_in_operands("additive", [a, b], o)
+    assert len(ops) == 2
+    s = metric.device_stats(o, p, None, exact=True, operands=ops)
+    # left: [0, 2] and [1, 2] (3e38 + 3e38: no stand-in)
+    assert metric.stats_from([v.item() for v in s]).nan_inf == 2
+    assert metric.compare(o, p).nan_inf == 4             # without the operands: every Inf
+    # the other sign: -lo32 (= max) against an original -Inf stays a mismatch
+    o2, p2 = torch.tensor([-inf]), torch.tensor([-6.8e38], dtype=torch.float64)
+    got = metric.device_stats(o2, p2, None, True, operands=[torch.tensor([-lo32]),
+                                                            torch.tensor([-3e38])])
+    assert got[4].item() == 1.0
+    # a Python number, and a bf16 stand-in in an fp32 sum (its own dtype's max)
+    x = torch.full((3,), lo32)
+    assert metric.device_stats(x + lo32, x.double() + lo32, None, True,
+                               operands=[x, lo32])[4].item() == 0.0
+    y = torch.full((3,), lo16, dtype=torch.bfloat16)
+    z = torch.full((3,), -3e38)
+    assert metric.device_stats(z + y, z.double() + y.double(), None, True,
+                               operands=[z, y])[4].item() == 0.0
+    # a reduction is not read against its operands; a per-element scale; chunks
+    assert metric.stand_in_operands("multilinear", [a, b], o) is None
+    assert metric.stand_in_operands("additive", [torch.ones(3, 4)], o) is None   # no broadcast
+    sc = p.abs() + 1
+    assert metric.device_stats(o, p, sc, True, operands=ops)[4].item() == 2.0
+    monkeypatch.setattr(metric, "CHUNK", 3)
+    for scale in (None, sc):
+        assert metric.device_stats(o, p, scale, True, operands=ops)[4].item() == 2.0
+
+
 def test_nan_in_one_chunk_does_not_hide_that_chunk(monkeypatch):
     monkeypatch.setattr(metric, "CHUNK", 4)
     o = torch.ones(16)

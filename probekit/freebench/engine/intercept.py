@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from ...log import Once, get_logger
 from . import autocast, blocks, passes, rng, state
-from ..judge import cause, handlers, scales
+from ..judge import cause, handlers, metric, scales
 from ..perturb import perturb
 from .backward import watch
 from .budget import Budget, Coverage
@@ -716,7 +716,9 @@ class Engine(Judging):
 
         self.defer(key, n, name, self.stage, self.step, frame, pert.in_dtype,
                    [(i, o, p) for (i, o), (_, p) in zip(outs, p_outs)], explain=explain,
-                   plan=judged, scales_=scales_, compute=compute)
+                   plan=judged, scales_=scales_, compute=compute,
+                   operands=[metric.stand_in_operands(fam, leaves, o)
+                             for (fam, _, _), (_, o) in zip(judged, outs)])
 
     def current_module(self) -> str:
         """The innermost running named module under module scope ("" without module scope)."""
@@ -740,8 +742,10 @@ class Engine(Judging):
             (_, p), = handlers.compared_outputs(p)
             (sc,) = self.forward_scales(judged, func, pert.new, spec, [(i, p)], outs, compute,
                                         base=b_leaves)
-            parts.append(self.verdicts.stats(plan.output(o, start, length), p, sc, exact,
-                                             whole=False))
+            o_b = plan.output(o, start, length)
+            parts.append(self.verdicts.stats(o_b, p, sc, exact, whole=False,
+                                             operands=metric.stand_in_operands(
+                                                 judged[0][0], b_leaves, o_b)))
             del pert, p, sc  # free this block's re-run before the next one
         self.applied(key, name)
 

@@ -37,7 +37,6 @@ goes through; ``summary["inconclusive"]`` counts them):
 from __future__ import annotations
 
 import ctypes
-import struct
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +45,7 @@ from ...log import get_logger
 from .metric import EXACT
 from .metric import combine as _combine
 from .metric import device_stats, fast_error, stats_from
+from .metric import host_value as _host_value
 
 log = get_logger("probekit.freebench")
 
@@ -70,30 +70,6 @@ def _finite(values) -> bool:
         if uint.from_address(v.data_ptr()).value & mask == mask:
             return False
     return True
-
-
-class _Bits(ctypes.Union):
-    _fields_ = [("i", ctypes.c_uint32), ("f", ctypes.c_float)]
-
-
-_BITS = _Bits()
-
-
-def _host_value(v):
-    """The float a 0-dim CPU tensor holds, read by its bits in place (no ATen operator); None
-    for a dtype not read this way."""
-    dt = v.dtype
-    if dt == torch.float32:
-        return ctypes.c_float.from_address(v.data_ptr()).value
-    if dt == torch.float64:
-        return ctypes.c_double.from_address(v.data_ptr()).value
-    if dt == torch.bfloat16:   # the upper half of a float32
-        _BITS.i = ctypes.c_uint16.from_address(v.data_ptr()).value << 16
-        return _BITS.f
-    if dt == torch.float16:
-        return struct.unpack("<e", struct.pack("<H", ctypes.c_uint16.from_address(
-            v.data_ptr()).value))[0]
-    return None
 
 
 class Read(tuple):
@@ -126,7 +102,7 @@ class Held(tuple):
     """Fast values of an accelerator check, with what its exact form needs until they are read:
     the original output (and its version), the re-run output, the scale."""
 
-    o = p = scale = exact = None
+    o = p = scale = exact = operands = versions = None
     version = nbytes = 0
     lam = 0.0
 
@@ -135,11 +111,15 @@ class Held(tuple):
         o = self.o
         if o is None or o._version != self.version:
             return None
-        return device_stats(o, self.p, self.scale, True, self.lam)
+        ops = self.operands
+        if ops and any(isinstance(x, torch.Tensor) and x._version != v
+                       for x, v in zip(ops, self.versions)):
+            ops = None   # an operand overwritten since: read without it (a row, not a silence)
+        return device_stats(o, self.p, self.scale, True, self.lam, ops)
 
     def release(self) -> int:
         n = self.nbytes
-        self.o = self.p = self.scale = None
+        self.o = self.p = self.scale = self.operands = self.versions = None
         self.nbytes = 0
         return n
 
@@ -215,11 +195,13 @@ class Verdicts:
         self.held_bytes = 0
 
     def stats(self, o, p, scale=None, exact: bool = False, whole: bool = True,
-              lam: float = 0.0) -> tuple:
+              lam: float = 0.0, operands=None) -> tuple:
         """``metric.device_stats`` of one comparison, its verdict never left inconclusive (module
         doc). ``whole``: the check's own output (False: one block of a blocked check). ``lam``:
-        the error model's two-term scale ``|p| + lam * scale`` (``scales.Judge``)."""
-        vals = device_stats(o, p, scale, exact, lam)
+        the error model's two-term scale ``|p| + lam * scale`` (``scales.Judge``).
+        ``operands``: ``metric.stand_in_operands`` of an element-wise call (its exact form
+        reads them after a NaN/Inf mismatch; held with the re-run on an accelerator)."""
+        vals = device_stats(o, p, scale, exact, lam, operands)
         if exact:
             return vals
         hold = self.hold if self.hold is not None else not vals[0].is_cpu
@@ -233,12 +215,17 @@ class Verdicts:
             if None in read and _finite(vals):
                 return vals
             self.inconclusive += 1
-            return device_stats(o, p, scale, True, lam)
+            return device_stats(o, p, scale, True, lam, operands)
         if not whole:       # a block: its re-run is freed before the next one
-            return device_stats(o, p, scale, True, lam)
+            return device_stats(o, p, scale, True, lam, operands)
         held = Held(vals)
         held.o, held.version, held.p, held.scale, held.lam = o, o._version, p, scale, lam
         held.nbytes = _nbytes(p) + (_nbytes(scale) if scale is not o else 0)
+        if operands:   # the call's inputs: held alive until the gather, so counted (their
+            held.operands = operands   # storage, kept whole whatever part of it is read)
+            held.versions = [getattr(x, "_version", 0) for x in operands]
+            held.nbytes += sum(x.untyped_storage().nbytes() for x in operands
+                               if isinstance(x, torch.Tensor))
         self.held.append(held)
         self.held_bytes += held.nbytes
         if self.held_bytes > HOLD_BYTES:

@@ -87,7 +87,7 @@ def count_scale(j, p, Q, K):
 class Judging:
     def defer(self, key, n, name, stage, step, frame_or_site, in_dtype, triples, values=None,
               exact=None, module=None, explain=None, plan=None, scales_=None, originals=None,
-              compute=None) -> None:
+              compute=None, operands=None) -> None:
         """Compare ``(output_index, original, perturbed)`` on the device; the verdict is read
         back at the next gather (``gather``), nothing here waits for the device.
 
@@ -100,7 +100,9 @@ class Judging:
         tensor a row describes, per triple, when the compared tensors are not the original ones.
         ``explain``: the call's cause analysis (``cause.py``); it needs the call's inputs, so an
         exact check of a site whose cause is not known yet is judged at once (one read-back) and
-        explained while the inputs exist; every other check waits for the gather."""
+        explained while the inputs exist; every other check waits for the gather. ``operands``:
+        an element-wise call's inputs (``metric.stand_in_operands``, per triple or None): an
+        original +-Inf that a same-signed +-max operand stands for is no mismatch."""
         site = self.site_of(stage, key, n)
         if exact is None:
             exact = self.verdicts.want_exact(site)
@@ -114,8 +116,10 @@ class Judging:
         if compute is None:
             compute = [o.dtype for o in originals]
         if values is None:
-            values = [self.verdicts.stats(o, p, s, exact) for (_, o, p), s in
-                      zip(triples, scales_)]
+            if operands is None:
+                operands = [None] * len(triples)
+            values = [self.verdicts.stats(o, p, s, exact, operands=ops) for (_, o, p), s, ops in
+                      zip(triples, scales_, operands)]
         outputs = []
         for (i, _, _), o, (fam, k, formula_ok), cdt, sc in zip(triples, originals, plan, compute,
                                                              scales_):

@@ -8,7 +8,10 @@ With ``d = p - o`` and the scale ``S`` of the call (``scales.py``):
   shaped like ``o`` (``sum |a||b|``, or ``|p| + offset``);
 * ``max_abs = max|d|``; ``nan_inf`` = elements where one side is NaN/Inf and the other is not, or
   both are non-finite but different (+Inf vs -Inf, NaN vs Inf); the maxima are taken over the
-  finite pairs, so a NaN does not hide the rest of the tensor.
+  finite pairs, so a NaN does not hide the rest of the tensor. Two edges of the range are no
+  mismatch (issue 34): a re-run's +-Inf against an original at the same-signed +-max (class O,
+  ``_at_the_edge``), and an element-wise call's original +-Inf whose own operand at that element
+  is the same-signed +-max of its dtype, a stand-in for +-infinity (class O2, ``_stood_in``).
 
 The comparison stays on the device (``device_stats``: 0-dim tensors, nothing read back) and is
 read back at the step's gather point (``deferred.py``). Its fast form is three kernels for the
@@ -21,7 +24,9 @@ temporaries instead of copies of the whole output).
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import struct
 from typing import NamedTuple
 
 import torch
@@ -31,6 +36,13 @@ from .scales import TENSOR
 CHUNK = 1 << 18  # 2 MiB of float64 per temporary
 #: values of an exact comparison (``_exact``); the fast forms have 4 (tensor scale) or 2
 EXACT = 6
+#: error-model families (``scales.family``) whose every output element reads only the same
+#: (broadcast) element of each input: an original +-Inf there can be read against its own
+#: operands (``_stood_in``)
+STAND_IN_FAMILIES = frozenset({"arithmetic", "additive", "elementwise", "saturating", "gelu"})
+#: the largest finite value of each floating dtype: a Python number equal to one is a stand-in
+_MAXES = frozenset(torch.finfo(d).max for d in (torch.float16, torch.bfloat16, torch.float32,
+                                                 torch.float64))
 
 
 class Stats(NamedTuple):
@@ -40,6 +52,30 @@ class Stats(NamedTuple):
     max_abs: float   # worst |d_i| over the finite pairs (NaN when the fast form did not keep it)
     nan_inf: int     # NaN/Inf mismatches
     scale: float     # tensor scale: max|o|; per-element: the result's max|p| (exact form), NaN
+
+
+class _Bits(ctypes.Union):
+    _fields_ = [("i", ctypes.c_uint32), ("f", ctypes.c_float)]
+
+
+_BITS = _Bits()
+
+
+def host_value(v):
+    """The float a 0-dim CPU tensor holds, read by its bits in place (no ATen operator: the
+    per-check count is pinned); None for a dtype not read this way."""
+    dt = v.dtype
+    if dt == torch.float32:
+        return ctypes.c_float.from_address(v.data_ptr()).value
+    if dt == torch.float64:
+        return ctypes.c_double.from_address(v.data_ptr()).value
+    if dt == torch.bfloat16:   # the upper half of a float32
+        _BITS.i = ctypes.c_uint16.from_address(v.data_ptr()).value << 16
+        return _BITS.f
+    if dt == torch.float16:
+        return struct.unpack("<e", struct.pack("<H", ctypes.c_uint16.from_address(
+            v.data_ptr()).value))[0]
+    return None
 
 
 def _chunks(t: torch.Tensor, size: int):
@@ -66,17 +102,31 @@ def _fast(o, p, scale) -> tuple:
     return tuple(torch.aminmax(d.div_(scale) if d.dtype == scale.dtype else torch.div(d, scale)))
 
 
-def _exact(o, p, scale) -> tuple:
+def _exact(o, p, scale, operands=None) -> tuple:
     """Exact values of one piece: tensor scale (dlo, dhi, olo, ohi, mismatches, pmax), else
     (rlo, rhi, dlo, dhi, mismatches, pmax); maxima over the finite pairs (``nan_to_num`` zeroes
     the others: arithmetic kernels instead of boolean masks, which cost several times an add on
     the CPU); a NaN/Inf mismatch is a pair whose class (finite, NaN, +Inf, -Inf) differs;
     ``pmax = max|p|`` over the finite values, the result's scale (the bits it lost relative to
-    itself: issue 34, ``Judging.record``)."""
+    itself: issue 34, ``Judging.record``). ``operands``: an element-wise call's inputs
+    (``stand_in_operands``, broadcastable to ``o``): an original +-Inf that a same-signed
+    +-max operand of the element stands for is no mismatch (``_stood_in``), looked at only when
+    a mismatch was seen (the CPU: its count read on the host by its bits, no ATen operator; an
+    accelerator, where reading it would be a sync, looks at once)."""
     cdt = torch.promote_types(torch.promote_types(o.dtype, p.dtype), torch.float32)
     oc, pc = o.to(cdt), p.to(cdt)
     if o.is_floating_point():
         pc = _at_the_edge(oc, pc, torch.finfo(o.dtype).max)
+    if operands and not oc.is_cpu:
+        pc = _stood_in(oc, pc, operands)
+        operands = None
+    vals = _exact_values(oc, pc, scale, cdt)
+    if operands and host_value(vals[4]):   # a mismatch: the stand-ins looked at
+        vals = _exact_values(oc, _stood_in(oc, pc, operands), scale, cdt)
+    return vals
+
+
+def _exact_values(oc, pc, scale, cdt) -> tuple:
     of = torch.nan_to_num(oc, nan=0.0, posinf=0.0, neginf=0.0)
     pf = torch.nan_to_num(pc, nan=0.0, posinf=0.0, neginf=0.0)
     d0 = torch.nan_to_num_(pc - oc, nan=0.0, posinf=0.0, neginf=0.0)
@@ -105,6 +155,55 @@ def _at_the_edge(oc, pc, big: float):
     return torch.where(edge, oc, pc)
 
 
+def _stood_in(oc, pc, operands):
+    """``pc`` with ``oc``'s +-Inf put back where an operand of that element is the same-signed
+    +-max of its own dtype (issue 34, class O2). Masks write ``finfo.min`` as a stand-in for
+    -infinity (a dtype's -Inf would make ``0 * mask`` and ``-inf - -inf`` NaN), so a +-Inf the
+    original made of it -- GPT-Neo's ``where(causal, scores, finfo.min) + mask``, ``finfo.min +
+    finfo.min`` = -Inf in fp32 -- is the value the stand-in means, while the upcast re-run, whose
+    range holds -6.8e38, keeps a finite value that means the same. The move is not measured
+    (there is no finite difference to measure), it is counted as none. An Inf from ordinary
+    finite operands (fp32 ``3e38 + 3e38``, a variance of values near 1e20) has no stand-in and
+    stays a mismatch. Per operand two kernels and a comparison with the Inf of its sign
+    (``x * inf`` is the Inf of ``x``'s sign); a Python number stands in when it is some floating
+    dtype's +-max (``torch.finfo(torch.float32).min`` passed as a number)."""
+    meant = None
+    for x in operands:
+        if isinstance(x, torch.Tensor):
+            hit = (x * math.inf == oc).logical_and_(x.abs() == torch.finfo(x.dtype).max)
+        elif abs(x) in _MAXES:
+            hit = oc == math.copysign(math.inf, x)
+        else:
+            continue
+        meant = hit if meant is None else meant.logical_or_(hit)
+    return pc if meant is None else torch.where(meant, oc, pc)
+
+
+def stand_in_operands(family: str, leaves, out: torch.Tensor):
+    """The operands ``_stood_in`` reads for a call of error-model ``family`` with output
+    ``out``: its floating tensor inputs on ``out``'s device whose shape broadcasts to ``out``'s,
+    and its finite Python floats, when each output element reads only the same (broadcast)
+    element of each input (``STAND_IN_FAMILIES``); None otherwise (a reduction, a matmul:
+    compared as before). Shapes only: no ATen operator on the healthy path."""
+    if family not in STAND_IN_FAMILIES:
+        return None
+    shape, ops = tuple(out.shape), []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() and x.device == out.device and _broadcasts(x.shape, shape):
+                ops.append(x)
+        elif isinstance(x, float) and math.isfinite(x):
+            ops.append(x)
+    return ops or None
+
+
+def _broadcasts(shape, to: tuple) -> bool:
+    """Does ``shape`` broadcast to ``to`` (without growing it)?"""
+    if len(shape) > len(to):
+        return False
+    return all(a == 1 or a == b for a, b in zip(reversed(tuple(shape)), reversed(to)))
+
+
 def combine(parts: list) -> tuple:
     """One comparison's values from those of its pieces (blocks, chunks), on the device: minima
     and maxima alternate, a fifth value (mismatches) is summed, a sixth (``max|p|``) is a
@@ -120,39 +219,51 @@ def combine(parts: list) -> tuple:
 
 
 def device_stats(o: torch.Tensor, p: torch.Tensor, scale=None, exact: bool = False,
-                 lam: float = 0.0) -> tuple:
+                 lam: float = 0.0, operands=None) -> tuple:
     """The comparison of one pair as 0-dim tensors on ``p``'s device; nothing is read back.
 
     ``scale``: None for the tensor scale, else a tensor shaped like ``o`` (per-element scale).
     ``exact``: the exact form (NaN/Inf mismatches counted). ``lam``: the per-element scale is
     ``|p| + lam * scale`` (``scales.py``'s two terms), made chunk by chunk (no tensor of ``o``'s
-    size). See the module doc."""
+    size). ``operands``: ``stand_in_operands`` of the call (the exact form reads them after a
+    mismatch). See the module doc."""
+    if not exact:
+        operands = None
     if lam and scale is not None:
         fn = _exact if exact else _fast
 
-        def two(a, b, s):
-            return fn(a, b, torch.add(b.abs(), s, alpha=lam))
+        def two(a, b, s, ops=None):
+            s = torch.add(b.abs(), s, alpha=lam)
+            return fn(a, b, s, ops) if ops else fn(a, b, s)
 
-        return _compare_pieces(o, p, scale, exact, two)
-    return _compare_pieces(o, p, scale, exact, None)
+        return _compare_pieces(o, p, scale, exact, two, operands)
+    return _compare_pieces(o, p, scale, exact, None, operands)
 
 
-def _compare_pieces(o, p, scale, exact, fn) -> tuple:
+def _compare_pieces(o, p, scale, exact, fn, operands=None) -> tuple:
     if o.shape != p.shape:
         raise ValueError(f"output shapes differ: {tuple(o.shape)} vs {tuple(p.shape)}")
     if o.device != p.device:
         o = o.to(p.device)
         if scale is not None:
             scale = scale.to(p.device)
+        operands = None   # (a to_cpu re-run: the original's operands are on another device)
     if o.numel() == 0:
         zero = torch.zeros((), dtype=torch.float64, device=p.device)
         return (zero,) * (EXACT if exact else (4 if scale is None else 2))
     if fn is None:
         fn = _exact if exact else _fast
     if o.numel() <= CHUNK:
-        return fn(o, p, scale)
+        return fn(o, p, scale, operands) if operands else fn(o, p, scale)
     scales = _chunks(scale, CHUNK) if scale is not None else iter(lambda: None, 0)
-    return combine([fn(a, b, s) for a, b, s in zip(_chunks(o, CHUNK), _chunks(p, CHUNK), scales)])
+    if not operands:
+        return combine([fn(a, b, s) for a, b, s in zip(_chunks(o, CHUNK), _chunks(p, CHUNK),
+                                                       scales)])
+    # the operands, expanded to o's shape (a view), are cut as o is (numbers are kept whole)
+    cuts = [_chunks(x.expand(o.shape), CHUNK) if isinstance(x, torch.Tensor)
+            else iter(lambda x=x: x, object()) for x in operands]
+    return combine([fn(a, b, s, list(ops)) for a, b, s, *ops in
+                    zip(_chunks(o, CHUNK), _chunks(p, CHUNK), scales, *cuts)])
 
 
 def stats_from(values, kind: str = TENSOR) -> Stats | None:
