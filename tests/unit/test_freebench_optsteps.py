@@ -208,3 +208,30 @@ def test_an_inner_step_does_not_end_the_suspension(tmp_path):
         opt.step()
         assert depth() == 1
     assert opt.seen == [0] and fb.summary["steps"] == 1
+
+
+def test_another_threads_module_call_leaves_the_suspension_alone(tmp_path):
+    """A module called on another thread while a step runs unintercepted (the global forward
+    pre-hook fires there too) neither puts the mode on that thread's stack nor takes the
+    resumption from the probe's thread."""
+    import threading
+
+    lin = torch.nn.Linear(4, 4)
+    seen = []
+
+    class Threaded(torch.optim.SGD):
+        def step(self, closure=None):
+            t = threading.Thread(target=lambda: seen.append((lin(X) is not None, depth())))
+            t.start()
+            t.join()
+            seen.append(depth())
+            return super().step(closure)
+
+    w = params(1)[0]
+    w.grad = torch.ones_like(w)
+    opt = Threaded([w], lr=0.1)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with fb:
+        opt.step()
+        assert depth() == 1
+    assert seen == [(True, 0), 0] and fb.summary["optimizer_steps_unseen"] == 1

@@ -20,11 +20,14 @@ small benchmark model are SGD's. That is the case when
 Torch runs no post hook when ``step()`` raises, so the steps running are kept as their frames
 (``frames``): a step whose frame has left the stack raised. The mode goes back on the stack at
 the next of: a module's forward (a global forward pre-hook held only while a step is suspended),
-an optimizer step, a step boundary, ``stop()``.
+an optimizer step, a step boundary, ``stop()``. Function modes are per thread: only the steps of
+the thread that started the session are tracked and suspended; another thread's step only ends
+the step (before, it also marked the probe's thread as inside an optimizer step).
 """
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 
@@ -62,11 +65,15 @@ class OptimizerSteps:
         self.unseen = 0          # optimizer steps run with the mode off the stack
         self._handles: list = []
         self._module_hook = None
+        #: the thread that started the session: function modes are per thread, so only its
+        #: steps are tracked and suspended (another thread's step only ends the step)
+        self._thread = None
 
     # -- install / remove ------------------------------------------------------------------------
     def install(self) -> None:
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
+        self._thread = threading.get_ident()
         self._handles = [register_optimizer_step_pre_hook(self.pre),
                          register_optimizer_step_post_hook(self.post)]
 
@@ -89,6 +96,8 @@ class OptimizerSteps:
 
     # -- the hooks -------------------------------------------------------------------------------
     def pre(self, optimizer, args, kwargs):
+        if threading.get_ident() != self._thread:
+            return
         frame = sys._getframe(1)      # profile_hook_step's wrapper: the step's own frame
         if self.frames:
             self._drop_finished()
@@ -100,6 +109,9 @@ class OptimizerSteps:
                 self._suspend()
 
     def post(self, optimizer, *_):
+        if threading.get_ident() != self._thread:
+            self.session.optimizer_step(optimizer, False)
+            return
         frame = sys._getframe(1)
         if frame in self.frames:      # (an inner step that raised, caught by its wrapper)
             del self.frames[self.frames.index(frame):]
@@ -142,7 +154,9 @@ class OptimizerSteps:
 
     def repair(self) -> None:
         """Steps whose frame has left the stack raised: forgotten, and the mode resumed when
-        no step is running any more."""
+        no step is running any more (on the session's thread only)."""
+        if threading.get_ident() != self._thread:
+            return
         if self.frames:
             self._drop_finished()
         if not self.frames:
