@@ -213,11 +213,10 @@ class Engine(Judging):
         self.step = 0
         self._set_enabled(self._step_selected(0))
         self.busy = False
+        #: optimizer steps running (``session/optsteps.py``: torch.optim's step hooks)
         self.in_optimizer = 0
         #: backward passes (``_Mode._backward_pass``) the current call is made inside
         self.in_backward = 0
-        #: called with the optimizer at the end of each outermost optimizer step (the session)
-        self.on_optimizer_step = None
         self.counts: dict[str, int] = {}
         self.handles: list = []
         self.watching: list = []  # backward checks registered in this block (backward.py)
@@ -799,18 +798,6 @@ class Engine(Judging):
         if replay is not None and replay.before is not None:
             replay.rewind()   # the original call draws what it would have drawn
         return func(*call.args, **call.kwargs)
-
-    # -- optimizer steps (global hooks, removed on stop) ----------------------------------------
-    def optimizer_pre(self, *_):
-        self.in_optimizer += 1
-
-    def optimizer_post(self, optimizer, *_):
-        """The end of an optimizer's step: the outermost one (a wrapper's inner steps are part
-        of it) hands its optimizer to ``on_optimizer_step`` (the session's steps follow the
-        optimizer, ``FreeBench``)."""
-        self.in_optimizer = max(0, self.in_optimizer - 1)
-        if not self.in_optimizer and self.on_optimizer_step is not None:
-            self.on_optimizer_step(optimizer)
 
 
 def make_mode(engine: Engine) -> TorchFunctionMode:

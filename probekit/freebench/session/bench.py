@@ -31,6 +31,7 @@ from .compiled import MESSAGE as COMPILED_MESSAGE
 from .compiled import CompileGuard, CompiledModelError, is_compiled_module
 from ..engine.intercept import Engine, make_mode
 from .modules import ModuleScope
+from .optsteps import Followed, OptimizerSteps
 from ..repro.record import Recorder
 from ..report.runs import DumpRun
 from ..report.view import Findings, Summary, summary_line
@@ -71,7 +72,10 @@ class FreeBench:
         self._mode = None
         #: a budget's reference step runs between start() and stop(): nothing intercepted
         self._reference = False
-        self._opt_handles: list = []
+        #: torch.optim's step hooks (steps follow the optimizer; a step whose calls matter to
+        #: nothing runs unintercepted: optsteps.py)
+        self._steps = OptimizerSteps(self._engine, self)
+        self._followed = Followed(self._engine)
         self._compile_guard = CompileGuard()
         self._closed = False
         self._coverage_once = Once()
@@ -88,7 +92,6 @@ class FreeBench:
         self._optimizers: set = set()
         self._stepped: set = set()
         self._auto_last = False
-        self._engine.on_optimizer_step = self._optimizer_step
         # verdicts still pending when the process exits (a run that never called stop()) are
         # read back and written then; a weak reference: the hook does not keep this alive
         self._exit_hook = functools.partial(_gather_at_exit, weakref.ref(self))
@@ -143,22 +146,15 @@ class FreeBench:
         if budget is not None:
             budget.started()
         self._sink.open()
-        from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                           register_optimizer_step_pre_hook)
-
         # the optimizer's steps are watched in a reference step too: they end the step
-        handles = [register_optimizer_step_pre_hook(self._engine.optimizer_pre),
-                   register_optimizer_step_post_hook(self._engine.optimizer_post)]
-        self._opt_handles = handles
+        self._steps.install()
         if budget is not None and budget.reference:
             self._reference = True   # the plain step is measured: nothing intercepted (budget.py)
             return
         try:
             self._intercept()
         except BaseException:
-            self._opt_handles = []
-            for h in handles:
-                h.remove()
+            self._steps.remove()
             raise
         if self.config.free_benchmark.handler_type == "fix" and \
                 self.config.free_benchmark.fuzz_stage == "backward":
@@ -189,12 +185,15 @@ class FreeBench:
         if mode is None:
             return
         try:
-            top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) \
-                if torch._C._len_torch_function_stack() else None
-            if top is not mode:
+            if self._steps.release():  # an optimizer step that raised left it off the stack
+                pass
+            elif (torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+                    if torch._C._len_torch_function_stack() else None) is not mode:
                 log.warning("Free benchmark: another TorchFunctionMode was entered after start() "
                             "and is still active; stop() removes the top mode")
-            mode.__exit__(None, None, None)
+                mode.__exit__(None, None, None)
+            else:
+                mode.__exit__(None, None, None)
         finally:
             self._compile_guard.remove()
             watched = len(self._engine.handles)
@@ -222,9 +221,7 @@ class FreeBench:
         finally:
             if self._engine.budget is not None:
                 self._engine.budget.stopped()
-            handles, self._opt_handles = self._opt_handles, []
-            for h in handles:
-                h.remove()
+            self._steps.remove()
             self._gather()
             self._engine.settle()   # no flag left waiting for a next run (judging.py)
         self._end_run(clean)
@@ -274,6 +271,7 @@ class FreeBench:
         ``fb.step()`` is called the steps are the caller's, as before; its first call right
         after a step the optimizer ended is that same boundary (``opt.step(); fb.step()``
         inside or after the block is one step)."""
+        self._steps.repair()   # an optimizer step that raised: the mode back on the stack
         if not self._started and self._coverage_once("step-before-start"):
             log.warning("%s", _step_before_start(self.config, self._engine.step))
         first, self._explicit = not self._explicit, True
@@ -282,11 +280,30 @@ class FreeBench:
             return
         self._advance(auto=False)
 
-    def _optimizer_step(self, optimizer) -> None:
-        """The engine's ``on_optimizer_step``: an outermost optimizer step ended while the probe
-        is active. Until ``fb.step()`` is called it ends the step; with several optimizers (a
-        GAN's generator and discriminator) once every optimizer seen so far has stepped since
-        the last boundary. Never raises into the training."""
+    # -- the optimizer's steps (optsteps.py) ------------------------------------------------------
+    def mode(self):
+        """The engine's mode while it intercepts (None in a budget's reference step)."""
+        return self._mode
+
+    def may_suspend(self, optimizer) -> bool:
+        """Can this outermost optimizer step run unintercepted without moving the name of any
+        call after it (the API counters count its calls)? Yes when it ends the step (steps
+        follow the optimizer, every optimizer seen has stepped), or, in the steps ``fb.step()``
+        ends, once a step showed no call counted after its optimizer steps."""
+        if self._explicit:
+            return self._followed.ok is True and not self._followed.followed
+        key = id(optimizer)
+        return self._stepped | {key} >= self._optimizers | {key}
+
+    def optimizer_starts(self) -> None:
+        self._followed.starts()
+
+    def optimizer_step(self, optimizer, suspended: bool = False) -> None:
+        """An outermost optimizer step ended while the probe is active (``suspended``: its calls
+        were not intercepted). Until ``fb.step()`` is called it ends the step; with several
+        optimizers (a GAN's generator and discriminator) once every optimizer seen so far has
+        stepped since the last boundary. Never raises into the training."""
+        self._followed.ended(suspended)
         if self._explicit:
             return
         try:
@@ -306,6 +323,12 @@ class FreeBench:
         self._gather()
         e = self._engine
         try:
+            moved = self._followed.boundary(learn=not auto)
+            if moved is not None and self._coverage_once("optimizer-followed"):
+                log.warning("Free benchmark: calls followed optimizer.step() in step %d before "
+                            "fb.step(); that optimizer step was not intercepted, so the "
+                            "counters (api_name) of those calls may differ from msprobe's. "
+                            "Optimizer steps are intercepted from now on", moved)
             now = coverage.counters(e)
             self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
                                                 rank_selected(self.config.rank)))
@@ -367,6 +390,8 @@ class FreeBench:
         s = self._engine.summary()
         if self._compile_guard.refused:
             s["compiled_refused"] = self._compile_guard.refused
+        if self._steps.unseen:   # their calls are in no count above (optsteps.py)
+            s["optimizer_steps_unseen"] = self._steps.unseen
         return Summary(s)
 
     def repro(self, row, out=None, *, shrink: bool = False, check: bool = False):

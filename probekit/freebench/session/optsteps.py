@@ -1,0 +1,225 @@
+"""The optimizer's steps while the free benchmark is active (issue 38).
+
+torch.optim's global step hooks (removed at ``stop()``) tell the engine that its calls are made
+inside an optimizer step (``Engine.in_optimizer``: the updates under ``no_grad`` are skipped as
+``optimizer``) and hand the end of each outermost step to the session (steps follow the
+optimizer). A step whose calls can matter to nothing runs with the engine's mode taken off the
+function-mode stack (``suspend``): 63 of the 103 calls that reach the mode in a step of the
+small benchmark model are SGD's. That is the case when
+
+* the mode is the top of the stack (another mode entered after ``start()`` stays as it is);
+* no ``closure`` is passed (LBFGS's closure runs the model's forward and backward) and the
+  optimizer is not ``differentiable`` (its updates run with grad enabled and are checked);
+* the API counters after it cannot move (call ``i`` of an API is named ``K.i.forward``, and
+  the optimizer's calls count, as msprobe counts them): the step ends at this optimizer step
+  (steps follow the optimizer and every optimizer seen has stepped), or, once ``fb.step()``
+  ends the steps, the session's last step counted no call after its optimizer steps (learned
+  per session, ``Followed``; if a later step does, a WARNING says which step's names may differ
+  from msprobe's and the optimizer's steps are intercepted from then on).
+
+Torch runs no post hook when ``step()`` raises, so the steps running are kept as their frames
+(``frames``): a step whose frame has left the stack raised. The mode goes back on the stack at
+the next of: a module's forward (a global forward pre-hook held only while a step is suspended),
+an optimizer step, a step boundary, ``stop()``. Function modes are per thread: only the steps of
+the thread that started the session are tracked and suspended; another thread's step only ends
+the step (before, it also marked the probe's thread as inside an optimizer step).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+
+def _on_stack(frame) -> bool:
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+#: the call torch.optim's step wrapper makes after the post hooks (``record_function``'s exit)
+_STEP_EXIT = "Torch._record_function_exit._RecordFunction"
+
+
+def _counted(engine) -> int:
+    """Calls counted in this step, the optimizer step's own closing call left out."""
+    counts = engine.counts
+    return sum(counts.values()) - counts.get(_STEP_EXIT, 0)
+
+
+class OptimizerSteps:
+    """torch.optim's global step hooks for one session (``install`` at start, ``remove`` at
+    stop). ``session`` provides ``may_suspend(optimizer)`` (the names cannot move) and
+    ``optimizer_step(optimizer)`` (an outermost step ended); ``mode()`` the engine's mode
+    while it intercepts (None otherwise)."""
+
+    def __init__(self, engine, session) -> None:
+        self.engine = engine
+        self.session = session
+        self.frames: list = []   # the optimizer steps running, outermost first (their frames)
+        self.suspended = None    # the mode taken off the stack for the outermost step
+        self.unseen = 0          # optimizer steps run with the mode off the stack
+        self._handles: list = []
+        self._module_hook = None
+        #: the thread that started the session: function modes are per thread, so only its
+        #: steps are tracked and suspended (another thread's step only ends the step)
+        self._thread = None
+
+    # -- install / remove ------------------------------------------------------------------------
+    def install(self) -> None:
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+        self._thread = threading.get_ident()
+        self._handles = [register_optimizer_step_pre_hook(self.pre),
+                         register_optimizer_step_post_hook(self.post)]
+
+    def remove(self) -> None:
+        """Hooks removed; a suspended mode is forgotten, not pushed (the session is leaving the
+        interception: ``release``), the steps running dropped."""
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+        self.release()
+        self.frames = []
+        self.engine.in_optimizer = 0
+
+    def release(self) -> bool:
+        """The session leaves the interception: True when the mode is off the stack already
+        (a step that raised left it suspended): it must not be popped again."""
+        mode, self.suspended = self.suspended, None
+        self._drop_module_hook()
+        return mode is not None
+
+    # -- the hooks -------------------------------------------------------------------------------
+    def pre(self, optimizer, args, kwargs):
+        if threading.get_ident() != self._thread:
+            return
+        frame = sys._getframe(1)      # profile_hook_step's wrapper: the step's own frame
+        if self.frames:
+            self._drop_finished()
+        self.frames.append(frame)
+        self.engine.in_optimizer = len(self.frames)
+        if len(self.frames) == 1:
+            self.session.optimizer_starts()
+            if self._can_suspend(optimizer, args, kwargs):
+                self._suspend()
+
+    def post(self, optimizer, *_):
+        if threading.get_ident() != self._thread:
+            self.session.optimizer_step(optimizer, False)
+            return
+        frame = sys._getframe(1)
+        if frame in self.frames:      # (an inner step that raised, caught by its wrapper)
+            del self.frames[self.frames.index(frame):]
+        elif self.frames:
+            self._drop_finished()
+        self.engine.in_optimizer = len(self.frames)
+        if not self.frames:
+            suspended = self.suspended is not None
+            self.resume()
+            self.session.optimizer_step(optimizer, suspended)
+
+    # -- suspension ------------------------------------------------------------------------------
+    def _can_suspend(self, optimizer, args, kwargs) -> bool:
+        mode = self.session.mode()
+        if mode is None or not torch._C._len_torch_function_stack():
+            return False
+        top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+        if top is not mode:
+            return False
+        closure = kwargs.get("closure") if kwargs else None
+        if closure is None and len(args) > 1:
+            closure = args[1]
+        defaults = getattr(optimizer, "defaults", None) or {}
+        if closure is not None or defaults.get("differentiable", False):
+            return False
+        return self.session.may_suspend(optimizer)
+
+    def _suspend(self) -> None:
+        self.suspended = torch._C._pop_torch_function_stack()
+        self.unseen += 1
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        self._module_hook = register_module_forward_pre_hook(self._module_called)
+
+    def resume(self) -> None:
+        """The suspended mode back on top of the stack (no-op when none is)."""
+        mode, self.suspended = self.suspended, None
+        self._drop_module_hook()
+        if mode is not None:
+            torch._C._push_on_torch_function_stack(mode)
+
+    def repair(self) -> None:
+        """Steps whose frame has left the stack raised: forgotten, and the mode resumed when
+        no step is running any more (on the session's thread only)."""
+        if threading.get_ident() != self._thread:
+            return
+        if self.frames:
+            self._drop_finished()
+        if not self.frames:
+            self.engine.in_optimizer = 0
+            self.resume()
+
+    def _drop_finished(self) -> None:
+        frames = self.frames
+        keep = 0
+        while keep < len(frames) and _on_stack(frames[keep]):
+            keep += 1
+        del frames[keep:]
+        self.engine.in_optimizer = len(frames)
+        if not frames:
+            self.resume()
+
+    def _module_called(self, *_):
+        """A module's forward while a step is suspended: inside that step (it stays
+        suspended), or after a step that raised (the mode resumes)."""
+        self.repair()
+
+    def _drop_module_hook(self) -> None:
+        hook, self._module_hook = self._module_hook, None
+        if hook is not None:
+            hook.remove()
+
+
+class Followed:
+    """Whether calls were counted after an optimizer step before the step's boundary, in the
+    steps ``fb.step()`` ends (where the names of those calls would move if the optimizer's
+    calls were not intercepted): ``ok`` is None until a step shows it, then True (nothing
+    followed: the optimizer's steps may run unintercepted) or False for the rest of the
+    session."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.ok = None
+        self._mark = None          # counted calls at the end of this step's last optimizer step
+        self.followed = False
+        self.suspended_any = False
+
+    def starts(self) -> None:
+        """An outermost optimizer step starts (calls since the last one's end: followed)."""
+        self._check()
+
+    def ended(self, suspended: bool) -> None:
+        self._mark = _counted(self.engine)
+        self.suspended_any = self.suspended_any or suspended
+
+    def boundary(self, learn: bool):
+        """The step ends (before the counters reset; ``learn``: a boundary ``fb.step()`` made):
+        the step number whose names may differ from msprobe's (calls followed a suspended
+        optimizer step), else None."""
+        self._check()
+        bad = None
+        if self._mark is not None and learn:
+            if self.followed and self.suspended_any:
+                bad = self.engine.step
+            if self.ok is not False:
+                self.ok = not self.followed
+        self._mark, self.followed, self.suspended_any = None, False, False
+        return bad
+
+    def _check(self) -> None:
+        if self._mark is not None and _counted(self.engine) != self._mark:
+            self.followed = True
