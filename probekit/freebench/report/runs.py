@@ -93,8 +93,15 @@ class _Closer:
     def flush(self) -> None:
         with self.cv:
             due, self.pending = self.pending, {}
+        self._write_all(due)
+
+    @staticmethod
+    def _write_all(due: dict) -> None:
         for path, (text, _) in due.items():
-            _write(path, text)
+            try:
+                _write(path, text)
+            except OSError as exc:      # the folder went away: nothing left to mark
+                log.debug("Free benchmark: marker %s not written (%s)", path, exc)
 
     def _run(self) -> None:
         while True:
@@ -107,11 +114,7 @@ class _Closer:
                     wait = min((v[1] for v in self.pending.values()), default=None)
                     self.cv.wait(None if wait is None else max(0.0, wait - now))
                     continue
-            for path, (text, _) in due.items():
-                try:
-                    _write(path, text)
-                except OSError as exc:     # the folder went away: nothing to mark
-                    log.debug("Free benchmark: marker %s not written (%s)", path, exc)
+            self._write_all(due)
 
 
 _CLOSER = _Closer()
