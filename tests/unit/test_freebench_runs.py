@@ -73,7 +73,10 @@ def test_a_crashed_run_is_kept_until_told(tmp_path):
 def test_nothing_is_removed_before_the_new_run_has_something_to_say(tmp_path):
     """The replacing run is killed before it wrote a row or stopped: the last run's findings
     are all there, and its marker says it did not end cleanly."""
+    from probekit.freebench.report.runs import flush_markers
+
     run(tmp_path)
+    flush_markers()     # another process reads it within CLOSE_DELAY of the clean stop
     csv = (tmp_path / "free_benchmark.csv").read_bytes()
     script = textwrap.dedent(f"""
         import os, torch
@@ -117,3 +120,65 @@ def test_the_rule_is_the_config(tmp_path):
         make_config("free_benchmark", resume=True, overwrite=True)
     with pytest.raises(ConfigError, match=r"free_benchmark\.overwrite"):
         make_config("free_benchmark", overwrite="yes")
+
+
+def _on_disk(path):
+    import json
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)["closed"], os.stat(path).st_ino
+
+
+def test_a_loop_that_stops_and_starts_every_step_writes_its_marker_once_each_way(tmp_path):
+    """msprobe's loop (start, step, stop) does not rewrite the marker every step: the clean
+    stop's mark waits CLOSE_DELAY for a start() that takes it back (issue 38)."""
+    from probekit.freebench.report.runs import flush_markers
+
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    path = marker_path(str(tmp_path), 0)
+    fb.start()
+    torch.randn(4) + 1
+    fb.stop()
+    fb.step()
+    first = _on_disk(path)
+    for _ in range(20):
+        fb.start()
+        torch.randn(4) + 1
+        fb.stop()
+        fb.step()
+    assert first[0] is False and _on_disk(path) == first     # not replaced once: the same file
+    flush_markers()
+    closed, inode = _on_disk(path)
+    assert closed is True and inode != first[1]
+    (m,) = markers(str(tmp_path))
+    assert m["closed"] is True
+
+
+@pytest.mark.parametrize("end, closed", [("os._exit(9)", False), ("", True)])
+def test_the_clean_stop_is_marked_by_the_processs_end_or_not_at_all(tmp_path, end, closed):
+    """A process killed right after a clean stop() leaves the run marked running (the next run
+    is refused until told); a normal end marks it closed at once."""
+    script = textwrap.dedent(f"""
+        import os, torch
+        from probekit.freebench import FreeBench
+        fb = FreeBench(dump_path={str(tmp_path)!r}, pert_mode="bit_noise")
+        fb.start()
+        torch.randn(3) + 1
+        fb.stop()
+        {end}
+    """)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    assert subprocess.run([sys.executable, "-c", script], env=env).returncode == (9 if end else 0)
+    (m,) = markers(str(tmp_path))
+    assert m["closed"] is closed
+    if closed:
+        run(tmp_path)
+    else:
+        with pytest.raises(DumpError, match="did not end cleanly"):
+            run(tmp_path)
+
+
+def test_a_new_run_in_the_same_process_sees_the_last_ones_clean_stop(tmp_path):
+    first = run(tmp_path)
+    assert len(first.results) == 1
+    again = run(tmp_path)          # right away: within CLOSE_DELAY of the first one's stop
+    assert len(again.results) == 1 and len(load(str(tmp_path))) == 1

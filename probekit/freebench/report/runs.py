@@ -22,13 +22,25 @@ run first has something to say: just before it writes its first rows, or at its 
 ``stop()``. A run that dies before leaves the earlier findings in place, and its marker says it
 did not end cleanly. Rows are removed under the folder's lock (``results.CsvSink``), which every
 rank's appends take too, so a rank never removes what another is writing.
+
+The marker is written when the run begins (``closed: false``, at once: the evidence of a
+crash) and when it ends cleanly. msprobe's loop stops and starts the probe every step, and two
+file replacements per step cost a tenth of a small model's step (issue 38), so a clean
+``stop()``'s ``closed: true`` waits ``CLOSE_DELAY`` seconds on a background thread: a
+``start()`` within that time takes it back and writes nothing (the file still says running,
+as it should). Every reader in the process (``markers``, ``plan``) writes what is pending
+first, and so does the process's normal end; a process killed within ``CLOSE_DELAY`` of a clean
+stop leaves its run marked as not ended cleanly: the next run is refused until told
+(``resume=True`` / ``overwrite=True``), never the reverse.
 """
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 
@@ -43,12 +55,86 @@ FORMAT = "probekit-freebench-run"
 MARKER = "free_benchmark.rank{rank}.run.json"
 
 
+#: seconds a clean stop's marker waits for a start() that would take it back (module doc)
+CLOSE_DELAY = 1.0
+
+
 def marker_path(dump_path: str, rank: int) -> str:
     return os.path.join(dump_path, MARKER.format(rank=int(rank)))
 
 
+class _Closer:
+    """The clean stops' markers not written yet: ``{path: (text, due)}``, written by one daemon
+    thread when due, by ``flush`` at once (module doc)."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.pending: dict = {}
+        self.thread = None
+        self.pid = os.getpid()
+
+    def later(self, path: str, text: str) -> None:
+        with self.cv:
+            if self.pid != os.getpid():       # a forked child: not its parent's thread
+                self.pending, self.thread, self.pid = {}, None, os.getpid()
+            self.pending[path] = (text, time.monotonic() + CLOSE_DELAY)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="probekit-fb-marker",
+                                               daemon=True)
+                self.thread.start()
+            self.cv.notify()
+
+    def cancel(self, path: str) -> bool:
+        """Take back a pending mark of ``path``; True when there was one (the file still says
+        the run is running)."""
+        with self.cv:
+            return self.pending.pop(path, None) is not None
+
+    def flush(self) -> None:
+        with self.cv:
+            due, self.pending = self.pending, {}
+        self._write_all(due)
+
+    @staticmethod
+    def _write_all(due: dict) -> None:
+        for path, (text, _) in due.items():
+            try:
+                _write(path, text)
+            except OSError as exc:      # the folder went away: nothing left to mark
+                log.debug("Free benchmark: marker %s not written (%s)", path, exc)
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                now = time.monotonic()
+                due = {p: v for p, v in self.pending.items() if v[1] <= now}
+                for p in due:
+                    del self.pending[p]
+                if not due:
+                    wait = min((v[1] for v in self.pending.values()), default=None)
+                    self.cv.wait(None if wait is None else max(0.0, wait - now))
+                    continue
+            self._write_all(due)
+
+
+_CLOSER = _Closer()
+atexit.register(_CLOSER.flush)
+
+
+def _write(path: str, text: str) -> None:
+    # not fsync'd: it only steers the next run's decision; the findings are the CSV's
+    atomic_write(path, text, fsync=False)
+
+
+def flush_markers() -> None:
+    """Write the clean stops' markers that wait (``CLOSE_DELAY``) now."""
+    _CLOSER.flush()
+
+
 def markers(dump_path: str) -> list[dict]:
-    """Every rank's marker in the folder (unreadable ones skipped)."""
+    """Every rank's marker in the folder (unreadable ones skipped); this process's pending
+    ones written first."""
+    _CLOSER.flush()
     out = []
     for path in glob.glob(os.path.join(glob.escape(dump_path),
                                        MARKER.format(rank="*").replace("rank*", "rank[0-9]*"))):
@@ -163,11 +249,13 @@ class DumpRun:
             raise DumpError(f"free benchmark: dump_path {self.dump_path!r} cannot be created "
                             f"({exc.strerror or exc}); accepted: a folder that exists or can "
                             "be created") from None
-        # not fsync'd: it changes at every start()/stop() (msprobe's loop: every step), and it
-        # only steers the next run's decision; the findings themselves are the CSV's
-        atomic_write(marker_path(self.dump_path, self.rank), json.dumps(
-            {"format": FORMAT, "run": self.run["run"], "time": self.run["time"],
-             "rank": self.rank, "closed": bool(closed)}), fsync=False)
+        path = marker_path(self.dump_path, self.rank)
+        text = json.dumps({"format": FORMAT, "run": self.run["run"], "time": self.run["time"],
+                           "rank": self.rank, "closed": bool(closed)})
+        if closed:
+            _CLOSER.later(path, text)         # CLOSE_DELAY: a start() may take it back
+        elif not _CLOSER.cancel(path):
+            _write(path, text)                # at once: the evidence of a crash
         self.closed = closed
 
     def settle(self, sink, written=()) -> None:
