@@ -147,5 +147,5 @@ def test_analysed_classes_come_before_the_known_list():
     rows = B.rows_of([rec, csat])
     assert [(x["two_sample"], x["cls"], x["category"]) for x in rows] == [
         (True, "M2", "model"), (True, "M2", "model"), (False, "?", "unclassified"),
-        (False, "known", "known"), (False, "N", "false")]
+        (False, "known", "known"), (False, "N", "genuine")]
     assert B.ratio(rows[0]) == float("inf")
