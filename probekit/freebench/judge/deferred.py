@@ -18,7 +18,7 @@ An inconclusive fast verdict is **resolved**, never dropped (``stats``, which ev
 goes through; ``summary["inconclusive"]`` counts them):
 
 * on the CPU its values are host memory: they are read as they are computed, by their bits
-  (``_host_value``: no ATen operator, no copy; the error kept as ``Read.err``, which lets the
+  (``host_value``: no ATen operator, no copy; the error kept as ``Read.err``, which lets the
   engine explain a flagged check in its own call), and an inconclusive one is compared again
   at once in the exact form, while the original and the re-run exist;
 * on an accelerator reading them would be a sync per check. A whole (unblocked) check keeps
@@ -37,12 +37,12 @@ goes through; ``summary["inconclusive"]`` counts them):
 from __future__ import annotations
 
 import ctypes
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from ...log import get_logger
+from ..perturb.host import host_value
 from .metric import EXACT
 from .metric import combine as _combine
 from .metric import device_stats, fast_error, stats_from
@@ -72,30 +72,6 @@ def _finite(values) -> bool:
     return True
 
 
-class _Bits(ctypes.Union):
-    _fields_ = [("i", ctypes.c_uint32), ("f", ctypes.c_float)]
-
-
-_BITS = _Bits()
-
-
-def _host_value(v):
-    """The float a 0-dim CPU tensor holds, read by its bits in place (no ATen operator); None
-    for a dtype not read this way."""
-    dt = v.dtype
-    if dt == torch.float32:
-        return ctypes.c_float.from_address(v.data_ptr()).value
-    if dt == torch.float64:
-        return ctypes.c_double.from_address(v.data_ptr()).value
-    if dt == torch.bfloat16:   # the upper half of a float32
-        _BITS.i = ctypes.c_uint16.from_address(v.data_ptr()).value << 16
-        return _BITS.f
-    if dt == torch.float16:
-        return struct.unpack("<e", struct.pack("<H", ctypes.c_uint16.from_address(
-            v.data_ptr()).value))[0]
-    return None
-
-
 class Read(tuple):
     """Fast values of a CPU check, with their ``fast_error`` read on the host as they were
     computed (``err``; ``Verdicts.stats``)."""
@@ -114,7 +90,7 @@ def host_errors(values) -> list | None:
         if err is None:
             if isinstance(vals, Held) or len(vals) >= EXACT or not vals[0].is_cpu:
                 return None
-            read = [_host_value(v) for v in vals]
+            read = [host_value(v) for v in vals]
             if None in read:
                 return None
             err = fast_error(read)
@@ -224,7 +200,7 @@ class Verdicts:
             return vals
         hold = self.hold if self.hold is not None else not vals[0].is_cpu
         if not hold:
-            read = [_host_value(v) for v in vals]    # host memory: read as it is computed
+            read = [host_value(v) for v in vals]    # host memory: read as it is computed
             err = fast_error(read) if None not in read else None
             if err is not None:
                 vals = Read(vals)
