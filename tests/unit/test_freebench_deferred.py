@@ -497,14 +497,15 @@ def test_flags_whose_inputs_are_gone_are_unexplained_at_stop_not_pending(tmp_pat
 def test_fast_values_read_on_the_host_are_the_values(dtype):
     """``deferred.host_errors`` reads the CPU's fast values by their bits (no ATen operator):
     exactly what ``tolist()`` reads, for every floating dtype a comparison is made in."""
-    from probekit.freebench.judge.deferred import Read, _host_value, host_errors
+    from probekit.freebench.judge.deferred import Read, host_errors
+    from probekit.freebench.perturb.host import host_value
 
     g = torch.Generator().manual_seed(3)
     o = (torch.randn(8, 8, generator=g) * 100).to(dtype)
     p = (o.double() * (1 + 2.0 ** -6)).to(dtype)
     for scale in (None, o.abs() + 1):
         vals = metric.device_stats(o, p, scale)
-        assert [_host_value(v) for v in vals] == [v.item() for v in vals]
+        assert [host_value(v) for v in vals] == [v.item() for v in vals]
         assert host_errors([vals]) == [metric.fast_error([v.item() for v in vals])]
     fb_vals = Read(vals)
     fb_vals.err = 0.25          # a Read carries its error: not read again

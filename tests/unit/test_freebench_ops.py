@@ -26,10 +26,12 @@ EXPECTED = {
                           "log_softmax": 6, "layer_norm bf16": 5, "sum": 9, "matmul bf16": 10,
                           "gelu bf16": 8, "relu_ (in-place)": 8,
                           "ReLU(inplace=True)": 8},
-    # noise: 4 kernels (bit_noise: the checkerboard's product and quotient, then max kept
-    # finite, isinf and where) or 4 (add_noise: t / c capped at max, t * c, fmax), the re-run,
-    # the comparison (issue 34 class O: a perturbation never makes an Inf the input lacked)
-    "bit_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 8),
+    # noise: 3 kernels on the CPU (bit_noise: the checkerboard's product and quotient, then
+    # one aminmax telling whether the input holds +-max, read on the host: issue 38; on an
+    # accelerator max is kept finite by isinf and where instead, 4) or 4 (add_noise: t / c
+    # capped at max, t * c, fmax), the re-run, the comparison (issue 34 class O: a
+    # perturbation never makes an Inf the input lacked)
+    "bit_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 7),
     "add_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 8),
     "change_value": {"gelu": 6, "softmax": 6, "sum": 5},
     "no_change": dict.fromkeys(["add", "matmul", "gelu"], 5),
@@ -37,11 +39,9 @@ EXPECTED = {
 #: above 8: the data-aware bound of the multilinear calls (the re-run on squared inputs plus
 #: the two kernels of its scale), three upcasts besides for a linear with a bias
 OVER_EIGHT = {("improve_precision", n) for n in ("linear (bias)", "matmul bf16", "matmul", "sum")}
-#: and bit_noise on an in-place call: its clone (below) on top of the noise's 4 kernels
-OVER_EIGHT |= {("bit_noise", n) for n in ("relu_ (in-place)", "ReLU(inplace=True)")}
 # an in-place call adds one clone of its input, taken before the real call (state.py); the
 # re-run is the out-of-place form on that clone
-EXPECTED["bit_noise"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 9))
+EXPECTED["bit_noise"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 8))
 EXPECTED["no_change"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 6))
 
 

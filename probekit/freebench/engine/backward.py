@@ -41,7 +41,7 @@ from . import autocast, blocks, realgrad, state
 from ..judge import cause, handlers, saved, scales
 from ..perturb import perturb
 from ..judge.deferred import combine
-from ..judge.guards import modes_off, no_autocast
+from ..judge.guards import detached, modes_off, no_autocast
 from ..judge.judging import count_scale
 from ..judge.metric import device_stats
 from ..names import call_site
@@ -58,8 +58,8 @@ def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None, verd
     if isinstance(scale, tuple):
         scale, lam = scale
     if verdicts is not None:
-        return verdicts.stats(gr.detach(), gq.detach(), scale, exact, whole, lam)
-    return device_stats(gr.detach(), gq.detach(), scale, exact, lam)
+        return verdicts.stats(detached(gr), detached(gq), scale, exact, whole, lam)
+    return device_stats(detached(gr), detached(gq), scale, exact, lam)
 
 
 #: APIs whose gradient goes to the elements they select (a maximum, a pooling window's largest
@@ -186,7 +186,7 @@ class _BackwardCheck:
     def upstream(self, grad) -> None:
         """The upstream gradient, kept until the real input gradients arrive (``with_real``)."""
         if self.leaves is not None and grad is not None:
-            self.g = grad.detach()
+            self.g = detached(grad)
 
     def with_real(self, grads: dict) -> None:
         """``realgrad.Collector``'s callback: the real input gradients arrived."""
@@ -259,7 +259,8 @@ class _BackwardCheck:
             yp = self._output(self.func(*pa, **pkw))
         if handed is not None and e.upcast_mode and saved.saves_output(yp):
             saved.hand(yp, handed)
-        gp_out = g.to(dtype=yp.dtype, device=yp.device)
+        gp_out = g if g.dtype == yp.dtype and g.device == yp.device else \
+            g.to(dtype=yp.dtype, device=yp.device)
         if pert.post is not None:
             gp_out = pert.post(gp_out)
         # the backward without autocast, as the real one runs (autocast applies to the ops of a
@@ -278,7 +279,7 @@ class _BackwardCheck:
         if not any(j.kind != scales.TENSOR for j in self.judges.values()):
             return None
         got = cause.backward_magnitudes(self.func, self.call.info.name, p_leaves, self.spec,
-                                        self.diff, self.out_index, gp_out.detach(), self.judges,
+                                        self.diff, self.out_index, detached(gp_out), self.judges,
                                         fast=True)
         return [got.get(i) for i in self.diff]
 
@@ -397,7 +398,7 @@ class _BackwardCheck:
         if any(leaves[i]._version != v for i, v in zip(self.diff, self.versions)
                if not (snap and i in snap)):   # (an overwritten input comes from its clone)
             raise perturb.Cancel("an input was modified in place before the backward pass")
-        g = grad.detach()
+        g = detached(grad)
         dev, ac_dtype = self.autocast or (None, None)
         same_autocast = torch.autocast(dev, dtype=ac_dtype) if ac_dtype is not None \
             else contextlib.nullcontext()

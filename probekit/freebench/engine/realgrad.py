@@ -146,7 +146,9 @@ class Collector:
             g = grad_inputs[j]
             if g is None:
                 continue
-            g = g.detach()
+            g = g.detach()   # a detach, not the tensor itself (guards.detached): the
+            # engine steals a gradient whose tensor it alone holds for a leaf's ``.grad``; held
+            # here, it would copy it (issue 38: measured, one copy per parameter gradient)
             if cast is not None:    # summed as the cast node sums, converted at the end
                 have = self.casts.get(pos)
                 self.casts[pos] = (g if have is None else have[0] + g, cast)

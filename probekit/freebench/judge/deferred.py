@@ -18,7 +18,7 @@ An inconclusive fast verdict is **resolved**, never dropped (``stats``, which ev
 goes through; ``summary["inconclusive"]`` counts them):
 
 * on the CPU its values are host memory: they are read as they are computed, by their bits
-  (``_host_value``: no ATen operator, no copy; the error kept as ``Read.err``, which lets the
+  (``host_value``: no ATen operator, no copy; the error kept as ``Read.err``, which lets the
   engine explain a flagged check in its own call), and an inconclusive one is compared again
   at once in the exact form, while the original and the re-run exist;
 * on an accelerator reading them would be a sync per check. A whole (unblocked) check keeps
@@ -42,10 +42,10 @@ from dataclasses import dataclass
 import torch
 
 from ...log import get_logger
+from ..perturb.host import host_value
 from .metric import EXACT
 from .metric import combine as _combine
 from .metric import device_stats, fast_error, stats_from
-from .metric import host_value as _host_value
 
 log = get_logger("probekit.freebench")
 
@@ -90,7 +90,7 @@ def host_errors(values) -> list | None:
         if err is None:
             if isinstance(vals, Held) or len(vals) >= EXACT or not vals[0].is_cpu:
                 return None
-            read = [_host_value(v) for v in vals]
+            read = [host_value(v) for v in vals]
             if None in read:
                 return None
             err = fast_error(read)
@@ -206,7 +206,7 @@ class Verdicts:
             return vals
         hold = self.hold if self.hold is not None else not vals[0].is_cpu
         if not hold:
-            read = [_host_value(v) for v in vals]    # host memory: read as it is computed
+            read = [host_value(v) for v in vals]    # host memory: read as it is computed
             err = fast_error(read) if None not in read else None
             if err is not None:
                 vals = Read(vals)

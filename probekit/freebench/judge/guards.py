@@ -73,3 +73,11 @@ class quiet:
             torch._C._push_on_torch_function_stack(mode)
         self.popped = []
         return False
+
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without autograd history: ``t`` itself when it has none (a gradient the engine
+    hands a hook, one ``torch.autograd.grad`` returned), else ``t.detach()``. The same tensor
+    either way for what reads it; a ``detach`` is an ATen operator, and a backward check met
+    ten of them per call (issue 38)."""
+    return t.detach() if t.requires_grad else t

@@ -24,13 +24,12 @@ temporaries instead of copies of the whole output).
 """
 from __future__ import annotations
 
-import ctypes
 import math
-import struct
 from typing import NamedTuple
 
 import torch
 
+from ..perturb.host import host_value
 from .scales import TENSOR
 
 CHUNK = 1 << 18  # 2 MiB of float64 per temporary
@@ -52,30 +51,6 @@ class Stats(NamedTuple):
     max_abs: float   # worst |d_i| over the finite pairs (NaN when the fast form did not keep it)
     nan_inf: int     # NaN/Inf mismatches
     scale: float     # tensor scale: max|o|; per-element: the result's max|p| (exact form), NaN
-
-
-class _Bits(ctypes.Union):
-    _fields_ = [("i", ctypes.c_uint32), ("f", ctypes.c_float)]
-
-
-_BITS = _Bits()
-
-
-def host_value(v):
-    """The float a 0-dim CPU tensor holds, read by its bits in place (no ATen operator: the
-    per-check count is pinned); None for a dtype not read this way."""
-    dt = v.dtype
-    if dt == torch.float32:
-        return ctypes.c_float.from_address(v.data_ptr()).value
-    if dt == torch.float64:
-        return ctypes.c_double.from_address(v.data_ptr()).value
-    if dt == torch.bfloat16:   # the upper half of a float32
-        _BITS.i = ctypes.c_uint16.from_address(v.data_ptr()).value << 16
-        return _BITS.f
-    if dt == torch.float16:
-        return struct.unpack("<e", struct.pack("<H", ctypes.c_uint16.from_address(
-            v.data_ptr()).value))[0]
-    return None
 
 
 def _chunks(t: torch.Tensor, size: int):
