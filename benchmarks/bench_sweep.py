@@ -811,8 +811,13 @@ ANALYSED = (
                "stage": ("forward",), "cause": ("inaccurate",)}},
     {"id": "P", "category": "genuine", "label": "bf16 pooling backward sums in bf16",
      "match": {"api": ("Functional.adaptive_avg_pool2d", "Functional.avg_pool2d",
-                       "Functional.adaptive_avg_pool1d", "Functional.avg_pool1d"),
+                       "Functional.adaptive_avg_pool1d", "Functional.avg_pool1d",
+                       "Functional.max_pool2d"),
                "setting": _BF16, "stage": ("backward",), "cause": ("inaccurate",)}},
+    {"id": "D", "category": "genuine", "label": "bf16 batched GEMM (einsum's bmm path) takes "
+     "subnormal bf16 inputs as zero, where torch.mm keeps them",
+     "match": {"family": ("falcon_h1",), "api": ("Torch.einsum",), "setting": _BF16,
+               "stage": ("backward",), "cause": ("inaccurate",)}},
     {"id": "H", "category": "genuine", "label": "bf16 SDPA backward sums dK/dV over query "
      "blocks in bf16",
      "match": {"api": ("Functional.scaled_dot_product_attention",), "setting": _BF16,
