@@ -772,8 +772,8 @@ ANALYSED = (
      "match": {"two_sample": (True,), "cause": ("ill-conditioned",)}},
     {"id": "M4", "category": "model", "label": "bf16 batch-norm channels whose spread is about "
      "one bf16 ulp of their mean",
-     "match": {"family": ("mobilevitv2",), "api": ("Functional.batch_norm",), "setting": _BF16,
-               "cause": ("ill-conditioned",)}},
+     "match": {"family": ("mobilevitv2", "starnet"), "api": ("Functional.batch_norm",),
+               "setting": _BF16, "cause": ("ill-conditioned",)}},
     {"id": "M3", "category": "genuine", "label": "bf16 batch_norm forward (training) rounds "
      "the batch mean to bf16 before x - mean",
      "match": {"two_sample": (True,), "cause": ("inaccurate",), "setting": _BF16,
