@@ -425,6 +425,14 @@ def _input_terms(func, x64, spec, i, shape) -> torch.Tensor | None:
     return k
 
 
+def _plus_gamma_s(j, term: torch.Tensor, s) -> torch.Tensor:
+    """A bound term of a row added to its ``gamma_k S`` (``S`` None: the term alone)."""
+    if s is None:
+        return term
+    g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
+    return term.add(s.to(torch.float64) * g)
+
+
 def forward_bounds(judges: dict, func, x64, spec, r: dict, S: dict, api=None) -> dict:
     """``{output index: B}``: what replaces ``gamma_k S`` in a row's bound where the data say
     more than the worst case (None elsewhere):
@@ -445,17 +453,14 @@ def forward_bounds(judges: dict, func, x64, spec, r: dict, S: dict, api=None) ->
         for i in norms:
             if T is None or T.shape != r[i].shape:
                 continue
-            j = judges[i]
-            t = T * scales.gamma(FOLD_ROUNDINGS, j.u_acc)
-            g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
-            out[i] = t if S.get(i) is None else t.add_(S[i].to(torch.float64) * g)
+            out[i] = _plus_gamma_s(judges[i], T * scales.gamma(FOLD_ROUNDINGS, judges[i].u_acc),
+                                   S.get(i))
     if api in resample.APIS and 0 in judges and r.get(0) is not None:
         args, kwargs = perturb.unflatten(x64, spec)
         j = judges[0]
         T = resample.term(api, scales.Args(func, api, args, kwargs), x64, r[0], j.u_acc)
         if T is not None:
-            g = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
-            out[0] = T if S.get(0) is None else T + S[0].to(torch.float64) * g
+            out[0] = _plus_gamma_s(j, T, S.get(0))
     data = {i: j for i, j in judges.items() if j.fam == "multilinear" and j.data}
     if data:
         squares = dict(outputs(func, scales.square_leaves(x64), spec, scales.square_kwargs))
@@ -622,10 +627,8 @@ def _norm_backward_bounds(func, leaves, spec, diff, g, judges, r, S, api) -> dic
         t = None if T is None else T.get(i)
         if t is None or t.shape != r[i].shape:
             continue
-        j = judges[i]
-        t = t.to(torch.float64) * scales.gamma(FOLD_ROUNDINGS, j.u_acc)
-        gk = scales.accumulation_term(j.fam, j.k, j.u_out, j.u_acc, j.saved)
-        out[i] = t if S.get(i) is None else t.add_(S[i].to(torch.float64) * gk)
+        out[i] = _plus_gamma_s(judges[i], t.to(torch.float64)
+                               * scales.gamma(FOLD_ROUNDINGS, judges[i].u_acc), S.get(i))
     return out
 
 

@@ -137,6 +137,13 @@ class _Norm:
     def xhat(self) -> torch.Tensor:
         return self.x * self.rstd if self.rms else (self.x - self.mu) * self.rstd
 
+    def fold(self) -> torch.Tensor:
+        """``rstd (|x| + |mu|)`` where ``x`` differs from its mean, 0 where it equals it: what
+        one rounding of each of the folded products ``x a`` and ``mu a`` leaves (``norm_fold``);
+        only for a normalisation with a mean."""
+        return self.x.abs().add_(self.mu.abs()).mul_(self.rstd).masked_fill_(self.x == self.mu,
+                                                                             0.0)
+
 
 def norm_forward(name: str, a: Args, leaves: list):
     """``S`` of a normalisation's output: ``rstd |w| (|x - mu| + mean|x - mu|) + |b|``."""
@@ -168,12 +175,10 @@ def norm_fold(name: str, a: Args, leaves: list):
     bias: the scalar kernel returns it (a constant batch-norm channel, a ``LayerNorm(1)``), so
     the term is 0 there, and the vectorised kernels' ``u |x| rstd`` (pytorch#5410's constant
     channels, up to 0.93 at 1e5) stays the kernel's error."""
-    if name == "rms_norm":
-        return None
     n = _Norm(name, a, leaves)
-    if not n.ok or n.mu is None:
+    if not n.ok or n.rms:
         return None
-    t = n.x.abs().add_(n.mu.abs()).mul_(n.rstd).masked_fill_(n.x == n.mu, 0.0)
+    t = n.fold()
     if isinstance(n.w, torch.Tensor):
         t = t.mul_(n.w.abs())
     return t
@@ -378,15 +383,13 @@ def norm_backward_fold(name: str, a: Args, leaves: list, g: torch.Tensor):
     input's as ``rstd (d mean|g w x^| + |x^| mean|g w| d)``. ``{input position: term}``, or None
     (``rms_norm``, outside the formula, or an input over ``NORM_BLOCK`` elements: the term is
     left out there)."""
-    if name == "rms_norm":
-        return None
     x = a.get("input", 0)
     if not isinstance(x, torch.Tensor) or x.numel() > NORM_BLOCK:
         return None
     n = _Norm(name, a, leaves)
-    if not n.ok or n.mu is None:
+    if not n.ok or n.rms:
         return None
-    d = n.x.abs().add_(n.mu.abs()).mul_(n.rstd).masked_fill_(n.x == n.mu, 0.0)
+    d = n.fold()
     ga = g.abs()
     out = {}
     wt = a.get("weight", None)
