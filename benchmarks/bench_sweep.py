@@ -81,6 +81,8 @@ HF_TASKS = (("lm", "CAUSAL_LM"), ("lm", "MASKED_LM"), ("seq2seq", "SEQ_TO_SEQ_CA
 KNOWN = (
     ("bf16 layer_norm backward", ("Functional.layer_norm", "Torch.layer_norm"), ("backward",)),
     ("bf16 batch_norm backward", ("Functional.batch_norm", "Torch.batch_norm"), ("backward",)),
+    # (the all-bf16 CPU norms keep their mean and rstd in bf16: docs, "Saved statistics")
+    ("bf16 group_norm backward", ("Functional.group_norm", "Torch.group_norm"), ("backward",)),
     ("bf16 GRU/LSTM backward", ("Torch.gru", "Torch.lstm"), ("backward",)),
     ("bf16 embedding_bag backward", ("Functional.embedding_bag", "Torch.embedding_bag"),
      ("backward",)),

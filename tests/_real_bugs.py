@@ -192,6 +192,18 @@ def _grid_sample(backward):
         y.backward(torch.randn(2, 4, 16, 16, generator=g).to(bf16))
 
 
+def _norm_backward(norm):
+    # CPU bf16 layer, batch and group norms save their mean and rstd in bf16 and the backward
+    # reads them: the input gradient is off by their rounding (issue 34 point 7)
+    g = gen()
+    shape = (1024, 64) if norm == "layer_norm" else (16, 8, 6, 6)
+    x = torch.randn(*shape, generator=g).to(bf16).requires_grad_()
+    call = {"layer_norm": lambda t: F.layer_norm(t, (64,)),
+            "batch_norm": lambda t: F.batch_norm(t, None, None, training=True),
+            "group_norm": lambda t: F.group_norm(t, 2)}[norm]
+    call(x).backward(torch.randn(*shape, generator=g).to(bf16))
+
+
 #: (name, options, the call, the API and output index that must be a finding)
 NEW_BF16 = [
     ("embedding_bag_backward", {"fuzz_stage": "backward", "list": ["embedding_bag"]},
@@ -208,4 +220,8 @@ NEW_BF16 = [
      lambda: _grid_sample(True), ("Functional.grid_sample.0.backward", 1)),
     ("layer_norm_parameter_gradients", {"fuzz_stage": "backward", "list": ["layer_norm"]},
      _bf16_layer_norm_backward, ("Functional.layer_norm.0.backward", 3)),
-]
+    ("layer_norm_input_gradient", {"fuzz_stage": "backward", "list": ["layer_norm"]},
+     _bf16_layer_norm_backward, ("Functional.layer_norm.0.backward", 0)),
+] + [(f"{n}_input_gradient_saved_statistics", {"fuzz_stage": "backward", "list": [n]},
+      (lambda n=n: _norm_backward(n)), (f"Functional.{n}.0.backward", 0))
+     for n in ("layer_norm", "batch_norm", "group_norm")]

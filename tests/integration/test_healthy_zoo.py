@@ -35,9 +35,11 @@ MODES = [("improve_precision", "forward"), ("bit_noise", "forward"), ("add_noise
 #: healthy model may give, in the accuracy modes' backward stage with bf16 computation. Issue
 #: 34's data-aware bound adds the bf16 mul backward of a broadcast operand, which rounds each
 #: g h to bf16 before its sum (bit for bit; tests/_real_bugs.py, NEW_BF16): an RMSNorm's
-#: ``weight * h`` (Mixtral's eager expert path, 11-34x), a hot spot before
-REAL_BF16 = frozenset({"Functional.layer_norm", "Functional.batch_norm", "Torch.gru",
-                       "Torch.lstm", "Tensor.__mul__"})
+#: ``weight * h`` (Mixtral's eager expert path, 11-34x), a hot spot before. The all-bf16 CPU
+#: norms keep their mean and rstd in bf16 (docs/free_benchmark.md, "Saved statistics"): their
+#: input and weight gradients read them so, Wav2Vec2's feature-encoder GroupNorm among them
+REAL_BF16 = frozenset({"Functional.layer_norm", "Functional.batch_norm", "Functional.group_norm",
+                       "Torch.gru", "Torch.lstm", "Tensor.__mul__"})
 #: zoo models swept with their dropout on: the RNN LM's inter-layer dropout is drawn inside
 #: ``torch.lstm`` / ``torch.gru`` (found by watching the generators, replayed: issue 26 point 3),
 #: and its training must stay bit for bit what it is without the probe

@@ -48,18 +48,22 @@ def test_healthy_fp32_model_has_no_backward_findings(tmp_path, mode):
 def test_bf16_layer_norm_backward_rounding_is_what_bf16_predicts(tmp_path):
     # issue 19: bf16 layer_norm gradients were the most flagged calls of a healthy GPT-2; the
     # input gradient's error is about u of the gradient's scale. Against each element's own
-    # magnitude (issue 26's model) it exceeds what fp32 arithmetic inside would give, but no
-    # more than one bf16 ulp of the input moves the exact gradient: the analysis explains it by
-    # the input's conditioning (a hot spot, never a finding)
+    # magnitude (issue 26's model) it exceeds what fp32 arithmetic inside would give (53 bound
+    # units), and one bf16 ulp of the input moves the exact gradient further (278): a hot spot
+    # until issue 34 found where the error comes from. The all-bf16 CPU kernel keeps its mean
+    # and rstd in bf16 and its backward reads them; read as it stored them they explain the
+    # error to 0.46 units: a finding (docs/free_benchmark.md, "Saved statistics"). The
+    # mixed-type kernel (an fp32 weight) keeps them in fp32 and is silent
     x = (torch.randn(16, 64, generator=gen()) * 3 + 1).to(bf16).requires_grad_(True)
     w = (torch.rand(64, generator=gen()) + 0.5).to(bf16)
     g = torch.randn(16, 64, generator=gen()).to(bf16)
-    fb = FreeBench(dump_path=str(tmp_path), pert_mode="improve_precision", fuzz_stage="backward",
-                   list=["layer_norm"])
-    with fb:
-        F.layer_norm(x, (64,), w).backward(g)
-    assert fb.summary["checked"] == 1 and fb.results.empty
-    assert set(fb.hotspots["cause"]) <= {"ill-conditioned"}
+    for wd, rows in ((bf16, [(0, "inaccurate")]), (torch.float32, [])):
+        fb = FreeBench(dump_path=str(tmp_path / str(wd)), pert_mode="improve_precision",
+                       fuzz_stage="backward", list=["layer_norm"])
+        with fb:
+            F.layer_norm(x, (64,), w.to(wd)).backward(g)
+        assert fb.summary["checked"] == 1 and fb.hotspots.empty, fb.hotspots
+        assert list(zip(fb.results["output_index"], fb.results["cause"])) == rows, fb.results
     # recomputed: the bf16 input gradient against the fp32 one (and the fp64 one)
     x16 = x.detach().requires_grad_(True)
     (gr,) = torch.autograd.grad(F.layer_norm(x16, (64,), w), x16, g)

@@ -328,7 +328,9 @@ def test_a_gradient_that_cancels_by_structure_is_not_ill_conditioned(tmp_path, m
 @pytest.mark.parametrize("mode", ["bit_noise", "combined"])
 def test_a_norm_backward_of_rows_far_from_zero_stays_ill_conditioned(tmp_path, mode):
     """bf16 rows near 300 (spacing 2 there, spread 1): one ulp moves x - mean by 2, the input
-    gradient moves by far more than sqrt(u) of its S: still found under both noise modes."""
+    gradient moves by far more than sqrt(u) of its S: still found under both noise modes. The
+    CPU bf16 kernel also keeps the mean in bf16 (off by up to 1, the rows' spread), which
+    explains its error: ``inaccurate`` (``saved.kept_statistics``) before the conditioning."""
     def build():
         g = gen()
         x = (torch.randn(16, 64, generator=g) + 300).to(bf16).requires_grad_()
@@ -339,7 +341,7 @@ def test_a_norm_backward_of_rows_far_from_zero_stays_ill_conditioned(tmp_path, m
     rows = fb.results[fb.results["pert_mode"] == "bit_noise"]
     assert rows["api_name"].tolist() == ["Functional.layer_norm.0.backward"] * (
         2 if mode == "bit_noise" else 1)
-    assert set(rows["cause"]) == {"ill-conditioned"} and rows["ratio"].min() > 4
+    assert set(rows["cause"]) == {"inaccurate"} and rows["ratio"].min() > 4
 
 
 def test_lost_bits_are_counted_against_the_calls_magnitude():

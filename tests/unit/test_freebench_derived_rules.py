@@ -70,6 +70,26 @@ def test_the_saved_output_is_found_from_autograds_saved_tensors():
         assert not saved.saves_output(y) and not repro_helpers.saves_output(y), name
 
 
+def test_saved_statistics_are_found_alike_by_the_analysis_and_the_repro_script():
+    # the statistics a node keeps besides its inputs and output, below the accumulation's
+    # precision: a bf16 layer/batch/group norm's mean and rstd; none in fp32, none for a call
+    # that saves only inputs (linear) or its output (softmax), none for a composite whose last
+    # op saves an intermediate another node made (normalize's divisor)
+    u32 = 2.0 ** -24
+    for dt, want in ((bf16, {"_saved_result1", "_saved_result2"}), (torch.float32, set())):
+        x = torch.randn(4, 6, 3, dtype=dt, requires_grad=True)
+        for name, y in (("layer_norm", F.layer_norm(x, (3,))),
+                        ("batch_norm", F.batch_norm(x, None, None, training=True)),
+                        ("group_norm", F.group_norm(x, 2))):
+            mine, theirs = (m.kept_statistics(y, [x], u32) for m in (saved, repro_helpers))
+            assert set(mine) == set(theirs) == want, (name, dt)
+            assert all(torch.equal(mine[k], theirs[k]) and mine[k].dtype == dt for k in mine)
+    x = torch.randn(4, 6, dtype=bf16, requires_grad=True)
+    for y in (x @ x.t(), torch.softmax(x, -1), F.normalize(x, dim=-1)):
+        assert saved.kept_statistics(y, [x], u32) == {} == repro_helpers.kept_statistics(
+            y, [x], u32)
+
+
 @pytest.mark.parametrize("dtype, offset", [(bf16, 200.0), (torch.float32, 2000.0)])
 def test_logsumexp_backward_from_its_saved_output_is_not_a_finding(tmp_path, dtype, offset):
     # dx = g exp(x - lse) reads the saved lse, rounded in the output's dtype: rows near 200 in

@@ -7,6 +7,7 @@ puts it on every interpreter's path), torch and the standard library only; sever
 one such process (each run as ``__main__`` in its own namespace) to keep the suite lean.
 """
 import ast
+import itertools
 import json
 import logging
 import math
@@ -107,13 +108,15 @@ def ln(tmp_path_factory):
 def test_bf16_layer_norm_backward_repro_reproduces_in_a_fresh_process(ln, tmp_path):
     fb, (x, w, b, gy) = ln
     df = fb.results
-    # CPU bf16 layer_norm backward sums the weight and bias gradients in bf16
-    assert df["output_index"].tolist() == [2, 3] and set(df["cause"]) == {"inaccurate"}
+    # CPU bf16 layer_norm backward sums the weight and bias gradients in bf16, and reads its
+    # mean and rstd as it saved them, in bf16 (the input gradient)
+    assert df["output_index"].tolist() == [0, 2, 3] and set(df["cause"]) == {"inaccurate"}
     dump = fb.config.dump_path
     record = repro_record.record_path(dump, "Functional.layer_norm.0.backward", 0)
     assert os.listdir(os.path.dirname(record)) == [os.path.basename(record)]   # no .partial
-    assert os.path.getsize(record) < 2 * ROWS * D * 2 + 64 * 1024   # x and g, small extras
-    row = df.iloc[1]
+    # x, g and the input gradient recorded (each bf16), small extras
+    assert os.path.getsize(record) < 3 * ROWS * D * 2 + 64 * 1024
+    row = df.iloc[2]
     r = fb.repro(row)
     folder = os.path.join(dump, "repro", "Functional.layer_norm.0.backward.rank0")
     assert r.path == folder and sorted(os.listdir(folder)) == ["REPORT.md", "inputs.pt",
@@ -125,7 +128,8 @@ def test_bf16_layer_norm_backward_repro_reproduces_in_a_fresh_process(ln, tmp_pa
     assert "device: cpu; autocast: off" in text
     assert "torch.nn.functional.layer_norm(x0, (64,), weight=x2, bias=x3, eps=1e-05)" in text
     assert "the gradient fed into output 0: g, bfloat16 (4096, 64)" in text
-    assert "judged: the gradient of x2 (`weight`), the gradient of x3 (`bias`)" in text
+    assert ("judged: the gradient of x0 (`input`), the gradient of x2 (`weight`), the gradient "
+            "of x3\n      (`bias`)") in text
     assert "import probekit" not in text and "from probekit" not in text
     (code, out), = fresh(r.script).values()
     assert code == 1, out
@@ -192,8 +196,8 @@ def test_inputs_above_the_limit_are_generated_and_checked(tmp_path, monkeypatch)
         assert abs(spec["mean"]) < 0.01 and abs(spec["std"] - 1) < 0.01
         assert len(spec["quantiles"]) == repro_record.QUANTILES
     assert rec.meta["tensors"]["x2"]["stored"] == "saved"
-    assert rec.meta["generated_check"] == {"reproduced": True,
-                                           "causes": {"2": "inaccurate", "3": "inaccurate"}}
+    assert rec.meta["generated_check"] == {"reproduced": True, "causes": {
+        "0": "inaccurate", "2": "inaccurate", "3": "inaccurate"}}
     r = fb.repro(0)
     text = open(r.script).read()
     assert "x0: bfloat16 (4096, 64), stride (64, 1): generated (seed" in text
@@ -266,7 +270,10 @@ def test_zoo_findings_reproduce_in_a_fresh_process(tmp_path):
         if name == "batch_norm_constant_channels" and not batch_norm_kernel_is_wrong():
             assert df.empty      # this CPU kernel path computes it right: nothing to report
             continue
-        assert len(df) == (2 if name.endswith("layer_norm_backward") else 1), (name, df)
+        # the weight and bias gradients; the all-fp16 kernel's input gradient too (it keeps
+        # its mean and rstd in fp16), the mixed-type kernel of autocast keeps them in fp32
+        assert len(df) == {"fp16_layer_norm_backward": 3, "autocast_layer_norm_backward": 2}.get(
+            name, 1), (name, df)
         assert set(df["cause"]) == {why}, (name, df)
         r = fb.repro(0)
         assert {v["verdict"] for v in r.results.values()} == {why}, (name, r.results)
@@ -365,7 +372,7 @@ def test_cli_writes_the_folder_from_the_dump_alone(ln, tmp_path, capsys):
     assert (f"repro (a script needing only torch): probekit freebench repro {dump} "
             "Functional.layer_norm.0.backward") in capsys.readouterr().out
     assert main(["freebench", "repro", dump, "7"]) == 2
-    assert "row: 7 is not valid; accepted: 0 to 1" in capsys.readouterr().err
+    assert "row: 7 is not valid; accepted: 0 to 2" in capsys.readouterr().err
     assert main(["freebench", "repro", dump, "Torch.nope.0.forward"]) == 2
     assert ("row: 'Torch.nope.0.forward' is not valid; accepted: an api_name of the findings "
             "(Functional.layer_norm.0.backward)") in capsys.readouterr().err
@@ -429,10 +436,14 @@ def test_measures_are_causes():
         for moved in (0.0, 0.9, 1.5, 3.0):
             for lost in (0.0, 0.01, 0.1):
                 for upcast in (True, False):
-                    for error in (0.0, 0.01, 0.1, math.inf):   # the result's own lost bits
+                    for error, stat in itertools.product(
+                            (0.0, 0.01, 0.1, math.inf),     # the result's own lost bits
+                            (0.5, 2.0, math.inf)):          # left by the saved statistics
                         bound = {"lost_level": math.sqrt(2.0 ** -8), "upcast": upcast}
-                        mine = repro_helpers.verdict(acc, moved, lost, bound, case, error)
-                        theirs = cause.verdict(acc, moved, lost, 2.0 ** -8, upcast, error)
+                        mine = repro_helpers.verdict(acc, moved, lost, bound, case, error,
+                                                     stat)
+                        theirs = cause.verdict(acc, moved, lost, 2.0 ** -8, upcast, error,
+                                               stat)
                         assert mine == (str(theirs) + (" (mild)" if getattr(theirs, "mild",
                                                                             False) else ""))
     for m, scale, want in ((0.0, 0.0, 0.0), (1.0, 0.0, math.inf), (1.0, 4.0, 0.25)):

@@ -78,7 +78,7 @@ def test_a_small_defect_is_within_rounding_and_the_training_is_left_as_it_was(tm
     # kept for the findings view: an impact column
     assert fb.impacts == {"Functional.layer_norm.0.backward": r}
     view = Findings.of(fb)
-    assert list(view.calls["impact"]) == ["within bf16 noise"] * 2
+    assert list(view.calls["impact"]) == ["within bf16 noise"] * 3   # input, weight, bias
     assert "<th style=" in view._repr_html_() and ">impact</th>" in view._repr_html_()
     assert "[impact: within bf16 noise]" in repr(view)
 

@@ -191,11 +191,14 @@ class Score:
     far) is no loss of bits and is left out of ``moved`` and the lost bits (``move``'s
     ``half``: the backward stage, where piecewise functions' gradients jump at their kinks)."""
 
-    __slots__ = ("judge", "u_in", "acc", "moved", "lost", "dmax", "rmax", "lost_r", "rmax_r")
+    __slots__ = ("judge", "u_in", "acc", "moved", "lost", "dmax", "rmax", "lost_r", "rmax_r",
+                 "stat")
 
     def __init__(self, judge, u_in: float) -> None:
         self.judge, self.u_in = judge, u_in
         self.acc = self.moved = self.lost = self.lost_r = 0.0
+        self.stat = math.inf            # the error left once the kernel's saved statistics
+        #                                 are read as it stored them (``statistics``)
         self.dmax = self.rmax = 0.0     # the original's largest error, the result's scale
         self.rmax_r = 0.0               # the result's own largest element
 
@@ -227,6 +230,15 @@ class Score:
                     self.dmax = max(self.dmax, d.amax().item())
                     self.rmax = max(self.rmax, _scale(rc, sc))
                     self.rmax_r = max(self.rmax_r, _scale(rc, None))
+
+    def statistics(self, o: torch.Tensor, r_stat: torch.Tensor, S, B=None) -> None:
+        """The kernel's error against the float64 gradient that reads the statistics the
+        kernel saved below its accumulation precision as it stored them (same units as
+        ``accuracy``): what is left of the error once their rounding is the kernel's."""
+        stat = 0.0
+        for oc, rc, sc, bc in _pieces(o.to(r_stat.device), r_stat, S, B):
+            stat = max(stat, ratio(oc, rc, self.bound(rc, sc, bc)))
+        self.stat = stat
 
     def worth_half(self, s: torch.Tensor, r: torch.Tensor, S, B=None) -> bool:
         """Could this nudge's move raise the verdict (a move beyond the bound, or lost bits
@@ -280,7 +292,10 @@ class Score:
             self.lost_r = max(self.lost_r, math.inf if scale_r == 0 else top / scale_r)
 
     def verdict(self, upcast: bool) -> str:
-        if self.acc > 1 and self.acc > BLAME_FACTOR * self.moved:
+        # the inputs' last bit excuses what it can explain; a rounding of the kernel's own
+        # saved statistics does not (docs/free_benchmark.md, "Saved statistics")
+        if self.acc > 1 and (self.acc > BLAME_FACTOR * self.moved or
+                             self.acc > BLAME_FACTOR * self.stat):
             return INACCURATE
         level = math.sqrt(self.u_in) * (1.0 if upcast else self.judge.factor)
         if self.lost > level and (not upcast or self.dmax > level * self.rmax):
@@ -548,11 +563,13 @@ def judge_of(desc) -> scales.Judge:
 
 
 def grads64(func, leaves, spec, diff, out_index, g, kwargs_fix=None, handed=None,
-            saves: dict | None = None) -> list:
+            saves: dict | None = None, statistics: dict | None = None) -> list | None:
     """Input gradients (for the leaves in ``diff``) of the call's output ``out_index`` with
     upstream gradient ``g``, everything in float64. ``handed``: the forward output the kernel's
     backward was handed; where this graph's backward reads its saved output it reads that one
-    instead (``saved.py``). ``saves``: told whether it does (``saves["output"]``)."""
+    instead (``saved.py``). ``saves``: told whether it does (``saves["output"]``).
+    ``statistics``: the saved statistics the kernel stored (``saved.kept_statistics``), read in
+    place of this graph's own; None when this graph does not save them alike."""
     leaves = list(leaves)
     ins = []
     for i in diff:
@@ -565,7 +582,19 @@ def grads64(func, leaves, spec, diff, out_index, g, kwargs_fix=None, handed=None
             saves["output"] = reads
         if reads and handed is not None:
             saved.hand(y, handed)
+    if statistics and not saved.hand_statistics(y, statistics):
+        return None
     return list(torch.autograd.grad(y, ins, g.to(_wide(g)), allow_unused=True))
+
+
+def kernel_statistics(func, leaves, spec, diff, out_index, u_acc: float) -> dict:
+    """The statistics the kernel's own forward saved for its backward below ``u_acc``
+    (``saved.kept_statistics``), from the call re-run on ``leaves`` as it received them."""
+    leaves = list(leaves)
+    for i in diff:
+        leaves[i] = leaves[i].detach().requires_grad_(True)
+    y = dict(outputs(func, leaves, spec))[out_index]
+    return saved.kept_statistics(y, leaves, u_acc)
 
 
 def _wide(t: torch.Tensor) -> torch.dtype:
@@ -711,12 +740,20 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
         func = bounds_as_received(func, api, x)
         x64 = [to64(t) for t in x]
         r = grads64(func, x64, spec, diff, out_index, g, saves=saves)
-        r_acc = r
+        r_acc, handed = r, None
         if saves.get("output"):     # the forward output the kernel's backward read
             with torch.no_grad():
                 handed = dict(outputs(func, fresh(), spec))[out_index]
             r_acc = grads64(func, [to64(t) for t in fresh()], spec, diff, out_index, g,
                             handed=handed)
+        # statistics the kernel saved below its accumulation precision: the reference that
+        # reads them as stored tells how much of its error is that rounding (``Score.stat``)
+        r_stat = None
+        kept = kernel_statistics(func, fresh(), spec, diff, out_index,
+                                 min(j.u_acc for j in judges.values()))
+        if kept:
+            r_stat = grads64(func, [to64(t) for t in fresh()], spec, diff, out_index, g,
+                             handed=handed if saves.get("output") else None, statistics=kept)
         S = backward_magnitudes(func, api, x64, spec, diff, out_index, g.to(_wide(g)),
                                 judges)
         B = backward_bounds(func, x64, spec, diff, out_index, g.to(_wide(g)), judges,
@@ -736,8 +773,10 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
             s_i = s_i.float()      # a scale: kept through the nudges at half the memory
         S[index] = s_i
         sc.accuracy(gr, r_acc[pos[index]], s_i, B.get(index))
+        if r_stat is not None and r_stat[pos[index]] is not None:
+            sc.statistics(gr, r_stat[pos[index]], s_i, B.get(index))
         scores[index] = sc
-    del x, r_acc
+    del x, r_acc, r_stat
     for noise, first in NUDGES:
         with no_autocast(True), torch.enable_grad():
             n64 = [to64(t) for t in nudged(fresh(), noise, first)]
@@ -764,11 +803,13 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
 
 
 def verdict(acc: float, moved: float, lost: float, u_in: float, upcast: bool = True,
-            error: float = math.inf) -> str:
+            error: float = math.inf, stat: float = math.inf) -> str:
     """The cause from the measures (module doc), for callers that have them apart; ``error``:
-    the original's largest error relative to the result's tensor scale (accuracy modes)."""
+    the original's largest error relative to the result's tensor scale (accuracy modes);
+    ``stat``: the accuracy left once the backward reads its saved statistics as the kernel
+    stored them (``Score.statistics``)."""
     level = math.sqrt(u_in)
-    if acc > 1 and acc > BLAME_FACTOR * moved:
+    if acc > 1 and (acc > BLAME_FACTOR * moved or acc > BLAME_FACTOR * stat):
         return INACCURATE
     if lost > level and (not upcast or error > level):
         return ILL_CONDITIONED

@@ -21,10 +21,12 @@ function's backward-stable term, a resampling call's source-coordinate term: iss
 otherwise, plus the bound's absolute floor ``f`` (the underflow floor: issue 34). Where the call's
 backward reads its saved forward output (``saves_output``), ``accuracy`` is measured against the
 float64 backward reading the output the kernel's own forward gave (the kernel is handed it),
-``moved`` and ``lost`` against the exact one;
+``moved`` and ``lost`` against the exact one; where its backward node keeps statistics below
+its accumulation precision (``kept_statistics``: a CPU bf16 norm's mean and rstd), ``statistics``
+is the accuracy against the float64 backward reading them as the kernel stored them;
 
 and the verdict of ``cause.py``: ``inaccurate`` when ``accuracy > 1`` and ``accuracy > blame *
-moved``; ``ill-conditioned`` when ``lost`` exceeds half the dtype's bits (in the accuracy modes
+moved`` or ``accuracy > blame * statistics``; ``ill-conditioned`` when ``lost`` exceeds half the dtype's bits (in the accuracy modes
 only when the kernel's own error does too, relative to that magnitude); a ``mild``
 ill-conditioned (the accuracy modes: the inputs' conditioning explains the error, a hot spot) or
 ``unconfirmed`` otherwise. ``tests/unit/test_freebench_repro.py`` pins these functions to probekit's own.
@@ -192,15 +194,61 @@ def saves_output(out) -> bool:
     return False
 
 
+def _saved_values(node):
+    """(name, value) of ``node``'s saved attributes that can be read."""
+    for name in (a for a in dir(node) if a.startswith("_saved_")):
+        try:
+            yield name, getattr(node, name)
+        except Exception:     # freed, or not a tensor attribute
+            continue
+
+
+def kept_statistics(out, leaves, u_acc: float) -> dict:
+    """``{attribute: tensor}``: the floating tensors ``out``'s backward node saved that are
+    neither one of ``leaves`` (the call's inputs) nor ``out`` nor made by another node (a
+    composite call's intermediate has that node as its ``grad_fn``) -- statistics its forward computed for the backward (a
+    native layer, batch or group norm's mean and rstd) -- in a dtype whose
+    unit roundoff is above ``u_acc``. Empty where the node keeps none below ``u_acc``."""
+    node = getattr(out, "grad_fn", None)
+    if node is None:
+        return {}
+    own = {t.data_ptr() for t in leaves if isinstance(t, torch.Tensor) and t.numel()}
+    if out.numel():
+        own.add(out.data_ptr())
+    return {name: v.detach().clone() for name, v in _saved_values(node)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and
+            v.grad_fn in (None, node) and v.data_ptr() not in own and torch.finfo(v.dtype).eps / 2 > u_acc}
+
+
+def hand_statistics(out, kept: dict) -> bool:
+    """Let ``out``'s backward read ``kept`` (``kept_statistics`` of the kernel's own graph,
+    converted) in place of the statistics it saved, written through ``.data`` (which autograd's
+    version check does not see). False, with nothing written, where this graph's node does not
+    save each of them in that shape."""
+    node = getattr(out, "grad_fn", None)
+    if node is None:
+        return False
+    mine = dict(_saved_values(node))
+    targets = [(mine.get(name), t) for name, t in kept.items()]
+    if any(not isinstance(m, torch.Tensor) or m.shape != t.shape for m, t in targets):
+        return False
+    with torch.no_grad():
+        for m, t in targets:
+            m.data.copy_(t.to(device=m.device, dtype=m.dtype))
+    return True
+
+
 def run(call, leaves: list, case: dict, g=None, rng_state=None, exact: bool = False,
-        handed=None, keep=None) -> dict:
+        handed=None, keep=None, statistics=None) -> dict | None:
     """The judged results of one run of ``call`` on ``leaves``: ``{index: tensor}`` of the judged
     outputs (forward) or of the judged inputs' gradients (backward, upstream gradient ``g``).
     ``exact``: every floating input and ``g`` in float64, autocast off (the reference);
     otherwise the call as the training made it (under its autocast dtype; the backward with
     autocast off, as a training's backward runs). Backward: ``keep["y"]`` is set to the forward
-    output when the backward reads it (else None); ``handed``: a forward output the backward
-    reads instead of its own saved one."""
+    output when the backward reads it (else None) and ``keep["stats"]`` to the statistics the
+    node saved below the judged outputs' ``u_acc`` (``kept_statistics``); ``handed``: a forward
+    output the backward reads instead of its own saved one; ``statistics``: saved statistics it
+    reads instead of its own (None returned where this graph does not save them alike)."""
     leaves = [to64(x) for x in leaves] if exact else list(leaves)
     args = lambda: [leaves[i] for i in case["tensor_pos"]]   # noqa: E731
     if case["stage"] == "forward":
@@ -223,9 +271,13 @@ def run(call, leaves: list, case: dict, g=None, rng_state=None, exact: bool = Fa
             y = float_outputs(call(*args()))[case["out_index"]]
         if keep is not None:
             keep["y"] = y.detach() if saves_output(y) else None
+            keep["stats"] = kept_statistics(
+                y, leaves, min(case["bound"][i]["u_acc"] for i in case["judged"]))
         if handed is not None and saves_output(y):
             with torch.no_grad():
                 y.data.copy_(handed.to(device=y.device, dtype=y.dtype))
+        if statistics and not hand_statistics(y, statistics):
+            return None
         with _autocast(case, False):
             gy = g.to(device=y.device, dtype=torch.float64 if exact else g.dtype)
             grads = torch.autograd.grad(y, ins, gy, allow_unused=True)
@@ -272,12 +324,14 @@ def lost_bits(s, r, floor, S=None) -> float:
 
 
 def verdict(acc: float, moved: float, lost: float, bound: dict, case: dict,
-            error: float = math.inf) -> str:
+            error: float = math.inf, stat: float = math.inf) -> str:
     """``cause.py``'s verdict from the measures; ``error``: the kernel's largest error relative
     to ``max |exact|`` (an accuracy mode's ill-conditioned result is a finding only when the
-    result itself lost those bits)."""
+    result itself lost those bits); ``stat``: the accuracy left once the backward reads the
+    statistics the kernel saved below its accumulation precision (their rounding is the
+    kernel's, whatever the nudges move)."""
     level = bound["lost_level"]
-    if acc > 1 and acc > case["blame"] * moved:
+    if acc > 1 and (acc > case["blame"] * moved or acc > case["blame"] * stat):
         return INACCURATE
     if lost > level and (not bound["upcast"] or error > level):
         return ILL_CONDITIONED
@@ -325,6 +379,8 @@ def measure(call, fresh, case: dict, S: dict, g=None, rng_state=None, expected=N
     r = run(call, fresh(), case, g, rng_state, exact=True)
     r_acc = run(call, fresh(), case, g, rng_state, exact=True, handed=keep["y"]) \
         if keep.get("y") is not None else r
+    r_stat = run(call, fresh(), case, g, rng_state, exact=True, handed=keep["y"],
+                 statistics=keep["stats"]) if keep.get("stats") else None
     out = {}
     bounds = {}
     for i in case["judged"]:
@@ -339,6 +395,9 @@ def measure(call, fresh, case: dict, S: dict, g=None, rng_state=None, expected=N
         bounds[i] = (b, r[i].abs() * bd["a64"] + s_i * bd["b64"], s_i)
         acc = ratio(o[i], r_acc[i], r_acc[i].abs() * bd["a"] + sb_i * bd["b"] + f)
         res = {"accuracy": acc, "moved": 0.0, "lost": 0.0}
+        if r_stat is not None and r_stat.get(i) is not None:
+            res["statistics"] = ratio(o[i], r_stat[i],
+                                      r_stat[i].abs() * bd["a"] + sb_i * bd["b"] + f)
         res.update(_worst(o[i], r_acc[i], b))
         res["magnitude"] = magnitude(r[i], s_i)
         if expected is not None and expected.get(i) is not None:
@@ -359,5 +418,5 @@ def measure(call, fresh, case: dict, S: dict, g=None, rng_state=None, expected=N
         del s
     for i, res in out.items():
         res["verdict"] = verdict(res["accuracy"], res["moved"], res["lost"], case["bound"][i],
-                                 case, relative_error(res))
+                                 case, relative_error(res), res.get("statistics", math.inf))
     return out
