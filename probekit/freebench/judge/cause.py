@@ -753,7 +753,7 @@ def analyse_backward(func, fresh, spec, diff: list, out_index: int, g, items: li
                                  min(j.u_acc for j in judges.values()))
         if kept:
             r_stat = grads64(func, [to64(t) for t in fresh()], spec, diff, out_index, g,
-                             handed=handed if saves.get("output") else None, statistics=kept)
+                             handed=handed, statistics=kept)
         S = backward_magnitudes(func, api, x64, spec, diff, out_index, g.to(_wide(g)),
                                 judges)
         B = backward_bounds(func, x64, spec, diff, out_index, g.to(_wide(g)), judges,

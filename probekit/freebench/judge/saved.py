@@ -53,9 +53,9 @@ def kept_statistics(out: torch.Tensor, leaves, u_acc: float) -> dict:
     """``{attribute: tensor}``: the floating tensors ``out``'s backward node saved that are
     neither one of ``leaves`` (the call's inputs) nor ``out``, nor made by another node of the
     graph (a composite call's intermediate: its ``grad_fn`` is that node), in a dtype whose unit
-    roundoff is above ``u_acc``. Empty for a node that keeps none (or only at ``u_acc`` or better). (The
-    repro scripts carry a standalone twin, ``repro/helpers.py``, pinned to this one by the
-    tests.)"""
+    roundoff is above ``u_acc``. Empty for a node that keeps none (or only at ``u_acc`` or
+    better). (The repro scripts carry a standalone twin, ``repro/helpers.py``, pinned to this
+    one by the tests.)"""
     node = getattr(out, "grad_fn", None)
     if node is None:
         return {}
@@ -64,7 +64,8 @@ def kept_statistics(out: torch.Tensor, leaves, u_acc: float) -> dict:
         own.add(out.data_ptr())
     return {name: v.detach().clone() for name, v in _saved(node)
             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and
-            v.grad_fn in (None, node) and v.data_ptr() not in own and torch.finfo(v.dtype).eps / 2 > u_acc}
+            v.grad_fn in (None, node) and v.data_ptr() not in own and
+            torch.finfo(v.dtype).eps / 2 > u_acc}
 
 
 def hand_statistics(out: torch.Tensor, kept: dict) -> bool:

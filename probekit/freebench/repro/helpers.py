@@ -26,10 +26,10 @@ its accumulation precision (``kept_statistics``: a CPU bf16 norm's mean and rstd
 is the accuracy against the float64 backward reading them as the kernel stored them;
 
 and the verdict of ``cause.py``: ``inaccurate`` when ``accuracy > 1`` and ``accuracy > blame *
-moved`` or ``accuracy > blame * statistics``; ``ill-conditioned`` when ``lost`` exceeds half the dtype's bits (in the accuracy modes
-only when the kernel's own error does too, relative to that magnitude); a ``mild``
-ill-conditioned (the accuracy modes: the inputs' conditioning explains the error, a hot spot) or
-``unconfirmed`` otherwise. ``tests/unit/test_freebench_repro.py`` pins these functions to probekit's own.
+moved`` or ``accuracy > blame * statistics``; ``ill-conditioned`` when ``lost`` exceeds half the
+dtype's bits (in the accuracy modes only when the kernel's own error does too, relative to that
+magnitude); a ``mild`` ill-conditioned (the accuracy modes: the inputs' conditioning explains the
+error, a hot spot) or ``unconfirmed`` otherwise. ``tests/unit/test_freebench_repro.py`` pins these functions to probekit's own.
 """
 from __future__ import annotations
 
@@ -206,9 +206,10 @@ def _saved_values(node):
 def kept_statistics(out, leaves, u_acc: float) -> dict:
     """``{attribute: tensor}``: the floating tensors ``out``'s backward node saved that are
     neither one of ``leaves`` (the call's inputs) nor ``out`` nor made by another node (a
-    composite call's intermediate has that node as its ``grad_fn``) -- statistics its forward computed for the backward (a
-    native layer, batch or group norm's mean and rstd) -- in a dtype whose
-    unit roundoff is above ``u_acc``. Empty where the node keeps none below ``u_acc``."""
+    composite call's intermediate has that node as its ``grad_fn``) -- statistics its forward
+    computed for the backward (a native layer, batch or group norm's mean and rstd) -- in a
+    dtype whose unit roundoff is above ``u_acc``. Empty where the node keeps none below
+    ``u_acc``."""
     node = getattr(out, "grad_fn", None)
     if node is None:
         return {}
@@ -217,7 +218,8 @@ def kept_statistics(out, leaves, u_acc: float) -> dict:
         own.add(out.data_ptr())
     return {name: v.detach().clone() for name, v in _saved_values(node)
             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and
-            v.grad_fn in (None, node) and v.data_ptr() not in own and torch.finfo(v.dtype).eps / 2 > u_acc}
+            v.grad_fn in (None, node) and v.data_ptr() not in own and
+            torch.finfo(v.dtype).eps / 2 > u_acc}
 
 
 def hand_statistics(out, kept: dict) -> bool:
