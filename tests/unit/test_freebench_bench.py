@@ -118,12 +118,17 @@ def test_calls_skipped_before_the_decision_cost_a_few_python_calls(tmp_path):
     with CallThrough():
         bare = [python_calls(f) for f in calls]
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=1e-6)
-    for _ in range(3):          # calibration, a reference step, then one check per step
+    for _ in range(3):          # calibration, a reference step, a step with one check
         with fb:
             for _ in range(4):
                 torch.exp(x), x.t(), torch.tanh(x)
         fb.step()
-    assert fb.summary["budget_limit"] == 1
+    # so small a budget then probes one step in 2^12, with one check
+    assert (fb.summary["budget_limit"], fb.summary["budget_every"]) == (1, 4096)
+    for _ in range(3, 4096):    # quiet and reference steps up to the next probed one
+        fb.step()
+    assert fb.summary["budget_steps"] == {"probed": 2, "quiet": 4096 - 2 - 410,
+                                          "reference": 410}
     with fb:
         torch.exp(x), x.t(), torch.tanh(x)           # the window's one check: exp or tanh
         torch.exp(x), x.t()
@@ -137,24 +142,29 @@ def test_calls_skipped_before_the_decision_cost_a_few_python_calls(tmp_path):
 
 def test_budget_reference_steps_intercept_nothing_and_the_summary_says_the_cost(tmp_path):
     """Issue 38: with a budget, step 1 and every tenth step after it run with nothing
-    intercepted (the plain step's time); the summary then says what the probe cost."""
+    intercepted (the plain step's time), and so do the quiet steps (``step % every != 0``,
+    ``every`` what the summary says before the step); the summary then says what the probe
+    cost, end to end."""
     x = torch.randn(8, 8)
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=0.5)
     depth = mode_stack_depth()
-    seen = []
+    seen, probed = [], []
     for step in range(13):
+        probed.append(step % 10 != 1 and step % fb.summary["budget_every"] == 0)
         before = fb.summary["calls"]
         with fb:
-            assert fb.active and mode_stack_depth() == depth + (step not in (1, 11))
+            assert fb.active and mode_stack_depth() == depth + probed[-1]
             torch.exp(x), torch.tanh(x)
         seen.append(fb.summary["calls"] - before)
         fb.step()
-    assert seen == [0 if step in (1, 11) else 2 for step in range(13)]
+    assert seen == [2 * p for p in probed] and not probed[1] and not probed[11]
     s = fb.summary
+    assert s["budget_steps"] == {"probed": sum(probed), "reference": 2,
+                                 "quiet": 13 - 2 - sum(probed)}
     assert s["budget_cost"] is not None and s["budget_cost"] > -1.0
     assert f"budget: {100 * s['budget_cost']:.0f} % over the plain step" in str(s)
     cov = fb.coverage
-    assert cov["calls"].tolist() == [11, 11] and (cov["checked"] >= 1).all()
+    assert cov["calls"].tolist() == [sum(probed)] * 2 and (cov["checked"] >= 1).all()
     # a session left running across step() (start() once): the reference step still
     # intercepts nothing, the next one intercepts again
     fb2 = FreeBench(dump_path=str(tmp_path / "running"), pert_mode="bit_noise", budget=0.5)
@@ -167,25 +177,50 @@ def test_budget_reference_steps_intercept_nothing_and_the_summary_says_the_cost(
             fb2.step()
     finally:
         fb2.stop()
-    assert stack == [1, 0, 1, 1] and fb2.summary["calls"] == 3
+    # (no time passes outside the session here: steps 2 and 3 are probed or quiet as measured)
+    assert stack[:2] == [1, 0] and fb2.summary["calls"] == 1 + sum(stack[2:])
+    assert sum(stack[2:]) == fb2.summary["budget_steps"]["probed"] - 1
+
+
+def test_budget_quiet_steps_rotate_the_modes_of_combined(tmp_path):
+    """Issue 38: ``combined`` under a budget takes its modes in turn over the probed steps, so
+    a budget that probes one step in 4096 still runs both (by the step's parity it would run
+    improve_precision only)."""
+    x = torch.randn(8, 8)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="combined", budget=1e-6)
+    modes = {}
+    for step in range(3 * 4096 + 1):
+        if step % 10 != 1 and step % fb.summary["budget_every"] == 0:
+            with fb:
+                modes[step] = fb._engine.mode_name
+                torch.exp(x)
+        elif step == 1:         # the reference step: the plain step's time
+            with fb:
+                torch.exp(x)
+        fb.step()
+    # step 2 measures the interception (step 0's figure holds one-time work), then 1 in 4096
+    assert list(modes) == [0, 2, 4096, 8192, 12288]
+    assert list(modes.values()) == ["improve_precision", "bit_noise"] * 2 + ["improve_precision"]
 
 
 def test_budget_reference_steps_follow_the_optimizer_in_a_plain_loop(tmp_path):
     """Issues 34 and 38 together: a ``with fb:`` loop that calls ``optimizer.step()`` and never
-    ``fb.step()`` still ends its steps during a reference step (nothing intercepted there, the
-    optimizer's hooks kept), and intercepts again after it; the dump's run closes cleanly."""
+    ``fb.step()`` still ends its steps during a reference or quiet step (nothing intercepted
+    there, the optimizer's hooks kept), and intercepts again after it; the dump's run closes
+    cleanly."""
     x = torch.randn(8, 8)
     w = torch.nn.Parameter(torch.ones(()))
     opt = torch.optim.SGD([w], lr=0.0)
     depth = mode_stack_depth()
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", budget=0.5)
-    stack = []
+    stack, probed = [], []
     with fb:
         for step in range(13):
+            probed.append(int(step % 10 != 1 and step % fb.summary["budget_every"] == 0))
             stack.append(mode_stack_depth() - depth)
             (torch.exp(x).sum() * w).backward()
             opt.step()
-    assert stack == [0 if step in (1, 11) else 1 for step in range(13)]
+    assert stack == probed and not probed[1] and not probed[11] and probed[0]
     s = fb.summary
     assert s["steps"] == 13 and s["budget_cost"] is not None
     assert mode_stack_depth() == depth and not fb.active

@@ -142,20 +142,85 @@ def test_budget_limit_from_measured_costs():
     b.stopped(now=2.0 + 2 ** -3)         # the reference step: 125 ms with nothing intercepted
     b.end_step(now=3.0)
     assert b.plain == 2 ** -3 and b.interception == 0.0 and not b.reference
-    assert b.limit == 32 and b.prev_total == 10 and b.cost() is None   # 0.25 * 125 ms / 1 ms
+    assert b.limit == 32 and b.prev_total == 10 and b.cost() == 0.0   # 0.25 * 125 ms / 1 ms
     b.t0 = 4.0
     for _ in range(32):
         b.admit()
         b.spent(2 ** -10)
-    b.stopped(now=4.0 + 2 ** -3 + 2 ** -5 + 2 ** -5)   # + 32 ms of checks + 31 ms intercepting
+    b.stopped(now=4.0 + 2 ** -3 + 2 ** -5 + 2 ** -6)   # + 32 ms of checks + 16 ms intercepting
     b.end_step(now=5.0)
-    assert b.interception == 0.3 * 2 ** -5
-    assert b.limit == 22                 # (0.25 * 125 ms - 0.3 * 31.25 ms) / 1 ms = 21.9
-    assert b.cost() == 0.5               # 187.5 ms probed over 125 ms plain
+    assert b.interception == 2 ** -6     # measured: step 0's figure replaced, not averaged
+    assert b.limit == 16                 # (0.25 * 125 ms - 15.625 ms) / 1 ms
+    assert b.cost() == 0.1875            # (125 + 171.875 ms) / 2 over 125 ms plain
+    assert b.every == 1                  # the interception and a check fit: every step probed
     assert not b.reference
     for step in range(3, 12):
         b.end_step(now=6.0 + step)
         assert b.reference == (step == 10)   # step 11 is the next reference step
+
+
+def test_budget_plain_step_leaves_out_the_sessions_own_work():
+    """Issue 38: an unintercepted step's time is the plain step less what the session's own
+    start(), stop() and step() took there (``own``, ``stepping``): a quiet step's session work
+    is the probe's cost, not the training's."""
+    from probekit.freebench.engine.budget import Budget
+
+    b = Budget(0.5)
+    b.t0 = 0.0
+    b.admit()
+    b.spent(2 ** -10)
+    b.stopped(now=2 ** -3)
+    b.end_step(now=1.0)                        # step 0
+    assert b.reference
+    b.started(2.0)
+    b.own(2 ** -6)                             # start() and stop(): 15.6 ms
+    b.stepping(2.0 + 2 ** -3 - 2 ** -7)        # step() from 7.8 ms before the step closes
+    b.end_step(now=2.0 + 2 ** -3)
+    assert b.plain == 2 ** -3 - 2 ** -6 - 2 ** -7 and b.own_s == 0.0
+    assert b.t0 == 2.0 + 2 ** -3               # still running: the next step's stretch
+    b.stepping(3.0)
+    b.stepped(3.0 + 2 ** -8)                   # a step() that closed no step: still its own
+    assert b.own_s == 2 ** -8
+
+
+def test_budget_quiet_steps_when_the_interception_exceeds_it():
+    """Issue 38: where the interception alone costs more than the budget, one step in
+    ``every`` (a power of two) is probed and the others intercept nothing; the probed step
+    checks what the saved room pays for, and the cost end to end is the budget."""
+    from probekit.freebench.engine.budget import MAX_EVERY, Budget
+
+    assert Budget.plan(2 ** -5, 2 ** -4, 2 ** -10) == (4, 2 ** -4)   # 4 x 31.25 - 62.5 ms
+    assert Budget.plan(2 ** -5, 0.0, 2 ** -10) == (1, 2 ** -5)
+    assert Budget.plan(0.0, 0.0, 2 ** -10) == (MAX_EVERY, 0.0)
+    b = Budget(0.25)
+    b.t0 = 0.0
+    for _ in range(10):
+        b.admit()
+        b.spent(2 ** -10)
+    b.stopped(now=2 ** -3 + 10 * 2 ** -10 + 2 ** -4)   # step 0: 125 ms + checks + 62.5 ms
+    b.end_step(now=1.0)
+    kinds = []
+    for step in range(1, 21):
+        kinds.append("r" if b.reference and not b.quiet else "q" if b.quiet else "p")
+        b.t0 = 2.0 * step
+        if kinds[-1] == "p":
+            # step 2 measures the interception with one check (step 0's figure is provisional:
+            # one every step until then); after it, (4 x 31.25 - 62.5 ms) / 1 ms
+            assert b.limit == (1 if step == 2 else 64)
+            for _ in range(b.limit):
+                b.admit()
+                b.spent(2 ** -10)
+            b.stopped(now=b.t0 + 2 ** -3 + b.limit * 2 ** -10 + 2 ** -4)   # + checks + 62.5 ms
+        else:
+            b.stopped(now=b.t0 + 2 ** -3)
+        b.end_step(now=2.0 * step + 1.0)
+        assert b.every == (1 if step == 1 else 4)
+        assert b.interception == 2 ** -4 and b.plain == 2 ** -3
+    assert "".join(kinds) == "rpqpqqqpqqrpqqqpqqqp"
+    assert (b.probed_steps, b.quiet_steps, b.references) == (1 + 6, 12, 2)
+    # 20 steps: 14 x 125 ms unintercepted, step 2 at 188.5 ms, 5 probed at 250 ms: 1.275x
+    assert b.cost() == ((14 * 2 ** -3 + (2 ** -3 + 2 ** -10 + 2 ** -4) + 5 * 2 ** -2) / 20) \
+        / 2 ** -3 - 1
 
 
 def test_budget_config_is_validated():

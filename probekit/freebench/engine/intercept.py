@@ -315,7 +315,10 @@ class Engine(Judging):
         self.once_step.clear()
         self.step += 1
         if self.schedule:
-            self.set_mode(self.schedule[self.step % len(self.schedule)])
+            # under a budget the probed steps take the modes in turn (``step % every == 0``
+            # would give an even ``every`` one mode only); else the steps do
+            turn = self.step if self.budget is None else self.budget.probed_steps
+            self.set_mode(self.schedule[turn % len(self.schedule)])
         if self.summary_every and self.step % self.summary_every == 0:
             self.log_summary()
         self._set_enabled(self._step_selected(self.step))
@@ -366,6 +369,10 @@ class Engine(Judging):
         if self.budget is not None:
             out["coverage"] = self.coverage.share()
             out["budget_limit"] = self.budget.limit
+            out["budget_every"] = self.budget.every
+            out["budget_steps"] = {"probed": self.budget.probed_steps,
+                                   "quiet": self.budget.quiet_steps,
+                                   "reference": self.budget.references}
             out["budget_cost"] = self.budget.cost()
         cov = self.coverage
         out["float_calls"] = cov.float_calls

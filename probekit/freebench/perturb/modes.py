@@ -29,7 +29,8 @@ combined                                             npu           improve_preci
 * ``fuzz_device``: the ``fuzz_device`` the mode needs ("cpu" for to_cpu; the others run where the
   call ran, msprobe's "npu").
 * ``schedule``: the modes a combined mode runs, one per step in turn (step ``s`` uses
-  ``schedule[s % len(schedule)]``): ``combined`` finds an inaccurate kernel (improve_precision)
+  ``schedule[s % len(schedule)]``; under a budget the probed steps take them in turn, the
+  quiet steps skipped): ``combined`` finds an inaccurate kernel (improve_precision)
   and an ill-conditioned computation (bit_noise) within two steps, each step costing what one
   mode costs. Its own traits are none of the above (it is never applied itself).
 """

@@ -132,7 +132,9 @@ def summary_line(summary: dict | None, n_rows: int = 0) -> str:
         parts.append(f"{unexplained:,} unexplained")
     cost = summary.get("budget_cost")
     if cost is not None:   # what the budget measured the probe to cost (budget.py)
-        parts.append(f"budget: {100 * cost:.0f} % over the plain step")
+        every = summary.get("budget_every", 1)
+        probed = f", 1 step in {every} probed" if every > 1 else ""
+        parts.append(f"budget: {100 * cost:.0f} % over the plain step{probed}")
     if summary.get("steps"):            # completed steps (step() calls); none in a one-off cell
         steps = summary["steps"]
         parts.append(f"{steps} step{'s' if steps != 1 else ''}")

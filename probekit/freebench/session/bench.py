@@ -116,6 +116,15 @@ class FreeBench:
         self._model = model
 
     def start(self, model=None) -> None:
+        t = time.perf_counter()
+        try:
+            self._start(model, t)
+        finally:
+            budget = self._engine.budget
+            if budget is not None and budget.t0 is not None:   # the probe's own time
+                budget.own(time.perf_counter() - t)
+
+    def _start(self, model, t: float) -> None:
         """Begin intercepting torch calls on this thread. With ``module`` set, only calls made
         inside those modules of ``model`` (here or ``FreeBench(model=...)``) are checked; without
         it ``model`` is unused: every API call is seen, inside or outside a model. A ``torch.compile``'d model is refused
@@ -144,7 +153,7 @@ class FreeBench:
             self._run.mark(False)  # running again
         budget = self._engine.budget
         if budget is not None:
-            budget.started()
+            budget.started(t)   # from start()'s first line: its own work is the probe's cost
         self._sink.open()
         # the optimizer's steps are watched in a reference step too: they end the step
         self._steps.install()
@@ -215,16 +224,22 @@ class FreeBench:
     def _stop(self, clean: bool) -> None:
         if self._mode is None and not self._reference:
             return
+        t = time.perf_counter()
         self._reference = False
         try:
-            self._release()
+            try:
+                self._release()
+            finally:
+                self._steps.remove()
+                self._gather()
+                self._engine.settle()   # no flag left waiting for a next run (judging.py)
+            self._end_run(clean)
         finally:
-            if self._engine.budget is not None:
-                self._engine.budget.stopped()
-            self._steps.remove()
-            self._gather()
-            self._engine.settle()   # no flag left waiting for a next run (judging.py)
-        self._end_run(clean)
+            budget = self._engine.budget
+            if budget is not None:   # to stop()'s last line: its own work is the probe's cost
+                now = time.perf_counter()
+                budget.own(now - t)
+                budget.stopped(now)
 
     def _end_run(self, clean: bool) -> None:
         if self._run is not None:
@@ -271,6 +286,22 @@ class FreeBench:
         ``fb.step()`` is called the steps are the caller's, as before; its first call right
         after a step the optimizer ended is that same boundary (``opt.step(); fb.step()``
         inside or after the block is one step)."""
+        budget = self._engine.budget
+        t = time.perf_counter()
+        # step()'s own work is the probe's cost, counted in the step it closes
+        opened = budget is not None and budget.t0 is None
+        if budget is not None:
+            budget.started(t)
+            budget.stepping(t)
+        try:
+            self._step()
+        finally:
+            if budget is not None:
+                budget.stepped(time.perf_counter())
+                if opened:
+                    budget.stopped()
+
+    def _step(self) -> None:
         self._steps.repair()   # an optimizer step that raised: the mode back on the stack
         if not self._started and self._coverage_once("step-before-start"):
             log.warning("%s", _step_before_start(self.config, self._engine.step))
