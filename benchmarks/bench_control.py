@@ -245,12 +245,15 @@ def _zoo_setting(setting):
 
 
 def zoo_record(path, kind, setting="fp32", control=None, seed=0, steps=SWEEP_STEPS,
-               bf16=False) -> str:
+               bf16=False, watch=None) -> str:
     """One recorded run of a zoo model: AdamW (lr 1e-3), batches of 4 (x 16 tokens);
-    ``setting`` a healthy change (``SWEEP``), a bug (``SWEEP_BUGS``), or "fp32"/"autocast"."""
+    ``setting`` a healthy change (``SWEEP``), a bug (``SWEEP_BUGS``), or "fp32"/"autocast".
+    ``watch(model, clock)``: called on the model before training (hooks that observe the run:
+    ``bench_control_splits.py``); the run is then recorded again even where it exists."""
     import _hf_models as hm
 
-    if os.path.exists(os.path.join(path, "grads.zarr", "rank0", "commit.json")):
+    if watch is None and os.path.exists(os.path.join(path, "grads.zarr", "rank0",
+                                                     "commit.json")):
         return path
     if setting == "isa" and os.environ.get("ATEN_CPU_CAPABILITY") != "default":
         import subprocess
@@ -267,6 +270,8 @@ def zoo_record(path, kind, setting="fp32", control=None, seed=0, steps=SWEEP_STE
     if setting == "reorder":
         cm.reorder(model)
     clock = cm.Clock()
+    if watch is not None:
+        watch(model, clock)
     if setting in SWEEP_BUGS:
         names = [n for n, p in model.named_parameters() if p.dim() >= 2]
         param = model.get_parameter(names[len(names) // 2])

@@ -116,6 +116,11 @@ class FreeBench:
         self._model = model
 
     def start(self, model=None) -> None:
+        """Begin intercepting torch calls on this thread. With ``module`` set, only calls made
+        inside those modules of ``model`` (here or ``FreeBench(model=...)``) are checked; without
+        it ``model`` is unused: every API call is seen, inside or outside a model. A
+        ``torch.compile``'d model is refused (``CompiledModelError``): probe the uncompiled
+        module."""
         t = time.perf_counter()
         try:
             self._start(model, t)
@@ -125,10 +130,7 @@ class FreeBench:
                 budget.own(time.perf_counter() - t)
 
     def _start(self, model, t: float) -> None:
-        """Begin intercepting torch calls on this thread. With ``module`` set, only calls made
-        inside those modules of ``model`` (here or ``FreeBench(model=...)``) are checked; without
-        it ``model`` is unused: every API call is seen, inside or outside a model. A ``torch.compile``'d model is refused
-        (``CompiledModelError``): probe the uncompiled module."""
+        """``start()``'s work; ``t``: when it was called (a budget's clock starts there)."""
         if self._closed:
             raise RuntimeError("this FreeBench was closed")
         if model is not None and is_compiled_module(model):
