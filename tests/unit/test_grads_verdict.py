@@ -215,6 +215,55 @@ def runs():
     return _run(ref), _run(test), _run(ctrl, control="bf16")
 
 
+def test_a_control_burst_bounds_the_later_steps_not_the_earlier():
+    """Issue 37: a control's flip-share bound at a step is its largest so far (``_so_far``): a
+    burst of flips from a discrete event (a rerouted token) at step 1 of the control bounds the
+    test's burst at step 3, as rounding put it at a random step; the steps before the burst keep
+    their own bound, and a departure far beyond the burst is still flagged."""
+    from probekit.grads.compare.verdict import _so_far
+
+    up = np.array([[[0.1, np.nan], [0.05, 0.2], [0.3, 0.1]]])
+    assert np.array_equal(_so_far(up, np.array([0, 1, 2])),
+                          np.array([[[0.1, np.nan], [0.1, 0.2], [0.3, 0.2]]]), equal_nan=True)
+    # the steps' positions in step order: the second position is the earliest step
+    assert np.array_equal(_so_far(up, np.array([1, 0, 2])),
+                          np.array([[[0.1, np.nan], [0.05, 0.2], [0.3, 0.2]]]), equal_nan=True)
+    ref = _grads()
+    rng = np.random.default_rng(2)
+    ctrl, test, far = [], [], []
+    for s, step in enumerate(ref):
+        c, t, f = dict(step), dict(step), dict(step)
+        c["enc.weight"] = _flip(step["enc.weight"], 0.02 if s == 1 else 0.002, rng)
+        t["enc.weight"] = _flip(step["enc.weight"], 0.12 if s == 3 else 0.002, rng)
+        f["enc.weight"] = _flip(step["enc.weight"], 0.45 if s == 3 else 0.002, rng)
+        ctrl.append(c), test.append(t), far.append(f)
+    cmp = compare_grads(_run(ref), _run(test), control=_run(ctrl, control="bf16"),
+                        progress=False)
+    r = cmp.isel(rank=0)
+    m_cell = family_margin(1, 20, PRIOR_SPREAD["half"][1], ALPHA / 8)
+    level = ALPHA / (16 * 20)
+    band = r["similarity_band"].sel(param="enc.weight").values
+    small, burst = round(0.002 * 4096), round(0.02 * 4096)     # 8 and 82 flips
+    own = m_cell * upper_share(small, 4096, level)
+    assert band[0] == pytest.approx(1 - own, rel=1e-12)
+    assert band[1:].tolist() == pytest.approx(
+        [1 - m_cell * upper_share(burst, 4096, level)] * 4, rel=1e-12)
+    # the test's 12 % at step 3 is beyond that step's own bound, within the burst's
+    assert 0.12 > own and 1 - 0.12 > band[3]
+    assert not r["flag"].sel(param="enc.weight").values.any()
+    # the step's total keeps its own bound (one parameter's burst is diluted there, and it is
+    # what finds a small change spread over every parameter at its first step): it flags step 3
+    from probekit.grads import verdict_of
+
+    v = verdict_of(cmp)
+    assert (v.kind, v.reason, v.step, v.parameter) == ("beyond", "total", 3, None)
+    assert r["flag_total"].values.tolist() == [False, False, False, True, False]
+    cmp = compare_grads(_run(ref), _run(far), control=_run(ctrl, control="bf16"),
+                        progress=False)
+    assert cmp.isel(rank=0)["flag"].sel(param="enc.weight").values.tolist() == \
+        [False, False, False, True, False]
+
+
 def test_calibrated_flags_where_the_test_departs_further(runs):
     ref, test, ctrl = runs
     cmp = compare_grads(ref, test, control=ctrl, progress=False)
