@@ -139,6 +139,29 @@ def log_dev(x, r):
     return np.where((x == 0) & (r == 0), 0.0, out)
 
 
+def typical_share(ref):
+    """Per (rank, step, param): the reference's statistic at the step over its median over the
+    steps (1 where that median is 0 or not finite; NaN where the step has none). A deviation
+    times this share is measured against the parameter's typical magnitude, not the step's:
+    rounding errs by a share of what a gradient sums, and at a step where those terms cancel
+    (a bias gradient of four samples, one per class: 1/160 of the terms' magnitudes) the same
+    error is a large share of the small sum, in every run alike (docs/grad_compare.md)."""
+    ref = np.abs(np.asarray(ref, np.float64))
+    with np.errstate(all="ignore"):
+        typ = np.nanmedian(np.where(np.isnan(ref), np.nan, ref), axis=1, keepdims=True) \
+            if np.isfinite(ref).any() else np.full(ref[:, :1].shape, np.nan)
+        return np.where((typ > 0) & np.isfinite(typ), ref / typ, np.where(np.isnan(ref),
+                                                                            np.nan, 1.0))
+
+
+def step_dev(x, r, share):
+    """``log_dev(x, r)`` times ``share`` (``typical_share``): the deviation of a statistic in
+    units of the parameter's typical one; inf (one side zero, the other not) stays inf."""
+    d = log_dev(x, r)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isinf(d), np.inf, d * share)
+
+
 def margin(controls: int, params: int, run_sd: float, param_sd: float,
            alpha: float = ALPHA / 4, draws: int = DRAWS, tail=None) -> tuple:
     """``(m, c)``: a test may reach ``m * exp(credit) * band`` at a parameter, ``credit`` its
@@ -364,14 +387,16 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     # steps (its band: the envelope of the controls), and the spread between runs they show
     st_r = _stats(runs_ref, result)
     st_t = _stats(runs_test, result)
-    dev_t = {k: log_dev(st_t[k], st_r[k]) for k in ("norm", "range")}
+    # deviations in units of each parameter's typical statistic (``typical_share``)
+    share = {k: typical_share(st_r[k]) for k in ("norm", "range")}
+    dev_t = {k: step_dev(st_t[k], st_r[k], share[k]) for k in ("norm", "range")}
     bands = {"norm": None, "range": None}
     finite_c, ratio_c, peaks = None, {}, []
     for rc in runs_ctrl:
         st_c = _stats(rc, result)
         peak = {}
         for k in bands:
-            g = log_dev(st_c[k], st_r[k])
+            g = step_dev(st_c[k], st_r[k], share[k])
             g = np.where(np.isfinite(g), g, np.nan)
             with np.errstate(all="ignore"):
                 b = (np.nanmax(g, axis=1, keepdims=True) if np.isfinite(g).any()
