@@ -5,6 +5,7 @@ where a planted bf16 accumulation becomes visible, and the cost.
     python benchmarks/bench_control.py line --out line.json
     python benchmarks/bench_control.py cost --out cost.json
     python benchmarks/bench_control.py sweep --out sweep.json [--models gpt2,...] [--bf16]
+    python benchmarks/bench_control.py priors --out priors.json [--models ...] [--controls 10]
 
 ``validate``: per model (tiny random-init Hugging Face configs, ``tests/_control_models.py``;
 AdamW, 20 steps, 4 x 32 tokens) a reference run in fp32, test runs that are healthy (bf16
@@ -21,7 +22,9 @@ verdict's margins cached and cold; ``--compare-only``: the comparisons alone).
 ``sweep`` (issue 37): the false-alarm rate over many healthy fp32 pairs (kernel and backend
 swaps, reduction orders, attention paths) on zoo models the verdict's priors were not measured
 on, with one control and with two, each control judged against the others too, and planted
-fp32 scale bugs (``SWEEP``, ``SWEEP_BUGS``).
+fp32 scale bugs (``SWEEP``, ``SWEEP_BUGS``). ``priors``: the spread of runs of rounding behind
+``verdict.PRIOR_SPREAD``, measured again on the tuned models, for the log deviation and for the
+verdict's deviation in units of a parameter's typical statistic.
 """
 from __future__ import annotations
 
@@ -345,6 +348,58 @@ def sweep(args) -> dict:
     return {"rows": rows, "steps": args.steps, "onset": ONSET, "summary": _summary(rows)}
 
 
+def _peaks(ref, run, stat) -> np.ndarray:
+    """A run's largest deviation per parameter over the steps, for the norm and the range, by
+    ``stat`` ("log": ``|ln(x/r)|``; "typical": the verdict's ``step_dev``): (2, params)."""
+    from probekit.grads import open_grads
+
+    r, x = open_grads(ref), open_grads(run)
+    out = []
+    for k in ("norm", "range"):
+        get = (lambda ds: ds["norm"].values) if k == "norm" else \
+            (lambda ds: ds["max"].values - ds["min"].values)
+        rv, xv = np.asarray(get(r), np.float64)[None], np.asarray(get(x), np.float64)[None]
+        dev = verdict.log_dev(xv, rv) if stat == "log" else \
+            verdict.step_dev(xv, rv, verdict.typical_share(rv))
+        with np.errstate(all="ignore"):
+            out.append(np.nanmax(np.where(np.isfinite(dev), dev, np.nan), axis=1)[0])
+    return np.stack(out)
+
+
+def priors(args) -> dict:
+    """The spread of runs of rounding (``verdict.PRIOR_SPREAD``) measured again: ``--controls``
+    fp32 and bf16 controls of each model against its reference (``zoo_record``); per
+    statistic (the log deviation, and the verdict's deviation in units of the typical one) the
+    log of each control's largest deviation per parameter, split into a shift of the run (sd
+    over the controls of their mean departure) and a term of each parameter (sd of what is
+    left), with the parameter term's kurtosis."""
+    root = args.dir or tempfile.mkdtemp(prefix="probekit-priors-")
+    out = {}
+    for kind in args.models.split(","):
+        at = lambda name: os.path.join(root, kind, name)  # noqa: E731
+        ref = zoo_record(at("ref"), kind, steps=args.steps)
+        for prec in ("fp32", "bf16"):
+            runs = [zoo_record(at(f"c_{prec}_{s}"), kind, control=prec, seed=s,
+                               steps=args.steps) for s in range(args.controls)]
+            for stat in ("log", "typical"):
+                y = np.log(np.stack([_peaks(ref, r, stat) for r in runs]))  # (c, 2, p)
+                y = y.reshape(len(runs), -1)
+                y = y[:, np.isfinite(y).all(axis=0)]
+                level = y.mean(axis=0, keepdims=True)
+                shift = (y - level).mean(axis=1, keepdims=True)
+                rest = y - level - shift
+                dof = max(1, (y.shape[0] - 1) * (y.shape[1] - 1))
+                sd = float(np.sqrt((rest ** 2).sum() / dof))
+                kurt = float(((rest / sd) ** 4).mean()) if sd > 0 else float("nan")
+                out[f"{kind} {prec} {stat}"] = {
+                    "run_sd": float(shift.std(ddof=1)), "param_sd": sd,
+                    "param_kurtosis": kurt, "params": int(y.shape[1] // 2)}
+                print(kind, prec, stat, {k: round(v, 3) for k, v in
+                                         out[f"{kind} {prec} {stat}"].items()}, flush=True)
+    return {"controls": args.controls, "steps": args.steps, "priors": out,
+            "verdict_prior": verdict.PRIOR_SPREAD}
+
+
 def _summary(rows) -> dict:
     out = {}
     for label, keep in (("healthy", lambda r: r["expected"] == "within"
@@ -500,7 +555,7 @@ def _mlp_run(root, name, control, steps=20, width=2048):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("validate", "line", "cost", "sweep", "record"))
+    p.add_argument("what", choices=("validate", "line", "cost", "sweep", "record", "priors"))
     p.add_argument("--out", required=True)
     p.add_argument("--models", default="gpt2,llama,bert,resnet,vit,distilbert")
     p.add_argument("--steps", type=int, default=20)
@@ -513,6 +568,7 @@ def main(argv=None) -> int:
     p.add_argument("--judge-only", action="store_true",
                    help="validate: judge the runs already recorded in --dir again")
     p.add_argument("--bf16", action="store_true", help="sweep: bf16 autocast pairs too")
+    p.add_argument("--controls", type=int, default=10, help="priors: controls per precision")
     p.add_argument("--setting", default="fp32", help="record: the setting (one run)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -520,12 +576,18 @@ def main(argv=None) -> int:
     if args.what == "record":       # one zoo run (the sweep's ``isa`` runs, in a process)
         zoo_record(args.out, args.models, args.setting, steps=args.steps)
         return 0
+    if args.what == "priors":
+        if args.models == p.get_default("models"):
+            args.models = ",".join(TUNED)
+        if args.steps == p.get_default("steps"):
+            args.steps = SWEEP_STEPS
     if args.what == "sweep":
         if args.models == p.get_default("models"):
             args.models = ",".join(k for k in SWEEP if k not in TUNED)
         if args.steps == p.get_default("steps"):
             args.steps = SWEEP_STEPS
-    res = {"validate": validate, "line": line, "cost": cost, "sweep": sweep}[args.what](args)
+    res = {"validate": validate, "line": line, "cost": cost, "sweep": sweep,
+           "priors": priors}[args.what](args)
     with open(args.out, "w") as fh:
         json.dump(res, fh, indent=1)
     return 0
