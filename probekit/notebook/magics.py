@@ -66,8 +66,9 @@ def _config_options(func):
                  help=f"relative-error threshold for an output dtype "
                       f"({', '.join(THRESHOLD_KEYS)}); repeatable"),
         argument("--budget", type=float, metavar="FRACTION",
-                 help="overhead budget: check only as many calls per step as this fraction of "
-                      "the plain step time allows, rotating through the call sites (e.g. 0.2)"),
+                 help="overhead budget: the probe costs about this fraction of the plain step "
+                      "time on average, checks rotating through the call sites; where the "
+                      "interception alone costs more, only some steps are probed (e.g. 0.2)"),
         argument("--dump-path", metavar="PATH", help="folder for free_benchmark.csv"),
         argument("--resume", action="store_true", default=None,
                  help="append to the dump folder's findings (default: a cell run again "

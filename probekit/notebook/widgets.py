@@ -43,8 +43,8 @@ HELP = {
     "if_preheat": "Sample calls during the first steps, then check risky APIs only",
     "preheat_step": "Number of preheat steps",
     "max_sample": "Calls sampled per API per preheat step",
-    "budget": "Overhead budget: fraction of the plain step time the checks may cost (e.g. 0.2); "
-              "empty: every call is checked",
+    "budget": "Overhead budget: fraction of the plain step time the probe may cost on average "
+              "(e.g. 0.2); empty: every call is checked",
     "dump_path": "Folder for the outputs",
     "rank": "Ranks to probe, comma separated (empty = all)",
     "step": "Steps to probe, comma separated (empty = all)",
