@@ -5,9 +5,10 @@
 checks every eligible call and measures what a check costs (host time of the re-run, the
 perturbation and the comparison, plus the step's gather). Step 1, and every ``REFERENCE_EVERY``-th
 step after it, is a *reference step*: the session intercepts nothing (``reference``) and its time
-under the probe — between ``start()`` and ``stop()`` — is the plain step. A probed step's time
-minus its checks minus the plain step is what the interception costs (every call seen, the
-unchecked ones handled); all three are followed with an exponential average.
+under the probe — from ``start()`` to the end of ``stop()`` and ``step()`` — less the session's
+own work there (``own``) is the plain step. A probed step's time minus its checks minus the
+plain step is what the interception costs (every call seen, the unchecked ones handled); all
+three are followed with an exponential average.
 
 From then on one step in ``every`` is probed (``every`` a power of two, the smallest whose room
 ``every * fraction * plain - interception`` holds one check) and the others are *quiet*: nothing

@@ -150,8 +150,8 @@ def typical_share(ref):
     error is a large share of the small sum, in every run alike (docs/grad_compare.md)."""
     ref = np.abs(np.asarray(ref, np.float64))
     with np.errstate(all="ignore"):
-        typ = np.nanmedian(np.where(np.isnan(ref), np.nan, ref), axis=1, keepdims=True) \
-            if np.isfinite(ref).any() else np.full(ref[:, :1].shape, np.nan)
+        typ = np.nanmedian(ref, axis=1, keepdims=True) if np.isfinite(ref).any() \
+            else np.full(ref[:, :1].shape, np.nan)
         return np.where((typ > 0) & np.isfinite(typ), ref / typ, np.where(np.isnan(ref),
                                                                             np.nan, 1.0))
 
