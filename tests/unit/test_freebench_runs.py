@@ -188,3 +188,40 @@ def test_a_marker_another_run_wrote_since_is_not_flipped(tmp_path):
     (m,) = markers(str(tmp_path))
     assert m["run"] == a._run.run["run"] and m["closed"] == 1
     b.stop()
+
+
+def test_a_marker_removed_between_blocks_is_written_whole_at_the_next_start(tmp_path):
+    """The run keeps its marker mapped; a marker removed meanwhile (the folder cleared between
+    two cells) is another file: the next start() writes it whole again, saying running, and a
+    stop() whose marker was removed raises nothing."""
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    path = marker_path(str(tmp_path), 0)
+    fb.start()
+    fb.stop()
+    os.remove(path)
+    fb.start()
+    assert _on_disk(path)[0] == 0
+    os.remove(path)
+    fb.stop()                                   # nothing to flip: no error
+    assert not os.path.exists(path)
+    fb.start()
+    fb.stop()
+    (m,) = markers(str(tmp_path))
+    assert m["closed"] == 1 and m["run"] == fb._run.run["run"]
+    fb.close()
+    assert fb._run._kept is None
+
+
+def test_a_stop_leaves_a_marker_another_run_wrote_since(tmp_path):
+    """A clean stop() does not take the marker back from a run that began since: that run's
+    marker, saying running, is what the next run must see."""
+    a = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    a.start()
+    b = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", overwrite=True)
+    b.start()
+    a.stop()
+    (m,) = markers(str(tmp_path))
+    assert m["run"] == b._run.run["run"] and m["closed"] == 0
+    b.stop()
+    (m,) = markers(str(tmp_path))
+    assert m["run"] == b._run.run["run"] and m["closed"] == 1

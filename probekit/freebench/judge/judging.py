@@ -278,6 +278,11 @@ class Judging:
 
     def gather(self) -> None:
         """Read back every pending verdict (one transfer per device) and record the findings."""
+        verdicts = self.verdicts
+        if not verdicts.pending:   # (at every stop() and step(): nothing to read, no context)
+            if verdicts.flagged_sites:
+                verdicts.flagged_sites = set()
+            return
         with modes_off(), torch.no_grad():  # invisible to every function mode, as the checks are
             # preheat calibrates on every verdict; otherwise only findings are turned into rows
             done = self.verdicts.gather(full=self.preheat is not None)

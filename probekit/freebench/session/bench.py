@@ -144,13 +144,14 @@ class FreeBench:
             raise ConfigError(f"free_benchmark.module: {list(names)!r} needs the model; "
                               "accepted: FreeBench(..., model=model) or start(model)")
         self._started = True
-        if not rank_selected(self.config.rank):
-            log.debug("free benchmark inactive: rank %d is not in %s", get_rank(),
+        rank = get_rank()
+        if self.config.rank and rank not in self.config.rank:
+            log.debug("free benchmark inactive: rank %d is not in %s", rank,
                       list(self.config.rank))
             return
-        self._engine.rank = get_rank()
+        self._engine.rank = rank
         if self._run is None:  # the dump folder: append (a restart), replace, or refuse
-            self._run = DumpRun.begin(self.config, get_rank())
+            self._run = DumpRun.begin(self.config, rank)
         else:
             self._run.mark(False)  # running again
         budget = self._engine.budget
@@ -391,6 +392,8 @@ class FreeBench:
         finally:
             self._closed = True
             atexit.unregister(self._exit_hook)
+            if self._run is not None:
+                self._run.close()   # the marker file it kept open
 
     def __enter__(self) -> "FreeBench":
         self.start()
