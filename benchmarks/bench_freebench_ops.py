@@ -69,9 +69,14 @@ def top_level(prof) -> list:
 
 
 def count(mode: str, fn, calls: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_ops_") as dump:   # removed after
+        return _count(mode, fn, calls, dump)
+
+
+def _count(mode: str, fn, calls: int, dump: str) -> dict:
     import probekit
 
-    fb = probekit.FreeBench(dump_path=tempfile.mkdtemp(prefix="bench_ops_"), pert_mode=mode)
+    fb = probekit.FreeBench(dump_path=dump, pert_mode=mode)
     for _ in range(2):                      # every site's first (exact) check, then a fast one
         with fb:
             for _ in range(calls):
@@ -90,6 +95,7 @@ def count(mode: str, fn, calls: int) -> dict:
         for _ in range(calls):
             fn()
     plain = top_level(prof)
+    fb.close()
     names = {}
     for n in probed:
         names[n] = names.get(n, 0) + 1
@@ -111,7 +117,15 @@ def model_average(kind: str, setting: str, mode: str) -> dict:
 
     model = zoo_model(kind, setting)
     dtype = next(model.parameters()).dtype
-    fb = probekit.FreeBench(dump_path=tempfile.mkdtemp(prefix="bench_ops_"), pert_mode=mode)
+    with tempfile.TemporaryDirectory(prefix="bench_ops_") as dump:   # removed after
+        fb = probekit.FreeBench(dump_path=dump, pert_mode=mode)
+        try:
+            return _model_average(fb, model, dtype, kind, setting, mode)
+        finally:
+            fb.close()
+
+
+def _model_average(fb, model, dtype, kind: str, setting: str, mode: str) -> dict:
     batch = zoo_batch(kind, torch.Generator().manual_seed(1))
     batch = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in batch.items()}
 
