@@ -7,6 +7,7 @@ tests, its PID recorded, stopped by that PID.
     server.options    # the same as s3fs storage_options
     server.stop()
 """
+import glob
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 ACCESS_KEY, SECRET_KEY = "probekitkey", "probekitsecret"
@@ -46,6 +48,7 @@ class S3Server:
         self.workdir = os.fspath(workdir)
         self.proc = None
         self.pid = None
+        self.ports: list = []
 
     def start(self, timeout: float = 60.0) -> "S3Server":
         os.makedirs(os.path.join(self.workdir, "data"), exist_ok=True)
@@ -54,10 +57,10 @@ class S3Server:
             json.dump({"identities": [{"name": "probekit", "credentials": [
                 {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, fh)
-        p = free_ports(8)
+        p = self.ports = free_ports(8)
         self.port = p[6]
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        cmd = [weed_binary(), "server", f"-dir={self.workdir}/data", "-ip=127.0.0.1",
+        cmd = [weed_binary(), f"-logdir={self.workdir}", "server", f"-dir={self.workdir}/data", "-ip=127.0.0.1",
                "-ip.bind=127.0.0.1", f"-master.port={p[0]}", f"-master.port.grpc={p[1]}",
                f"-volume.port={p[2]}", f"-volume.port.grpc={p[3]}", f"-filer.port={p[4]}",
                f"-filer.port.grpc={p[5]}", "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
@@ -124,3 +127,11 @@ class S3Server:
         finally:
             self.pid = None
             self.log.close()
+            # weed leaves its Unix sockets (named by this server's ports) in the temp folder
+            for port in self.ports:
+                for path in glob.glob(os.path.join(tempfile.gettempdir(),
+                                                   f"seaweedfs-*-{port}.sock")):
+                    try:
+                        os.remove(path)
+                    except OSError:
+                        pass
