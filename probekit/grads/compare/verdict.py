@@ -132,6 +132,15 @@ def allowed_share(d_c, n_c, margin: float, level: float):
     return np.where(np.isnan(n_c), np.nan, np.minimum(0.5, margin * up))
 
 
+def lower_share(d_c, n_c, level: float):
+    """The lower confidence bound of a share ``d_c / n_c`` at ``level`` (``upper_share`` of the
+    other elements' share, from 1); NaN where ``n_c`` is NaN (no control)."""
+    n_c = np.asarray(n_c, np.float64)
+    d = np.nan_to_num(np.asarray(d_c, np.float64))
+    n = np.nan_to_num(n_c)
+    return np.where(np.isnan(n_c), np.nan, 1.0 - upper_share(n - d, n, level))
+
+
 def log_dev(x, r):
     """``|ln(x / r)|`` elementwise: 0 where both are 0, inf where one of them is."""
     x = np.abs(np.asarray(x, np.float64))
@@ -382,7 +391,6 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     dims = ("rank", "step", "param")
     where = {"rank": result["rank"], "step": result["step"], "param": result["param"]}
     d_t, n_t = counts(result, dims)
-    d_tt, n_tt = np.nansum(d_t, axis=2), np.nansum(n_t, axis=2)
 
     # scale statistics first: norms and ranges (max - min) of the runs, aligned to the
     # comparison; each control's largest deviation of a statistic at a parameter over the
@@ -444,7 +452,8 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     order = np.argsort(np.asarray(result["step"].values), kind="stable")
     cells = np.maximum(present.reshape(nrank, -1).sum(axis=1), 1)
     nsteps = max(d_t.shape[1], 1)
-    up = sim_c = upt = tot_c = None
+    up = sim_c = now = None
+    per_control = []
     for cc in ctrl_cmps:
         if judged_name(cc) != judged_name(result):
             raise GradCompareError(
@@ -455,23 +464,23 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
         if not all(np.array_equal(cc[k].values, v.values) for k, v in where.items()):
             cc = cc.reindex(**where)
         d_c, n_c = counts(cc, dims)
-        u = _so_far(np.stack([allowed_share(d_c[r], n_c[r], 1.0, ALPHA / (16 * cells[r]))
-                              for r in range(nrank)]), order)
+        u_now = np.stack([allowed_share(d_c[r], n_c[r], 1.0, ALPHA / (16 * cells[r]))
+                          for r in range(nrank)])
+        u = _so_far(u_now, order)
+        # the control burst before this step: the lower bound of its share at an earlier step
+        # above the upper bound of its share at this one (its own counts tell it apart)
+        lower = np.stack([lower_share(d_c[r], n_c[r], ALPHA / (16 * cells[r]))
+                          for r in range(nrank)])
+        b = _so_far(lower, order) > u_now
         with np.errstate(divide="ignore", invalid="ignore"):
             s = 1.0 - d_c / n_c
-        dct, nct = np.nansum(d_c, axis=2), np.nansum(n_c, axis=2)
-        # (a step's total keeps its own bound: one parameter's burst is diluted in it, and it
-        # is what finds a small change spread over every parameter at its first step)
-        ut = allowed_share(dct, np.where(nct > 0, nct, np.nan), 1.0, ALPHA / (16 * nsteps))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            st = 1.0 - dct / nct
+        per_control.append((d_c, n_c))
         if up is None:
-            up, sim_c, upt, tot_c = u, s, ut, st
+            up, sim_c, now, burst_c = u, s, u_now, b
         else:
             more = np.nan_to_num(u, nan=-1.0) > np.nan_to_num(up, nan=-1.0)
             up, sim_c = np.where(more, u, up), np.where(more, s, sim_c)
-            more = np.nan_to_num(ut, nan=-1.0) > np.nan_to_num(upt, nan=-1.0)
-            upt, tot_c = np.where(more, ut, upt), np.where(more, st, tot_c)
+            now, burst_c = np.fmax(now, u_now), burst_c | b
     # the test's shift, measured on its deviations, is credited to its flips too (a run that
     # parts further flips more); the rest of the margin is the cells' (and steps') own spread
     credit_s = np.fmax(credit["norm"], credit["range"])
@@ -479,6 +488,30 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
                        for c, sp in zip(cells, spreads)])
     m_step = np.array([family_margin(len(peaks), nsteps, sp[1], ALPHA / 8) for sp in spreads])
     p0 = np.minimum(0.5, (m_cell * credit_s)[:, None, None] * up)
+    # a step's total keeps its own bound (one parameter's burst is diluted in it, and it is
+    # what finds a small change spread over every parameter at its first step), over the
+    # parameters a burst does not explain: a parameter whose flips at this step are within the
+    # bound a control's earlier burst raised (``_so_far``), and beyond the one its flips at
+    # this step alone give, is left out of the test's total and of the controls'
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share_t = d_t / n_t
+        p_now = np.minimum(0.5, (m_cell * credit_s)[:, None, None] * now)
+        burst = burst_c & (share_t > p_now) & (share_t <= p0)
+    keep = ~burst
+    d_tt = np.nansum(np.where(keep, d_t, 0), axis=2)
+    n_tt = np.nansum(np.where(keep, n_t, 0), axis=2)
+    upt = tot_c = None
+    for d_c, n_c in per_control:
+        dct = np.nansum(np.where(keep, d_c, 0), axis=2)
+        nct = np.nansum(np.where(keep, n_c, 0), axis=2)
+        ut = allowed_share(dct, np.where(nct > 0, nct, np.nan), 1.0, ALPHA / (16 * nsteps))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            st = 1.0 - dct / nct
+        if upt is None:
+            upt, tot_c = ut, st
+        else:
+            more = np.nan_to_num(ut, nan=-1.0) > np.nan_to_num(upt, nan=-1.0)
+            upt, tot_c = np.where(more, ut, upt), np.where(more, st, tot_c)
     p0t = np.minimum(0.5, (m_step * credit_s)[:, None] * upt)
     flag_s = np.zeros(d_t.shape, bool)
     exc_s = np.full(d_t.shape, np.nan)
@@ -527,6 +560,7 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
         flag=(dims, flag), flag_kind=(dims, kind), excess=(dims, excess),
         similarity_control=(dims, sim_c), similarity_band=(dims, 1.0 - p0),
         flag_total=(rs, flag_t), total_control=(rs, tot_c), total_band=(rs, 1.0 - p0t),
+        burst=(dims, burst),
         **ratios, norm_ratio_control=(dims, ratio_c["norm"]),
         range_ratio_control=(dims, ratio_c["range"]), norm_dev=(dims, dev_t["norm"]),
         norm_allowed=(dims, np.array(allowed["norm"])), range_dev=(dims, dev_t["range"]),
