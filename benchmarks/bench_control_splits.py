@@ -2,6 +2,7 @@
 
     python benchmarks/bench_control_splits.py t5  [--out t5.json] [--steps 6]
     python benchmarks/bench_control_splits.py moe [--out moe.json] [--steps 16]
+    python benchmarks/bench_control_splits.py layernorm [--models convnext,wav2vec2]
 
 Both record the runs of ``bench_control.py sweep`` (``zoo_record``: AdamW lr 1e-3, batches of
 4 x 16 tokens, one torch thread) with forward hooks that only observe.
@@ -19,6 +20,13 @@ Mixtral (top-2 of 4 experts), a hook on each router. Per run: where its routes d
 reference's (step, layer, tokens) and the reference's relative gap between the second and third
 probabilities at the first such token; per reference step the tokens within two bf16 units of
 such a tie.
+
+``layernorm``: not a split, the alarms of a bf16-autocast test that are true. One batch of each
+zoo model (``tests/_hf_models``) under CPU bf16 autocast: per LayerNorm, the dtypes it receives
+(input, weight) and its bias gradient against an exact float64 sum of the very upstream
+gradient it received (and a float32 sum of it, for scale). A bf16 input with float32 weight is
+the mixed-type CPU kernel that sums those gradients in bf16 (the real-bug zoo's
+``autocast_layer_norm_backward``).
 """
 from __future__ import annotations
 
@@ -153,20 +161,68 @@ def moe(args, root) -> dict:
     return out
 
 
+def layernorm(args, root) -> dict:
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from _hf_models import zoo_batch, zoo_model
+
+    out = {}
+    for kind in args.models.split(","):
+        torch.manual_seed(0)
+        model = zoo_model(kind, "fp32")
+        norms = {id(m.weight): name for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.LayerNorm) and m.weight is not None}
+        seen, grads = {}, {}
+        orig = F.layer_norm
+
+        def observed(x, shape, weight=None, bias=None, eps=1e-5):
+            y = orig(x, shape, weight, bias, eps)
+            name = norms.get(id(weight))
+            if name is not None and y.requires_grad:
+                seen[name] = (str(x.dtype), str(weight.dtype))
+                y.register_hook(lambda g, n=name: grads.__setitem__(n, g.detach().clone()))
+            return y
+
+        batch = zoo_batch(kind, torch.Generator().manual_seed(1))
+        F.layer_norm = observed
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                res = model(**batch)
+        finally:
+            F.layer_norm = orig
+        loss = res.loss if getattr(res, "loss", None) is not None else \
+            res.logits.float().pow(2).mean()
+        loss.backward()
+        mods = dict(model.named_modules())
+        rows = {}
+        for name, g in grads.items():
+            flat = g.reshape(-1, g.shape[-1])
+            exact = flat.double().sum(0)
+            got = mods[name].bias.grad.double()
+            f32 = flat.float().sum(0).double()
+            rows[name] = {"input": seen[name][0], "weight": seen[name][1],
+                          "bias_grad_error": float((got - exact).norm() / exact.norm()),
+                          "float32_sum_error": float((f32 - exact).norm() / exact.norm())}
+        out[kind] = rows
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("t5", "moe"))
+    p.add_argument("what", choices=("t5", "moe", "layernorm"))
+    p.add_argument("--models", default="convnext,wav2vec2", help="layernorm: zoo models")
     p.add_argument("--out", default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--dir", default=None, help="keep the recorded runs here")
     args = p.parse_args(argv)
-    args.steps = args.steps or (6 if args.what == "t5" else 16)
+    args.steps = args.steps or {"t5": 6, "moe": 16}.get(args.what)
     torch.set_num_threads(1)
     import logging
 
     logging.getLogger("probekit").setLevel(logging.ERROR)
     root = args.dir or tempfile.mkdtemp(prefix=f"probekit-splits-{args.what}-")
-    res = {"t5": t5, "moe": moe}[args.what](args, root)
+    res = {"t5": t5, "moe": moe, "layernorm": layernorm}[args.what](args, root)
     res.update(what=args.what, steps=args.steps)
     text = json.dumps(res, indent=1)
     if args.out:
