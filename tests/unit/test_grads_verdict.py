@@ -431,6 +431,14 @@ def test_verdict_words_beyond_within_uncalibrated(runs):
     assert html.startswith("<p class='probekit-verdict' style='color:#b71c1c'><b>probekit "
                            "grads</b>: beyond rounding noise from step 2 at enc.weight")
     assert verdict_kind(cmp) == "beyond"
+    # after step 0 with one control: what one control cannot tell, said (not at step 0, not
+    # with two controls, not for NaN/Inf)
+    hint = (" With one control this is also what a run of rounding alone that took another "
+            "path at a kink or a routing decision looks like; a second control "
+            "(control_seed=1) judges it with two.")
+    assert text.endswith(hint) and text.count(hint) == 1
+    two = compare_grads(ref, test, control=[ctrl, ctrl], progress=False)
+    assert verdict_kind(two) == "beyond" and hint not in verdict_text(two)
     # the control against itself is within
     same = compare_grads(ref, ctrl, control=ctrl, progress=False)
     assert verdict_kind(same) == "within"
@@ -646,3 +654,12 @@ def test_one_step_and_one_parameter_are_said_in_the_singular():
     assert _rate({**v, "controls": 2, "steps": 3, "param_count": 4}) == (
         " False-alarm rate at most 1% over these 3 steps x 4 parameters, judged with 2 "
         "controls.")
+
+
+def test_the_one_control_hint_only_after_step_0():
+    from probekit.grads.compare.verdict import _split
+
+    assert _split({"controls": 1, "step": 0, "why": "scale"}) == ""
+    assert _split({"controls": 2, "step": 3, "why": "sign"}) == ""
+    assert _split({"controls": 1, "step": 3, "why": "nonfinite"}) == ""
+    assert _split({"controls": 1, "step": 3, "why": "total"}).startswith(" With one control")

@@ -725,7 +725,19 @@ def verdict_line(cmp, rank=None) -> str:
     more = (f"; {n} flagged (step, parameter) pair{'s' * (n != 1)} in {k} "
             f"parameter{'s' * (k != 1)}") if n else ""
     return f"{who}beyond rounding noise from step {v['step']} {where} ({what}){more}." + \
-        _uncontrolled(v)
+        _split(v) + _uncontrolled(v)
+
+
+def _split(v) -> str:
+    """What one control cannot tell, said where it matters: after step 0, a run of rounding
+    alone can take another path than its control (a ReLU input carried across zero by drift, a
+    token routed to another expert) and read beyond (docs/grad_compare.md: 5 of 225 healthy
+    one-control judgments on held-out models, 1 of 92 with two)."""
+    if v["controls"] != 1 or v["step"] <= 0 or v["why"] == "nonfinite":
+        return ""
+    return (" With one control this is also what a run of rounding alone that took another "
+            "path at a kink or a routing decision looks like; a second control "
+            "(control_seed=1) judges it with two.")
 
 
 def _steps(n: int) -> str:
