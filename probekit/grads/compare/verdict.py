@@ -89,22 +89,44 @@ def kl(q, p):
 def upper_share(d, n, level: float):
     """The upper confidence bound of a share ``d / n`` at ``level``: the largest ``p >= d/n``
     with ``n KL(d/n || p) <= ln(1/level)`` (Chernoff; 1 where ``n`` is 0). For ``d = 0`` it is
-    ``1 - level^(1/n)``, about ``ln(1/level) / n``. Solved by bisection once per distinct
-    ``(d, n)``."""
+    ``1 - level^(1/n)`` (taken in closed form). Solved once per distinct ``(d, n)`` by Newton's
+    method on ``sqrt(n KL(q || p)) - sqrt(ln(1/level))``, nearly linear in ``p`` above ``q``, from
+    where ``KL(q || p) >= (p - q)^2 / (2 min(p, 1 - q, 1/4))`` puts it above the root, until a
+    step moves ``p`` by less than 1e-10 of it (the precision of ``n KL``'s evaluation, whose two
+    terms cancel to second order: 1e-10 relative of a 70-step bisection, where the 48 steps of
+    bisection it replaces were 3e-9 off; issue 38: they were a tenth of a comparison with a
+    control). Five or six steps."""
     d = np.asarray(d, np.float64)
     n = np.asarray(n, np.float64)
     pairs, inverse = np.unique(np.stack([d.ravel(), n.ravel()]), axis=1, return_inverse=True)
     du, nu = pairs
     ok = nu > 0
-    q = np.where(ok, du / np.where(ok, nu, 1.0), 0.0)
+    nn = np.where(ok, nu, 1.0)
+    q = np.where(ok, du / nn, 0.0)
     budget = math.log(1.0 / level)
-    lo, hi = q.copy(), np.ones_like(q)
-    for _ in range(48):   # bisection to 2^-48
-        mid = (lo + hi) / 2
-        over = nu * kl(q, mid) > budget
-        hi = np.where(over, mid, hi)
-        lo = np.where(over, lo, mid)
-    return np.where(ok, hi, 1.0)[np.ravel(inverse)].reshape(d.shape)
+    out = np.ones_like(q)
+    zero = ok & (q == 0)
+    out[zero] = -np.expm1(-budget / nn[zero])
+    todo = np.flatnonzero(ok & (q > 0) & (q < 1))
+    if todo.size:
+        qq, nq = q[todo], nn[todo]
+        # KL(q || p) >= (p - q)^2 / (2 max t(1 - t) over [q, p]) >= (p - q)^2 / (2 min(p, 1 - q,
+        # 1/4)): f >= 0 from the least p this gives; then Newton on sqrt(n KL) - sqrt(budget),
+        # nearly linear in p (n KL is nearly quadratic in p - q)
+        c = budget / nq
+        p = np.minimum(np.minimum(qq + c + np.sqrt(c * c + 2 * qq * c),
+                                  qq + np.sqrt(2 * c * (1 - qq))),
+                       np.minimum(qq + np.sqrt(c / 2), 1.0 - 1e-16))
+        root = math.sqrt(budget)
+        for _ in range(60):
+            k = np.sqrt(nq * kl(qq, p))
+            slope = nq * (p - qq) / (p * (1 - p)) / (2 * np.maximum(k, 1e-300))
+            step = (k - root) / slope
+            p = np.clip(p - step, qq, 1.0 - 1e-16)
+            if not (np.abs(step) > 1e-10 * p).any():
+                break
+        out[todo] = p
+    return out[np.ravel(inverse)].reshape(d.shape)
 
 
 def exceeds(d, n, p0, cells: int, alpha: float = ALPHA):
