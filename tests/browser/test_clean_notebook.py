@@ -7,6 +7,7 @@ last expression shows once without a text repr, the panel shows its static view 
 of this machine (no 'npu'), and the triage report keeps its verdict columns in view with long
 (DistilBERT) names. Screenshot: ``test-artifacts/clean_notebook.png``."""
 import os
+import shutil
 import tempfile
 
 import nbformat
@@ -118,3 +119,4 @@ def test_the_rendered_page_reads_clean_in_chromium(executed):
                 assert right <= area_right and fits, (table, right, area_right)
         finally:
             ctx.close()
+            shutil.rmtree(profile, ignore_errors=True)
