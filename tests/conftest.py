@@ -6,6 +6,27 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _children_temp_folder():
+    """Child processes (torchrun's agents, kernels, servers, chromium) make their temporary
+    files in one folder of this session, removed at its end: torchrun leaves a
+    ``torchelastic_*`` folder in the temporary folder at every launch."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="probekit-tests-")
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder
+    try:
+        yield folder
+    finally:
+        if old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture
 def msprobe_config_dict():
     """msprobe 1.0.4's shipped config.json, every section present, as a user would have it."""
