@@ -26,12 +26,14 @@ EXPECTED = {
                           "log_softmax": 6, "layer_norm bf16": 5, "sum": 9, "matmul bf16": 10,
                           "gelu bf16": 8, "relu_ (in-place)": 8,
                           "ReLU(inplace=True)": 8},
-    # noise: 3 kernels on the CPU (bit_noise: the checkerboard's product and quotient, then
+    # noise: 2-3 kernels on the CPU (bit_noise: the checkerboard's product and quotient, then
     # one aminmax telling whether the input holds +-max, read on the host: issue 38; on an
     # accelerator max is kept finite by isinf and where instead, 4) or 4 (add_noise: t / c
     # capped at max, t * c, fmax), the re-run, the comparison (issue 34 class O: a
-    # perturbation never makes an Inf the input lacked)
-    "bit_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 7),
+    # perturbation never makes an Inf the input lacked). Here every call takes the same
+    # input, whose extremes are read once (``perturb/host.py``: issue 38, third pass; so is a
+    # previous check's output, unchanged since): 6; an input not read before costs 7
+    "bit_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 6),
     "add_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 8),
     "change_value": {"gelu": 6, "softmax": 6, "sum": 5},
     "no_change": dict.fromkeys(["add", "matmul", "gelu"], 5),
@@ -40,7 +42,8 @@ EXPECTED = {
 #: the two kernels of its scale), three upcasts besides for a linear with a bias
 OVER_EIGHT = {("improve_precision", n) for n in ("linear (bias)", "matmul bf16", "matmul", "sum")}
 # an in-place call adds one clone of its input, taken before the real call (state.py); the
-# re-run is the out-of-place form on that clone
+# re-run is the out-of-place form on that clone (bit_noise: the input it overwrote is read
+# again, its version moved)
 EXPECTED["bit_noise"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 8))
 EXPECTED["no_change"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 6))
 

@@ -125,11 +125,45 @@ def test_bit_noise_on_the_cpu_is_the_fixed_formula_bit_for_bit(dtype):
     for x in cases:
         assert torch.equal(perturb.bit_noise(x).view(bits), formula(x).view(bits)), x
     x = cases[0]
-    perturb.bit_noise(x)   # the checkerboard cached
+    perturb.bit_noise(x.clone())   # the checkerboard cached
+    fresh = x.clone()              # a tensor whose extremes were never read (``host.noted``)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        perturb.bit_noise(x)
+        perturb.bit_noise(fresh)
     names = [e.name for e in prof.events() if e.cpu_parent is None]
     assert names == ["aten::mul", "aten::div_", "aten::aminmax"], names
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_bit_noise_reads_a_tensors_extremes_once_while_it_is_unchanged(dtype):
+    """Issue 38, third pass: the ``aminmax`` that tells ``bit_noise`` whether its input may hold
+    +-max is read once per tensor while its version counter stands still (``host.noted``; a
+    forward check's comparison notes its output's, ``Verdicts.stats``): no kernel the next time,
+    the same bits; an in-place write (here one that puts +-max in) is read again, and +-max is
+    kept finite as before."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from probekit.freebench.perturb import host
+
+    fi = torch.finfo(dtype)
+    x = (torch.randn(5, 33, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+         * 4).to(dtype)
+    bits = perturb._INT_VIEW[dtype]
+    first = perturb.bit_noise(x)
+    assert host.noted(x) is not None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        again = perturb.bit_noise(x)
+    names = [e.name for e in prof.events() if e.cpu_parent is None]
+    assert names == ["aten::mul", "aten::div_"], names
+    assert torch.equal(first.view(bits), again.view(bits))
+    x[0, 1] = fi.max      # odd (row + column): moved away from zero, would overflow
+    x[1, 0] = -fi.max
+    assert host.noted(x) is None          # its version moved
+    y = perturb.bit_noise(x)
+    assert torch.isfinite(y).all() and y[0, 1] == fi.max and y[1, 0] == -fi.max
+    z = perturb.bit_noise(x)              # noted now: +-max known, kept finite again
+    assert torch.equal(y.view(bits), z.view(bits))
+    # a view of the same memory is another tensor: read for itself
+    assert host.noted(x.view(-1)) is None
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

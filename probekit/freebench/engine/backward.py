@@ -36,15 +36,34 @@ import contextlib
 import time
 
 import torch
+from torch.overrides import has_torch_function
 
 from . import autocast, blocks, realgrad, state
 from ..judge import cause, handlers, saved, scales
 from ..perturb import perturb
 from ..judge.deferred import combine
-from ..judge.guards import detached, modes_off, no_autocast
+from ..judge.guards import detached, grad_mode, modes_off, no_autocast
 from ..judge.judging import count_scale
 from ..judge.metric import device_stats
 from ..names import call_site
+
+
+#: autograd's engine entry point behind ``torch.autograd.grad`` (None where this torch has none)
+_run_backward = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
+
+
+def _grad(y: torch.Tensor, inputs: list, g: torch.Tensor) -> tuple:
+    """``torch.autograd.grad(y, inputs, g, allow_unused=True)``: the same engine call, without
+    the wrapper's argument normalisation and checks (the checks run with every function mode
+    popped), ~7 µs a call on this CPU (issue 38). The wrapper (its checks and errors) unless
+    ``y`` and ``g`` are plain dense tensors of one dtype and shape and no input overrides torch
+    functions (the wrapper dispatches to a tensor subclass), or where this torch has no such
+    entry point."""
+    if _run_backward is None or type(y) is not torch.Tensor or type(g) is not torch.Tensor or \
+            y.is_nested or g.dtype != y.dtype or g.shape != y.shape or \
+            has_torch_function(tuple(inputs)):
+        return torch.autograd.grad(y, inputs, g, allow_unused=True)
+    return _run_backward((y,), (g,), False, False, tuple(inputs), True, accumulate_grad=False)
 
 
 def grad_stats(gr: torch.Tensor, gq: torch.Tensor, exact: bool, scale=None, verdicts=None,
@@ -243,10 +262,10 @@ class _BackwardCheck:
         real backward read (``saved.py``); an upcast re-run whose backward reads its own output
         reads this one instead, so that the kernel is measured on the inputs it was given."""
         e = self.engine
-        with torch.no_grad():
+        with grad_mode(False):
             pert = perturb.apply(e.mode_name, perturb.Call(self.call.info, *perturb.unflatten(
                 leaves, self.spec), self.call.fuzz_device), leaves, self.spec)
-        p_leaves, _ = perturb.flatten(pert.args, pert.kwargs)
+        p_leaves = list(pert.new)   # (= flatten(pert.args, pert.kwargs): the same leaves)
         replaced = pert.replaced
         p_in = []
         for i in self.diff:
@@ -266,7 +285,7 @@ class _BackwardCheck:
         # the backward without autocast, as the real one runs (autocast applies to the ops of a
         # backward run while it is on: an upcast re-run's gradients would be bf16 again)
         with no_autocast(True):
-            grads = list(torch.autograd.grad(yp, p_in, gp_out, allow_unused=True))
+            grads = list(_grad(yp, p_in, gp_out))
             mags = self._magnitudes(p_leaves, gp_out)
         return grads, mags, pert
 
@@ -316,7 +335,7 @@ class _BackwardCheck:
         replaced, in_dtype = pert.replaced, pert.in_dtype
         del pert  # the re-run's inputs go before the comparisons
         values, originals = [], []
-        with torch.no_grad():
+        with grad_mode(False):
             for k, (i, gr) in enumerate(zip(self.diff, g_ref)):
                 gq, g_pert[k] = g_pert[k], None
                 if gr is None or gq is None:
@@ -347,7 +366,7 @@ class _BackwardCheck:
                 None if self.handed is None else plan.output(self.handed, start, length))
             in_dtype = pert.in_dtype
             del pert
-            with torch.no_grad():
+            with grad_mode(False):
                 for k, (i, gr) in enumerate(zip(self.diff, g_ref)):
                     gq, g_pert[k] = g_pert[k], None
                     mag = None if mags is None else mags[k]
@@ -374,7 +393,7 @@ class _BackwardCheck:
                     del gq, mag
         self.engine.applied(self.key, self.name)
         values, originals = [], []
-        with torch.no_grad():
+        with grad_mode(False):
             for i, gr in zip(self.diff, g_ref):
                 if gr is None:
                     continue
@@ -402,7 +421,7 @@ class _BackwardCheck:
         dev, ac_dtype = self.autocast or (None, None)
         same_autocast = torch.autocast(dev, dtype=ac_dtype) if ac_dtype is not None \
             else contextlib.nullcontext()
-        with torch.enable_grad(), same_autocast:
+        with grad_mode(True), same_autocast:
             if real is not None:   # the gradients the real backward gave the inputs
                 g_ref = [real.get(i) for i in self.diff]
             else:                  # recomputed: the API on detached copies of its inputs
@@ -448,7 +467,7 @@ class _BackwardCheck:
                          "api": self.call_func}
 
         self.call_name = self.call.info.name
-        with torch.no_grad():
+        with grad_mode(False):
             e.defer(self.key, self.n, self.name, "backward", self.step, self.site, in_dtype,
                     [(i, gr, None) for i, gr in originals], values=values, exact=exact,
                     module=self.module, explain=explain, originals=[gr for _, gr in originals],

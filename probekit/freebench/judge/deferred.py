@@ -5,7 +5,9 @@ dtype, shape, call site, input dtype) and, per compared output, a few 0-dim tens
 output's device (``metric.device_stats``). Nothing is read back per call: ``Verdicts.gather()``
 (at ``step()``, ``stop()`` and when results are read) stacks every pending value of a device and
 reads it back in one transfer, then hands each entry and its ``Stats`` to the engine, which turns
-only the findings into rows. ``syncs`` counts those device-to-host reads.
+only the findings into rows. ``syncs`` counts those device-to-host reads
+(one per device per gather; on the CPU the values lie in host memory and are read in place, by
+their bits, without the stack).
 
 Exactness: a call site (``stage``, API, counter: ``Torch.matmul.3``) is compared exactly — NaN/Inf
 mismatches counted — the first time it is checked, the next time it runs after it
@@ -43,6 +45,7 @@ import torch
 
 from ...log import get_logger
 from ..perturb.host import host_value
+from ..perturb.host import note as note_extremes
 from .metric import EXACT
 from .metric import combine as _combine
 from .metric import device_stats, fast_error, stats_from
@@ -73,10 +76,24 @@ def _finite(values) -> bool:
 
 
 class Read(tuple):
-    """Fast values of a CPU check, with their ``fast_error`` read on the host as they were
-    computed (``err``; ``Verdicts.stats``)."""
+    """Fast values of a CPU check, with their ``fast_error`` and the floats they hold, read on
+    the host as they were computed (``err``, ``floats``; ``Verdicts.stats``)."""
 
     err = None
+    floats = None
+
+
+def _host_read(vals) -> list | None:
+    """The floats a compared output's values hold when they lie in host memory (read by their
+    bits in place: the floats ``torch.stack(...).tolist()`` gives, without the stack), else None
+    (an accelerator's values, a dtype ``host_value`` does not read)."""
+    got = getattr(vals, "floats", None)
+    if got is not None:
+        return got
+    if not vals[0].is_cpu:
+        return None
+    got = [host_value(v) for v in vals]
+    return None if None in got else got
 
 
 def host_errors(values) -> list | None:
@@ -195,22 +212,26 @@ class Verdicts:
         self.held_bytes = 0
 
     def stats(self, o, p, scale=None, exact: bool = False, whole: bool = True,
-              lam: float = 0.0, operands=None) -> tuple:
+              lam: float = 0.0, operands=None, note: bool = False) -> tuple:
         """``metric.device_stats`` of one comparison, its verdict never left inconclusive (module
         doc). ``whole``: the check's own output (False: one block of a blocked check). ``lam``:
         the error model's two-term scale ``|p| + lam * scale`` (``scales.Judge``).
         ``operands``: ``metric.stand_in_operands`` of an element-wise call (its exact form
-        reads them after a NaN/Inf mismatch; held with the re-run on an accelerator)."""
+        reads them after a NaN/Inf mismatch; held with the re-run on an accelerator).
+        ``note``: a CPU fast comparison with the tensor's scale hands ``o``'s extremes, read on
+        the host, to ``host.note`` (a forward check's output: the next call's input)."""
         vals = device_stats(o, p, scale, exact, lam, operands)
         if exact:
             return vals
         hold = self.hold if self.hold is not None else not vals[0].is_cpu
         if not hold:
             read = [host_value(v) for v in vals]    # host memory: read as it is computed
+            if note and len(read) == 4 and read[2] is not None and read[3] is not None:
+                note_extremes(o, read[2], read[3])   # aminmax(o): bit_noise of the next call
             err = fast_error(read) if None not in read else None
             if err is not None:
                 vals = Read(vals)
-                vals.err = err
+                vals.err, vals.floats = err, read
                 return vals
             if None in read and _finite(vals):
                 return vals
@@ -308,29 +329,39 @@ class Verdicts:
             if any(getattr(v, "exact", None) is not None for v in e.values):
                 e.values = [getattr(v, "exact", None) or v for v in e.values]
         by_device: dict = {}
+        on_host = []   # per compared output: its values read on the host, else None (stacked)
         for e in entries:
             for vals in e.values:
                 dev = vals[0].device
                 flat = by_device.get(dev)
                 if flat is None:
                     flat = by_device[dev] = []
-                flat.extend(vals)
+                got = _host_read(vals)
+                on_host.append(got)
+                if got is None:
+                    flat.extend(vals)
         read, pos = {}, {}
         for device, tensors in by_device.items():
-            # stack promotes mixed float32/float64 values to float64 (exact)
-            read[device] = torch.stack(tensors).tolist()
+            # stack promotes mixed float32/float64 values to float64 (exact); values in host
+            # memory are read in place, by their bits (the same floats: ``host_value``)
+            if tensors:
+                read[device] = torch.stack(tensors).tolist()
             pos[device] = 0
             self.syncs += 1
         out, retry = [], []
+        n = 0
         for e in entries:
             chunks = []
             ok, hit = True, full
             for desc, vals in zip(e.outputs, e.values):
-                dev = vals[0].device
-                i = pos[dev]
                 k = len(vals)
-                pos[dev] = i + k
-                v = read[dev][i:i + k]
+                v = on_host[n]
+                n += 1
+                if v is None:
+                    dev = vals[0].device
+                    i = pos[dev]
+                    pos[dev] = i + k
+                    v = read[dev][i:i + k]
                 chunks.append(v)
                 if k < EXACT:  # fast values, judged without building Stats
                     err = fast_error(v)

@@ -75,6 +75,27 @@ class quiet:
         return False
 
 
+class grad_mode:
+    """``torch.no_grad()`` (``grad_mode(False)``) or ``torch.enable_grad()`` (``True``) as a
+    slotted guard: the same flag set and restored, without the two ``set_grad_enabled`` objects
+    and the decorator machinery torch's context managers build on every entry (a backward check
+    entered five of them per call: issue 38)."""
+
+    __slots__ = ("mode", "prev")
+
+    def __init__(self, mode: bool) -> None:
+        self.mode = mode
+
+    def __enter__(self):
+        self.prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(self.mode)
+        return self
+
+    def __exit__(self, *exc):
+        torch._C._set_grad_enabled(self.prev)
+        return False
+
+
 def detached(t: torch.Tensor) -> torch.Tensor:
     """``t`` without autograd history: ``t`` itself when it has none (a gradient the engine
     hands a hook, one ``torch.autograd.grad`` returned), else ``t.detach()``. The same tensor

@@ -118,8 +118,8 @@ class Judging:
         if values is None:
             if operands is None:
                 operands = [None] * len(triples)
-            values = [self.verdicts.stats(o, p, s, exact, operands=ops) for (_, o, p), s, ops in
-                      zip(triples, scales_, operands)]
+            values = [self.verdicts.stats(o, p, s, exact, operands=ops, note=True)
+                      for (_, o, p), s, ops in zip(triples, scales_, operands)]
         outputs = []
         for (i, _, _), o, (fam, k, formula_ok), cdt, sc in zip(triples, originals, plan, compute,
                                                              scales_):

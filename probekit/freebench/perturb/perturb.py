@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from .. import names
-from .host import host_value
+from .host import host_value, note, noted
 from .modes import MODES
 
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
@@ -145,11 +145,19 @@ def _may_overflow(t: torch.Tensor) -> bool:
     """May ``t`` (in host memory) hold +-max, the one value ``bit_noise`` can move to +-Inf?
     One ``aminmax``, read on the host without an ATen operator (``host.py``): False when every
     element lies strictly between -max and max (True for a NaN or an Inf as well, where the fix
-    is then made as on an accelerator)."""
+    is then made as on an accelerator). A tensor whose extremes were read already (by the
+    comparison of the check that made it, or by this function), unchanged since, costs no
+    kernel (``host.noted``)."""
     if t.numel() == 0:
         return False
-    lo, hi = torch.aminmax(t)
-    lo, hi = host_value(lo), host_value(hi)
+    seen = noted(t)   # the comparison of the call that made t read them (``host.note``)
+    if seen is not None:
+        lo, hi = seen
+    else:
+        lo, hi = torch.aminmax(t)
+        lo, hi = host_value(lo), host_value(hi)
+        if lo is not None and hi is not None:
+            note(t, lo, hi)   # (a tensor two calls read first: the model's input)
     big = torch.finfo(t.dtype).max
     return lo is None or not (-big < lo and hi < big)
 
