@@ -3,7 +3,7 @@ where a planted bf16 accumulation becomes visible, and the cost.
 
     python benchmarks/bench_control.py validate --out control.json [--models gpt2,...]
     python benchmarks/bench_control.py line --out line.json
-    python benchmarks/bench_control.py cost --out cost.json
+    python benchmarks/bench_control.py cost --out cost.json [--steps-only] [--model small]
     python benchmarks/bench_control.py sweep --out sweep.json [--models gpt2,...] [--bf16]
     python benchmarks/bench_control.py priors --out priors.json [--models ...] [--controls 10]
 
@@ -16,7 +16,8 @@ accumulating in bf16, an fp16 overflow in one activation, one parameter's gradie
 control=...)``: bf16 autocast seeds 0 and 1, bf16 cast seeds 0 and 1, fp32 seeds 0 and 1, and a
 third bf16 seed as a healthy test); then ``compare_grads(ref, test, control=...)`` with two
 controls (their envelope) and with one. ``line``: the bf16-accumulation bug at 128 and 1024
-tokens per step, sequential or in fp32 chunks. ``cost``: a control run's step time and a
+tokens per step, sequential or in fp32 chunks. ``cost``: a control run's step time (``--model``: the
+GPT-2, or ``bench_freebench_msprobe``'s model in fp32 at size ``block`` or ``small``) and a
 comparison with a control against a plain comparison (medians of repeats, same process; the
 verdict's margins cached and cold; ``--compare-only``: the comparisons alone).
 ``sweep`` (issue 37): the false-alarm rate over many healthy fp32 pairs (kernel and backend
@@ -432,8 +433,41 @@ def _median_time(fn, repeats):
     return statistics.median(times), times
 
 
-def _step_costs(repeats: int) -> dict:
-    """A training step of the validation's GPT-2 (one torch thread) plain in fp32, under bf16
+#: ``cost --model``: the validation's GPT-2 (width 64, 3 layers, 4 x 32 tokens, AdamW), or
+#: ``bench_freebench_msprobe``'s model at one of its sizes (``block``: d=128, 4 x 32 tokens;
+#: ``small``: d=256, 4 x 64 tokens, issue 38's "size people try first"), built in fp32 (a
+#: control's reference is fp32) with SGD
+COST_MODELS = ("gpt2", "block", "small")
+
+
+def _cost_model(kind: str):
+    """(model, step(setting)) for ``COST_MODELS``: one training step, ``setting`` "fp32" or
+    "autocast" (bf16 autocast around the forward)."""
+    if kind == "gpt2":
+        model = cm.build("gpt2")
+        return model, lambda setting: cm.train(model, "gpt2", setting, 1)
+    import bench_freebench_msprobe as fm
+
+    fm.set_size(kind)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(fm.Block(), fm.Block())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(fm.B, fm.T, fm.D)
+
+    def step(setting):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting == "autocast"):
+            out = model(x)
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, step
+
+
+def _step_costs(repeats: int, kind: str = "gpt2") -> dict:
+    """A training step of ``kind`` (``COST_MODELS``; one torch thread) plain in fp32, under bf16
     autocast, and as control runs (each on its own copy of the model, the control's mode entered
     for its step only), the configurations interleaved step by step; the thread's CPU time,
     medians of the per-round ratios to the plain step (issue 38: on a shared machine the load
@@ -447,16 +481,16 @@ def _step_costs(repeats: int) -> dict:
                                    ("control bf16", "fp32", "bf16"),
                                    ("control bf16:cast", "fp32", "bf16:cast"),
                                    ("control fp32", "fp32", "fp32")):
-        model = cm.build("gpt2")
-        configs[name] = (model, setting, perturb(model, control) if control else None)
+        model, run = _cost_model(kind)
+        configs[name] = (run, setting, perturb(model, control) if control else None)
 
     def step(name):
-        model, setting, probe = configs[name]
+        run, setting, probe = configs[name]
         if probe is not None:
             probe.start()
         try:
             c0 = time.thread_time()
-            cm.train(model, "gpt2", setting, 1)
+            run(setting)
             return time.thread_time() - c0
         finally:
             if probe is not None:
@@ -488,7 +522,9 @@ def cost(args) -> dict:
     parameters, 20 steps): with the verdict's margins cached (a process's later comparisons)
     and cold (simulated again, as in a process's first)."""
     root = args.dir or tempfile.mkdtemp(prefix="probekit-cost-")
-    res = {} if args.compare_only else _step_costs(args.repeats)
+    res = {} if args.compare_only else _step_costs(args.repeats, args.model)
+    if args.model != "gpt2":
+        res = {f"{args.model}: {k}": v for k, v in res.items()}
     if args.steps_only:
         return res
     # comparisons: the validation's GPT-2 runs, and larger recordings
@@ -570,6 +606,8 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true", help="sweep: bf16 autocast pairs too")
     p.add_argument("--controls", type=int, default=10, help="priors: controls per precision")
     p.add_argument("--setting", default="fp32", help="record: the setting (one run)")
+    p.add_argument("--model", default="gpt2", choices=COST_MODELS,
+                   help="cost: the model whose steps are timed (default: the GPT-2)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("probekit").setLevel(logging.WARNING)

@@ -423,3 +423,114 @@ def test_a_genuine_error_under_a_control_is_raised_unnoted(caplog):
                 model(torch.randn(2, 15))
             assert not ctl.mode.fallbacks
     assert "has no float64 kernel" not in caplog.text
+
+
+def _special(dtype, n, gen):
+    """Values across the exponent range, with NaN (any payload, either sign), +-inf, +-0,
+    +-max, the smallest normal, subnormals of float32 and values beyond float32's range."""
+    x = torch.randn(n, generator=gen, dtype=dtype) * torch.exp2(
+        torch.randint(-160, 140, (n,), generator=gen)).to(dtype)
+    f = torch.finfo(torch.float32)
+    k = torch.randint(0, 14, (n,), generator=gen)
+    big = 3.5e38 if dtype == torch.float64 else -1e-40
+    for i, v in enumerate((math.nan, math.inf, -math.inf, 0.0, -0.0, f.max, -f.max, f.tiny,
+                           f.tiny / 3, 1e-45, big, 1.0, 1 + 2 ** -8)):
+        x[k == i] = v
+    if dtype == torch.float32 and n:
+        bits = x.view(torch.int32)
+        m = torch.randint(0, 20, (n,), generator=gen) == 0
+        payload = torch.randint(0x7F800001, 0x7FFFFFFF, (int(m.sum()),), generator=gen,
+                                dtype=torch.int32)
+        bits[m] = payload | (torch.randint(0, 2, payload.shape, generator=gen,
+                                           dtype=torch.int32) << 31)
+    return x
+
+
+@pytest.mark.parametrize("pair", ["bf16", "fp32"])
+def test_compiled_rounding_is_the_torch_form_bit_for_bit(pair):
+    """The C passes (``_kernel.c`` ``pk_round_*``, ``pk_mt_draw``) give the torch form's values
+    bit for bit, the same result layout, and leave the generator where it does: every kernel
+    path, sizes on both sides of ``_FEW``, spreads of every branch, NaN payloads, inf,
+    overflow, subnormals, strided and transposed inputs (issue 38)."""
+    from probekit.grads.numerics import kernel
+    from probekit.grads.record import control
+
+    if kernel.set_path("auto") == "numpy" or kernel.rounding() is None:
+        pytest.skip("the compiled kernel is not built here")
+    paths = [p for p in ("avx512", "avx2", "c") if kernel.set_path(p) == p]
+    kernel.set_path("auto")
+    src, dst = ((torch.float32, BF16) if pair == "bf16" else (torch.float64, torch.float32))
+    view = torch.int16 if dst == BF16 else torch.int32
+    gen = _gen(5)
+    try:
+        for n in (0, 1, 3, 700, control._FEW - 1, control._FEW, control._FEW + 1):
+            for kind in ("randn", "special", "strided", "transposed"):
+                if kind == "randn":
+                    x = torch.randn(n, generator=gen, dtype=src) * 1e3
+                elif kind == "special":
+                    x = _special(src, n, gen)
+                elif kind == "strided":
+                    x = _special(src, 2 * n, gen)[::2]
+                else:
+                    x = _special(src, n - n % 4, gen).reshape(-1, 4).t()
+                for spread in (0.5, 0.25, 0.3, 0.0, 0.75):
+                    kernel.set_path("numpy")         # the torch form
+                    g = _gen(11)
+                    want = round_random(x, dst, g, spread)
+                    want_state = g.get_state()
+                    for path in paths:
+                        kernel.set_path(path)
+                        g = _gen(11)
+                        got = round_random(x, dst, g, spread)
+                        assert got.dtype == want.dtype and got.shape == want.shape
+                        assert got.stride() == want.stride(), (n, kind, spread, path)
+                        assert torch.equal(got.view(view), want.view(view)), (n, kind, spread,
+                                                                              path)
+                        assert torch.equal(g.get_state(), want_state), (n, kind, spread, path)
+    finally:
+        kernel.set_path("auto")
+
+
+def test_compiled_draws_are_torchs():
+    """``_draw`` (``pk_mt_draw`` on the generator's state) gives torch's values and state, for
+    int32 and int64 ``random_`` and float64 ``rand``, across the state's twists and after
+    other draws."""
+    from probekit.grads.numerics import kernel
+    from probekit.grads.record.control import _DRAW_C, _draw, _draw_ok
+
+    if kernel.rounding() is None:
+        pytest.skip("the compiled kernel is not built here")
+    assert _draw_ok(kernel.rounding())
+    rng = np.random.default_rng(0)
+    for seed in range(6):
+        a, b = _gen(seed), _gen(seed)
+        for _ in range(10):
+            n = int(rng.choice([1, 623, 624, 625, _DRAW_C, 1247, 5000, rng.integers(1, 20000)]))
+            dtype = (torch.int32, torch.int64, torch.float64)[int(rng.integers(3))]
+            if rng.random() < 0.3:
+                torch.rand(7, generator=a), torch.rand(7, generator=b)
+            mine = _draw(a, n, dtype)
+            theirs = (torch.rand(n, generator=b, dtype=dtype) if dtype == torch.float64 else
+                      torch.empty(n, dtype=dtype).random_(generator=b))
+            assert torch.equal(mine, theirs)
+            assert torch.equal(a.get_state(), b.get_state())
+
+
+def test_rounding_mode_decisions_kept_across_starts():
+    """A session's start()s share the mode's per-call decisions (no meta run again at every
+    start: issue 38), and each start draws from a generator seeded afresh, as before."""
+    model = torch.nn.Linear(8, 8)
+    p = perturb(model, "bf16")
+    x = torch.randn(4, 8)
+    firsts = []
+    for _ in range(2):
+        p.start()
+        try:
+            mode = p.mode
+            model(x).float().sum().backward()
+        finally:
+            p.stop()
+        firsts.append((mode._dtypes, model.weight.grad.clone()))
+        model.weight.grad = None
+    assert firsts[0][0] is firsts[1][0] and firsts[0][0]
+    assert torch.equal(firsts[0][1], firsts[1][1])

@@ -865,6 +865,292 @@ void pk_count_runs_many(const int64_t *ta, const int64_t *tbs, int32_t nb, const
     }
 }
 
+/* ------------------------------------------------------------------ a control's random rounding
+ *
+ * probekit/grads/record/control.py's round_random in one pass each, the random words drawn by
+ * torch from the control's generator (the same draws as its torch path, which stays where this
+ * extension is absent and is tested against these value for value):
+ *
+ *   pk_round_bf16       float32 bits + a random offset, lower half dropped: bf16 bits into
+ *                       out16, or (out16 NULL) the float32 before torch's conversion into out32
+ *                       (the caller's path where the input holds a NaN: torch converts it).
+ *                       mode 0: one word per element, offset (r & (width - 1)) + lo (the form for
+ *                       few elements; a NaN element keeps its bits in out32); mode 1 (spread
+ *                       1/2): one word for two elements, the first half's offsets r & 0xFFFF, the
+ *                       second's (r >> 16) << 1; mode 2: r & (width - 1) and (r >> 16) &
+ *                       (width - 1), plus lo (a NaN: lower half cleared, quiet bit set).
+ *                       Returns the number of NaN inputs.
+ *   pk_fp32_range_f64   1 when every element is zero or its magnitude lies in float32's normal
+ *                       range (pk_round_f32_bits applies), else 0.
+ *   pk_round_f32_bits   float64 bits + a random 29-bit offset (bits 0-28 of r for the first
+ *                       half, 32-60 for the second), + lo, lower 29 bits dropped, as float32.
+ *   pk_round_f32_general  float64 to float32 at random with the uniform draws u: round to
+ *                       nearest, the neighbour on the other side of x when u < p, p as torch
+ *                       computes it in float64, operation for operation (NaN p: nearest).
+ *
+ * Integer arithmetic is unsigned (torch's int32 and int64 passes wrap the same way). */
+/* pk_round_bf16's loops: t = (b + off) with its lower half dropped (a NaN as said above),
+ * bf16 bits (O16) or float32 bits written; branch-free, so that the compiler vectorises them */
+#define PK_BF16_LOOP(FROM, TO, OFF, NANVAL, STORE)                                            \
+    for (int64_t i = FROM; i < TO; i++) {                                                     \
+        uint32_t b = bits[i];                                                                 \
+        uint32_t nan = (b & 0x7FFFFFFFu) > 0x7F800000u;                                       \
+        uint32_t t = (b + (OFF)) & 0xFFFF0000u;                                               \
+        nans += nan;                                                                          \
+        t = nan ? (NANVAL) : t;                                                               \
+        STORE;                                                                                \
+    }
+#define PK_BF16_MODES(STORE)                                                                  \
+    if (mode == 0) {                                                                          \
+        PK_BF16_LOOP(0, n, ((uint32_t)r[i] & mask) + ulo, b, STORE)                           \
+    } else if (mode == 1) {                                                                   \
+        PK_BF16_LOOP(0, half, ((uint32_t)r[i] & 0xFFFFu) + ulo,                               \
+                     (b & 0xFFFF0000u) | 0x400000u, STORE)                                    \
+        PK_BF16_LOOP(half, n, (((uint32_t)r[i - half] >> 16) << 1) + ulo,                     \
+                     (b & 0xFFFF0000u) | 0x400000u, STORE)                                    \
+    } else {                                                                                  \
+        PK_BF16_LOOP(0, half, ((uint32_t)r[i] & mask) + ulo,                                  \
+                     (b & 0xFFFF0000u) | 0x400000u, STORE)                                    \
+        PK_BF16_LOOP(half, n, (((uint32_t)r[i - half] >> 16) & mask) + ulo,                   \
+                     (b & 0xFFFF0000u) | 0x400000u, STORE)                                    \
+    }
+#define PK_ROUND_BF16(NAME, ATTR)                                                             \
+    ATTR static int64_t NAME(const uint32_t *restrict bits, const int32_t *restrict r,        \
+                             int64_t n, int32_t mode, uint32_t width, int32_t lo,             \
+                             uint16_t *restrict out16, uint32_t *restrict out32) {            \
+        const uint32_t mask = width - 1, ulo = (uint32_t)lo;                                  \
+        const int64_t half = (n + 1) / 2;                                                     \
+        int64_t nans = 0;                                                                     \
+        if (out16) {                                                                          \
+            PK_BF16_MODES(out16[i] = (uint16_t)(t >> 16))                                     \
+        } else {                                                                              \
+            PK_BF16_MODES(out32[i] = t)                                                       \
+        }                                                                                     \
+        return nans;                                                                          \
+    }
+
+/* the bits of float64 + a 29-bit offset, lower 29 bits dropped, as float32 */
+#define PK_ROUND_F32_BITS(NAME, ATTR)                                                         \
+    ATTR static void NAME(const uint64_t *restrict bits, const int64_t *restrict r,           \
+                          int64_t n, uint64_t width, int64_t lo, float *restrict out) {       \
+        const uint64_t mask = width - 1, ulo = (uint64_t)lo, keep = ~(((uint64_t)1 << 29) - 1); \
+        const int64_t half = (n + 1) / 2;                                                     \
+        for (int64_t i = 0; i < half; i++) {                                                  \
+            uint64_t t = (bits[i] + ((uint64_t)r[i] & mask) + ulo) & keep;                    \
+            double d;                                                                         \
+            memcpy(&d, &t, 8);                                                                \
+            out[i] = (float)d;                                                                \
+        }                                                                                     \
+        for (int64_t i = half; i < n; i++) {                                                  \
+            uint64_t t = (bits[i] + (((uint64_t)r[i - half] >> 32) & mask) + ulo) & keep;     \
+            double d;                                                                         \
+            memcpy(&d, &t, 8);                                                                \
+            out[i] = (float)d;                                                                \
+        }                                                                                     \
+    }
+
+PK_ROUND_BF16(round_bf16_c, )
+PK_ROUND_F32_BITS(round_f32_bits_c, )
+#ifdef PK_HAVE_AVX2_CODE
+PK_ROUND_BF16(round_bf16_avx2, __attribute__((target("avx2"))))
+PK_ROUND_F32_BITS(round_f32_bits_avx2, __attribute__((target("avx2"))))
+#endif
+
+int64_t pk_round_bf16(const uint32_t *bits, const int32_t *r, int64_t n, int32_t mode,
+                      uint32_t width, int32_t lo, uint16_t *out16, uint32_t *out32) {
+#ifdef PK_HAVE_AVX2_CODE
+    if (level >= 1) return round_bf16_avx2(bits, r, n, mode, width, lo, out16, out32);
+#endif
+    return round_bf16_c(bits, r, n, mode, width, lo, out16, out32);
+}
+
+void pk_round_f32_bits(const uint64_t *bits, const int64_t *r, int64_t n, uint64_t width,
+                       int64_t lo, float *out) {
+#ifdef PK_HAVE_AVX2_CODE
+    if (level >= 1) {
+        round_f32_bits_avx2(bits, r, n, width, lo, out);
+        return;
+    }
+#endif
+    round_f32_bits_c(bits, r, n, width, lo, out);
+}
+
+#define PK_FP32_MAX_BITS 0x47EFFFFFE0000000ull
+#define PK_FP32_TINY_BITS (897ull << 52)
+
+/* signed comparisons of non-negative magnitudes: vectorised (AVX2 has no unsigned 64-bit one) */
+#define PK_FP32_RANGE(NAME, ATTR)                                                             \
+    ATTR static int32_t NAME(const int64_t *restrict bits, int64_t n) {                       \
+        int64_t bad = 0;                                                                      \
+        for (int64_t i = 0; i < n; i++) {                                                     \
+            int64_t a = bits[i] & 0x7FFFFFFFFFFFFFFFll;                                       \
+            bad |= (a > (int64_t)PK_FP32_MAX_BITS) |                                          \
+                   ((a < (int64_t)PK_FP32_TINY_BITS) & (a != 0));                             \
+        }                                                                                     \
+        return !bad;                                                                          \
+    }
+PK_FP32_RANGE(fp32_range_c, )
+#ifdef PK_HAVE_AVX2_CODE
+PK_FP32_RANGE(fp32_range_avx2, __attribute__((target("avx2"))))
+#endif
+
+int32_t pk_fp32_range_f64(const int64_t *bits, int64_t n) {
+#ifdef PK_HAVE_AVX2_CODE
+    if (level >= 1) return fp32_range_avx2(bits, n);
+#endif
+    return fp32_range_c(bits, n);
+}
+
+/* nextafterf(near, wide < v ? inf : -inf) is taken on the bits, for a finite near (a step of
+ * the magnitude; from zero, the smallest subnormal of the direction's sign); an infinite or NaN
+ * near is kept, as in torch's form, where p is NaN there (inf / inf, NaN). p's clamp to [0, 1]
+ * cannot change u < p (u lies in [0, 1)). Branch-free, so that the compiler vectorises it. */
+#define PK_F32_GENERAL(NAME, ATTR)                                                            \
+    ATTR static void NAME(const double *x, const double *u, int64_t n, double spread,         \
+                          float *out) {                                                       \
+        const double twice = 2 * spread;                                                      \
+        for (int64_t i = 0; i < n; i++) {                                                     \
+            double v = x[i];                                                                  \
+            float near = (float)v, other;                                                     \
+            double wide = (double)near;                                                       \
+            uint32_t nb, ob;                                                                  \
+            memcpy(&nb, &near, 4);                                                            \
+            uint32_t up = wide < v, grow = (nb >> 31) != up;                                  \
+            uint32_t step = grow ? nb + 1 : nb - 1, from0 = up ? 1u : 0x80000001u;            \
+            ob = (nb & 0x7FFFFFFFu) == 0 ? from0 : step;                                      \
+            memcpy(&other, &ob, 4);                                                           \
+            double gap = fabs((double)other - wide);                                          \
+            double dist = fabs(v - wide) / gap;                                               \
+            double p = (dist - 0.5 + spread) / twice;                                         \
+            uint32_t take = ((nb & 0x7F800000u) != 0x7F800000u) & (u[i] < p);                 \
+            uint32_t res = take ? ob : nb;                                                    \
+            memcpy(out + i, &res, 4);                                                         \
+        }                                                                                     \
+    }
+
+PK_F32_GENERAL(round_f32_general_c, )
+#ifdef PK_HAVE_AVX2_CODE
+/* AVX2 without FMA (no contraction may change a rounding); no-trapping-math lets the compiler
+ * turn the comparisons into masks (the values are the same) */
+PK_F32_GENERAL(round_f32_general_avx2,
+               __attribute__((target("avx2"), optimize("no-trapping-math"))))
+#endif
+
+void pk_round_f32_general(const double *x, const double *u, int64_t n, double spread,
+                          float *out) {
+#ifdef PK_HAVE_AVX2_CODE
+    if (level >= 1) {
+        round_f32_general_avx2(x, u, n, spread, out);
+        return;
+    }
+#endif
+    round_f32_general_c(x, u, n, spread, out);
+}
+
+/* pk_mt_draw: what torch draws from a CPU generator, computed here from its state as
+ * torch.Generator.get_state() lays it out (the caller puts it back with set_state): a uint64
+ * seed at byte 0, the int32 count `left` at 8, the uint64 index `next` at 16 and the 624 words
+ * of at::mt19937's state, one per uint64, from 24. torch draws a word as at::mt19937_engine
+ * does (when --left reaches 0 the state is twisted, left = 624, next = 0; the word is
+ * state[next++] tempered); random64() is two words, the first the high half. kind 0: int32
+ * random_() (word mod 2^31); 1: int64 random_() (random64() mod 2^63); 2: float64 rand()
+ * ((random64() & (2^53 - 1)) * 2^-53). The same values and state as torch's scalar loop,
+ * checked against it at first use (control.py); the twist and the tempering vectorised. */
+#define PK_MT_N 624
+#define PK_MT_M 397
+#define PK_MT_TWIST(U, V)                                                                     \
+    ((((U) & 0x80000000u) | ((V) & 0x7FFFFFFFu)) >> 1) ^ (((V) & 1u) ? 0x9908B0DFu : 0u)
+
+#define PK_MT(SUFFIX, ATTR)                                                                   \
+    ATTR static void mt_twist_##SUFFIX(uint32_t *restrict s) {                               \
+        for (int i = 0; i < PK_MT_N - PK_MT_M; i++)                                           \
+            s[i] = s[i + PK_MT_M] ^ (PK_MT_TWIST(s[i], s[i + 1]));                            \
+        for (int i = PK_MT_N - PK_MT_M; i < PK_MT_N - 1; i++)                                 \
+            s[i] = s[i + PK_MT_M - PK_MT_N] ^ (PK_MT_TWIST(s[i], s[i + 1]));                  \
+        s[PK_MT_N - 1] = s[PK_MT_M - 1] ^ (PK_MT_TWIST(s[PK_MT_N - 1], s[0]));                \
+    }                                                                                         \
+    ATTR static void mt_temper_##SUFFIX(const uint32_t *restrict s, uint32_t *restrict out,   \
+                                        int64_t n) {                                          \
+        for (int64_t j = 0; j < n; j++) {                                                     \
+            uint32_t y = s[j];                                                                \
+            y ^= y >> 11;                                                                     \
+            y ^= (y << 7) & 0x9D2C5680u;                                                      \
+            y ^= (y << 15) & 0xEFC60000u;                                                     \
+            y ^= y >> 18;                                                                     \
+            out[j] = y;                                                                       \
+        }                                                                                     \
+    }                                                                                         \
+    ATTR static void mt_words_##SUFFIX(uint32_t *s, int32_t *left, uint64_t *next,            \
+                                       uint32_t *out, int64_t n) {                            \
+        int64_t k = 0;                                                                        \
+        while (k < n) {                                                                       \
+            if (*left <= 1) { /* this draw twists: --left == 0 */                             \
+                mt_twist_##SUFFIX(s);                                                         \
+                *left = PK_MT_N;                                                              \
+                *next = 0;                                                                    \
+                mt_temper_##SUFFIX(s, out + k, 1);                                            \
+                *next = 1;                                                                    \
+                k++;                                                                          \
+                continue;                                                                     \
+            }                                                                                 \
+            int64_t take = *left - 1;                                                         \
+            if (take > n - k) take = n - k;                                                   \
+            mt_temper_##SUFFIX(s + *next, out + k, take);                                     \
+            *next += (uint64_t)take;                                                          \
+            *left -= (int32_t)take;                                                           \
+            k += take;                                                                        \
+        }                                                                                     \
+    }
+
+PK_MT(c, )
+#ifdef PK_HAVE_AVX2_CODE
+PK_MT(avx2, __attribute__((target("avx2"))))
+#endif
+
+int32_t pk_mt_draw(uint8_t *state, int64_t n, int32_t kind, void *out) {
+    uint32_t s[PK_MT_N];
+    int32_t left;
+    uint64_t next, w;
+    memcpy(&left, state + 8, 4);
+    memcpy(&next, state + 16, 8);
+    if (next > PK_MT_N || left < 1 || left > PK_MT_N) return 0; /* not the layout known here */
+    if (n <= 0) return 1;
+    for (int j = 0; j < PK_MT_N; j++) {
+        memcpy(&w, state + 24 + 8 * j, 8);
+        s[j] = (uint32_t)w;
+    }
+    void (*gen)(uint32_t *, int32_t *, uint64_t *, uint32_t *, int64_t) = mt_words_c;
+#ifdef PK_HAVE_AVX2_CODE
+    if (level >= 1) gen = mt_words_avx2;
+#endif
+    if (kind == 0) {
+        int32_t *o = (int32_t *)out;
+        gen(s, &left, &next, (uint32_t *)o, n);
+        for (int64_t i = 0; i < n; i++) o[i] = (int32_t)((uint32_t)o[i] & 0x7FFFFFFFu);
+    } else { /* two words per element, a piece at a time through a buffer on the stack */
+        uint32_t words[2048];
+        for (int64_t i0 = 0; i0 < n; i0 += 1024) {
+            int64_t m = n - i0 < 1024 ? n - i0 : 1024;
+            gen(s, &left, &next, words, 2 * m);
+            for (int64_t i = 0; i < m; i++) {
+                uint64_t v = ((uint64_t)words[2 * i] << 32) | words[2 * i + 1];
+                if (kind == 1)
+                    ((int64_t *)out)[i0 + i] = (int64_t)(v & 0x7FFFFFFFFFFFFFFFull);
+                else
+                    ((double *)out)[i0 + i] =
+                        (double)(v & ((1ull << 53) - 1)) * (1.0 / 9007199254740992.0);
+            }
+        }
+    }
+    memcpy(state + 8, &left, 4);
+    memcpy(state + 16, &next, 8);
+    for (int j = 0; j < PK_MT_N; j++) {
+        w = s[j];
+        memcpy(state + 24 + 8 * j, &w, 8);
+    }
+    return 1;
+}
+
 static struct PyModuleDef pk_module = {PyModuleDef_HEAD_INIT, "_kernel",
                                        "probekit's fused gradient-statistics kernel (ctypes)",
                                        -1, NULL, NULL, NULL, NULL, NULL};

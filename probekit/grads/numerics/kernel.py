@@ -84,8 +84,37 @@ def _load():
     lib.pk_count_runs_many.restype = None
     lib.pk_set_path.argtypes = [ctypes.c_int32]
     lib.pk_set_path.restype = ctypes.c_int32
+    global _rounding
+    try:   # a control run's rounding (record/control.py); absent from an older build
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        lib.pk_round_bf16.argtypes = [ptr, ptr, i64, i32, ctypes.c_uint32, i32, ptr, ptr]
+        lib.pk_round_bf16.restype = i64
+        lib.pk_fp32_range_f64.argtypes = [ptr, i64]
+        lib.pk_fp32_range_f64.restype = i32
+        lib.pk_round_f32_bits.argtypes = [ptr, ptr, i64, ctypes.c_uint64, i64, ptr]
+        lib.pk_round_f32_bits.restype = None
+        lib.pk_round_f32_general.argtypes = [ptr, ptr, i64, ctypes.c_double, ptr]
+        lib.pk_round_f32_general.restype = None
+        lib.pk_mt_draw.argtypes = [ptr, i64, i32, ptr]
+        lib.pk_mt_draw.restype = i32
+        _rounding = lib
+    except AttributeError:
+        _rounding = None
     _lib = lib
     return lib
+
+
+_rounding = None
+
+
+def rounding():
+    """The compiled functions of a control run's random rounding (``pk_round_bf16``,
+    ``pk_fp32_range_f64``, ``pk_round_f32_bits``, ``pk_round_f32_general``, and ``pk_mt_draw``,
+    torch's CPU generator's draws from its state: record/control.py
+    calls them with tensors' addresses), or None where the extension is not built or the numpy
+    path is chosen (``PROBEKIT_GRADS_KERNEL=numpy``, ``set_path``): control.py's torch
+    operations then, the same values."""
+    return _rounding if path != "numpy" else None
 
 
 def set_path(name: str) -> str:

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ...config import CONTROL_DTYPES, CONTROL_RECIPES
 from ...log import get_logger
+from ..numerics import kernel as _kernel
 
 log = get_logger(__name__)
 
@@ -102,12 +103,26 @@ def round_random(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator,
     of the gap between the two, i.e. round-to-nearest of ``x`` moved by a uniform random amount
     of up to ``spread`` units. ``spread = 1/2`` is stochastic rounding (probability ``d``:
     unbiased); a value ``dtype`` holds exactly is returned unchanged; overflow gives inf as
-    round-to-nearest does; NaN stays NaN. Draws from ``gen`` only."""
+    round-to-nearest does; NaN stays NaN. Draws from ``gen`` only.
+
+    On the CPU, where the compiled kernel is built (``numerics/kernel.rounding()``), the passes
+    below run as one C pass each and the draws are computed from the generator's state
+    (``_draw``): the same draws, values and result layout as the torch operations, which run
+    elsewhere (issue 38; ``test_compiled_rounding_is_the_torch_form_bit_for_bit``)."""
     if x.dtype == torch.float32 and dtype == torch.bfloat16:
         return _bf16_from_fp32(x, gen, spread)
     if x.dtype == torch.float64 and dtype == torch.float32:
         out = _fp32_from_fp64(x, gen, spread)
         if out is not None:
+            return out
+        lib = _kernel.rounding()
+        if lib is not None and x.device.type == "cpu" and x.is_contiguous():
+            # the form below in one pass, in C (a strided x: below, whose result keeps x's
+            # layout, as later calls see it)
+            u = _draw(gen, tuple(x.shape), torch.float64)
+            out = torch.empty(x.shape, dtype=dtype)
+            lib.pk_round_f32_general(x.data_ptr(), u.data_ptr(), x.numel(), float(spread),
+                                     out.data_ptr())
             return out
     near = x.to(dtype)
     wide = near.to(x.dtype)
@@ -116,8 +131,68 @@ def round_random(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator,
     gap = (other.to(x.dtype) - wide).abs()
     dist = (x - wide).abs() / gap
     p = ((dist - 0.5 + spread) / (2 * spread)).clamp_(0, 1)
-    u = torch.rand(x.shape, generator=gen, dtype=x.dtype, device=x.device)
+    u = (_draw(gen, tuple(x.shape), x.dtype) if x.dtype == torch.float64 and
+         x.device.type == "cpu" else
+         torch.rand(x.shape, generator=gen, dtype=x.dtype, device=x.device))
     return torch.where(u < p, other, near)   # NaN p (inf, NaN x): u < NaN is False
+
+
+#: from this many elements a draw is computed by the C kernel from the generator's state
+#: (``_draw``): below it torch's own call costs less than the state's round trip
+_DRAW_C = 1024
+_DRAW_DTYPES = (torch.int32, torch.int64, torch.float64)
+_draw_checked = None   # the C draws checked against torch's (once per process): True / False
+
+
+def _draw(gen, shape, dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype).random_(generator=gen)`` (int32, int64) or
+    ``torch.rand(shape, generator=gen, dtype=torch.float64)``: the same values and the same
+    generator state after. On the CPU with the compiled kernel, from ``_DRAW_C`` elements,
+    computed by ``pk_mt_draw`` from the generator's state (``get_state``, ``set_state``):
+    torch's mt19937 draws one word at a time, 3-4x slower (issue 38: the draws were the largest
+    part of a bf16 control's rounding). Checked against torch's draws at first use; torch's
+    own call wherever that check failed (another state layout)."""
+    lib = _kernel.rounding()
+    n = 1
+    for d in (shape if isinstance(shape, tuple) else (shape,)):
+        n *= d
+    if lib is not None and n >= _DRAW_C and gen.device.type == "cpu" and _draw_ok(lib):
+        state = gen.get_state()
+        out = torch.empty(shape, dtype=dtype)
+        if lib.pk_mt_draw(state.data_ptr(), n, _DRAW_DTYPES.index(dtype), out.data_ptr()):
+            gen.set_state(state)
+            return out
+    if dtype == torch.float64:
+        return torch.rand(shape, generator=gen, dtype=dtype, device=gen.device)
+    return torch.empty(shape, dtype=dtype, device=gen.device).random_(generator=gen)
+
+
+def _draw_ok(lib) -> bool:
+    """Do ``pk_mt_draw``'s values and states equal torch's here (every kind, across the
+    state's twists, after other draws)? Decided once per process."""
+    global _draw_checked
+    if _draw_checked is None:
+        ok = True
+        try:
+            a, b = torch.Generator().manual_seed(20261204), torch.Generator().manual_seed(
+                20261204)
+            for n, kind in ((5, 0), (700, 1), (1300, 2), (623, 0), (2000, 0), (625, 2)):
+                torch.rand(3, generator=a), torch.rand(3, generator=b)
+                dtype = _DRAW_DTYPES[kind]
+                state = a.get_state()
+                mine = torch.empty(n, dtype=dtype)
+                ok = ok and bool(lib.pk_mt_draw(state.data_ptr(), n, kind, mine.data_ptr()))
+                a.set_state(state)
+                theirs = (torch.rand(n, generator=b, dtype=dtype) if kind == 2 else
+                          torch.empty(n, dtype=dtype).random_(generator=b))
+                ok = ok and torch.equal(mine, theirs) and torch.equal(a.get_state(),
+                                                                      b.get_state())
+        except Exception:  # noqa: BLE001 - any surprise: torch's own draws
+            ok = False
+        if not ok:
+            log.info("control: the compiled draws differ from torch's here; torch draws")
+        _draw_checked = ok
+    return _draw_checked
 
 
 #: below this many elements ``_bf16_from_fp32`` takes its form with the fewest operators
@@ -135,7 +210,9 @@ def _fp32_from_fp64(x, gen, spread: float):
     elements each zero or of float32's normal range (the maximum and minimum of the magnitudes'
     bits, read without a device sync there); otherwise None, and ``round_random``'s general
     form runs (NaN, inf, overflow, float32's subnormal range: its grid is coarser). Issue 38:
-    the float64 rounding was three quarters of an fp32 control's step."""
+    the float64 rounding was three quarters of an fp32 control's step. With the compiled
+    kernel the check and the rounding are one C pass each (``pk_fp32_range_f64``,
+    ``pk_round_f32_bits``)."""
     n = x.numel()
     lo = int(round((1 << 29) * (0.5 - spread)))
     width = int(round((1 << 29) * 2 * spread))
@@ -143,6 +220,14 @@ def _fp32_from_fp64(x, gen, spread: float):
             width > 1 << 29:
         return None
     bits = x.contiguous().view(torch.int64).reshape(-1)
+    lib = _kernel.rounding()
+    if lib is not None:     # the range check and the rounding, one pass each (C)
+        if not lib.pk_fp32_range_f64(bits.data_ptr(), n):
+            return None
+        r = _draw(gen, (n + 1) // 2, torch.int64)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        lib.pk_round_f32_bits(bits.data_ptr(), r.data_ptr(), n, width, lo, out.data_ptr())
+        return out
     a = bits & 0x7FFFFFFFFFFFFFFF
     if int(a.max()) > _FP32_MAX_BITS:          # NaN, inf, or beyond float32's range
         return None
@@ -176,13 +261,36 @@ def _bf16_from_fp32(x, gen, spread: float):
     (the maximum of its magnitudes' bits, no device sync there) skips the NaN passes: 1.4-2x
     less CPU than drawing per element and masking NaNs with ``where(isnan(x))`` at 131072
     elements. Below ``_FEW`` elements, where the operators' count costs more than their
-    passes, that simpler form is used."""
+    passes, that simpler form is used. With the compiled kernel either form is one C pass
+    (``pk_round_bf16``) over the same draws (``_draw``): 62 us for 131072 elements here,
+    draws included, against 290-730 us for this form; a NaN is converted by torch as here."""
     lo = int(round(0x10000 * (0.5 - spread)))
     width = int(round(0x10000 * 2 * spread))
     bits = x.contiguous().view(torch.int32)
     n = bits.numel()
+    lib = _kernel.rounding() if x.device.type == "cpu" else None
+    if lib is not None and width and width & (width - 1) == 0 and (
+            (n < _FEW and x.is_contiguous()) or (n >= _FEW and width <= 0x10000)):
+        # the same draws as below, the passes fused in C: one word per element below _FEW
+        # elements (mode 0), else one for two (mode 1 at spread 1/2, else 2); a strided x of
+        # few elements below (its result keeps x's layout there, as later calls see it)
+        if n < _FEW:
+            mode, r = 0, _draw(gen, tuple(x.shape), torch.int32)
+        else:
+            mode = 1 if width == 0x10000 else 2
+            r = _draw(gen, (n + 1) // 2, torch.int32)
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        if lib.pk_round_bf16(bits.data_ptr(), r.data_ptr(), n, mode, width, lo,
+                             out.data_ptr(), None):
+            # a NaN: the float32 the torch form converts, converted by torch as there
+            t = torch.empty(x.shape, dtype=torch.float32)
+            lib.pk_round_bf16(bits.data_ptr(), r.data_ptr(), n, mode, width, lo, None,
+                              t.data_ptr())
+            out = t.to(torch.bfloat16)
+        return out
     if n < _FEW and width and width & (width - 1) == 0:   # few elements: fewest operators
-        r = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=gen)
+        r = (_draw(gen, tuple(x.shape), torch.int32) if x.device.type == "cpu" else
+             torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(generator=gen))
         r = (r & (width - 1)) + lo if lo else r & (width - 1)
         out = ((bits + r) & -0x10000).view(torch.float32)
         return torch.where(torch.isnan(x), x, out).to(torch.bfloat16)
@@ -260,7 +368,7 @@ class RoundingMode(TorchDispatchMode):
       rounded at random as if the exact value lay anywhere in the rounding interval of that
       result (``fallbacks`` names them; noted once per call in the log)."""
 
-    def __init__(self, spec: ControlSpec, device="cpu") -> None:
+    def __init__(self, spec: ControlSpec, device="cpu", caches: dict | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.low = spec.dtype
@@ -270,9 +378,12 @@ class RoundingMode(TorchDispatchMode):
         self.rounded = 0
         self.fallbacks: dict = {}   # call name -> the error its wide kernel raised
         self._fixed_seen = False    # a value computed from integers alone was made
-        self._dtypes: dict = {}     # (func, argument dtypes) -> result dtypes
-        self._skip: dict = {}       # func -> runs unchanged (views, exact, random)
-        self._writes: dict = {}     # func -> its written arguments (position, name)
+        # what is decided once per call (its schema) or per call and argument dtypes: kept
+        # by the session across its start()s (``caches``), computed again by none of them
+        caches = {} if caches is None else caches
+        self._dtypes: dict = caches.setdefault("dtypes", {})   # (func, arg dtypes) -> results
+        self._skip: dict = caches.setdefault("skip", {})       # func -> runs unchanged
+        self._writes: dict = caches.setdefault("writes", {})   # func -> written arguments
         self._gen(torch.device(device))
 
     def _gen(self, device) -> torch.Generator:
@@ -544,6 +655,7 @@ class Perturbation:
         self._autocast = []
         self._mkldnn = None
         self._scoped = 0        # recipe() blocks open
+        self._caches: dict = {}  # the rounding mode's decisions per call, across start()s
 
     @property
     def device(self):
@@ -587,7 +699,7 @@ class Perturbation:
             torch._C._set_mkldnn_enabled(False)
             log.info("control fp32: oneDNN off while the control runs (no float64 kernels); "
                      "its calls computed by PyTorch's own kernels in float64")
-        self.mode = RoundingMode(spec, self.device)
+        self.mode = RoundingMode(spec, self.device, self._caches)
         self.mode.__enter__()
         return self
 
