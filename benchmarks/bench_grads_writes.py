@@ -111,8 +111,10 @@ def main(argv=None) -> int:
             runs[name].append(block(name, r))
     for _, _, p in configs.values():
         p.stop()
-    shutil.rmtree(tmp, ignore_errors=True)   # 130 MB a run: left behind, its dirty pages slow
-    #                                           the next run's writes (writer CPU 1.7 -> 7-10 ms)
+    # the stores (~130 MB a run) go: left in /tmp they grow the page cache run after run, and
+    # a writing thread that must take fresh pages for its files costs 9 ms a step instead of 2
+    # on this VM (measured: every run after ~5 GB of earlier runs' stores)
+    shutil.rmtree(tmp, ignore_errors=True)
     w, h = runs[a.level], runs["hook alone"]
     res = {"level": a.level, "one_core": a.one_core, "params": nparams, "steps": a.steps,
            "blocks": a.blocks,

@@ -139,3 +139,112 @@ def test_one_read_largest_finite_magnitude_with_an_inf_or_only_nans():
                 kernel.set_path("auto")
             assert res[2] == want, (path, res)
             assert res[5] == (40 if x is nan else 0), (path, res)
+
+
+@pytest.mark.skipif(not PATHS, reason="the compiled kernel is not built here")
+@pytest.mark.parametrize("n", [40, 1000, 4099, 1 << 18])
+def test_one_read_counts_bounds_far_from_the_hint_exactly(n):
+    """The one loop compares only the bounds within 4 hints of 0; a bound beyond is counted from
+    the max and min found, or, where the values outgrew the hint, by a loop of its own: the
+    counts equal the numpy twin's with the hint far below the values, NaNs and zeros among
+    them, and bounds on both sides of them and inside them."""
+    rng = np.random.default_rng(n)
+    a = rng.standard_normal(n).astype(np.float32)
+    a[::13] = np.nan
+    a[5::17] = 0.0
+    a[3] = -0.0
+    bounds = np.array([-100.0, -3.5, -1.0, -0.1, -1e-3, 0.0, 1e-3, 0.1, 1.0, 2.0, 100.0])
+    for hint in (1e-4, 0.01, 0.3, 1e6):
+        want = None
+        for path in ["numpy", *PATHS]:
+            kernel.set_path(path)
+            try:
+                k = -(-n // 8)
+                signs, sig = np.zeros(k, np.uint8), np.zeros(k, np.uint8)
+                res = kernel.chunk(a, 1e-3, hint, signs, sig, bounds, True, None)
+            finally:
+                kernel.set_path("auto")
+            got = (res[0], res[1], res[2], res[5], res[6].tolist(), signs.tobytes(),
+                   sig.tobytes() if hint > 10 else None)  # (below the chunk's largest |x|
+            # the one loop's provisional threshold is the hint's, as designed: mended later)
+            if want is None:
+                want = got
+            else:
+                assert got == want, (path, hint)
+
+
+@pytest.mark.skipif(not PATHS, reason="the compiled kernel is not built here")
+def test_chunk_many_and_fix_many_equal_a_call_per_chunk():
+    """The batched entries (one call per step, chunks given by address) give what chunk and fix
+    give chunk by chunk: float32 and float64 chunks, with and without bits, list and counts."""
+    rng = np.random.default_rng(7)
+    arrays = [edge_array(n, dt, n) for n, dt in ((1000, np.float32), (4099, np.float64),
+                                                  (17, np.float32), (1 << 18, np.float32),
+                                                  (64, np.float64))]
+    for a in arrays:
+        a[np.isinf(a) | (np.abs(a) > 1e30)] = 2.0
+    bounds = np.array([-1.0, 0.0, 0.25, 1.0])
+    units = [1e-3, 1e-2, 0.0, 1e-3, 1e-3]
+    hints = [0.0, 5.0, 1.0, 0.5, 3.0]
+    bits = [True, True, False, True, True]
+    cap = 32
+    for path in PATHS:
+        for want_counts in (False, True):
+            kernel.set_path(path)
+            try:
+                ref, mine = [], []
+                m = len(arrays)
+                bufs = [(np.zeros(-(-a.size // 8), np.uint8), np.zeros(-(-a.size // 8), np.uint8))
+                        if b else (None, None) for a, b in zip(arrays, bits)]
+                cands = [np.zeros(cap, np.int32) if b else None for b in bits]
+                for a, u, h, (s, g), c in zip(arrays, units, hints, bufs, cands):
+                    r = kernel.chunk(a, u, h, s, g, bounds, want_counts, c)
+                    ref.append((r, None if s is None else (s.tobytes(), g.tobytes()),
+                                None if c is None else c[:min(r[7], cap)].tolist()))
+                bufs2 = [(np.zeros_like(s), np.zeros_like(g)) if s is not None else (None, None)
+                         for s, g in bufs]
+                cand2 = np.zeros((m, cap), np.int32)
+                addr = np.array([(kernel._ptr(a), kernel._ptr(s) or 0, kernel._ptr(g) or 0,
+                                  kernel._ptr(cand2[i]) if b else 0)
+                                 for i, (a, (s, g), b) in enumerate(zip(arrays, bufs2, bits))],
+                                np.int64)
+                out, ints = np.zeros((m, 5)), np.zeros((m, 2), np.int64)
+                counts = np.zeros((m, len(bounds) + 2), np.int64)
+                assert kernel.chunk_many(
+                    addr, np.array([a.size for a in arrays], np.int64),
+                    np.array([a.dtype == np.float64 for a in arrays], np.int32),
+                    np.array(units), np.array(hints), bounds, want_counts,
+                    np.array([cap if b else 0 for b in bits], np.int32), out, ints, counts)
+                for i, (s, g) in enumerate(bufs2):
+                    r = (*out[i].tolist(), int(ints[i, 0]),
+                         counts[i] if want_counts else None, int(ints[i, 1]))
+                    mine.append((r, None if s is None else (s.tobytes(), g.tobytes()),
+                                 None if not bits[i] else cand2[i, :min(r[7], cap)].tolist()))
+                for (r1, b1, c1), (r2, b2, c2) in zip(ref, mine):
+                    assert repr(r1[:6]) == repr(r2[:6]) and r1[7] == r2[7], path  # NaN sums
+                    assert b1 == b2 and c1 == c2, path
+                    assert (r1[6] is None) == (r2[6] is None), path
+                    if want_counts:
+                        assert r1[6].tolist() == r2[6].tolist(), path
+                # fix_many: the listed elements of each chunk with bits against a new threshold
+                fixes = [i for i in range(m) if bits[i] and ref[i][2]]
+                assert fixes, "some elements are listed"
+                thr = [hints[i] * units[i] * 1.5 + 1e-9 for i in fixes]
+                for i, t in zip(fixes, thr):
+                    kernel.fix(arrays[i], np.array(ref[i][2], np.int32), t, bufs[i][1])
+                lists = [np.array(ref[i][2], np.int32) for i in fixes]
+                assert kernel.fix_many(
+                    np.array([(kernel._ptr(arrays[i]), kernel._ptr(c), kernel._ptr(bufs2[i][1]))
+                              for i, c in zip(fixes, lists)], np.int64),
+                    np.array([c.size for c in lists], np.int64), np.array(thr),
+                    np.array([arrays[i].dtype == np.float64 for i in fixes], np.int32))
+                for i in fixes:
+                    assert bufs[i][1].tobytes() == bufs2[i][1].tobytes(), path
+            finally:
+                kernel.set_path("auto")
+    kernel.set_path("numpy")
+    try:
+        assert not kernel.chunk_many(*[None] * 11) and not kernel.fix_many(None, None, None,
+                                                                            None)
+    finally:
+        kernel.set_path("auto")

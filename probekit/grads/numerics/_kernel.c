@@ -415,77 +415,143 @@ static int64_t band_f32(const float *x, int64_t n, double lo, double hi, int32_t
 
 
 #ifdef PK_HAVE_AVX2_CODE
+/* One block of U vectors (16 U elements) of onepass_f32_avx512: the vectors are read once;
+ * their masks are gathered into 64-bit words (bit 16 u + j: element 16 u + j, or for the bits
+ * stored, its byte's order) and stored, counted and searched a word at a time. mx, mn, a0 and
+ * a1 take the vectors in order, as one vector at a time did (the result of a max over +0 and -0
+ * and the sums' rounding depend on it). */
+#define PK_ONEPASS_BLOCK(U)                                                                  \
+    {                                                                                        \
+        __m512 v[U];                                                                         \
+        uint64_t s = 0, g = 0, bm = 0, z = 0;                                                \
+        for (int u = 0; u < (U); u++) {                                                      \
+            v[u] = _mm512_loadu_ps(x + i + 16 * u);                                          \
+            mx = _mm512_max_ps(v[u], mx); /* a NaN in v gives the second operand: skipped */ \
+            mn = _mm512_min_ps(v[u], mn);                                                    \
+            __m512d dl = _mm512_cvtps_pd(_mm512_castps512_ps256(v[u]));                      \
+            __m512d dh = _mm512_cvtps_pd(_mm256_castpd_ps(                                   \
+                _mm512_extractf64x4_pd(_mm512_castps_pd(v[u]), 1)));                         \
+            a0 = _mm512_fmadd_pd(dl, dl, a0);                                                \
+            a1 = _mm512_fmadd_pd(dh, dh, a1);                                                \
+            if (signs || sig) {                                                              \
+                __m512 r = _mm512_permutexvar_ps(rev, v[u]);                                 \
+                if (signs)                                                                   \
+                    s |= (uint64_t)_mm512_cmp_ps_mask(r, zero, _CMP_GT_OQ) << (16 * u);      \
+                if (sig)                                                                     \
+                    g |= (uint64_t)_mm512_cmp_ps_mask(_mm512_abs_ps(r), thr, _CMP_GT_OQ)     \
+                         << (16 * u);                                                        \
+            }                                                                                \
+            if (list) { /* lo < |x| <= hi: |x|'s bits less lo's bits, less one, <= width */ \
+                __m512i a = _mm512_castps_si512(_mm512_abs_ps(v[u]));                        \
+                bm |= (uint64_t)_mm512_cmp_epu32_mask(_mm512_sub_epi32(a, lo1), width,       \
+                                                      _MM_CMPINT_LE) << (16 * u);            \
+            }                                                                                \
+            if (want_counts)                                                                 \
+                z |= (uint64_t)_mm512_cmp_ps_mask(v[u], zero, _CMP_EQ_OQ) << (16 * u);       \
+        }                                                                                    \
+        if (signs) memcpy(signs + (i >> 3), &s, 2 * (U)); /* little-endian: mask u's two */  \
+        if (sig) memcpy(sig + (i >> 3), &g, 2 * (U));     /* bytes at 2 u, as stored one */  \
+        if (bm) {                                         /* vector at a time            */  \
+            if (found >= cap) /* the list is full: only its length counts */                 \
+                found += __builtin_popcountll(bm);                                           \
+            else                                                                             \
+                while (bm) {                                                                 \
+                    if (found < cap) cand[found] = (int32_t)(i + __builtin_ctzll(bm));       \
+                    found++;                                                                 \
+                    bm &= bm - 1;                                                            \
+                }                                                                            \
+        }                                                                                    \
+        if (want_counts) {                                                                   \
+            for (int k = 0; k < na; k++) {                                                   \
+                uint64_t m = 0;                                                              \
+                for (int u = 0; u < (U); u++)                                                \
+                    m |= (uint64_t)_mm512_cmp_ps_mask(v[u], vb[k], _CMP_LE_OQ) << (16 * u);  \
+                part[k] += __builtin_popcountll(m);                                          \
+            }                                                                                \
+            part[na] += __builtin_popcountll(z);                                             \
+        }                                                                                    \
+    }
+
 /* AVX-512, with the threshold t known before the chunk (the module's scale at the previous
- * step): every statistic in a single loop, so the chunk is read once and the arithmetic runs
- * while it streams in. Same results as the two loops (the tail: the portable functions). */
-__attribute__((target("avx512f")))
-static void onepass_f32_avx512(const float *x, int64_t n, double t_d, uint8_t *signs,
-                               uint8_t *sig, const double *bounds, int32_t nb, int64_t *counts,
-                               int32_t want_counts, double band, int32_t *cand, int32_t cap,
-                               double *out, int64_t *ints) {
+ * step, hint): every statistic in a single loop, so the chunk is read once and the arithmetic
+ * runs while it streams in; 64 elements a step. Same results as the two loops (the tail: the
+ * portable functions). A bound beyond 4 hint on either side is not compared in the loop: its
+ * count follows from the max and min found (every number at most the bound, or none), and
+ * where they say neither (the values outgrew the hint) it is counted by a loop of its own. */
+__attribute__((target("avx512f,popcnt")))
+static void onepass_f32_avx512(const float *x, int64_t n, double t_d, double hint,
+                               uint8_t *signs, uint8_t *sig, const double *bounds, int32_t nb,
+                               int64_t *counts, int32_t want_counts, double band,
+                               int32_t *cand, int32_t cap, double *out, int64_t *ints) {
     const __m512 zero = _mm512_setzero_ps();
     const __m512 thr = _mm512_set1_ps((float)t_d);
-    const __m512 lo = _mm512_set1_ps((float)(t_d / band)), hi = _mm512_set1_ps((float)(t_d * band));
     const __m512i rev = _mm512_set_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    int list = sig && cand;
+    /* the band lo < |x| <= hi compared on the bits: for numbers >= 0 (and NaN, whose bits are
+     * above those of any number) the order of their bits as unsigned integers is theirs, so
+     * lo < |x| <= hi is bits(|x|) - (bits(lo) + 1) <= bits(hi) - (bits(lo) + 1), unsigned
+     * (the difference wraps below 0); a band that is not lo >= +0 < hi (an empty one, a NaN,
+     * a negative threshold) is left to band_f32_c's pass after the loop */
+    float flo = (float)(t_d / band), fhi = (float)(t_d * band);
+    uint32_t blo, bhi;
+    memcpy(&blo, &flo, 4);
+    memcpy(&bhi, &fhi, 4);
+    int want_list = sig && cand;
+    int list = want_list && (blo >> 31) == 0 && fhi > flo;
+    const __m512i lo1 = _mm512_set1_epi32((int32_t)(blo + 1));
+    const __m512i width = _mm512_set1_epi32((int32_t)(bhi - blo - 1));
     __m512 mx = _mm512_set1_ps(-INFINITY), mn = _mm512_set1_ps(INFINITY);
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
     __m512 vb[PK_MAXB];
-    int32_t nc = want_counts ? nb + 1 : 0; /* bounds, zeros (NaNs: from the NaN count) */
-    for (int k = 0; k < nb; k++) vb[k] = _mm512_set1_ps((float)bounds[k]);
-    int64_t total[PK_MAXB + 1];
-    for (int k = 0; k < nc; k++) total[k] = 0;
-    int64_t nans = 0, found = 0, i = 0, nv = n & ~(int64_t)15;
-    {
-        for (; i < nv; i += 16) {
-            __m512 v = _mm512_loadu_ps(x + i);
-            __mmask16 ok = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
-            if (ok != 0xFFFF) nans += 16 - __builtin_popcount((unsigned)ok);
-            mx = _mm512_max_ps(v, mx); /* a NaN in v gives the second operand: skipped */
-            mn = _mm512_min_ps(v, mn);
-            __m512 a = _mm512_abs_ps(v);
-            __m512d dl = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-            __m512d dh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
-                _mm512_castps_pd(v), 1)));
-            a0 = _mm512_fmadd_pd(dl, dl, a0);
-            a1 = _mm512_fmadd_pd(dh, dh, a1);
-            __m512 r = _mm512_permutexvar_ps(rev, v);
-            if (signs) {
-                uint16_t m = (uint16_t)_mm512_cmp_ps_mask(r, zero, _CMP_GT_OQ);
-                memcpy(signs + (i >> 3), &m, 2);
-            }
-            if (sig) {
-                uint16_t m = (uint16_t)_mm512_cmp_ps_mask(_mm512_abs_ps(r), thr, _CMP_GT_OQ);
-                memcpy(sig + (i >> 3), &m, 2);
-            }
-            if (list) {
-                unsigned m = (unsigned)(_mm512_cmp_ps_mask(a, lo, _CMP_GT_OQ) &
-                                        _mm512_cmp_ps_mask(a, hi, _CMP_LE_OQ));
-                if (found >= cap) /* the list is full: only its length counts */
-                    found += __builtin_popcount(m);
-                else
-                    while (m) {
-                        if (found < cap) cand[found] = (int32_t)(i + __builtin_ctz(m));
-                        found++;
-                        m &= m - 1;
-                    }
-            }
-            if (want_counts) { /* mask popcounts: the scalar units, beside the vector work */
-                for (int k = 0; k < nb; k++)
-                    total[k] += __builtin_popcount(
-                        (unsigned)_mm512_cmp_ps_mask(v, vb[k], _CMP_LE_OQ));
-                total[nb] += __builtin_popcount((unsigned)_mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ));
+    int32_t act[PK_MAXB], far[PK_MAXB], na = 0, nfar = 0; /* bounds compared in the loop, not */
+    if (want_counts) {
+        for (int k = 0; k < nb; k++) {
+            if (bounds[k] > 4 * hint || bounds[k] < -4 * hint) {
+                far[nfar++] = k;
+            } else {
+                act[na] = k;
+                vb[na++] = _mm512_set1_ps((float)bounds[k]);
             }
         }
     }
-    double rx = _mm512_reduce_max_ps(mx), rn = _mm512_reduce_min_ps(mn);
+    int64_t part[PK_MAXB + 1]; /* the compared bounds' counts, then zeros */
+    for (int k = 0; k <= na; k++) part[k] = 0;
+    int64_t nans = 0, found = 0, i = 0, n64 = n & ~(int64_t)63, nv = n & ~(int64_t)15;
+    for (; i < n64; i += 64) {
+        /* the lines 4 KiB ahead asked for now: the loop's arithmetic leaves the hardware's
+         * prefetcher behind (measured: the bits then cost nothing over the reads) */
+        for (int q = 0; q < 4; q++) /* (an address past the chunk: a prefetch never faults) */
+            _mm_prefetch((const char *)((uintptr_t)(x + i) + 4096 + 64 * q), _MM_HINT_T0);
+        PK_ONEPASS_BLOCK(4)
+    }
+    for (; i < nv; i += 16) PK_ONEPASS_BLOCK(1)
+    double sumsq = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    if (sumsq != sumsq) /* a NaN's square is NaN; no sum of other squares (>= 0) is */
+        for (int64_t e = 0; e < i; e++) nans += x[e] != x[e];
+    float fx = _mm512_reduce_max_ps(mx), fn = _mm512_reduce_min_ps(mn);
+    double rx = fx, rn = fn;
     double ra = rx > -rn ? rx : -rn; /* the largest finite |x|, unless an Inf is there */
     if (isinf(ra) || ra < 0) { /* rare: an Inf (or no number at all): its own pass */
         double mm[3];
         pk_minmax_f32_c(x, i, mm);
         ra = mm[2];
     }
-    double sumsq = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    int64_t total[PK_MAXB + 1];
+    if (want_counts) {
+        for (int k = 0; k < na; k++) total[act[k]] = part[k];
+        total[nb] = part[na];
+        for (int k = 0; k < nfar; k++) { /* x <= b over the vector part's i elements */
+            float b = (float)bounds[far[k]];
+            int64_t c = 0;
+            if (b >= fx) /* every number (NaNs are not) */
+                c = i - nans;
+            else if (!(b < fn)) /* not none: counted */
+                for (int64_t e = 0; e < i; e++) c += x[e] <= b;
+            total[far[k]] = c;
+        }
+    }
+    int32_t nc = want_counts ? nb + 1 : 0; /* bounds, zeros (NaNs: from the NaN count) */
+    if (want_list && !list) /* the band not as the loop compares it: counted apart */
+        found = band_f32_c(x, n, t_d / band, t_d * band, cand, cap);
     if (i < n) { /* the last, partial 16 elements */
         double mm[3];
         int64_t tail[PK_MAXB + 2];
@@ -510,7 +576,7 @@ static void onepass_f32_avx512(const float *x, int64_t n, double t_d, uint8_t *s
     }
     out[0] = rx; out[1] = rn; out[2] = ra; out[3] = sumsq; out[4] = t_d;
     ints[0] = nans;
-    ints[1] = list ? found : 0;
+    ints[1] = want_list ? found : 0;
 }
 #endif
 
@@ -566,8 +632,8 @@ void pk_chunk_f32(const float *x, int64_t n, double unit, double hint, uint8_t *
                   int64_t *ints) {
 #ifdef PK_HAVE_AVX2_CODE
     if (level == 2 && hint > 0 && nb <= PK_MAXB) {
-        onepass_f32_avx512(x, n, unit * hint, signs, sig, bounds, nb, counts, want_counts,
-                           band, cand, cap, out, ints);
+        onepass_f32_avx512(x, n, unit * hint, hint, signs, sig, bounds, nb, counts,
+                           want_counts, band, cand, cap, out, ints);
         return;
     }
 #endif
@@ -599,6 +665,46 @@ void pk_chunk_f64(const double *x, int64_t n, double unit, double hint, uint8_t 
 
 PK_FIX(pk_fix_f32, float)
 PK_FIX(pk_fix_f64, double)
+
+/* pk_chunk_many: pk_chunk_* of m chunks in one call (one ctypes call per step, not one per
+ * chunk). addr: per chunk, 4 int64: the elements' address (float64 where is64[c], else
+ * float32), the sign bytes', the significance bytes' and the list's (0: none); len[c] elements,
+ * unit[c], hint[c], cap[c] list entries; out (m x 5), ints (m x 2) and counts (m x (nb + 2), only
+ * with want_counts) as pk_chunk_*'s, a row per chunk. */
+void pk_chunk_many(int64_t m, const int64_t *addr, const int64_t *len, const int32_t *is64,
+                   const double *unit, const double *hint, const double *bounds, int32_t nb,
+                   int32_t want_counts, double band, const int32_t *cap, double *out,
+                   int64_t *ints, int64_t *counts) {
+    for (int64_t c = 0; c < m; c++) {
+        const int64_t *A = addr + 4 * c;
+        uint8_t *signs = (uint8_t *)(intptr_t)A[1], *sig = (uint8_t *)(intptr_t)A[2];
+        int32_t *cand = (int32_t *)(intptr_t)A[3];
+        int64_t *cn = want_counts ? counts + c * (int64_t)(nb + 2) : NULL;
+        if (is64[c])
+            pk_chunk_f64((const double *)(intptr_t)A[0], len[c], unit[c], hint[c], signs, sig,
+                         bounds, nb, cn, want_counts, band, cand, cap[c], out + 5 * c,
+                         ints + 2 * c);
+        else
+            pk_chunk_f32((const float *)(intptr_t)A[0], len[c], unit[c], hint[c], signs, sig,
+                         bounds, nb, cn, want_counts, band, cand, cap[c], out + 5 * c,
+                         ints + 2 * c);
+    }
+}
+
+/* pk_fix_many: pk_fix_* of m chunks; addr: per chunk, 3 int64: the elements' address (float64
+ * where is64[c]), the list's (k[c] int32), the significance bytes'; thr[c] the threshold */
+void pk_fix_many(int64_t m, const int64_t *addr, const int64_t *k, const double *thr,
+                 const int32_t *is64) {
+    for (int64_t c = 0; c < m; c++) {
+        const int64_t *A = addr + 3 * c;
+        if (is64[c])
+            pk_fix_f64((const double *)(intptr_t)A[0], (const int32_t *)(intptr_t)A[1], k[c],
+                       thr[c], (uint8_t *)(intptr_t)A[2]);
+        else
+            pk_fix_f32((const float *)(intptr_t)A[0], (const int32_t *)(intptr_t)A[1], k[c],
+                       thr[c], (uint8_t *)(intptr_t)A[2]);
+    }
+}
 
 /* ------------------------------------------------------------------ comparison: bit counts
  *

@@ -10,6 +10,8 @@ Functions on a contiguous 1-D float32 or float64 numpy array (a chunk of a gradi
   of ``a <= b`` for each bound, then of zeros, then of NaNs (else None);
 * ``chunk(...)``: both in one read, the significance bits against a provisional threshold and
   the elements near it listed; ``fix(...)`` sets the listed bits again against the real one;
+  ``chunk_many(...)`` and ``fix_many(...)``: the same of many chunks in one call, given by
+  address (C only: one call per step instead of one per chunk);
 * ``sample_hash(...)``: the replica check's exact hash of a strided sample of many tensors at
   once (C only: the numpy twin is ``record/replicas.SampleHash``'s own path);
 * ``count_runs(...)``: the comparison's counts (bits that differ between two runs, and with
@@ -82,6 +84,11 @@ def _load():
                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64]
     lib.pk_count_runs_many.restype = None
+    lib.pk_chunk_many.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 5 + [
+        ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_double] + [ctypes.c_void_p] * 4
+    lib.pk_chunk_many.restype = None
+    lib.pk_fix_many.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4
+    lib.pk_fix_many.restype = None
     lib.pk_set_path.argtypes = [ctypes.c_int32]
     lib.pk_set_path.restype = ctypes.c_int32
     global _rounding
@@ -204,6 +211,37 @@ def chunk(a: np.ndarray, unit: float, hint: float, signs, sig, bounds: np.ndarra
         found = idx.size
         cand[:min(found, cand.size)] = idx[:cand.size]
     return mx, mn, amax, total, t, nans, counts, found
+
+
+def chunk_many(addr: np.ndarray, lens: np.ndarray, is64: np.ndarray, unit: np.ndarray,
+               hint: np.ndarray, bounds: np.ndarray, want_counts: bool, cap: np.ndarray,
+               out: np.ndarray, ints: np.ndarray, counts) -> bool:
+    """``chunk`` of many chunks in one call (C only; False on the numpy path, nothing done):
+    chunk ``c`` is the contiguous float64 (``is64[c]``) or float32 memory of ``lens[c]``
+    elements at address ``addr[c, 0]``, its sign and significance bytes at ``addr[c, 1]`` and
+    ``addr[c, 2]`` (0: none), its list of ``cap[c]`` int32 at ``addr[c, 3]`` (0: none).
+    Results as ``chunk``'s, per chunk: ``out[c]`` (max, min, largest finite |x|, sum of
+    squares, t), ``ints[c]`` (NaNs, band elements found), with ``want_counts`` ``counts[c]``
+    (``len(bounds) + 2``). int64 ``addr`` (m, 4), ``lens``; int32 ``is64``, ``cap``; float64
+    ``unit``, ``hint``, ``out`` (m, 5); int64 ``ints`` (m, 2), ``counts``: all C-contiguous."""
+    if path == "numpy":
+        return False
+    _lib.pk_chunk_many(len(lens), _ptr(addr), _ptr(lens), _ptr(is64), _ptr(unit), _ptr(hint),
+                       _ptr(bounds), len(bounds), int(want_counts), BAND, _ptr(cap), _ptr(out),
+                       _ptr(ints), _ptr(counts) if want_counts else None)
+    return True
+
+
+def fix_many(addr: np.ndarray, k: np.ndarray, thr: np.ndarray, is64: np.ndarray) -> bool:
+    """``fix`` of many chunks in one call (C only; False on the numpy path, nothing done): for
+    each ``c``, the ``k[c]`` listed elements (int32 at ``addr[c, 1]``) of the float64
+    (``is64[c]``) or float32 chunk at ``addr[c, 0]`` set again against ``thr[c]`` in the
+    significance bytes at ``addr[c, 2]``. int64 ``addr`` (m, 3), ``k``; float64 ``thr``; int32
+    ``is64``."""
+    if path == "numpy":
+        return False
+    _lib.pk_fix_many(len(k), _ptr(addr), _ptr(k), _ptr(thr), _ptr(is64))
+    return True
 
 
 def fix(a: np.ndarray, cand: np.ndarray, thr: float, sig) -> None:

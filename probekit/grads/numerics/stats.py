@@ -432,6 +432,16 @@ class _CpuParams:
         self.hint = (hints[idx] if hints is not None and len(hints) == job.modules.size
                      else np.zeros(n))
         self.workers = _workers(sum(int(f.numel()) for _, f, _ in jobs))
+        # float32/float64 gradients on the compiled kernel: each thread's chunks in one call,
+        # given by address (``_run_many``); else a call per chunk (16-bit gradients are widened
+        # chunk by chunk, L0's digest reads them in order, the numpy twin takes arrays)
+        self.batch = (kernel.path != "numpy" and job.level != "L0" and all(
+            f.dtype in (torch.float32, torch.float64) and f.is_contiguous() for _, f, _ in jobs))
+        self.addr = [] if not self.batch else [
+            (f.data_ptr(), f.element_size(), f.numel(),
+             (kernel._ptr(v[0]) or 0) if v is not None else 0,
+             (kernel._ptr(v[1]) or 0) if v is not None and v[1] is not None else 0)
+            for _, f, v in jobs]
 
     def _units(self, whole: bool):
         units, sizes = [], []
@@ -498,7 +508,7 @@ class _CpuParams:
             return out
 
         for j, st, (mx, mn, am, sumsq, t, nans, counts, _), listed in self._map(
-                work, *self._units(level == "L0")):
+                self._run_many if self.batch else work, *self._units(level == "L0")):
             self.mx[j] = max(self.mx[j], mx)
             self.mn[j] = min(self.mn[j], mn)
             self.amax[j] = max(self.amax[j], am)
@@ -509,10 +519,41 @@ class _CpuParams:
             if self.jobs[j][2] is not None and self.jobs[j][2][1] is not None:
                 self.marks.append((j, st, t, listed))
 
+    def _run_many(self, units, s=None) -> list:
+        """``run``'s chunks ``units`` (float32/float64, the compiled kernel) in one kernel call:
+        the same results as a call per chunk, without the Python work of each."""
+        cap_n, wc = self.CAND, self.job.level == "L2"
+        m = len(units)
+        cand = np.empty((m, cap_n), np.int32)
+        cbase = kernel._ptr(cand)
+        rows, lens, is64, unit, hint, cap = [], [], [], [], [], []
+        for c, (j, st) in enumerate(units):
+            xp, isz, n, sp, gp = self.addr[j]
+            rows.append((xp + st * isz, sp and sp + st // 8, gp and gp + st // 8,
+                         gp and cbase + 4 * cap_n * c))
+            lens.append(min(CHUNK, n - st))
+            is64.append(isz == 8)
+            unit.append(self.unit[j])
+            hint.append(self.hint[j])
+            cap.append(cap_n if gp else 0)
+        out = np.empty((m, 5))
+        ints = np.empty((m, 2), np.int64)
+        counts = np.empty((m, len(self.job.bounds) + 2), np.int64) if wc else None
+        kernel.chunk_many(np.array(rows, np.int64), np.array(lens, np.int64),
+                          np.array(is64, np.int32), np.array(unit, np.float64),
+                          np.array(hint, np.float64), self.job.bounds, wc,
+                          np.array(cap, np.int32), out, ints, counts)
+        res = []
+        for c, (o, (nans, found)) in enumerate(zip(out.tolist(), ints.tolist())):
+            j, st = units[c]
+            listed = cand[c, :found] if cap[c] and found <= cap_n else None
+            res.append((j, st, (*o, nans, counts[c] if wc else None, found), listed))
+        return res
+
     def mend(self, thresholds: np.ndarray) -> None:
         """The significance bits against the real thresholds (one per parameter of the
         layout): listed elements set again, a chunk read again where the list cannot tell."""
-        again = []
+        again, fixes = [], []
         here = self.scratch or _thread_scratch()
         for j, st, t, listed in self.marks:
             real = thresholds[self.jobs[j][0]]
@@ -520,10 +561,21 @@ class _CpuParams:
             if f(real) == f(t):
                 continue
             if listed is not None and f(t / kernel.BAND) <= f(real) <= f(t * kernel.BAND):
+                if self.batch:  # few bits: done here, every chunk's in one call
+                    if listed.size:
+                        xp, isz, _, _, gp = self.addr[j]
+                        fixes.append((xp + st * isz, kernel._ptr(listed), gp + st // 8,
+                                      listed.size, real, isz == 8))
+                    continue
                 a = self._array(self.jobs[j][1], st, here)  # few bits: done here
                 kernel.fix(a, listed, real, self._views(j, st, a.size)[1])
             else:
                 again.append((j, st, real))
+        if fixes:
+            kernel.fix_many(np.array([x[:3] for x in fixes], np.int64),
+                            np.array([x[3] for x in fixes], np.int64),
+                            np.array([x[4] for x in fixes], np.float64),
+                            np.array([x[5] for x in fixes], np.int32))
         if not again:
             return
 
