@@ -3,7 +3,7 @@ where a planted bf16 accumulation becomes visible, and the cost.
 
     python benchmarks/bench_control.py validate --out control.json [--models gpt2,...]
     python benchmarks/bench_control.py line --out line.json
-    python benchmarks/bench_control.py cost --out cost.json [--steps-only] [--model small]
+    python benchmarks/bench_control.py cost --out cost.json [--steps-only] [--model small] [--recorded]
     python benchmarks/bench_control.py sweep --out sweep.json [--models gpt2,...] [--bf16]
     python benchmarks/bench_control.py priors --out priors.json [--models ...] [--controls 10]
 
@@ -19,7 +19,8 @@ controls (their envelope) and with one. ``line``: the bf16-accumulation bug at 1
 tokens per step, sequential or in fp32 chunks. ``cost``: a control run's step time (``--model``: the
 GPT-2, or ``bench_freebench_msprobe``'s model in fp32 at size ``block`` or ``small``) and a
 comparison with a control against a plain comparison (medians of repeats, same process; the
-verdict's margins cached and cold; ``--compare-only``: the comparisons alone).
+verdict's margins cached and cold; ``--compare-only``: the comparisons alone; ``--recorded``:
+also whole recorded runs, 12 steps, with each control against the same run recorded plainly).
 ``sweep`` (issue 37): the false-alarm rate over many healthy fp32 pairs (kernel and backend
 swaps, reduction orders, attention paths) on zoo models the verdict's priors were not measured
 on, with one control and with two, each control judged against the others too, and planted
@@ -515,6 +516,47 @@ def _step_costs(repeats: int, kind: str = "gpt2") -> dict:
     return res
 
 
+def _recorded_costs(repeats: int, kind: str = "gpt2", steps: int = 12) -> dict:
+    """Issue 38 point 5 as it reads: a whole recorded run (``GradProbe`` over ``steps`` steps of
+    ``kind``, one torch thread, a fresh model and store each time) with each control against
+    the same run recorded plainly, the configurations in turn, ``repeats`` rounds; the process's
+    CPU time of each run (the writing thread's included), medians of the per-round ratios."""
+    from probekit.grads import GradProbe
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tempfile.mkdtemp(prefix="probekit-recorded-")
+    configs = {"plain recorded": None, "control bf16": "bf16", "control bf16:cast": "bf16:cast",
+               "control fp32": "fp32"}
+
+    def one(control) -> float:
+        path = os.path.join(root, "run")
+        shutil.rmtree(path, ignore_errors=True)
+        model, run = _cost_model(kind)
+        c0 = time.process_time()
+        with GradProbe(model, dump_path=path, control=control):
+            for _ in range(steps):
+                run("fp32")
+        return time.process_time() - c0
+
+    try:
+        for control in configs.values():     # warm-up
+            one(control)
+        times = {name: [] for name in configs}
+        for _ in range(max(repeats, 3)):
+            for name, control in configs.items():
+                times[name].append(one(control))
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(root, ignore_errors=True)
+    res = {}
+    for name, ts in times.items():
+        res[f"recorded {name} s"] = round(statistics.median(ts), 3)
+        res[f"recorded {name} / plain recorded"] = round(statistics.median(
+            t / p for t, p in zip(ts, times["plain recorded"])), 2)
+    return res
+
+
 def cost(args) -> dict:
     """Step time of a control run against a plain fp32 run and a bf16-autocast run (GPT-2 of
     the validation); a comparison with one control against a plain comparison (wall and CPU
@@ -523,6 +565,8 @@ def cost(args) -> dict:
     and cold (simulated again, as in a process's first)."""
     root = args.dir or tempfile.mkdtemp(prefix="probekit-cost-")
     res = {} if args.compare_only else _step_costs(args.repeats, args.model)
+    if args.recorded:
+        res.update(_recorded_costs(args.repeats, args.model))
     if args.model != "gpt2":
         res = {f"{args.model}: {k}": v for k, v in res.items()}
     if args.steps_only:
@@ -599,6 +643,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="keep the recorded runs here")
     p.add_argument("--steps-only", action="store_true",
                    help="cost: the control runs' step times only (no comparisons)")
+    p.add_argument("--recorded", action="store_true",
+                   help="cost: also whole recorded runs with each control against a plain one")
     p.add_argument("--compare-only", action="store_true",
                    help="cost: the comparisons only (no control runs' step times)")
     p.add_argument("--judge-only", action="store_true",
