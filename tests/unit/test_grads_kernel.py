@@ -43,6 +43,19 @@ def run(path, a, thr, bounds, counts=True):
     return mm, sumsq, None if c is None else c.tolist(), signs.tobytes(), sig.tobytes()
 
 
+def one_read(path, a, hint, bounds, cand=None):
+    """``kernel.chunk`` on ``path`` (threshold 1e-3 x scale, bits and counts on): its result
+    and the sign and significance bytes it wrote."""
+    kernel.set_path(path)
+    try:
+        k = -(-a.size // 8)
+        signs, sig = np.zeros(k, np.uint8), np.zeros(k, np.uint8)
+        res = kernel.chunk(a, 1e-3, hint, signs, sig, bounds, True, cand)
+    finally:
+        kernel.set_path("auto")
+    return res, signs.tobytes(), sig.tobytes()
+
+
 @pytest.mark.skipif(not PATHS, reason="the compiled kernel is not built here")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 15, 16, 17, 63, 1000, 4099, 1 << 18])
@@ -104,16 +117,10 @@ def test_one_chunk_in_one_read_equals_numpy(n, dtype):
         hint = float(np.float32(hint)) if dtype == np.float32 else hint
         want = None
         for path in ["numpy", *PATHS]:
-            kernel.set_path(path)
-            try:
-                k = -(-n // 8)
-                signs, sig = np.zeros(k, np.uint8), np.zeros(k, np.uint8)
-                cand = np.zeros(64, np.int32)
-                res = kernel.chunk(a, 1e-3, hint, signs, sig, bounds, True, cand)
-            finally:
-                kernel.set_path("auto")
+            cand = np.zeros(64, np.int32)
+            res, signs, sig = one_read(path, a, hint, bounds, cand)
             got = (res[0], res[1], res[2], res[4], res[5], res[6].tolist(), res[7],
-                   sorted(cand[:min(res[7], 64)].tolist()), signs.tobytes(), sig.tobytes())
+                   sorted(cand[:min(res[7], 64)].tolist()), signs, sig)
             if want is None:
                 want = got
                 total = res[3]
@@ -157,15 +164,9 @@ def test_one_read_counts_bounds_far_from_the_hint_exactly(n):
     for hint in (1e-4, 0.01, 0.3, 1e6):
         want = None
         for path in ["numpy", *PATHS]:
-            kernel.set_path(path)
-            try:
-                k = -(-n // 8)
-                signs, sig = np.zeros(k, np.uint8), np.zeros(k, np.uint8)
-                res = kernel.chunk(a, 1e-3, hint, signs, sig, bounds, True, None)
-            finally:
-                kernel.set_path("auto")
-            got = (res[0], res[1], res[2], res[5], res[6].tolist(), signs.tobytes(),
-                   sig.tobytes() if hint > 10 else None)  # (below the chunk's largest |x|
+            res, signs, sig = one_read(path, a, hint, bounds)
+            got = (res[0], res[1], res[2], res[5], res[6].tolist(), signs,
+                   sig if hint > 10 else None)  # (below the chunk's largest |x|
             # the one loop's provisional threshold is the hint's, as designed: mended later)
             if want is None:
                 want = got
