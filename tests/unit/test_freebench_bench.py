@@ -105,8 +105,9 @@ def test_out_of_scope_calls_cost_one_lookup(tmp_path):
         probed = [python_calls(f) for f in calls]
     assert [p - q for p, q in zip(probed, bare)] == [1, 1, 1, 1, 1], (bare, probed)
     s = fb.summary
-    assert (s["calls"], s["checked"]) == (13, 1)          # property reads are not calls
-    assert s["skipped"] == {"step_filter": 4, "out_of_scope": 8}
+    # property reads are not calls; step 0, which the step filter excludes, intercepts nothing
+    assert (s["calls"], s["checked"], s["steps_filtered"]) == (9, 1, 1)
+    assert s["skipped"] == {"out_of_scope": 8}
 
 
 def test_calls_skipped_before_the_decision_cost_a_few_python_calls(tmp_path):
@@ -238,8 +239,30 @@ def test_step_filter(tmp_path):
         fb.step()
     assert fb.results["step"].tolist() == [1, 3]
     s = fb.summary
-    assert (s["calls"], s["checked"], s["steps"]) == (4, 2, 4)
-    assert s["skipped"] == {"step_filter": 2}
+    # the excluded steps intercept nothing (no mode on the stack): their calls are not seen
+    assert (s["calls"], s["checked"], s["steps"], s["steps_filtered"]) == (2, 2, 4, 2)
+    assert s["skipped"] == {}
+    assert str(s).endswith("· 4 steps (2 left out by the step filter)")
+
+
+def test_a_step_the_filter_excludes_intercepts_nothing(tmp_path):
+    """No mode on the stack in an excluded step; one again in a selected step, also where the
+    optimizer ends the step inside the block (the session switches at the boundary)."""
+    depth = torch._C._len_torch_function_stack
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise", step=[1, 2])
+    seen = []
+    with fb:
+        for _ in range(4):     # steps follow the optimizer: 0, 1, 2, 3
+            seen.append(depth())
+            (w @ w).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    fb.close()
+    assert seen == [0, 1, 1, 0]
+    s = fb.summary
+    assert (s["steps"], s["steps_filtered"], s["checked"]) == (4, 2, 4)
 
 
 def test_rank_filter(tmp_path, monkeypatch):
@@ -250,7 +273,9 @@ def test_rank_filter(tmp_path, monkeypatch):
         assert mode_stack_depth() == depth and not fb.active
         cancellation()
     assert fb.summary["calls"] == 0 and fb.results.empty
+    # a process's rank is read once (dist.RankCache); the launcher's RANK of another process:
     monkeypatch.setenv("RANK", "0")
+    fb = FreeBench(dump_path=str(tmp_path / "r0"), pert_mode="bit_noise", rank=[0])
     with fb:
         cancellation()
     assert len(fb.results) == 1 and fb.results["rank"].tolist() == [0]

@@ -2,6 +2,8 @@
 the probe's mode off the stack; the names of every other call stay msprobe's; a step that raises
 leaves the interception neither off nor on wrongly."""
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -235,3 +237,93 @@ def test_another_threads_module_call_leaves_the_suspension_alone(tmp_path):
         opt.step()
         assert depth() == 1
     assert seen == [(True, 0), 0] and fb.summary["optimizer_steps_unseen"] == 1
+
+
+def _calls(fb):
+    return fb._engine.calls
+
+
+def test_zero_grad_that_sets_none_reaches_no_mode(tmp_path):
+    """``opt.zero_grad()`` and ``model.zero_grad()`` (set_to_none) run with the probe's mode off
+    the stack: no call of theirs is counted, every gradient is None after them, and the mode is
+    back on top; ``set_to_none=False`` zeroes with counted calls, intercepted as before."""
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fb:
+        model(X).sum().backward()
+        before = _calls(fb)
+        opt.zero_grad()
+        assert _calls(fb) == before and depth() == 1
+        assert all(p.grad is None for p in model.parameters())
+        model(X).sum().backward()
+        before = _calls(fb)
+        model.zero_grad()
+        assert _calls(fb) == before and depth() == 1
+        assert all(p.grad is None for p in model.parameters())
+        model(X).sum().backward()
+        before = _calls(fb)
+        opt.zero_grad(set_to_none=False)
+        assert _calls(fb) > before
+        assert all(torch.count_nonzero(p.grad).item() == 0 for p in model.parameters())
+    fb.close()
+
+
+def test_zero_grad_is_torchs_again_after_the_last_session_closes(tmp_path):
+    """Replaced while a session lives (``hold_zero_grad``), torch's own method again once the
+    last one closes; outside a probe the replacement only calls through. In a fresh process:
+    sessions this test process left open hold it still."""
+    script = f"""
+import torch
+from probekit.freebench import FreeBench
+original = torch.optim.Optimizer.__dict__["zero_grad"]
+module_original = torch.nn.Module.__dict__["zero_grad"]
+a = FreeBench(dump_path={str(tmp_path / "a")!r})
+b = FreeBench(dump_path={str(tmp_path / "b")!r})
+with a:
+    pass
+with b:
+    pass
+replaced = torch.optim.Optimizer.__dict__["zero_grad"]
+assert replaced is not original and replaced.probekit_original is original
+assert torch.nn.Module.__dict__["zero_grad"].probekit_original is module_original
+w = [torch.nn.Parameter(torch.ones(2))]
+w[0].grad = torch.ones(2)
+torch.optim.SGD(w, lr=0.1).zero_grad()      # no probe active: torch's behaviour
+assert w[0].grad is None
+a.close()
+assert torch.optim.Optimizer.__dict__["zero_grad"] is replaced   # b still holds it
+b.close()
+assert torch.optim.Optimizer.__dict__["zero_grad"] is original
+assert torch.nn.Module.__dict__["zero_grad"] is module_original
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_zero_grad_after_the_optimizer_step_keeps_it_unintercepted(tmp_path, caplog):
+    """``opt.step(); opt.zero_grad(); fb.step()``: zero_grad's calls no longer count as calls
+    after the optimizer's step, so its steps run unintercepted and no name moves; the
+    training is bit for bit the plain one."""
+    def run(fb):
+        w = params()
+        opt = torch.optim.SGD(w, lr=0.1, foreach=False)
+        for _ in range(4):
+            with fb if fb is not None else torch.enable_grad():
+                (X @ w[0] @ w[1]).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            if fb is not None:
+                fb.step()
+        return [p.detach().clone() for p in w]
+    ref = run(None)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    with caplog.at_level(logging.WARNING, logger="probekit"):
+        got = run(fb)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert fb.summary["optimizer_steps_unseen"] == 3   # the first step learns it may
+    assert "followed optimizer.step()" not in caplog.text
+    fb.close()

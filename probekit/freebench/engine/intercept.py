@@ -117,6 +117,9 @@ class _BackwardPass:
 
 
 class _Mode(TorchFunctionMode):
+    #: ``zero_grad(set_to_none=True)`` runs with this mode off the stack (``optsteps.py``)
+    probekit_suspends_zero_grad = True
+
     def __init__(self, engine: "Engine") -> None:
         super().__init__()
         self.engine = engine
@@ -146,8 +149,7 @@ class _Mode(TorchFunctionMode):
         if info.autograd:   # a backward pass: the calls made inside it are seen too
             func = _BackwardPass(self, info, func)
         e._calls += 1
-        if not e.enabled:
-            e.step_filtered += 1
+        if not e.enabled:   # (the session pushes no mode in such a step: ``FreeBench._idle``)
             return func(*args, **kwargs)
         key = operator_key(info, sys._getframe(1)) if info.operators else info.key
         if e.selective:
@@ -204,7 +206,7 @@ class Engine(Judging):
         #: callable -> the mode calls it straight through (decided once per callable): False for
         #: a property (not a call), True for an API none of whose keys is in scope (counted
         #: in ``passed``). ``passthrough`` is the one in force: in a step the step filter
-        #: excludes, only the properties (the others are counted as ``step_filter``)
+        #: excludes, only the properties
         self._through: dict = {}
         self._properties: dict = {}
         self.passed = 0
@@ -237,7 +239,8 @@ class Engine(Judging):
         #: (``autocast.run``); learned at its first checked call
         self.inner_dtypes: dict = {}
         self._out_of_scope = 0
-        self.step_filtered = 0
+        #: steps the step filter excluded (the session intercepts nothing in them)
+        self.steps_filtered = 0
         self.skipped: dict[str, int] = {}
         self.integer_only: dict[str, int] = {}   # API -> calls with no floating input
         #: module scope (a ``modules.ModuleScope`` while attached, else None)
@@ -313,6 +316,8 @@ class Engine(Judging):
             self.preheat.end_step(self.counts)
         self.counts.clear()
         self.once_step.clear()
+        if not self.enabled:
+            self.steps_filtered += 1
         self.step += 1
         if self.schedule:
             # under a budget the probed steps take the modes in turn (``step % every == 0``
@@ -346,12 +351,12 @@ class Engine(Judging):
         skipped = dict(self.skipped)
         if self.out_of_scope:
             skipped["out_of_scope"] = self.out_of_scope
-        if self.step_filtered:
-            skipped["step_filter"] = self.step_filtered
         if self.out_of_module:
             skipped["out_of_module"] = self.out_of_module
         out = {"calls": self.calls, "checked": self.checked, "skipped": skipped,
                "flagged": self.flagged, "steps": self.step}
+        if self.steps_filtered:
+            out["steps_filtered"] = self.steps_filtered
         if self.replayed:
             out["replayed"] = self.replayed
         if self._hot:

@@ -137,7 +137,9 @@ def summary_line(summary: dict | None, n_rows: int = 0) -> str:
         parts.append(f"budget: {100 * cost:.0f} % over the plain step{probed}")
     if summary.get("steps"):            # completed steps (step() calls); none in a one-off cell
         steps = summary["steps"]
-        parts.append(f"{steps} step{'s' if steps != 1 else ''}")
+        filtered = summary.get("steps_filtered", 0)
+        parts.append(f"{steps} step{'s' if steps != 1 else ''}"
+                     + (f" ({filtered:,} left out by the step filter)" if filtered else ""))
     return " · ".join(parts)
 
 

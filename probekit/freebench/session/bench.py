@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from ...config import Config, ConfigError, config_for
-from ...dist import get_rank, rank_selected
+from ...dist import RankCache
 from ...log import Once, ensure_handler, get_logger
 from . import coverage
 from ..report import results as _results
@@ -66,12 +66,13 @@ class FreeBench:
             self._set_model(model)
         self._rows: list[dict] = []
         self._sink = _results.CsvSink(self.config.dump_path)
-        self._engine = Engine(self.config, self._emit, get_rank())
+        self._rank = RankCache()
+        self._engine = Engine(self.config, self._emit, self._rank.get())
         # a confirmed finding's call is saved for fb.repro (repro/record.py)
         self._engine.repro_capture = Recorder(self._engine, self.config.dump_path)
         self._mode = None
         #: a budget's reference step runs between start() and stop(): nothing intercepted
-        self._reference = False
+        self._idle = False
         #: torch.optim's step hooks (steps follow the optimizer; a step whose calls matter to
         #: nothing runs unintercepted: optsteps.py)
         self._steps = OptimizerSteps(self._engine, self)
@@ -101,7 +102,7 @@ class FreeBench:
     @property
     def active(self) -> bool:
         """True between start() and stop()."""
-        return self._mode is not None or self._reference
+        return self._mode is not None or self._idle
 
     def _set_model(self, model) -> None:
         """Resolve the module scope against ``model`` (unknown names: ``ConfigError``)."""
@@ -135,7 +136,7 @@ class FreeBench:
             raise RuntimeError("this FreeBench was closed")
         if model is not None and is_compiled_module(model):
             raise CompiledModelError(COMPILED_MESSAGE)
-        if self._mode is not None or self._reference:
+        if self._mode is not None or self._idle:
             return
         if model is not None:
             self._set_model(model)
@@ -144,7 +145,7 @@ class FreeBench:
             raise ConfigError(f"free_benchmark.module: {list(names)!r} needs the model; "
                               "accepted: FreeBench(..., model=model) or start(model)")
         self._started = True
-        rank = get_rank()
+        rank = self._rank.get()
         if self.config.rank and rank not in self.config.rank:
             log.debug("free benchmark inactive: rank %d is not in %s", rank,
                       list(self.config.rank))
@@ -160,8 +161,8 @@ class FreeBench:
         self._sink.open()
         # the optimizer's steps are watched in a reference step too: they end the step
         self._steps.install()
-        if budget is not None and budget.reference:
-            self._reference = True   # the plain step is measured: nothing intercepted (budget.py)
+        if self._idle_step():
+            self._idle = True   # nothing intercepted (``_idle_step``)
             return
         try:
             self._intercept()
@@ -172,6 +173,16 @@ class FreeBench:
                 self.config.free_benchmark.fuzz_stage == "backward":
             log.info("Free benchmark: fix applies to the forward call; the gradients of a fixed "
                      "call come from its upcast computation too")
+
+    def _rank_selected(self) -> bool:
+        ranks = self.config.rank
+        return not ranks or self._rank.get() in ranks
+
+    def _idle_step(self) -> bool:
+        """This step intercepts nothing: a budget's reference or quiet step (the plain step is
+        measured, ``budget.py``), or one the step filter excludes (its calls cost nothing)."""
+        budget = self._engine.budget
+        return not self._engine.enabled or (budget is not None and budget.reference)
 
     def _intercept(self) -> None:
         """Enter the interception: the TorchFunctionMode, the compile guard, the module scope."""
@@ -225,10 +236,10 @@ class FreeBench:
         self._stop(clean=True)
 
     def _stop(self, clean: bool) -> None:
-        if self._mode is None and not self._reference:
+        if self._mode is None and not self._idle:
             return
         t = time.perf_counter()
-        self._reference = False
+        self._idle = False
         try:
             try:
                 self._release()
@@ -365,21 +376,22 @@ class FreeBench:
                             "Optimizer steps are intercepted from now on", moved)
             now = coverage.counters(e)
             self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
-                                                rank_selected(self.config.rank)))
+                                                self._rank_selected(),
+                                                filtered=self._started and not e.enabled))
         finally:
             e.next_step()
             self._step_start = coverage.counters(e)
             self._auto_last = auto
-        budget = e.budget
-        if budget is not None and self.active and budget.reference != self._reference:
-            # a session left running across a step boundary (fb.step() or the optimizer's): a
-            # reference step runs with nothing intercepted, the step after it intercepts again
-            # (budget.py); the optimizer's hooks stay, so its steps keep ending steps
-            if budget.reference:
+        idle = self._idle_step()
+        if self.active and idle != self._idle:
+            # a session left running across a step boundary (fb.step() or the optimizer's): an
+            # idle step runs with nothing intercepted, the step after it intercepts again; the
+            # optimizer's hooks stay, so its steps keep ending steps
+            if idle:
                 self._release()
-                self._reference = True
+                self._idle = True
             else:
-                self._reference = False
+                self._idle = False
                 self._intercept()
 
     def monitor(self, model, optimizer=None) -> None:
@@ -392,6 +404,7 @@ class FreeBench:
         finally:
             self._closed = True
             atexit.unregister(self._exit_hook)
+            self._steps.close()
             if self._run is not None:
                 self._run.close()   # the marker file it kept open
 

@@ -20,15 +20,17 @@ import logging
 def counters(engine) -> dict:
     """The engine's running totals (cheap: a few ints and a small dict copy)."""
     return {"calls": engine.calls, "checked": engine.checked, "out_of_scope": engine.out_of_scope,
-            "step_filtered": engine.step_filtered, "skipped": dict(engine.skipped)}
+            "skipped": dict(engine.skipped)}
 
 
 def _delta(before: dict, after: dict, key: str) -> int:
     return after[key] - before[key]
 
 
-def step_findings(config, before: dict, after: dict, ended: int, rank_active: bool) -> list:
-    """Triples for the step numbered ``ended`` that just finished."""
+def step_findings(config, before: dict, after: dict, ended: int, rank_active: bool,
+                  filtered: bool = False) -> list:
+    """Triples for the step numbered ``ended`` that just finished (``filtered``: the step filter
+    excluded it, and the session intercepted nothing in it)."""
     out = []
     if not rank_active:
         out.append(("rank", logging.WARNING,
@@ -36,7 +38,6 @@ def step_findings(config, before: dict, after: dict, ended: int, rank_active: bo
                     f"0 calls checked."))
         return out
     calls = _delta(before, after, "calls")
-    filtered = _delta(before, after, "step_filtered")
     if config.step and filtered and after["checked"] == 0:
         later = sorted(s for s in config.step if s > ended)
         if later:
@@ -50,7 +51,7 @@ def step_findings(config, before: dict, after: dict, ended: int, rank_active: bo
         return out
     fb = config.free_benchmark
     selective = bool(fb.scope or fb.api_list)
-    reached = calls - filtered - _delta(before, after, "out_of_scope")
+    reached = calls - _delta(before, after, "out_of_scope")
     if selective and calls and not filtered and reached == 0:
         what = f"scope {list(fb.scope)}" if fb.scope else f"list {list(fb.api_list)}"
         out.append(("scope", logging.WARNING,
