@@ -48,13 +48,35 @@ EXPECTED["bit_noise"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=Tr
 EXPECTED["no_change"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 6))
 
 
+#: the same on the CPU where the C kernel is built (``perturb/fused.py``, issue 38 point 3,
+#: fourth pass): bit_noise in one pass into an ``empty_like``, and a fast comparison with the
+#: tensor's scale in one read (no ATen operator); the upcast modes' comparisons (their re-run's
+#: dtype differs from the output's) and add_noise's perturbation run the torch formulas
+FUSED = {"improve_precision": EXPECTED["improve_precision"],
+         "bit_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 2),
+         "add_noise": dict.fromkeys(["add", "matmul", "linear (bias)", "gelu", "softmax"], 5),
+         "change_value": {"gelu": 3, "softmax": 3, "sum": 2},
+         "no_change": dict.fromkeys(["add", "matmul", "gelu"], 2)}
+FUSED["bit_noise"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 3))
+FUSED["no_change"].update(dict.fromkeys(["relu_ (in-place)", "ReLU(inplace=True)"], 3))
+
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
+@pytest.mark.parametrize("kernel", ["formulas", "fused"])
 @pytest.mark.parametrize("mode", list(EXPECTED))
-def test_dispatched_operators_per_checked_call(mode):
+def test_dispatched_operators_per_checked_call(mode, kernel, monkeypatch):
+    """``formulas``: the torch formulas (what an accelerator launches; the CPU without the C
+    kernel); ``fused``: the CPU with it."""
+    from probekit.freebench.perturb import fused
+
+    if kernel == "formulas":
+        monkeypatch.setattr(fused, "KERNELS", {})
+    elif not fused.KERNELS:
+        pytest.skip("the C kernel is not built")
     table = ops()
-    for name, want in EXPECTED[mode].items():
+    for name, want in (EXPECTED if kernel == "formulas" else FUSED)[mode].items():
         got = count(mode, table[name], calls=4)
         assert got["checked"] == 12, got                  # 3 steps of 4 checked calls
         assert got["per_call"] == want, (name, got["ops"])

@@ -93,15 +93,24 @@ def test_noise_leaves_inf_nan_and_zeros_alone():
         assert perturb.bit_noise(x[3:4])[0].item() < fi.max   # even position: towards zero
 
 
+@pytest.mark.parametrize("kernel", ["formulas", "fused"])
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_bit_noise_on_the_cpu_is_the_fixed_formula_bit_for_bit(dtype):
+def test_bit_noise_on_the_cpu_is_the_fixed_formula_bit_for_bit(dtype, kernel, monkeypatch):
     """On the CPU, ``bit_noise`` keeps max finite only where an ``aminmax`` of the input says it
     may hold +-max (issue 38: a 16-bit ``isinf`` and ``where`` cost 7x a product there): the
     same bits as ``where(isinf(t * m / d), t, t * m / d)`` on every input, with and without
     +-max, +-Inf, NaN, signed zeros and subnormals; and one ATen operator fewer than that
-    formula where nothing can overflow."""
+    formula where nothing can overflow. ``fused``: bfloat16 and float32 in one pass in C
+    (``fused.py``; an input holding NaN or +-Inf by the formulas), the same bits, one
+    ``empty_like``."""
     from torch.profiler import ProfilerActivity, profile
 
+    from probekit.freebench.perturb import fused
+
+    if kernel == "formulas":
+        monkeypatch.setattr(fused, "KERNELS", {})
+    elif dtype not in fused.KERNELS:
+        pytest.skip("no C kernel for this dtype (or not built)")
     fi = torch.finfo(dtype)
     g = torch.Generator().manual_seed(5)
     base = torch.randn(6, 37, generator=g, dtype=torch.float64) * 8
@@ -130,19 +139,23 @@ def test_bit_noise_on_the_cpu_is_the_fixed_formula_bit_for_bit(dtype):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         perturb.bit_noise(fresh)
     names = [e.name for e in prof.events() if e.cpu_parent is None]
-    assert names == ["aten::mul", "aten::div_", "aten::aminmax"], names
+    want = ["aten::mul", "aten::div_", "aten::aminmax"] if kernel == "formulas" else \
+        ["aten::empty_like"]
+    assert names == want, names
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_bit_noise_reads_a_tensors_extremes_once_while_it_is_unchanged(dtype):
+def test_bit_noise_reads_a_tensors_extremes_once_while_it_is_unchanged(dtype, monkeypatch):
     """Issue 38, third pass: the ``aminmax`` that tells ``bit_noise`` whether its input may hold
     +-max is read once per tensor while its version counter stands still (``host.noted``; a
     forward check's comparison notes its output's, ``Verdicts.stats``): no kernel the next time,
     the same bits; an in-place write (here one that puts +-max in) is read again, and +-max is
-    kept finite as before."""
+    kept finite as before. (The torch formulas: the C kernel, ``fused.py``, reads no extremes.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    from probekit.freebench.perturb import host
+    from probekit.freebench.perturb import fused, host
+
+    monkeypatch.setattr(fused, "KERNELS", {})
 
     fi = torch.finfo(dtype)
     x = (torch.randn(5, 33, generator=torch.Generator().manual_seed(3), dtype=torch.float64)

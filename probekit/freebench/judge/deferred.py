@@ -46,6 +46,7 @@ import torch
 from ...log import get_logger
 from ..perturb.host import host_value
 from ..perturb.host import note as note_extremes
+from ..perturb.fused import compare as fused_compare
 from .metric import EXACT
 from .metric import combine as _combine
 from .metric import device_stats, fast_error, stats_from
@@ -81,6 +82,12 @@ class Read(tuple):
 
     err = None
     floats = None
+
+
+#: the values of a ``Read`` made from floats (``fused.compare``): CPU 0-dim tensors in the fast
+#: tensor-scale layout that nothing reads (``Read.floats`` and ``Read.err`` answer; NaN, were
+#: one read, an inconclusive verdict rather than a wrong one)
+_NOT_READ = tuple(torch.full((), float("nan"), dtype=torch.float64) for _ in range(4))
 
 
 def _host_read(vals) -> list | None:
@@ -219,7 +226,19 @@ class Verdicts:
         ``operands``: ``metric.stand_in_operands`` of an element-wise call (its exact form
         reads them after a NaN/Inf mismatch; held with the re-run on an accelerator).
         ``note``: a CPU fast comparison with the tensor's scale hands ``o``'s extremes, read on
-        the host, to ``host.note`` (a forward check's output: the next call's input)."""
+        the host, to ``host.note`` (a forward check's output: the next call's input).
+
+        A whole CPU check's fast comparison with the tensor's scale is one pass in C where the
+        kernel is built (``fused.compare``: the same floats, no ATen operator); its ``Read``
+        holds them, with stand-ins for the 0-dim tensors nothing reads then (``_NOT_READ``)."""
+        if scale is None and not exact and whole and not self.hold:
+            read = fused_compare(o, p)   # None: not applicable (fused.py), the torch formulas
+            if read is not None:
+                if note:
+                    note_extremes(o, read[2], read[3])   # aminmax(o): bit_noise of the next call
+                vals = Read(_NOT_READ)
+                vals.err, vals.floats = fast_error(read), read
+                return vals
         vals = device_stats(o, p, scale, exact, lam, operands)
         if exact:
             return vals

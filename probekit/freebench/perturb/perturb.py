@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from .. import names
+from . import fused
 from .host import host_value, note, noted
 from .modes import MODES
 
@@ -122,7 +123,15 @@ def bit_noise(t: torch.Tensor) -> torch.Tensor:
     The result is laid out as ``torch.empty_like(t)`` (as every other perturbation's is): for an
     expanded input (a stride-0 dim) the checkerboard's overlapping strides would otherwise pick
     the output's dim order, and a kernel that allocates ``empty_like(input)`` (a dropout's mask,
-    drawn in memory order) would put the replayed draws on other elements (issue 34, defect C)."""
+    drawn in memory order) would put the replayed draws on other elements (issue 34, defect C).
+
+    On the CPU, bfloat16 and float32 are one pass in C where the kernel is built (``fused.py``:
+    the same bits, no extremes read); the formulas below otherwise."""
+    k = fused.KERNELS.get(t.dtype)
+    if k is not None:   # one pass in C, the same bits (fused.py); None: the formulas below
+        out = fused.bit_noise(t, _noise_consts(t)[1])
+        if out is not None:
+            return out
     m, d = _checker(t)
     if 0 in t.stride():
         return _finite_as(torch.mul(t, m, out=torch.empty_like(t)).div_(d), t)

@@ -1257,6 +1257,210 @@ int32_t pk_mt_draw(uint8_t *state, int64_t n, int32_t kind, void *out) {
     return 1;
 }
 
+/* ------------------------------------------------------------------ free benchmark checks */
+
+/* The free benchmark's two per-check passes on the CPU, each in one read of its tensors
+ * (probekit/freebench/perturb/fused.py calls them; the torch formulas they reproduce bit for
+ * bit are its fallback, used where this build lacks them or an input is not finite):
+ *
+ *   pk_fb_cmp_*       the fast comparison of an original output o and a re-run p: the extremes
+ *                     of d = p - o as torch rounds it in the tensors' dtype (float32 arithmetic,
+ *                     a bfloat16 result rounded to nearest even, as ATen's kernels do) and of
+ *                     o: torch.aminmax(torch.sub(p, o)) and torch.aminmax(o) in one pass;
+ *   pk_fb_bitnoise_*  perturb.bit_noise: x * (1 - u) where row + column is even, x / (1 - u)
+ *                     where it is odd (each rounded once, as t.mul(m).div_(d) rounds), an
+ *                     element that overflowed to +-Inf back at its value (_finite_as).
+ *
+ * Both return nonzero when an element read (or a difference) is not finite: the caller then
+ * runs the torch formulas instead (a NaN's payload, an inconclusive comparison: as before).
+ * The extremes are taken over order-preserving integer keys of the elements' bits (a vector
+ * integer min/max); they are the same values as aminmax's, a signed zero's sign aside (the
+ * order of +0 and -0 is the reduction's in ATen as well; no verdict reads it). Written for the
+ * compiler's vectoriser; no contraction (no a * b + c) and no reassociation: each float
+ * operation is IEEE's, as in ATen. */
+
+static inline uint32_t pk_rne_bf16(uint32_t u) { /* float32 bits -> bfloat16 bits (finite) */
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+#define PK_FB_CMP_BF16(NAME, ATTR)                                                           \
+    ATTR static int32_t NAME(const uint16_t *restrict o, const uint16_t *restrict p,         \
+                             int64_t n, int32_t *keys) {                                     \
+        int32_t dmn = INT32_MAX, dmx = INT32_MIN, omn = INT32_MAX, omx = INT32_MIN;          \
+        uint32_t bad = 0;                                                                    \
+        for (int64_t i = 0; i < n; i++) {                                                    \
+            uint32_t ob = o[i], pb = p[i], ou = ob << 16, pu = pb << 16, du;                 \
+            float of, pf, d;                                                                 \
+            memcpy(&of, &ou, 4);                                                             \
+            memcpy(&pf, &pu, 4);                                                             \
+            d = pf - of;                                                                     \
+            memcpy(&du, &d, 4);                                                              \
+            du = pk_rne_bf16(du);                                                            \
+            bad |= ((ob & 0x7F80u) == 0x7F80u) | ((pb & 0x7F80u) == 0x7F80u) |               \
+                   ((du & 0x7F80u) == 0x7F80u);                                              \
+            int32_t dk = (int16_t)(uint16_t)(du ^ (((du >> 15) & 1u) * 0x7FFFu));            \
+            int32_t ok = (int16_t)(uint16_t)(ob ^ (((ob >> 15) & 1u) * 0x7FFFu));            \
+            dmn = dk < dmn ? dk : dmn;                                                       \
+            dmx = dk > dmx ? dk : dmx;                                                       \
+            omn = ok < omn ? ok : omn;                                                       \
+            omx = ok > omx ? ok : omx;                                                       \
+        }                                                                                    \
+        keys[0] = dmn; keys[1] = dmx; keys[2] = omn; keys[3] = omx;                          \
+        return bad != 0;                                                                     \
+    }
+
+#define PK_FB_CMP_F32(NAME, ATTR)                                                            \
+    ATTR static int32_t NAME(const uint32_t *restrict o, const uint32_t *restrict p,         \
+                             int64_t n, int32_t *keys) {                                     \
+        int32_t dmn = INT32_MAX, dmx = INT32_MIN, omn = INT32_MAX, omx = INT32_MIN;          \
+        uint32_t bad = 0;                                                                    \
+        for (int64_t i = 0; i < n; i++) {                                                    \
+            uint32_t ob = o[i], pb = p[i], du;                                               \
+            float of, pf, d;                                                                 \
+            memcpy(&of, &ob, 4);                                                             \
+            memcpy(&pf, &pb, 4);                                                             \
+            d = pf - of;                                                                     \
+            memcpy(&du, &d, 4);                                                              \
+            bad |= ((ob & 0x7F800000u) == 0x7F800000u) | ((pb & 0x7F800000u) == 0x7F800000u) | \
+                   ((du & 0x7F800000u) == 0x7F800000u);                                      \
+            int32_t dk = (int32_t)(du ^ ((du >> 31) * 0x7FFFFFFFu));                         \
+            int32_t ok = (int32_t)(ob ^ ((ob >> 31) * 0x7FFFFFFFu));                         \
+            dmn = dk < dmn ? dk : dmn;                                                       \
+            dmx = dk > dmx ? dk : dmx;                                                       \
+            omn = ok < omn ? ok : omn;                                                       \
+            omx = ok > omx ? ok : omx;                                                       \
+        }                                                                                    \
+        keys[0] = dmn; keys[1] = dmx; keys[2] = omn; keys[3] = omx;                          \
+        return bad != 0;                                                                     \
+    }
+
+#define PK_FB_NOISE_BF16(NAME, ATTR)                                                         \
+    ATTR static int32_t NAME(const uint16_t *restrict x, uint16_t *restrict y, int64_t rows, \
+                             int64_t cols, float f) {                                        \
+        uint32_t bad = 0;                                                                    \
+        for (int64_t r = 0; r < rows; r++) {                                                 \
+            const uint16_t *xr = x + r * cols;                                               \
+            uint16_t *yr = y + r * cols;                                                     \
+            const int64_t par = r & 1;                                                       \
+            for (int64_t c = 0; c < cols; c++) {                                             \
+                uint32_t xb = xr[c], xu = xb << 16, wu;                                      \
+                float v, w;                                                                  \
+                memcpy(&v, &xu, 4);                                                          \
+                bad |= (xb & 0x7F80u) == 0x7F80u;                                            \
+                w = ((c ^ par) & 1) ? v / f : v * f;                                         \
+                memcpy(&wu, &w, 4);                                                          \
+                wu = pk_rne_bf16(wu);                                                        \
+                yr[c] = (uint16_t)((wu & 0x7FFFu) == 0x7F80u ? xb : wu);                     \
+            }                                                                                \
+        }                                                                                    \
+        return bad != 0;                                                                     \
+    }
+
+#define PK_FB_NOISE_F32(NAME, ATTR)                                                          \
+    ATTR static int32_t NAME(const uint32_t *restrict x, uint32_t *restrict y, int64_t rows, \
+                             int64_t cols, float f) {                                        \
+        uint32_t bad = 0;                                                                    \
+        for (int64_t r = 0; r < rows; r++) {                                                 \
+            const uint32_t *xr = x + r * cols;                                               \
+            uint32_t *yr = y + r * cols;                                                     \
+            const int64_t par = r & 1;                                                       \
+            for (int64_t c = 0; c < cols; c++) {                                             \
+                uint32_t xb = xr[c], wu;                                                     \
+                float v, w;                                                                  \
+                memcpy(&v, &xb, 4);                                                          \
+                bad |= (xb & 0x7F800000u) == 0x7F800000u;                                    \
+                w = ((c ^ par) & 1) ? v / f : v * f;                                         \
+                memcpy(&wu, &w, 4);                                                          \
+                yr[c] = (wu & 0x7FFFFFFFu) == 0x7F800000u ? xb : wu;                         \
+            }                                                                                \
+        }                                                                                    \
+        return bad != 0;                                                                     \
+    }
+
+PK_FB_CMP_BF16(fb_cmp_bf16_c, )
+PK_FB_CMP_F32(fb_cmp_f32_c, )
+PK_FB_NOISE_BF16(fb_noise_bf16_c, )
+PK_FB_NOISE_F32(fb_noise_f32_c, )
+#ifdef PK_HAVE_AVX2_CODE
+/* no FMA (no contraction may change a rounding); no-trapping-math lets the compiler compute
+ * both sides of a select (the values are the same) */
+#define PK_FB_AVX2 __attribute__((target("avx2"), optimize("no-trapping-math")))
+#define PK_FB_AVX512 \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), optimize("no-trapping-math")))
+PK_FB_CMP_BF16(fb_cmp_bf16_avx2, PK_FB_AVX2)
+PK_FB_CMP_F32(fb_cmp_f32_avx2, PK_FB_AVX2)
+PK_FB_NOISE_BF16(fb_noise_bf16_avx2, PK_FB_AVX2)
+PK_FB_NOISE_F32(fb_noise_f32_avx2, PK_FB_AVX2)
+PK_FB_CMP_BF16(fb_cmp_bf16_avx512, PK_FB_AVX512)
+PK_FB_CMP_F32(fb_cmp_f32_avx512, PK_FB_AVX512)
+PK_FB_NOISE_BF16(fb_noise_bf16_avx512, PK_FB_AVX512)
+PK_FB_NOISE_F32(fb_noise_f32_avx512, PK_FB_AVX512)
+#endif
+
+/* the inverse of the keys: an element's bits (the keys are the bits with the magnitude of a
+ * negative value reversed, read as a signed integer: increasing with the value) */
+static double pk_bf16_key_value(int32_t k) {
+    uint32_t b = (uint16_t)k, u;
+    b ^= ((b >> 15) & 1u) * 0x7FFFu;
+    u = b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return (double)f;
+}
+
+static double pk_f32_key_value(int32_t k) {
+    uint32_t b = (uint32_t)k;
+    b ^= (b >> 31) * 0x7FFFFFFFu;
+    float f;
+    memcpy(&f, &b, 4);
+    return (double)f;
+}
+
+/* out: dlo, dhi, olo, ohi as doubles (the values torch.aminmax gives, widened exactly) */
+int32_t pk_fb_cmp_bf16(const uint16_t *o, const uint16_t *p, int64_t n, double *out) {
+    int32_t keys[4], bad;
+#ifdef PK_HAVE_AVX2_CODE
+    if (level == 2) bad = fb_cmp_bf16_avx512(o, p, n, keys);
+    else if (level == 1) bad = fb_cmp_bf16_avx2(o, p, n, keys);
+    else
+#endif
+        bad = fb_cmp_bf16_c(o, p, n, keys);
+    if (bad || n <= 0) return 1;
+    for (int j = 0; j < 4; j++) out[j] = pk_bf16_key_value(keys[j]);
+    return 0;
+}
+
+int32_t pk_fb_cmp_f32(const uint32_t *o, const uint32_t *p, int64_t n, double *out) {
+    int32_t keys[4], bad;
+#ifdef PK_HAVE_AVX2_CODE
+    if (level == 2) bad = fb_cmp_f32_avx512(o, p, n, keys);
+    else if (level == 1) bad = fb_cmp_f32_avx2(o, p, n, keys);
+    else
+#endif
+        bad = fb_cmp_f32_c(o, p, n, keys);
+    if (bad || n <= 0) return 1;
+    for (int j = 0; j < 4; j++) out[j] = pk_f32_key_value(keys[j]);
+    return 0;
+}
+
+int32_t pk_fb_bitnoise_bf16(const uint16_t *x, uint16_t *y, int64_t rows, int64_t cols,
+                            float f) {
+#ifdef PK_HAVE_AVX2_CODE
+    if (level == 2) return fb_noise_bf16_avx512(x, y, rows, cols, f);
+    if (level == 1) return fb_noise_bf16_avx2(x, y, rows, cols, f);
+#endif
+    return fb_noise_bf16_c(x, y, rows, cols, f);
+}
+
+int32_t pk_fb_bitnoise_f32(const uint32_t *x, uint32_t *y, int64_t rows, int64_t cols,
+                           float f) {
+#ifdef PK_HAVE_AVX2_CODE
+    if (level == 2) return fb_noise_f32_avx512(x, y, rows, cols, f);
+    if (level == 1) return fb_noise_f32_avx2(x, y, rows, cols, f);
+#endif
+    return fb_noise_f32_c(x, y, rows, cols, f);
+}
+
 static struct PyModuleDef pk_module = {PyModuleDef_HEAD_INIT, "_kernel",
                                        "probekit's fused gradient-statistics kernel (ctypes)",
                                        -1, NULL, NULL, NULL, NULL, NULL};
