@@ -1,5 +1,6 @@
 """The one compiled part: the grad probe's fused statistics kernel
-(probekit/grads/numerics/_kernel.c).
+(probekit/grads/numerics/_kernel.c), which also holds the free benchmark's one-pass bit_noise
+and comparison (probekit/freebench/perturb/fused.py loads it through ctypes).
 
 Optional: where it cannot be built (no C compiler) probekit installs without it and the grad
 probe uses its numpy twin (probekit/grads/numerics/kernel.py), slower, same values. Everything
