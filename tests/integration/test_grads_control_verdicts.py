@@ -149,24 +149,31 @@ def test_shared_reference_read_equals_the_plain_comparisons(runs, monkeypatch):
     and the verdict's words with it."""
     import numpy as np
 
-    from probekit.grads.compare import counting
+    from probekit.grads.compare import counting, planner
     from probekit.grads.compare.verdict import calibrate
     from probekit.grads.store.sources import load_runs
 
-    shared = []
-    real = counting.count_many
+    shared, planned = [], []
+    real, real_sets = counting.count_many, planner._slab_sets
 
     def spy(*args):
         out = real(*args)
         shared.append(out.shape[0])
         return out
 
+    def spy_sets(*args):
+        planned.append(1)
+        return real_sets(*args)
+
     monkeypatch.setattr(counting, "count_many", spy)
+    monkeypatch.setattr(planner, "_slab_sets", spy_sets)
     for test, controls in (("grad_count", ["ctrl", "amp"]), ("norm_scale", ["ctrl"])):
         shared.clear()
+        planned.clear()
         got = compare_grads(runs["ref"], runs[test], control=[runs[c] for c in controls],
                             progress=False)
         assert shared and set(shared) == {1 + len(controls)}    # the shared read ran
+        assert len(planned) == 1     # the slab sets planned once for the test and controls
         alone = [compare_grads(runs["ref"], runs[x], progress=False)
                  for x in (test, *controls)]
         # the runs differ from the reference differently: counts mixed up would show

@@ -27,6 +27,22 @@ def test_kl_and_upper_share_closed_forms():
     assert upper_share(5, 0, 0.01) == 1.0            # nothing compared: no bound
 
 
+def test_unique_pairs_are_numpys():
+    """``upper_share``'s distinct (d, n) pairs: those of ``np.unique(..., axis=1)``, in its
+    order, with its inverse (the Newton steps run over the same pairs: the same bounds)."""
+    from probekit.grads.compare.verdict import _unique_pairs
+
+    rng = np.random.default_rng(3)
+    for size in (0, 1, 2, 57, 800):
+        n = rng.integers(0, 40, size).astype(np.float64)
+        d = np.floor(n * rng.random(size) * 0.3)
+        d[::5] = -0.0
+        pairs, inverse = np.unique(np.stack([d, n]), axis=1, return_inverse=True)
+        du, nu, inv = _unique_pairs(d, n)
+        assert np.array_equal(du, pairs[0]) and np.array_equal(nu, pairs[1])
+        assert np.array_equal(inv, np.ravel(inverse))
+
+
 def test_three_flips_of_a_bias_are_not_a_weight():
     """The same share of flipped signs (3 in 64) against a control that flipped none: within
     the null for a 64-element bias, far beyond it for a 4M-element weight (a margin of 2 and a

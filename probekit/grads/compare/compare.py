@@ -663,10 +663,12 @@ def _stores(a, b, storage_options):
 
 
 def _plan_task(segs_a, segs_b, n_a: int, ranks, block_bytes, task_bytes, rename,
-               *batches) -> dict:
+               *batches, like=None, share: bool = False) -> dict:
     """The comparison's plan from both runs' segments (``restarts.Segment``) and their opened
     rank groups (``opening.open_batch`` of each segment's ranks in order; a task of the
-    graph)."""
+    graph). ``share``: the plan keeps its slab sets (``"memo"``) for the plans of the same
+    reference after it; ``like``: such a plan, whose slab sets this one reuses where its pairs
+    are laid out alike (``planner.plan_pair``'s ``memo``)."""
     from .opening import gc_held
     from .planner import plan
 
@@ -674,9 +676,13 @@ def _plan_task(segs_a, segs_b, n_a: int, ranks, block_bytes, task_bytes, rename,
         groups = iter(g for batch in opened for g in batch)
         return [(seg, [next(groups) for _ in seg.ranks]) for seg in segs]
 
+    memo = like.get("memo") if like is not None else ({} if share else None)
     with gc_held():  # many small containers: no collection of everything alive meanwhile
-        return plan(runs(segs_a, batches[:n_a]), runs(segs_b, batches[n_a:]), ranks=ranks,
-                    block_bytes=block_bytes, task_bytes=task_bytes, rename=rename)
+        out = plan(runs(segs_a, batches[:n_a]), runs(segs_b, batches[n_a:]), ranks=ranks,
+                   block_bytes=block_bytes, task_bytes=task_bytes, rename=rename, memo=memo)
+    if share:
+        out["memo"] = memo
+    return out
 
 
 def _plan_shape(plan: dict):
@@ -739,10 +745,16 @@ def plan_stages(stores: list, *, session, ranks=None, block_bytes: int = _BLOCK_
         opened.append([dask.delayed(open_batch, pure=False)(fs, lazy, i, batch)
                        for i, (_, _, rks) in enumerate(session.value(shape, handle))
                        for batch in batches(rks)])
-    planned = [dask.delayed(_plan_task, pure=False)(segs[0], segs[k], len(opened[0]), ranks,
-                                                    block_bytes, task_bytes, rename,
-                                                    *opened[0], *opened[k])
-               for k in range(1, len(stores))]
+    # the first plan keeps its slab sets and each later plan starts from them: a test and its
+    # controls recorded in one layout share the reference's geometry and their own (the
+    # planning, most of this stage's time on a small model, once)
+    planned = []
+    for k in range(1, len(stores)):
+        more = {"share": True} if len(stores) > 2 and k == 1 else (
+            {"like": planned[0]} if k > 1 else {})
+        planned.append(dask.delayed(_plan_task, pure=False)(
+            segs[0], segs[k], len(opened[0]), ranks, block_bytes, task_bytes, rename,
+            *opened[0], *opened[k], **more))
     return session.run(planned, keep=True, inner=[t for o in opened for t in o])
 
 

@@ -451,7 +451,7 @@ def union_run(runs: list) -> dict:
 
 # -- one comparison --------------------------------------------------------------------------
 def plan(run_a: list, run_b: list, *, ranks=None, block_bytes: int = 8 << 20,
-         task_bytes: int = 64 << 20, rename=None) -> dict:
+         task_bytes: int = 64 << 20, rename=None, memo: dict | None = None) -> dict:
     """The comparison of two runs, each given as its layout segments with their rank groups:
     ``[(restarts.Segment, [opening.open_group of each of its ranks])]`` -> {"pairs": [pair
     plan]} or {"unsupported": reason}.
@@ -462,7 +462,9 @@ def plan(run_a: list, run_b: list, *, ranks=None, block_bytes: int = 8 << 20,
     label each, whatever rank; else rank r with rank r), and each pair of segments of a paired
     label whose steps overlap is planned on its own over the steps both hold (``plan_pair``).
     The pair plans of one label are consecutive and in step order (``compare.py`` joins their
-    counts along the steps)."""
+    counts along the steps). ``memo``: a dict shared by the plans of one reference against its
+    test and its controls (``plan_pair``: a pair's slab sets computed once for runs laid out
+    alike)."""
     groups = [g for _, gs in run_a + run_b for g in gs]
     if any(g is None for g in groups):
         return {"unsupported": "arrays stored neither as plain chunk files nor as shards of "
@@ -493,7 +495,7 @@ def plan(run_a: list, run_b: list, *, ranks=None, block_bytes: int = 8 << 20,
                         continue
                     got = plan_pair(label, ra, rb, block_bytes, task_bytes,
                                     prefix=None if mine else f"rank {label}: ", window=window,
-                                    rename=rename)
+                                    rename=rename, memo=memo)
                     if got is not None:
                         mine.append(got)
             if not mine:
@@ -562,10 +564,13 @@ def _numel(run, k: int) -> int:
 
 
 def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
-              prefix: str | None = "", window=None, rename=None) -> dict | None:
+              prefix: str | None = "", window=None, rename=None,
+              memo: dict | None = None) -> dict | None:
     """The plan of one pair of runs (see the module docstring); ``prefix`` starts the
     unmatched-parameter warning (None: none logged); ``window``: (first, last) steps of a pair
-    of layout segments, None when the runs share none of them."""
+    of layout segments, None when the runs share none of them. ``memo``: slab sets already
+    computed (``_sets_key``: the same pieces, bit offsets and limits on both sides, as a
+    reference's pairs with a test and a control recorded in one layout have), reused."""
     _level_check(ra, "first")
     _level_check(rb, "second")
     samples = []
@@ -630,8 +635,15 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
     # rows are mapped, not copied; the slab sets are sized to match
     block_rows = max(1, min([run["groups"][gi]["direction"].chunk_shape[0]
                              for run in (ra, rb) for gi in run["used"]] + [steps.size]))
-    sets = _slab_sets(ra, rb, pos_a, pos_b, sides, f_side,
-                      max(64, block_bytes * 8 // block_rows))
+    limit = max(64, block_bytes * 8 // block_rows)
+    key = _sets_key(ra, rb, pos_a, pos_b, f_side, limit) if memo is not None else None
+    known = memo.get(key) if memo is not None else None
+    if known is None:
+        sets = _slab_sets(ra, rb, pos_a, pos_b, sides, f_side, limit)
+        if memo is not None:
+            memo[key] = [dict(s) for s in sets]
+    else:   # each set's dict its own ("block" is set below); the arrays are only read
+        sets = [dict(s) for s in known]
     widest = max((s["bits"] for s in sets), default=1)
     per_task = max(1, (task_bytes * 8) // max(1, widest))
     if per_task >= block_rows:
@@ -644,6 +656,23 @@ def plan_pair(label, ra: dict, rb: dict, block_bytes: int, task_bytes: int, *,
             "sample": samples[0], "present": present,
             "use_sig": use_sig, "sides": sides, "sets": sets, "chunks": chunks,
             "f_side": f_side}
+
+
+def _sets_key(ra, rb, pos_a, pos_b, f_side: int, limit: int) -> tuple:
+    """What ``_slab_sets`` reads of a pair, as a dict key: both runs' piece tables, their groups'
+    bit offsets, the compared parameters' positions, the F side and the slab limit."""
+    def arr(a):
+        a = np.asarray(a)
+        return (a.dtype.str, a.shape, a.tobytes())
+
+    key = [f_side, limit]
+    for run, pos in ((ra, pos_a), (rb, pos_b)):
+        t = run["pieces"]
+        key += [arr(pos), *(arr(t[k]) for k in ("gi", "j", "off", "ext", "gshape", "nd",
+                                                  "start")),
+                tuple(None if g["offsets"] is None else arr(g["offsets"])
+                      for g in run["groups"])]
+    return tuple(key)
 
 
 def _boxes(run, pos):

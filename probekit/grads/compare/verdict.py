@@ -98,8 +98,7 @@ def upper_share(d, n, level: float):
     control). Five or six steps."""
     d = np.asarray(d, np.float64)
     n = np.asarray(n, np.float64)
-    pairs, inverse = np.unique(np.stack([d.ravel(), n.ravel()]), axis=1, return_inverse=True)
-    du, nu = pairs
+    du, nu, inverse = _unique_pairs(d.ravel(), n.ravel())
     ok = nu > 0
     nn = np.where(ok, nu, 1.0)
     q = np.where(ok, du / nn, 0.0)
@@ -127,6 +126,21 @@ def upper_share(d, n, level: float):
                 break
         out[todo] = p
     return out[np.ravel(inverse)].reshape(d.shape)
+
+
+def _unique_pairs(d, n) -> tuple:
+    """The distinct pairs ``(d[i], n[i])`` (1-D float arrays) in lexicographic order, and each
+    pair's index among them: ``np.unique(np.stack([d, n]), axis=1, return_inverse=True)``'s
+    pairs without its sort of a structured view (several times slower than these sorts)."""
+    if not d.size:
+        return d.copy(), n.copy(), np.zeros(0, np.intp)
+    order = np.lexsort((n, d))
+    ds, ns = d[order], n[order]
+    new = np.ones(ds.size, bool)
+    new[1:] = (ds[1:] != ds[:-1]) | (ns[1:] != ns[:-1])
+    inverse = np.empty(d.size, np.intp)
+    inverse[order] = np.cumsum(new) - 1
+    return ds[new], ns[new], inverse
 
 
 def exceeds(d, n, p0, cells: int, alpha: float = ALPHA):
@@ -325,10 +339,11 @@ def counts(cmp, dims) -> tuple:
     """(differing, compared) element counts behind the comparison's judged similarity, as float
     arrays over ``dims`` (NaN where a run had no gradient)."""
     name = judged_name(cmp)
-    if name == "similarity_significant":
-        n = np.asarray(cmp["significant"].transpose(*dims).values, np.float64)
+    if name == "similarity_significant":   # Variables transposed: no DataArray built
+        var = cmp.variables
+        n = np.asarray(var["significant"].transpose(*dims).values, np.float64)
         n = np.where(n >= 0, n, np.nan)
-        d = np.round(n * (1.0 - np.asarray(cmp[name].transpose(*dims).values, np.float64)))
+        d = np.round(n * (1.0 - np.asarray(var[name].transpose(*dims).values, np.float64)))
     else:
         differ = np.asarray(cmp["differ"].transpose(*dims).values, np.float64)
         numel = cmp["numel"].broadcast_like(cmp["differ"]).transpose(*dims).values
@@ -359,9 +374,11 @@ def _stats(runs: dict, result) -> dict:
     r with rank r."""
     from ..store.names import canonical_names
 
-    ranks = [int(r) for r in result["rank"].values]
-    steps = np.asarray(result["step"].values)
-    params = [str(p) for p in result["param"].values]
+    # the variables themselves, not DataArrays (each of those costs more than its values here)
+    have = result.variables
+    ranks = [int(r) for r in have["rank"].values]
+    steps = np.asarray(have["step"].values)
+    params = [str(p) for p in have["param"].values]
     out = {k: np.full((len(ranks), steps.size, len(params)), np.nan) for k in ("norm", "range")}
     for k, r in enumerate(ranks):
         ds = next(iter(runs.values())) if len(runs) == 1 else runs.get(r)
@@ -375,17 +392,17 @@ def _stats(runs: dict, result) -> dict:
                 str(p) for p in runs[x]["param"].values) & set(
                 str(p) for p in ds["param"].values)]
             ds = union_datasets(held) if len(held) > 1 else ds
-        canon = list(canonical_names(str(p) for p in ds["param"].values))
+        var = ds.variables
+        canon = list(canonical_names(str(p) for p in var["param"].values))
         col = {n: j for j, n in enumerate(canon)}
-        have = np.asarray(ds["step"].values)
-        srow = {int(s): j for j, s in enumerate(have)}
+        srow = {int(s): j for j, s in enumerate(np.asarray(var["step"].values))}
         rows = np.array([srow.get(int(s), -1) for s in steps])
         cols = np.array([col.get(p, -1) for p in params])
         if not (rows >= 0).any() or not (cols >= 0).any():
             continue
         ri, ci = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
-        take = lambda v: np.asarray(ds[v].values, np.float64)[np.ix_(rows[ri], cols[ci])]  # noqa
-        present = (np.asarray(ds["present"].values, bool)[np.ix_(rows[ri], cols[ci])]
+        take = lambda v: np.asarray(var[v].values, np.float64)[np.ix_(rows[ri], cols[ci])]  # noqa
+        present = (np.asarray(var["present"].values, bool)[np.ix_(rows[ri], cols[ci])]
                    if "present" in ds else np.ones((ri.size, ci.size), bool))
         norm = np.where(present, take("norm"), np.nan)
         rng = np.where(present, take("max") - take("min"), np.nan)
@@ -470,7 +487,7 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     # envelope of several controls), times the margin; Bonferroni over the rank's cells
     from ...errors import GradCompareError
 
-    present = result["differ"].transpose(*dims).values >= 0
+    present = result.variables["differ"].transpose(*dims).values >= 0
     order = np.argsort(np.asarray(result["step"].values), kind="stable")
     cells = np.maximum(present.reshape(nrank, -1).sum(axis=1), 1)
     nsteps = max(d_t.shape[1], 1)
@@ -578,7 +595,8 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
                   "range_ratio": (dims, st_t["range"] / st_r["range"])}
     # one assignment: each separate one would align the whole Dataset again
     out = result.assign(
-        flag_threshold=result["flag"], flag_total_threshold=result["flag_total"],
+        flag_threshold=result["flag"].variable,
+        flag_total_threshold=result["flag_total"].variable,
         flag=(dims, flag), flag_kind=(dims, kind), excess=(dims, excess),
         similarity_control=(dims, sim_c), similarity_band=(dims, 1.0 - p0),
         flag_total=(rs, flag_t), total_control=(rs, tot_c), total_band=(rs, 1.0 - p0t),

@@ -65,8 +65,9 @@ def without_grad(ds) -> list[str]:
     step): frozen ones, ones the backward pass never reached."""
     if "present" not in ds.data_vars or not ds.sizes.get("step", 0):
         return []
-    had = np.asarray(ds["present"].any("step").values, bool)
-    return [str(name) for name, h in zip(ds["param"].values, had) if not h]
+    present = ds.variables["present"]   # a Variable: no DataArray built for one reduction
+    had = np.asarray(present.values, bool).any(axis=present.dims.index("step"))
+    return [str(name) for name, h in zip(ds.variables["param"].values, had) if not h]
 
 
 def _count_no_grad(ds):
