@@ -69,5 +69,9 @@ class Once:
         self._seen.add(key)
         return True
 
+    def seen(self, key) -> bool:
+        """Was ``key`` logged already (without marking it)?"""
+        return key in self._seen
+
     def clear(self) -> None:
         self._seen.clear()

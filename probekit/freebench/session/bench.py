@@ -79,8 +79,10 @@ class FreeBench:
         self._followed = Followed(self._engine)
         self._compile_guard = CompileGuard()
         self._closed = False
+        self._mode_made = None
         self._coverage_once = Once()
-        self._step_start = coverage.counters(self._engine)
+        self._step_kinds = coverage.step_kinds(self.config)
+        self._step_start = self._step_snapshot()
         self._block_start = None
         self._started = False  # start() was called (step() before it is warned about)
         self._run = None  # this session's run in its dump folder (report/runs.py), from start()
@@ -174,6 +176,14 @@ class FreeBench:
             log.info("Free benchmark: fix applies to the forward call; the gradients of a fixed "
                      "call come from its upcast computation too")
 
+    def _step_snapshot(self):
+        """The counters at a step's start, or None once every kind of step finding this
+        session can report was reported (each is logged once): nothing left to count."""
+        once = self._coverage_once
+        if all(once.seen(k) for k in self._step_kinds):
+            return None
+        return coverage.counters(self._engine)
+
     def _rank_selected(self) -> bool:
         ranks = self.config.rank
         return not ranks or self._rank.get() in ranks
@@ -186,7 +196,9 @@ class FreeBench:
 
     def _intercept(self) -> None:
         """Enter the interception: the TorchFunctionMode, the compile guard, the module scope."""
-        mode = make_mode(self._engine)
+        mode = self._mode_made
+        if mode is None:   # one per session, pushed at each block (its decisions are the engine's)
+            mode = self._mode_made = make_mode(self._engine)
         try:
             self._compile_guard.install()
             if self._scope is not None:
@@ -198,7 +210,9 @@ class FreeBench:
             self._detach_scope()
             raise
         self._mode = mode
-        self._block_start = coverage.counters(self._engine)
+        if self.config.free_benchmark.fuzz_stage == "backward" and \
+                not self._coverage_once.seen("backward"):   # (block_findings' one kind)
+            self._block_start = coverage.counters(self._engine)
 
     def _release(self) -> None:
         """Leave the interception (``_intercept``'s undoing): the mode exited, the compile
@@ -374,13 +388,14 @@ class FreeBench:
                             "fb.step(); that optimizer step was not intercepted, so the "
                             "counters (api_name) of those calls may differ from msprobe's. "
                             "Optimizer steps are intercepted from now on", moved)
-            now = coverage.counters(e)
-            self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
-                                                self._rank_selected(),
-                                                filtered=self._started and not e.enabled))
+            if self._step_start is not None:
+                now = coverage.counters(e)
+                self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
+                                                    self._rank_selected(),
+                                                    filtered=self._started and not e.enabled))
         finally:
             e.next_step()
-            self._step_start = coverage.counters(e)
+            self._step_start = self._step_snapshot()
             self._auto_last = auto
         idle = self._idle_step()
         if self.active and idle != self._idle:

@@ -38,6 +38,7 @@ class CompileGuard:
     def __init__(self) -> None:
         self.refused = 0
         self._callback = None
+        self._handler = None   # dynamo's callback handler, kept from install()
         self._thread = None
 
     def install(self) -> None:
@@ -57,14 +58,13 @@ class CompileGuard:
 
         self._callback = callback_handler.register_start_callback(on_compile_start) \
             or on_compile_start
+        self._handler = callback_handler
 
     def remove(self) -> None:
         cb, self._callback = self._callback, None
         if cb is None:
             return
-        from torch._dynamo.callback import callback_handler
-
         try:
-            callback_handler.remove_start_callback(cb)
+            self._handler.remove_start_callback(cb)
         except ValueError:
             pass

@@ -27,6 +27,13 @@ def _delta(before: dict, after: dict, key: str) -> int:
     return after[key] - before[key]
 
 
+def step_kinds(config) -> tuple:
+    """The kinds ``step_findings`` can report under ``config`` (none: nothing to count)."""
+    fb = config.free_benchmark
+    return (("rank",) if config.rank else ()) + (("step",) if config.step else ()) + \
+        (("scope", "unchecked") if fb.scope or fb.api_list else ())
+
+
 def step_findings(config, before: dict, after: dict, ended: int, rank_active: bool,
                   filtered: bool = False) -> list:
     """Triples for the step numbered ``ended`` that just finished (``filtered``: the step filter
