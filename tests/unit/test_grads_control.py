@@ -310,6 +310,20 @@ def test_control_result_structure_per_call_not_per_dtypes():
     assert model[0].bias.grad is not None and x.grad is not None
 
 
+def test_a_copy_to_a_device_keeps_the_dtype_asked_for():
+    """``x.to(device="cpu", dtype=torch.float32)`` of a bf16 tensor is ``_to_copy`` with a
+    device, which has no meta run (a copy out of meta): its result is float32, the exact
+    widening, and draws nothing (it returned bf16, rounded at random, before)."""
+    x = torch.randn(64, generator=_gen(3)).to(BF16)
+    with RoundingMode(parse_control("bf16")) as mode:
+        a = x.to(device="cpu", dtype=torch.float32)
+        b = x.to("cpu", torch.float32, copy=True)
+        c = x.to(device="cpu")                      # bf16 stays bf16
+    assert (a.dtype, b.dtype, c.dtype) == (torch.float32, torch.float32, BF16)
+    assert torch.equal(a, x.float()) and torch.equal(b, x.float()) and torch.equal(c, x)
+    assert mode.rounded == 0
+
+
 def test_no_false_step_warning_after_an_error(tmp_path, caplog):
     """A run that fails before its first optimizer step is not said to have stepped outside
     the probe."""

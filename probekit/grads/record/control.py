@@ -49,6 +49,7 @@ SPREAD = 0.5
 SPREAD_IN_PLACE = 0.25
 
 _STATE = threading.local()
+_META = torch.device("meta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,6 +535,8 @@ class RoundingMode(TorchDispatchMode):
             return self._dtypes[key]
 
         def meta(t):
+            if isinstance(t, torch.device):   # ``_to_copy(..., device=cpu)``: the dtypes are
+                return _META                  # the same on meta; a copy to cpu has no meta run
             return (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
                     if isinstance(t, torch.Tensor) else t)
 
