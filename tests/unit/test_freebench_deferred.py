@@ -183,6 +183,37 @@ def test_budget_plain_step_leaves_out_the_sessions_own_work():
     assert b.own_s == 2 ** -8
 
 
+def test_budget_pays_the_quiet_steps_own_work_from_its_room():
+    """The session's own start/stop/step work in a quiet step is the probe's cost: the room of
+    a probed step is ``every * allowed - interception - (every - 1) * idle_own``, and
+    ``idle_own`` is measured in the unintercepted steps."""
+    from probekit.freebench.engine.budget import MAX_EVERY, Budget
+
+    # 4 x 31.25 - 62.5 - 3 x 7.8125 ms = 39.0625 ms
+    assert Budget.plan(2 ** -5, 2 ** -4, 2 ** -10, idle_own=2 ** -7) == (4, 5 * 2 ** -7)
+    # 1 x 31.25 - 31.25 = 0 < 1 ms; 2 x 31.25 - 31.25 - 15.625 = 15.625 ms
+    assert Budget.plan(2 ** -5, 2 ** -5, 2 ** -10, idle_own=2 ** -6) == (2, 2 ** -6)
+    # without the quiet step's work the same budget would have said (2, 31.25 ms)
+    assert Budget.plan(2 ** -5, 2 ** -5, 2 ** -10) == (2, 2 ** -5)
+    # a quiet step's own work above the budget's share: no every pays for it
+    assert Budget.plan(2 ** -6, 2 ** -5, 2 ** -10, idle_own=2 ** -5)[0] == MAX_EVERY
+    b = Budget(0.5)
+    b.t0 = 0.0
+    b.admit()
+    b.spent(2 ** -10)
+    b.stopped(now=2 ** -3)
+    b.end_step(now=1.0)                        # step 0
+    b.started(2.0)
+    b.own(2 ** -6)                             # a reference step's start() and stop()
+    b.end_step(now=2.0 + 2 ** -3)
+    assert b.idle_own == 2 ** -6 and b.plain == 2 ** -3 - 2 ** -6
+    assert not b.reference                     # step 2 is probed: its own work is not idle
+    b.started(3.0)
+    b.own(2 ** -5)
+    b.end_step(now=3.0 + 2 ** -3)
+    assert b.idle_own == 2 ** -6
+
+
 def test_budget_quiet_steps_when_the_interception_exceeds_it():
     """Issue 38: where the interception alone costs more than the budget, one step in
     ``every`` (a power of two) is probed and the others intercept nothing; the probed step

@@ -11,8 +11,10 @@ plain step is what the interception costs (every call seen, the unchecked ones h
 three are followed with an exponential average.
 
 From then on one step in ``every`` is probed (``every`` a power of two, the smallest whose room
-``every * fraction * plain - interception`` holds one check) and the others are *quiet*: nothing
-intercepted, like a reference step (their time is the plain step's too). A probed step checks
+``every * fraction * plain - interception - (every - 1) * idle_own`` holds one check) and the
+others are *quiet*: nothing intercepted, like a reference step (their time is the plain step's
+too; ``idle_own``, the session's own start/stop/step work in such a step, is the probe's cost
+and paid from the budget's room: 2-3 % of the small benchmark model's step). A probed step checks
 ``limit = floor(room / per_check)`` calls, chosen by a window over the step's eligible calls (in
 call order): call ``i`` is checked when ``(i - offset) mod N < limit``, ``N`` being the number of
 eligible calls in the last probed step, and the window moves by ``limit`` each probed step, so
@@ -79,6 +81,7 @@ class Budget:
         self._provisional = False       # the interception is still step 0's figure
         self.t0: float | None = None    # start() of the current active stretch (None: stopped)
         self.own_s = 0.0                # the session's own start/stop/step time in this step
+        self.idle_own = 0.0             # its running average in the unintercepted steps
         self._own_t0: float | None = None   # when the session's step() began (``stepping``)
         self.active_s = 0.0             # time between start() and stop() in this step
 
@@ -139,6 +142,7 @@ class Budget:
             else:
                 self.references += 1
             if wall > 0:
+                self.idle_own = _avg(self.idle_own if self._plain[1] else None, self.own_s)
                 wall = max(wall - self.own_s, 0.0)   # the plain step: the session's work out
                 self.plain = _avg(self.plain, wall)
                 self._plain[0] += wall
@@ -167,7 +171,7 @@ class Budget:
         if self.per_check and self.plain is not None:
             # (quiet steps wait for an interception measured on a step after step 0)
             self.every, room = self.plan(self.fraction * self.plain, self.interception or 0.0,
-                                         self.per_check, self._provisional)
+                                         self.per_check, self._provisional, self.idle_own)
             self.limit = max(1, math.floor(room / self.per_check))
         self.steps += 1
         # (until a reference step ran under the probe, every step after the calibration is one)
@@ -182,15 +186,19 @@ class Budget:
 
     @staticmethod
     def plan(allowed: float, interception: float, per_check: float,
-             provisional: bool = False) -> tuple[int, float]:
+             provisional: bool = False, idle_own: float = 0.0) -> tuple[int, float]:
         """``(every, room)``: the smallest power of two ``every`` (at most ``MAX_EVERY``; 1 while
         the interception is ``provisional``) whose room for checks in a probed step, ``every *
-        allowed - interception``, holds one check, and that room. ``allowed``: the budget's share
-        of a plain step."""
+        allowed - interception - (every - 1) * idle_own``, holds one check, and that room.
+        ``allowed``: the budget's share of a plain step; ``idle_own``: the session's own work in
+        a quiet step (paid from the budget too)."""
+        def room(every):
+            return every * allowed - interception - (every - 1) * idle_own
+
         every = 1
-        while not provisional and every < MAX_EVERY and every * allowed - interception < per_check:
+        while not provisional and every < MAX_EVERY and room(every) < per_check:
             every *= 2
-        return every, every * allowed - interception
+        return every, room(every)
 
     def cost(self) -> float | None:
         """What the budget cost, end to end: the mean time of the steps after step 0 over the

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -172,7 +173,16 @@ class OptimizerSteps:
     def pre(self, optimizer, args, kwargs):
         if threading.get_ident() != self._thread:
             return
-        frame = sys._getframe(1)      # profile_hook_step's wrapper: the step's own frame
+        t = time.perf_counter()
+        try:
+            self._pre(optimizer, args, kwargs, sys._getframe(1))
+        finally:
+            budget = self.engine.budget
+            if budget is not None:    # the session's own work (budget.py: not the plain step)
+                budget.own(time.perf_counter() - t)
+
+    def _pre(self, optimizer, args, kwargs, frame):
+        # ``frame``: profile_hook_step's wrapper, the step's own frame
         if self.frames:
             self._drop_finished()
         self.frames.append(frame)
@@ -183,10 +193,19 @@ class OptimizerSteps:
                 self._suspend()
 
     def post(self, optimizer, *_):
+        budget = self.engine.budget if threading.get_ident() == self._thread else None
+        if budget is not None:   # the session's own work, up to the step it may close
+            budget.stepping(time.perf_counter())
+        try:
+            self._post(optimizer, sys._getframe(1))
+        finally:
+            if budget is not None:
+                budget.stepped(time.perf_counter())
+
+    def _post(self, optimizer, frame):
         if threading.get_ident() != self._thread:
             self.session.optimizer_step(optimizer, False)
             return
-        frame = sys._getframe(1)
         if frame in self.frames:      # (an inner step that raised, caught by its wrapper)
             del self.frames[self.frames.index(frame):]
         elif self.frames:
