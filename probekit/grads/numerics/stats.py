@@ -248,6 +248,9 @@ def compute(grads, layout: Layout, level: str, bounds, hash_name: str = "md5",
         else:
             device_jobs.append((i, g, dir_view))
     job = _Job(out, bounds_arr, level, hash_name, layout.modules, significance and want_dir)
+    if want_dir:
+        job.bases = (kernel._ptr(out.direction), kernel._ptr(out.significant) or 0)
+        job.offsets = offsets.tolist()
     if job.significance:
         job.unit = np.array([significance_unit(g.dtype, compute_dtype) if g is not None else 0.0
                              for g in grads])
@@ -359,6 +362,10 @@ class _Job:
     modules: np.ndarray  # per parameter of the layout: its module's index
     significance: bool
     unit: np.ndarray | None = None  # per parameter: significance_unit of its gradient
+    #: the addresses of ``out.direction`` and ``out.significant`` (0: none) and the layout's
+    #: byte offsets: a parameter's bit views (``compute``) start at base + its offset
+    bases: tuple | None = None
+    offsets: list | None = None
 
     def scales(self, amax: np.ndarray, known: np.ndarray) -> np.ndarray:
         """Per parameter its module's largest finite |g| over the parameters ``known`` (a
@@ -427,6 +434,10 @@ class _CpuParams:
         self.counts = np.zeros((n, len(job.bounds) + 2), np.int64)
         self.digests: dict = {}
         self.marks: list = []  # per significance chunk: (job, start, provisional t, listed)
+        # the same, batched (``_run_many``): per kernel call (its first unit, arrays of its
+        # significance chunks' job, start, provisional t, listed count, list complete, list
+        # address; the lists)
+        self._mark_parts: list = []
         idx = [i for i, _, _ in jobs]
         self.unit = job.unit[idx] if job.significance else np.zeros(n)
         self.hint = (hints[idx] if hints is not None and len(hints) == job.modules.size
@@ -437,11 +448,19 @@ class _CpuParams:
         # chunk by chunk, L0's digest reads them in order, the numpy twin takes arrays)
         self.batch = (kernel.path != "numpy" and job.level != "L0" and all(
             f.dtype in (torch.float32, torch.float64) and f.is_contiguous() for _, f, _ in jobs))
-        self.addr = [] if not self.batch else [
-            (f.data_ptr(), f.element_size(), f.numel(),
-             (kernel._ptr(v[0]) or 0) if v is not None else 0,
-             (kernel._ptr(v[1]) or 0) if v is not None and v[1] is not None else 0)
-            for _, f, v in jobs]
+        if not self.batch:
+            self.addr = []
+        elif job.bases is not None:  # the views' addresses from the bases (no numpy call each)
+            (bd, bs), off = job.bases, job.offsets
+            self.addr = [(f.data_ptr(), f.element_size(), f.numel(),
+                          bd + off[i] if v is not None else 0,
+                          bs + off[i] if v is not None and v[1] is not None else 0)
+                         for i, f, v in jobs]
+        else:
+            self.addr = [(f.data_ptr(), f.element_size(), f.numel(),
+                          (kernel._ptr(v[0]) or 0) if v is not None else 0,
+                          (kernel._ptr(v[1]) or 0) if v is not None and v[1] is not None else 0)
+                         for _, f, v in jobs]
 
     def _units(self, whole: bool):
         units, sizes = [], []
@@ -516,7 +535,8 @@ class _CpuParams:
             self.sumsq[j] += sumsq
             if counts is not None:
                 self.counts[j] += counts
-            if self.jobs[j][2] is not None and self.jobs[j][2][1] is not None:
+            if (not self.batch and self.jobs[j][2] is not None
+                    and self.jobs[j][2][1] is not None):
                 self.marks.append((j, st, t, listed))
 
     def _run_many(self, units, s=None) -> list:
@@ -543,6 +563,14 @@ class _CpuParams:
                           np.array(is64, np.int32), np.array(unit, np.float64),
                           np.array(hint, np.float64), self.job.bounds, wc,
                           np.array(cap, np.int32), out, ints, counts)
+        sig = np.flatnonzero(np.array(cap, np.int32))
+        if sig.size:  # ``mend``'s marks, as arrays (no Python per chunk there)
+            found = ints[sig, 1]
+            ok = found <= cap_n  # else the list is incomplete (``listed`` None)
+            self._mark_parts.append((units[0], np.array([units[c][0] for c in sig.tolist()]),
+                                     np.array([units[c][1] for c in sig.tolist()], np.int64),
+                                     out[sig, 4], found, ok, cbase + 4 * cap_n * sig,
+                                     cand))  # (the lists live as long as the marks)
         res = []
         for c, (o, (nans, found)) in enumerate(zip(out.tolist(), ints.tolist())):
             j, st = units[c]
@@ -553,7 +581,9 @@ class _CpuParams:
     def mend(self, thresholds: np.ndarray) -> None:
         """The significance bits against the real thresholds (one per parameter of the
         layout): listed elements set again, a chunk read again where the list cannot tell."""
-        again, fixes = [], []
+        if self.batch:
+            return self._mend_many(thresholds)
+        again = []
         here = self.scratch or _thread_scratch()
         for j, st, t, listed in self.marks:
             real = thresholds[self.jobs[j][0]]
@@ -561,21 +591,40 @@ class _CpuParams:
             if f(real) == f(t):
                 continue
             if listed is not None and f(t / kernel.BAND) <= f(real) <= f(t * kernel.BAND):
-                if self.batch:  # few bits: done here, every chunk's in one call
-                    if listed.size:
-                        xp, isz, _, _, gp = self.addr[j]
-                        fixes.append((xp + st * isz, kernel._ptr(listed), gp + st // 8,
-                                      listed.size, real, isz == 8))
-                    continue
                 a = self._array(self.jobs[j][1], st, here)  # few bits: done here
                 kernel.fix(a, listed, real, self._views(j, st, a.size)[1])
             else:
                 again.append((j, st, real))
-        if fixes:
-            kernel.fix_many(np.array([x[:3] for x in fixes], np.int64),
-                            np.array([x[3] for x in fixes], np.int64),
-                            np.array([x[4] for x in fixes], np.float64),
-                            np.array([x[5] for x in fixes], np.int32))
+        self._again(again)
+
+    def _mend_many(self, thresholds: np.ndarray) -> None:
+        """``mend`` of the batched chunks (``_run_many``'s marks): the same decisions, taken
+        on arrays, in each chunk's dtype as a chunk at a time took them."""
+        if not self._mark_parts:
+            return
+        parts = sorted(self._mark_parts, key=lambda x: x[0])  # the order of the units
+        j, st, t, found, ok, lptr = (np.concatenate([p[k] for p in parts]) for k in range(1, 7))
+        addr = np.array(self.addr, np.int64)[j]  # data, item size, numel, signs, significance
+        is64 = addr[:, 1] == 8
+        real = thresholds[np.array([i for i, _, _ in self.jobs])[j]]
+        lo, hi = t / kernel.BAND, t * kernel.BAND
+        with np.errstate(over="ignore", invalid="ignore"):  # (a float32 cast of a float64 chunk's)
+            r32, t32 = real.astype(np.float32), t.astype(np.float32)
+            moved = np.where(is64, real != t, r32 != t32)
+            inband = ok & np.where(is64, (lo <= real) & (real <= hi),
+                                   (lo.astype(np.float32) <= r32) & (r32 <= hi.astype(np.float32)))
+        fix = np.flatnonzero(moved & inband & (found > 0))
+        if fix.size:  # few bits: every chunk's in one call
+            kernel.fix_many(
+                np.stack([addr[fix, 0] + st[fix] * addr[fix, 1], lptr[fix],
+                          addr[fix, 4] + st[fix] // 8], axis=1),
+                np.ascontiguousarray(found[fix]), np.ascontiguousarray(real[fix]),
+                is64[fix].astype(np.int32))
+        again = np.flatnonzero(moved & ~inband)
+        self._again([(int(j[c]), int(st[c]), real[c]) for c in again.tolist()])
+
+    def _again(self, again) -> None:
+        """The significance bits of chunks ``again`` = [(job, start, threshold)] read again."""
         if not again:
             return
 
