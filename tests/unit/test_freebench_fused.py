@@ -129,3 +129,31 @@ def test_large_tensors_left_to_torch_threads():
         assert fused.bit_noise(x, f) is not None and fused.compare(x, x) is not None
     finally:
         torch.set_num_threads(n)
+
+
+def test_compare_in_two_threads_keeps_each_threads_results():
+    """ctypes releases the GIL during a kernel call: two threads' comparisons at once each read
+    their own four results (one buffer per thread), never the other's."""
+    import threading
+
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for k in range(2):
+        o = torch.randn(16384, generator=g) * (k + 1)
+        p = o + torch.randn(16384, generator=g) * 1e-3 * (k + 1)
+        cases.append((o, p, fused.compare(o, p)))
+    wrong = []
+
+    def work(o, p, want):
+        for _ in range(3000):
+            got = fused.compare(o, p)
+            if got != want:
+                wrong.append(got)
+                return
+
+    threads = [threading.Thread(target=work, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cases[0][2] != cases[1][2] and wrong == []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import threading
 
 import torch
 
@@ -55,8 +56,17 @@ if _lib is not None:
     KERNELS = {torch.bfloat16: (_lib.pk_fb_cmp_bf16, _lib.pk_fb_bitnoise_bf16),
                torch.float32: (_lib.pk_fb_cmp_f32, _lib.pk_fb_bitnoise_f32)}
 
-_OUT = (ctypes.c_double * 4)()
-_OUT_ADDR = ctypes.addressof(_OUT)
+#: the comparison's four results, one buffer per thread (ctypes releases the GIL during the
+#: call: two threads' checks would otherwise write one buffer at once)
+_LOCAL = threading.local()
+
+
+def _out():
+    buf = getattr(_LOCAL, "out", None)
+    if buf is None:
+        buf = _LOCAL.out = (ctypes.c_double * 4)()
+        _LOCAL.addr = ctypes.addressof(buf)
+    return buf, _LOCAL.addr
 
 
 def _small(n: int) -> bool:
@@ -73,9 +83,10 @@ def compare(o: torch.Tensor, p: torch.Tensor):
     if n == 0 or p.shape != o.shape or not _small(n) or not o.is_contiguous() or \
             not p.is_contiguous():
         return None
-    if k[0](o.data_ptr(), p.data_ptr(), n, _OUT_ADDR):
+    buf, addr = _out()
+    if k[0](o.data_ptr(), p.data_ptr(), n, addr):
         return None   # a NaN/Inf: inconclusive, the torch formulas read it (as before)
-    return _OUT[:]
+    return buf[:]
 
 
 def bit_noise(t: torch.Tensor, f: float):
