@@ -640,7 +640,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="gpt2,llama,bert,resnet,vit,distilbert")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dir", default=None, help="keep the recorded runs here")
+    p.add_argument("--dir", default=None,
+                   help="keep the recorded runs here (without it: a temporary folder, removed)")
     p.add_argument("--steps-only", action="store_true",
                    help="cost: the control runs' step times only (no comparisons)")
     p.add_argument("--recorded", action="store_true",
@@ -670,8 +671,14 @@ def main(argv=None) -> int:
             args.models = ",".join(k for k in SWEEP if k not in TUNED)
         if args.steps == p.get_default("steps"):
             args.steps = SWEEP_STEPS
-    res = {"validate": validate, "line": line, "cost": cost, "sweep": sweep,
-           "priors": priors}[args.what](args)
+    run = {"validate": validate, "line": line, "cost": cost, "sweep": sweep,
+           "priors": priors}[args.what]
+    if args.dir is None:   # the recorded runs in a folder of their own, removed at the end
+        with tempfile.TemporaryDirectory(prefix=f"probekit-{args.what}-") as tmp:
+            args.dir = tmp
+            res = run(args)
+    else:
+        res = run(args)
     with open(args.out, "w") as fh:
         json.dump(res, fh, indent=1)
     return 0

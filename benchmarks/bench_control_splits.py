@@ -214,15 +214,20 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="convnext,wav2vec2", help="layernorm: zoo models")
     p.add_argument("--out", default=None)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--dir", default=None, help="keep the recorded runs here")
+    p.add_argument("--dir", default=None,
+                   help="keep the recorded runs here (without it: a temporary folder, removed)")
     args = p.parse_args(argv)
     args.steps = args.steps or {"t5": 6, "moe": 16}.get(args.what)
     torch.set_num_threads(1)
     import logging
 
     logging.getLogger("probekit").setLevel(logging.ERROR)
-    root = args.dir or tempfile.mkdtemp(prefix=f"probekit-splits-{args.what}-")
-    res = {"t5": t5, "moe": moe, "layernorm": layernorm}[args.what](args, root)
+    run = {"t5": t5, "moe": moe, "layernorm": layernorm}[args.what]
+    if args.dir is None:   # the recorded runs in a folder of their own, removed at the end
+        with tempfile.TemporaryDirectory(prefix=f"probekit-splits-{args.what}-") as root:
+            res = run(args, root)
+    else:
+        res = run(args, args.dir)
     res.update(what=args.what, steps=args.steps)
     text = json.dumps(res, indent=1)
     if args.out:
