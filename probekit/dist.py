@@ -10,10 +10,8 @@ import sys
 
 
 def get_rank() -> int:
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    if initialized():
+        return sys.modules["torch"].distributed.get_rank()
     try:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
@@ -46,9 +44,10 @@ class RankCache:
         return self.rank
 
 
-def rank_selected(ranks) -> bool:
-    """True when this process's rank is in ``ranks`` (an empty filter selects every rank)."""
-    return not ranks or get_rank() in ranks
+def rank_selected(ranks, rank: int | None = None) -> bool:
+    """True when this process's rank (``rank``, else ``get_rank()``) is in ``ranks`` (an empty
+    filter selects every rank)."""
+    return not ranks or (get_rank() if rank is None else rank) in ranks
 
 
 def restart_count() -> int:
@@ -80,11 +79,9 @@ def agree(kind: str, target: str, decide, error=None) -> dict:
 
     error = error or ProbekitError
     n = _DECISIONS[(kind, target)] = _DECISIONS.get((kind, target), 0) + 1
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None)
     kv = None
-    if dist is not None and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1:
+    dist = sys.modules["torch"].distributed if initialized() else None
+    if dist is not None and dist.get_world_size() > 1:
         try:
             kv = dist.distributed_c10d._get_default_store()
         except Exception:  # pragma: no cover - another torch: each rank decides alone

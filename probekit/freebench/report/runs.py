@@ -269,8 +269,6 @@ class DumpRun:
 
 
 def _world_size():
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return None
+    from ...dist import initialized
+
+    return sys.modules["torch"].distributed.get_world_size() if initialized() else None

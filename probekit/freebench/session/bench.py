@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from ...config import Config, ConfigError, config_for
-from ...dist import RankCache
+from ...dist import RankCache, rank_selected
 from ...log import Once, ensure_handler, get_logger
 from . import coverage
 from ..report import results as _results
@@ -71,7 +71,7 @@ class FreeBench:
         # a confirmed finding's call is saved for fb.repro (repro/record.py)
         self._engine.repro_capture = Recorder(self._engine, self.config.dump_path)
         self._mode = None
-        #: a budget's reference step runs between start() and stop(): nothing intercepted
+        #: an idle step runs between start() and stop(): nothing intercepted (``_idle_step``)
         self._idle = False
         #: torch.optim's step hooks (steps follow the optimizer; a step whose calls matter to
         #: nothing runs unintercepted: optsteps.py)
@@ -148,7 +148,7 @@ class FreeBench:
                               "accepted: FreeBench(..., model=model) or start(model)")
         self._started = True
         rank = self._rank.get()
-        if self.config.rank and rank not in self.config.rank:
+        if not rank_selected(self.config.rank, rank):
             log.debug("free benchmark inactive: rank %d is not in %s", rank,
                       list(self.config.rank))
             return
@@ -183,10 +183,6 @@ class FreeBench:
         if all(once.seen(k) for k in self._step_kinds):
             return None
         return coverage.counters(self._engine)
-
-    def _rank_selected(self) -> bool:
-        ranks = self.config.rank
-        return not ranks or self._rank.get() in ranks
 
     def _idle_step(self) -> bool:
         """This step intercepts nothing: a budget's reference or quiet step (the plain step is
@@ -391,7 +387,8 @@ class FreeBench:
             if self._step_start is not None:
                 now = coverage.counters(e)
                 self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
-                                                    self._rank_selected(),
+                                                    rank_selected(self.config.rank,
+                                                                  self._rank.get()),
                                                     filtered=self._started and not e.enabled))
         finally:
             e.next_step()
