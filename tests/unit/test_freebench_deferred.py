@@ -159,18 +159,25 @@ def test_budget_limit_from_measured_costs():
         assert b.reference == (step == 10)   # step 11 is the next reference step
 
 
-def test_budget_plain_step_leaves_out_the_sessions_own_work():
-    """Issue 38: an unintercepted step's time is the plain step less what the session's own
-    start(), stop() and step() took there (``own``, ``stepping``): a quiet step's session work
-    is the probe's cost, not the training's."""
+def _calibrated(fraction):
+    """A ``Budget`` whose step 0 checked one call (a ~1 ms check of a 125 ms step) and closed:
+    the next step is its first reference step."""
     from probekit.freebench.engine.budget import Budget
 
-    b = Budget(0.5)
+    b = Budget(fraction)
     b.t0 = 0.0
     b.admit()
     b.spent(2 ** -10)
     b.stopped(now=2 ** -3)
-    b.end_step(now=1.0)                        # step 0
+    b.end_step(now=1.0)
+    return b
+
+
+def test_budget_plain_step_leaves_out_the_sessions_own_work():
+    """Issue 38: an unintercepted step's time is the plain step less what the session's own
+    start(), stop() and step() took there (``own``, ``stepping``): a quiet step's session work
+    is the probe's cost, not the training's."""
+    b = _calibrated(0.5)                       # step 0
     assert b.reference
     b.started(2.0)
     b.own(2 ** -6)                             # start() and stop(): 15.6 ms
@@ -197,12 +204,7 @@ def test_budget_pays_the_quiet_steps_own_work_from_its_room():
     assert Budget.plan(2 ** -5, 2 ** -5, 2 ** -10) == (2, 2 ** -5)
     # a quiet step's own work above the budget's share: no every pays for it
     assert Budget.plan(2 ** -6, 2 ** -5, 2 ** -10, idle_own=2 ** -5)[0] == MAX_EVERY
-    b = Budget(0.5)
-    b.t0 = 0.0
-    b.admit()
-    b.spent(2 ** -10)
-    b.stopped(now=2 ** -3)
-    b.end_step(now=1.0)                        # step 0
+    b = _calibrated(0.5)                       # step 0
     b.started(2.0)
     b.own(2 ** -6)                             # a reference step's start() and stop()
     b.end_step(now=2.0 + 2 ** -3)
