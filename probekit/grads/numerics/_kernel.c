@@ -1283,23 +1283,38 @@ static inline uint32_t pk_rne_bf16(uint32_t u) { /* float32 bits -> bfloat16 bit
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
-#define PK_FB_CMP_BF16(NAME, ATTR)                                                           \
-    ATTR static int32_t NAME(const uint16_t *restrict o, const uint16_t *restrict p,         \
-                             int64_t n, int32_t *keys) {                                     \
+/* Per element type S (bf16: 16-bit storage, computed in float32 and rounded to nearest even;
+ * f32): its bits widened to a float, a float32 result to its bits, a non-finite exponent, an
+ * infinity, and the order-preserving integer key of its bits. Always inlined: a plain inline
+ * function is not inlined into the AVX2 / AVX-512 loops below (another target), and those
+ * loops then do not vectorise (7-10x slower). */
+#if defined(__GNUC__) || defined(__clang__)
+#define PK_FB_INLINE static inline __attribute__((always_inline))
+#else
+#define PK_FB_INLINE static inline
+#endif
+PK_FB_INLINE float pk_fb_float_bf16(uint16_t b) { uint32_t u = (uint32_t)b << 16; float v; memcpy(&v, &u, 4); return v; }
+PK_FB_INLINE float pk_fb_float_f32(uint32_t b) { float v; memcpy(&v, &b, 4); return v; }
+PK_FB_INLINE uint16_t pk_fb_bits_bf16(float w) { uint32_t u; memcpy(&u, &w, 4); return (uint16_t)pk_rne_bf16(u); }
+PK_FB_INLINE uint32_t pk_fb_bits_f32(float w) { uint32_t u; memcpy(&u, &w, 4); return u; }
+PK_FB_INLINE uint32_t pk_fb_nonfinite_bf16(uint16_t b) { return (b & 0x7F80u) == 0x7F80u; }
+PK_FB_INLINE uint32_t pk_fb_nonfinite_f32(uint32_t b) { return (b & 0x7F800000u) == 0x7F800000u; }
+PK_FB_INLINE int pk_fb_inf_bf16(uint16_t b) { return (b & 0x7FFFu) == 0x7F80u; }
+PK_FB_INLINE int pk_fb_inf_f32(uint32_t b) { return (b & 0x7FFFFFFFu) == 0x7F800000u; }
+PK_FB_INLINE int32_t pk_fb_key_bf16(uint16_t b) { return (int16_t)(uint16_t)(b ^ (((b >> 15) & 1u) * 0x7FFFu)); }
+PK_FB_INLINE int32_t pk_fb_key_f32(uint32_t b) { return (int32_t)(b ^ ((b >> 31) * 0x7FFFFFFFu)); }
+
+#define PK_FB_CMP(NAME, ATTR, T, S)                                                          \
+    ATTR static int32_t NAME(const T *restrict o, const T *restrict p, int64_t n,           \
+                             int32_t *keys) {                                                \
         int32_t dmn = INT32_MAX, dmx = INT32_MIN, omn = INT32_MAX, omx = INT32_MIN;          \
         uint32_t bad = 0;                                                                    \
         for (int64_t i = 0; i < n; i++) {                                                    \
-            uint32_t ob = o[i], pb = p[i], ou = ob << 16, pu = pb << 16, du;                 \
-            float of, pf, d;                                                                 \
-            memcpy(&of, &ou, 4);                                                             \
-            memcpy(&pf, &pu, 4);                                                             \
-            d = pf - of;                                                                     \
-            memcpy(&du, &d, 4);                                                              \
-            du = pk_rne_bf16(du);                                                            \
-            bad |= ((ob & 0x7F80u) == 0x7F80u) | ((pb & 0x7F80u) == 0x7F80u) |               \
-                   ((du & 0x7F80u) == 0x7F80u);                                              \
-            int32_t dk = (int16_t)(uint16_t)(du ^ (((du >> 15) & 1u) * 0x7FFFu));            \
-            int32_t ok = (int16_t)(uint16_t)(ob ^ (((ob >> 15) & 1u) * 0x7FFFu));            \
+            T ob = o[i], pb = p[i];                                                          \
+            T db = pk_fb_bits_##S(pk_fb_float_##S(pb) - pk_fb_float_##S(ob));                \
+            bad |= pk_fb_nonfinite_##S(ob) | pk_fb_nonfinite_##S(pb) |                       \
+                   pk_fb_nonfinite_##S(db);                                                  \
+            int32_t dk = pk_fb_key_##S(db), ok = pk_fb_key_##S(ob);                          \
             dmn = dk < dmn ? dk : dmn;                                                       \
             dmx = dk > dmx ? dk : dmx;                                                       \
             omn = ok < omn ? ok : omn;                                                       \
@@ -1309,92 +1324,43 @@ static inline uint32_t pk_rne_bf16(uint32_t u) { /* float32 bits -> bfloat16 bit
         return bad != 0;                                                                     \
     }
 
-#define PK_FB_CMP_F32(NAME, ATTR)                                                            \
-    ATTR static int32_t NAME(const uint32_t *restrict o, const uint32_t *restrict p,         \
-                             int64_t n, int32_t *keys) {                                     \
-        int32_t dmn = INT32_MAX, dmx = INT32_MIN, omn = INT32_MAX, omx = INT32_MIN;          \
-        uint32_t bad = 0;                                                                    \
-        for (int64_t i = 0; i < n; i++) {                                                    \
-            uint32_t ob = o[i], pb = p[i], du;                                               \
-            float of, pf, d;                                                                 \
-            memcpy(&of, &ob, 4);                                                             \
-            memcpy(&pf, &pb, 4);                                                             \
-            d = pf - of;                                                                     \
-            memcpy(&du, &d, 4);                                                              \
-            bad |= ((ob & 0x7F800000u) == 0x7F800000u) | ((pb & 0x7F800000u) == 0x7F800000u) | \
-                   ((du & 0x7F800000u) == 0x7F800000u);                                      \
-            int32_t dk = (int32_t)(du ^ ((du >> 31) * 0x7FFFFFFFu));                         \
-            int32_t ok = (int32_t)(ob ^ ((ob >> 31) * 0x7FFFFFFFu));                         \
-            dmn = dk < dmn ? dk : dmn;                                                       \
-            dmx = dk > dmx ? dk : dmx;                                                       \
-            omn = ok < omn ? ok : omn;                                                       \
-            omx = ok > omx ? ok : omx;                                                       \
-        }                                                                                    \
-        keys[0] = dmn; keys[1] = dmx; keys[2] = omn; keys[3] = omx;                          \
-        return bad != 0;                                                                     \
-    }
-
-#define PK_FB_NOISE_BF16(NAME, ATTR)                                                         \
-    ATTR static int32_t NAME(const uint16_t *restrict x, uint16_t *restrict y, int64_t rows, \
-                             int64_t cols, float f) {                                        \
+#define PK_FB_NOISE(NAME, ATTR, T, S)                                                        \
+    ATTR static int32_t NAME(const T *restrict x, T *restrict y, int64_t rows, int64_t cols, \
+                             float f) {                                                      \
         uint32_t bad = 0;                                                                    \
         for (int64_t r = 0; r < rows; r++) {                                                 \
-            const uint16_t *xr = x + r * cols;                                               \
-            uint16_t *yr = y + r * cols;                                                     \
+            const T *xr = x + r * cols;                                                      \
+            T *yr = y + r * cols;                                                            \
             const int64_t par = r & 1;                                                       \
             for (int64_t c = 0; c < cols; c++) {                                             \
-                uint32_t xb = xr[c], xu = xb << 16, wu;                                      \
-                float v, w;                                                                  \
-                memcpy(&v, &xu, 4);                                                          \
-                bad |= (xb & 0x7F80u) == 0x7F80u;                                            \
-                w = ((c ^ par) & 1) ? v / f : v * f;                                         \
-                memcpy(&wu, &w, 4);                                                          \
-                wu = pk_rne_bf16(wu);                                                        \
-                yr[c] = (uint16_t)((wu & 0x7FFFu) == 0x7F80u ? xb : wu);                     \
+                T xb = xr[c];                                                                \
+                float v = pk_fb_float_##S(xb);                                               \
+                bad |= pk_fb_nonfinite_##S(xb);                                              \
+                T wb = pk_fb_bits_##S(((c ^ par) & 1) ? v / f : v * f);                      \
+                yr[c] = pk_fb_inf_##S(wb) ? xb : wb;                                         \
             }                                                                                \
         }                                                                                    \
         return bad != 0;                                                                     \
     }
 
-#define PK_FB_NOISE_F32(NAME, ATTR)                                                          \
-    ATTR static int32_t NAME(const uint32_t *restrict x, uint32_t *restrict y, int64_t rows, \
-                             int64_t cols, float f) {                                        \
-        uint32_t bad = 0;                                                                    \
-        for (int64_t r = 0; r < rows; r++) {                                                 \
-            const uint32_t *xr = x + r * cols;                                               \
-            uint32_t *yr = y + r * cols;                                                     \
-            const int64_t par = r & 1;                                                       \
-            for (int64_t c = 0; c < cols; c++) {                                             \
-                uint32_t xb = xr[c], wu;                                                     \
-                float v, w;                                                                  \
-                memcpy(&v, &xb, 4);                                                          \
-                bad |= (xb & 0x7F800000u) == 0x7F800000u;                                    \
-                w = ((c ^ par) & 1) ? v / f : v * f;                                         \
-                memcpy(&wu, &w, 4);                                                          \
-                yr[c] = (wu & 0x7FFFFFFFu) == 0x7F800000u ? xb : wu;                         \
-            }                                                                                \
-        }                                                                                    \
-        return bad != 0;                                                                     \
-    }
-
-PK_FB_CMP_BF16(fb_cmp_bf16_c, )
-PK_FB_CMP_F32(fb_cmp_f32_c, )
-PK_FB_NOISE_BF16(fb_noise_bf16_c, )
-PK_FB_NOISE_F32(fb_noise_f32_c, )
+PK_FB_CMP(fb_cmp_bf16_c, , uint16_t, bf16)
+PK_FB_CMP(fb_cmp_f32_c, , uint32_t, f32)
+PK_FB_NOISE(fb_noise_bf16_c, , uint16_t, bf16)
+PK_FB_NOISE(fb_noise_f32_c, , uint32_t, f32)
 #ifdef PK_HAVE_AVX2_CODE
 /* no FMA (no contraction may change a rounding); no-trapping-math lets the compiler compute
  * both sides of a select (the values are the same) */
 #define PK_FB_AVX2 __attribute__((target("avx2"), optimize("no-trapping-math")))
 #define PK_FB_AVX512 \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), optimize("no-trapping-math")))
-PK_FB_CMP_BF16(fb_cmp_bf16_avx2, PK_FB_AVX2)
-PK_FB_CMP_F32(fb_cmp_f32_avx2, PK_FB_AVX2)
-PK_FB_NOISE_BF16(fb_noise_bf16_avx2, PK_FB_AVX2)
-PK_FB_NOISE_F32(fb_noise_f32_avx2, PK_FB_AVX2)
-PK_FB_CMP_BF16(fb_cmp_bf16_avx512, PK_FB_AVX512)
-PK_FB_CMP_F32(fb_cmp_f32_avx512, PK_FB_AVX512)
-PK_FB_NOISE_BF16(fb_noise_bf16_avx512, PK_FB_AVX512)
-PK_FB_NOISE_F32(fb_noise_f32_avx512, PK_FB_AVX512)
+PK_FB_CMP(fb_cmp_bf16_avx2, PK_FB_AVX2, uint16_t, bf16)
+PK_FB_CMP(fb_cmp_f32_avx2, PK_FB_AVX2, uint32_t, f32)
+PK_FB_NOISE(fb_noise_bf16_avx2, PK_FB_AVX2, uint16_t, bf16)
+PK_FB_NOISE(fb_noise_f32_avx2, PK_FB_AVX2, uint32_t, f32)
+PK_FB_CMP(fb_cmp_bf16_avx512, PK_FB_AVX512, uint16_t, bf16)
+PK_FB_CMP(fb_cmp_f32_avx512, PK_FB_AVX512, uint32_t, f32)
+PK_FB_NOISE(fb_noise_bf16_avx512, PK_FB_AVX512, uint16_t, bf16)
+PK_FB_NOISE(fb_noise_f32_avx512, PK_FB_AVX512, uint32_t, f32)
 #endif
 
 /* the inverse of the keys: an element's bits (the keys are the bits with the magnitude of a
