@@ -64,6 +64,8 @@ def _counted(engine) -> int:
 #: how many installed sessions want ``zero_grad`` unintercepted, and the originals replaced
 _ZERO_GRAD = {"users": 0, "saved": {}}
 _ZERO_GRAD_LOCK = threading.Lock()
+#: the classes whose ``zero_grad`` is replaced
+_ZERO_GRAD_OWNERS = (torch.optim.Optimizer, torch.nn.Module)
 
 
 def _mode_off(orig):
@@ -84,15 +86,11 @@ def _mode_off(orig):
     return zero_grad
 
 
-def _zero_grad_owners() -> tuple:
-    return (torch.optim.Optimizer, torch.nn.Module)
-
-
 def hold_zero_grad() -> None:
     """One more session wants ``zero_grad`` unintercepted (the first one replaces it)."""
     with _ZERO_GRAD_LOCK:
         if _ZERO_GRAD["users"] == 0:
-            for owner in _zero_grad_owners():
+            for owner in _ZERO_GRAD_OWNERS:
                 orig = owner.__dict__.get("zero_grad")
                 if orig is None or hasattr(orig, "probekit_original"):
                     continue
