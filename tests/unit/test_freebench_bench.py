@@ -387,8 +387,24 @@ def test_optimizer_hooks_removed_on_stop(tmp_path):
     fb = FreeBench(dump_path=str(tmp_path))
     with fb:
         assert len(opt_mod._global_optimizer_pre_hooks) == before[0] + 1
+        ids = (list(opt_mod._global_optimizer_pre_hooks)[-1],
+               list(opt_mod._global_optimizer_post_hooks)[-1])
     assert (len(opt_mod._global_optimizer_pre_hooks),
             len(opt_mod._global_optimizer_post_hooks)) == before
+    # the next block puts the same handles back, last (as a new registration), and they work
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    for step in range(2):
+        with fb:
+            assert (list(opt_mod._global_optimizer_pre_hooks)[-1],
+                    list(opt_mod._global_optimizer_post_hooks)[-1]) == ids
+            p.sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert (len(opt_mod._global_optimizer_pre_hooks),
+                len(opt_mod._global_optimizer_post_hooks)) == before
+        assert fb._engine.step == step + 1    # the optimizer's step ended the step
+    fb.close()
 
 
 def test_optimizer_update_not_rerun(tmp_path):

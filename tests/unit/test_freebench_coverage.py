@@ -49,6 +49,23 @@ def test_zero_coverage_warned_once(tmp_path, caplog, options, expect):
     assert fb.summary["checked"] == 0
 
 
+def test_no_snapshot_once_every_step_finding_was_logged(tmp_path, caplog):
+    """A step finding is logged once per kind; once every kind the filters can give was logged
+    the session stops counting (no snapshot at the step's start), and logs nothing more."""
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change", scope=["Torch.matmull.0"])
+    assert fb._step_kinds == ("scope", "unchecked") and fb._step_start is not None
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        train_steps(fb, steps=2)
+    assert fb._step_kinds == ("unchecked",) and fb._step_start is not None
+    fb2 = FreeBench(dump_path=str(tmp_path / "b"), pert_mode="no_change", step=[100])
+    with caplog.at_level(logging.INFO, logger="probekit"):
+        train_steps(fb2, steps=3)
+    assert fb2._step_kinds == () and fb2._step_start is None
+    steps = [m for m in (r.getMessage() for r in caplog.records) if "step filter" in m]
+    assert steps == ["[probekit] Free benchmark: step 0 is not in the step filter; checking "
+                     "starts at step 100 (0 calls checked so far)."]
+
+
 def test_step_filter_excluding_everything(tmp_path, caplog):
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="no_change", step=[1])
     fb2 = FreeBench(dump_path=str(tmp_path / "b"), pert_mode="no_change", step=[100])

@@ -295,6 +295,13 @@ class Engine(Judging):
         """Calls outside ``scope``/``list``."""
         return self._out_of_scope + self.passed
 
+    def totals(self) -> tuple:
+        """``(calls, checked, out_of_scope, skipped)``: the running totals a coverage finding
+        compares (``session/coverage.py``), one call (the skip dict copied)."""
+        passed = self.passed
+        return (self._calls + passed, self.checked, self._out_of_scope + passed,
+                dict(self.skipped))
+
     def wants_any(self, info) -> bool:
         """Can any call of this callable be in scope (its key, or an operator's key)?"""
         return any([self.want(k) for k in (info.key, *info.operators.values())])

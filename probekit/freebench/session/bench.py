@@ -68,6 +68,8 @@ class FreeBench:
         self._sink = _results.CsvSink(self.config.dump_path)
         self._rank = RankCache()
         self._engine = Engine(self.config, self._emit, self._rank.get())
+        #: this rank is in the rank filter (read again at each start(): ``RankCache``)
+        self._rank_active = rank_selected(self.config.rank, self._engine.rank)
         # a confirmed finding's call is saved for fb.repro (repro/record.py)
         self._engine.repro_capture = Recorder(self._engine, self.config.dump_path)
         self._mode = None
@@ -148,7 +150,8 @@ class FreeBench:
                               "accepted: FreeBench(..., model=model) or start(model)")
         self._started = True
         rank = self._rank.get()
-        if not rank_selected(self.config.rank, rank):
+        self._rank_active = rank_selected(self.config.rank, rank)
+        if not self._rank_active:
             log.debug("free benchmark inactive: rank %d is not in %s", rank,
                       list(self.config.rank))
             return
@@ -179,10 +182,7 @@ class FreeBench:
     def _step_snapshot(self):
         """The counters at a step's start, or None once every kind of step finding this
         session can report was reported (each is logged once): nothing left to count."""
-        once = self._coverage_once
-        if all(once.seen(k) for k in self._step_kinds):
-            return None
-        return coverage.counters(self._engine)
+        return coverage.counters(self._engine) if self._step_kinds else None
 
     def _idle_step(self) -> bool:
         """This step intercepts nothing: a budget's reference or quiet step (the plain step is
@@ -278,6 +278,8 @@ class FreeBench:
         for kind, level, message in findings:
             if self._coverage_once(kind):
                 log.log(level, message)
+                if kind in self._step_kinds:   # no snapshot is taken once all were logged
+                    self._step_kinds = tuple(k for k in self._step_kinds if k != kind)
 
     def _detach_scope(self) -> None:
         self._engine.modules = None
@@ -387,8 +389,7 @@ class FreeBench:
             if self._step_start is not None:
                 now = coverage.counters(e)
                 self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
-                                                    rank_selected(self.config.rank,
-                                                                  self._rank.get()),
+                                                    self._rank_active,
                                                     filtered=self._started and not e.enabled))
         finally:
             e.next_step()

@@ -1,7 +1,8 @@
 """No silent zero coverage: say so when a filter or the stage leaves nothing checked.
 
 ``FreeBench`` takes a snapshot of the engine's counters (``counters``) when a step (or a ``with``
-block) begins and asks ``step_findings`` / ``block_findings`` at its end. Each returns
+block) begins and asks ``step_findings`` / ``block_findings`` at its end; once every kind its
+filters can give was logged it takes none. Each returns
 ``(kind, level, message)`` triples; the session logs each kind once per session. Kinds:
 
 * ``rank``: this process's rank is not in ``rank``: it never checks anything;
@@ -17,14 +18,12 @@ from __future__ import annotations
 import logging
 
 
-def counters(engine) -> dict:
-    """The engine's running totals (cheap: a few ints and a small dict copy)."""
-    return {"calls": engine.calls, "checked": engine.checked, "out_of_scope": engine.out_of_scope,
-            "skipped": dict(engine.skipped)}
-
-
-def _delta(before: dict, after: dict, key: str) -> int:
-    return after[key] - before[key]
+def counters(engine) -> tuple:
+    """The engine's running totals ``(calls, checked, out_of_scope, skipped)``: three ints and a
+    copy of the small skip dict (``Engine.totals``). Taken at every step start while a step
+    finding can still be logged, so kept to one call: right after a training step every
+    Python call runs cold (issue 38: the dict form and its helpers cost 35-40 us a step)."""
+    return engine.totals()
 
 
 def step_kinds(config) -> tuple:
@@ -34,50 +33,51 @@ def step_kinds(config) -> tuple:
         (("scope", "unchecked") if fb.scope or fb.api_list else ())
 
 
-def step_findings(config, before: dict, after: dict, ended: int, rank_active: bool,
+def step_findings(config, before: tuple, after: tuple, ended: int, rank_active: bool,
                   filtered: bool = False) -> list:
-    """Triples for the step numbered ``ended`` that just finished (``filtered``: the step filter
-    excluded it, and the session intercepted nothing in it)."""
-    out = []
+    """Triples for the step numbered ``ended`` that just finished (``before``/``after``:
+    ``counters`` at its start and end; ``filtered``: the step filter excluded it, and the
+    session intercepted nothing in it)."""
     if not rank_active:
-        out.append(("rank", logging.WARNING,
-                    f"Free benchmark: rank filter {list(config.rank)} excludes this process; "
-                    f"0 calls checked."))
-        return out
-    calls = _delta(before, after, "calls")
-    if config.step and filtered and after["checked"] == 0:
+        return [("rank", logging.WARNING,
+                 f"Free benchmark: rank filter {list(config.rank)} excludes this process; "
+                 f"0 calls checked.")]
+    calls = after[0] - before[0]
+    checked = after[1] - before[1]
+    if filtered:
+        if not config.step or after[1]:
+            return []
         later = sorted(s for s in config.step if s > ended)
         if later:
-            out.append(("step", logging.INFO,
-                        f"Free benchmark: step {ended} is not in the step filter; checking "
-                        f"starts at step {later[0]} (0 calls checked so far)."))
-        else:
-            out.append(("step", logging.WARNING,
-                        f"Free benchmark: the step filter {list(config.step)} selects no step "
-                        f"after step {ended}; 0 calls checked."))
-        return out
+            return [("step", logging.INFO,
+                     f"Free benchmark: step {ended} is not in the step filter; checking "
+                     f"starts at step {later[0]} (0 calls checked so far).")]
+        return [("step", logging.WARNING,
+                 f"Free benchmark: the step filter {list(config.step)} selects no step "
+                 f"after step {ended}; 0 calls checked.")]
     fb = config.free_benchmark
-    selective = bool(fb.scope or fb.api_list)
-    reached = calls - _delta(before, after, "out_of_scope")
-    if selective and calls and not filtered and reached == 0:
+    if not (calls and (fb.scope or fb.api_list)):
+        return []
+    reached = calls - (after[2] - before[2])
+    if reached == 0:
         what = f"scope {list(fb.scope)}" if fb.scope else f"list {list(fb.api_list)}"
-        out.append(("scope", logging.WARNING,
-                    f"Free benchmark: {what} matched none of the {calls} calls of step {ended}; "
-                    f"0 calls checked (fb.api_counts without a filter lists the call names)."))
-    elif selective and reached and _delta(before, after, "checked") == 0:
-        reasons = {k: v - before["skipped"].get(k, 0) for k, v in after["skipped"].items()
-                   if v - before["skipped"].get(k, 0) > 0}
-        out.append(("unchecked", logging.WARNING,
-                    f"Free benchmark: {reached} call(s) of step {ended} matched the filter but "
-                    f"none was checked (skipped: {reasons}); 0 calls checked."))
-    return out
+        return [("scope", logging.WARNING,
+                 f"Free benchmark: {what} matched none of the {calls} calls of step {ended}; "
+                 f"0 calls checked (fb.api_counts without a filter lists the call names).")]
+    if checked == 0:
+        reasons = {k: v - before[3].get(k, 0) for k, v in after[3].items()
+                   if v - before[3].get(k, 0) > 0}
+        return [("unchecked", logging.WARNING,
+                 f"Free benchmark: {reached} call(s) of step {ended} matched the filter but "
+                 f"none was checked (skipped: {reasons}); 0 calls checked.")]
+    return []
 
 
 def block_findings(config, before: dict, after: dict, watched: int) -> list:
     """Triples for a ``with`` block that just ended; ``watched``: backward hooks it registered."""
     if config.free_benchmark.fuzz_stage != "backward" or not watched:
         return []
-    if _delta(before, after, "checked") == 0:
+    if after[1] == before[1]:
         return [("backward", logging.WARNING,
                  f"Free benchmark: fuzz_stage backward watched {watched} call(s) but no gradient "
                  f"reached them before stop(); 0 checked. Run loss.backward() inside the "

@@ -125,6 +125,8 @@ class OptimizerSteps:
         self.suspended = None    # the mode taken off the stack for the outermost step
         self.unseen = 0          # optimizer steps run with the mode off the stack
         self._handles: list = []
+        #: the step hooks' handles and hooks, made at the first ``install`` and reused
+        self._kept = None
         self._module_hook = None
         #: the thread that started the session: function modes are per thread, so only its
         #: steps are tracked and suspended (another thread's step only ends the step)
@@ -138,8 +140,20 @@ class OptimizerSteps:
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         self._thread = threading.get_ident()
-        self._handles = [register_optimizer_step_pre_hook(self.pre),
-                         register_optimizer_step_post_hook(self.post)]
+        kept = self._kept
+        if kept is None:
+            self._handles = [register_optimizer_step_pre_hook(self.pre),
+                             register_optimizer_step_post_hook(self.post)]
+            self._kept = tuple(zip(self._handles, (self.pre, self.post)))
+        else:
+            # the same handles put back (torch's hook dicts keyed by their ids, appended last as
+            # a new registration is): a fresh pair of handles a block cost ~20 us right after a
+            # training step (issue 38)
+            for handle, hook in kept:
+                hooks = handle.hooks_dict_ref()
+                if hooks is not None:
+                    hooks[handle.id] = hook
+            self._handles = [handle for handle, _ in kept]
         if self._zero_grad is None:   # held until ``close()``: replacing a method of
             hold_zero_grad()          # nn.Module empties the type caches of every module class
             self._zero_grad = weakref.finalize(self, release_zero_grad)
