@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from probekit.errors import DumpError
 from probekit.freebench import FreeBench
 from probekit.freebench.report.cli import load
+from probekit.freebench.report import runs
 from probekit.freebench.report.runs import marker_path, markers
 from probekit.freebench.repro.record import records_dir
 
@@ -173,9 +175,11 @@ def test_a_process_killed_right_after_its_last_mark_leaves_it_whole(tmp_path, en
             run(tmp_path)
 
 
-def test_a_marker_another_run_wrote_since_is_not_flipped(tmp_path):
+def test_a_marker_another_run_wrote_since_is_not_flipped(tmp_path, monkeypatch):
     """Two sessions into one folder in one process: the second's marker is not changed by the
-    first one's later stop(); the first writes its own whole again."""
+    first one's later stop(); the first writes its own whole again (checked at every start
+    here: ``CHECK_EVERY_S`` 0)."""
+    monkeypatch.setattr(runs, "CHECK_EVERY_S", 0.0)
     a = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
     a.start()
     a.stop()
@@ -190,10 +194,13 @@ def test_a_marker_another_run_wrote_since_is_not_flipped(tmp_path):
     b.stop()
 
 
-def test_a_marker_removed_between_blocks_is_written_whole_at_the_next_start(tmp_path):
+def test_a_marker_removed_between_blocks_is_written_whole_at_the_next_start(tmp_path,
+                                                                           monkeypatch):
     """The run keeps its marker mapped; a marker removed meanwhile (the folder cleared between
     two cells) is another file: the next start() writes it whole again, saying running, and a
-    stop() whose marker was removed raises nothing."""
+    stop() whose marker was removed raises nothing (checked at every start: ``CHECK_EVERY_S``
+    0)."""
+    monkeypatch.setattr(runs, "CHECK_EVERY_S", 0.0)
     fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
     path = marker_path(str(tmp_path), 0)
     fb.start()
@@ -210,6 +217,27 @@ def test_a_marker_removed_between_blocks_is_written_whole_at_the_next_start(tmp_
     assert m["closed"] == 1 and m["run"] == fb._run.run["run"]
     fb.close()
     assert fb._run._kept is None
+
+
+def test_the_marker_is_checked_at_most_once_per_interval(tmp_path, monkeypatch):
+    """start() checks its marker at most every ``CHECK_EVERY_S`` seconds (a loop that starts
+    every step pays one ``stat`` a second): a marker removed right after a check is rewritten by
+    the first start() once the interval has passed, not before."""
+    monkeypatch.setattr(runs, "CHECK_EVERY_S", 0.3)
+    fb = FreeBench(dump_path=str(tmp_path), pert_mode="bit_noise")
+    path = marker_path(str(tmp_path), 0)
+    fb.start()                                  # written whole: known to be the file
+    fb.stop()
+    os.remove(path)
+    fb.start()                                  # within the interval: flipped in the mapping
+    fb.stop()
+    assert not os.path.exists(path)
+    time.sleep(0.35)
+    fb.start()                                  # past it: checked, written whole, running
+    assert _on_disk(path)[0] == 0
+    fb.stop()
+    assert _on_disk(path)[0] == 1
+    fb.close()
 
 
 def test_a_stop_leaves_a_marker_another_run_wrote_since(tmp_path):
