@@ -14,7 +14,8 @@ cannot move:
 
 * ``nothing``: a plain step, a bare ``TorchFunctionMode`` that only calls through (the floor of
   any function-mode interception), and the free benchmark with nothing in scope, forward and
-  backward stage. Counted: calls the mode sees per step, and Python function calls (``call``
+  backward stage; ``over_bare_mode``: what the probe adds over the bare mode, per round, in
+  plain steps (the bare mode's own ratio moves by about 2 % from process to process). Counted: calls the mode sees per step, and Python function calls (``call``
   and ``c_call`` profile events) per intercepted call beyond the bare mode's.
 * ``budget``: ``budget=b`` end to end (interception, checks, the step's gather), over
   ``--steps`` steps after the first (the calibration): the mean step over the mean plain step
@@ -162,7 +163,14 @@ def bench_nothing(a, tmp) -> dict:
         step()
     seen = counter.n
     py = {k: statistics.median(python_calls(f) for _ in range(3)) for k, f in fns.items()}
+    bare_t, plain_t = times["bare mode"], times["plain"]
     return {"ratios": ratios(times), "quartiles": spread(times),
+            # the bare mode's own ratio moves by ~2 % from process to process (1.019-1.043 on
+            # the 2026-12-04 machine), more than the probe's part: what the probe adds over it,
+            # paired per round, in plain steps
+            "over_bare_mode": {k: statistics.median((t - b) / p for t, b, p in
+                                                    zip(v, bare_t, plain_t))
+                               for k, v in times.items() if k.startswith("nothing")},
             "plain_ms": statistics.median(times["plain"]) * 1e3,
             "intercepted_per_step": seen,
             "python_calls_per_intercepted_call": {
