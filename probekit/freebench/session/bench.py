@@ -182,7 +182,7 @@ class FreeBench:
     def _step_snapshot(self):
         """The counters at a step's start, or None once every kind of step finding this
         session can report was reported (each is logged once): nothing left to count."""
-        return coverage.counters(self._engine) if self._step_kinds else None
+        return self._engine.totals() if self._step_kinds else None
 
     def _idle_step(self) -> bool:
         """This step intercepts nothing: a budget's reference or quiet step (the plain step is
@@ -208,7 +208,7 @@ class FreeBench:
         self._mode = mode
         if self.config.free_benchmark.fuzz_stage == "backward" and \
                 not self._coverage_once.seen("backward"):   # (block_findings' one kind)
-            self._block_start = coverage.counters(self._engine)
+            self._block_start = self._engine.totals()
 
     def _release(self) -> None:
         """Leave the interception (``_intercept``'s undoing): the mode exited, the compile
@@ -234,7 +234,7 @@ class FreeBench:
             self._detach_scope()
         if self._block_start is not None:
             self._report(coverage.block_findings(self.config, self._block_start,
-                                                 coverage.counters(self._engine), watched))
+                                                 self._engine.totals(), watched))
             self._block_start = None
 
     def stop(self) -> None:
@@ -387,7 +387,7 @@ class FreeBench:
                             "counters (api_name) of those calls may differ from msprobe's. "
                             "Optimizer steps are intercepted from now on", moved)
             if self._step_start is not None:
-                now = coverage.counters(e)
+                now = e.totals()
                 self._report(coverage.step_findings(self.config, self._step_start, now, e.step,
                                                     self._rank_active,
                                                     filtered=self._started and not e.enabled))

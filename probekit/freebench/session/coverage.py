@@ -1,8 +1,10 @@
 """No silent zero coverage: say so when a filter or the stage leaves nothing checked.
 
-``FreeBench`` takes a snapshot of the engine's counters (``counters``) when a step (or a ``with``
-block) begins and asks ``step_findings`` / ``block_findings`` at its end; once every kind its
-filters can give was logged it takes none. Each returns
+``FreeBench`` takes a snapshot of the engine's running totals (``Engine.totals``: calls,
+checked, out of scope, the skip counts) when a step (or a ``with`` block) begins and asks
+``step_findings`` / ``block_findings`` at its end; once every kind its filters can give was
+logged it takes none (right after a training step every Python call runs cold: issue 38, the
+snapshot and its helpers cost 35-40 us a step as a dict). Each returns
 ``(kind, level, message)`` triples; the session logs each kind once per session. Kinds:
 
 * ``rank``: this process's rank is not in ``rank``: it never checks anything;
@@ -18,14 +20,6 @@ from __future__ import annotations
 import logging
 
 
-def counters(engine) -> tuple:
-    """The engine's running totals ``(calls, checked, out_of_scope, skipped)``: three ints and a
-    copy of the small skip dict (``Engine.totals``). Taken at every step start while a step
-    finding can still be logged, so kept to one call: right after a training step every
-    Python call runs cold (issue 38: the dict form and its helpers cost 35-40 us a step)."""
-    return engine.totals()
-
-
 def step_kinds(config) -> tuple:
     """The kinds ``step_findings`` can report under ``config`` (none: nothing to count)."""
     fb = config.free_benchmark
@@ -36,7 +30,7 @@ def step_kinds(config) -> tuple:
 def step_findings(config, before: tuple, after: tuple, ended: int, rank_active: bool,
                   filtered: bool = False) -> list:
     """Triples for the step numbered ``ended`` that just finished (``before``/``after``:
-    ``counters`` at its start and end; ``filtered``: the step filter excluded it, and the
+    ``Engine.totals`` at its start and end; ``filtered``: the step filter excluded it, and the
     session intercepted nothing in it)."""
     if not rank_active:
         return [("rank", logging.WARNING,
@@ -73,7 +67,7 @@ def step_findings(config, before: tuple, after: tuple, ended: int, rank_active: 
     return []
 
 
-def block_findings(config, before: dict, after: dict, watched: int) -> list:
+def block_findings(config, before: tuple, after: tuple, watched: int) -> list:
     """Triples for a ``with`` block that just ended; ``watched``: backward hooks it registered."""
     if config.free_benchmark.fuzz_stage != "backward" or not watched:
         return []
