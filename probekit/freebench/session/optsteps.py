@@ -140,20 +140,18 @@ class OptimizerSteps:
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         self._thread = threading.get_ident()
-        kept = self._kept
-        if kept is None:
-            self._handles = [register_optimizer_step_pre_hook(self.pre),
-                             register_optimizer_step_post_hook(self.post)]
-            self._kept = tuple(zip(self._handles, (self.pre, self.post)))
+        if self._kept is None:
+            self._kept = ((register_optimizer_step_pre_hook(self.pre), self.pre),
+                          (register_optimizer_step_post_hook(self.post), self.post))
         else:
             # the same handles put back (torch's hook dicts keyed by their ids, appended last as
             # a new registration is): a fresh pair of handles a block cost ~20 us right after a
             # training step (issue 38)
-            for handle, hook in kept:
+            for handle, hook in self._kept:
                 hooks = handle.hooks_dict_ref()
                 if hooks is not None:
                     hooks[handle.id] = hook
-            self._handles = [handle for handle, _ in kept]
+        self._handles = [handle for handle, _ in self._kept]
         if self._zero_grad is None:   # held until ``close()``: replacing a method of
             hold_zero_grad()          # nn.Module empties the type caches of every module class
             self._zero_grad = weakref.finalize(self, release_zero_grad)
