@@ -566,18 +566,20 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
 
     if control is not None:   # the comparisons with the test and each control, then judged
         from .opening import store_of
-        from ..store.sources import load_runs
+        from ..store.sources import load_runs, load_stats
         from .verdict import calibrate
 
         controls = list(control) if isinstance(control, (list, tuple)) else [control]
         given = [a, b, *controls]
-        # each run's statistics read once for the judgement ({rank: Dataset} passes through
-        # load_runs as it is); the comparisons take the stores themselves where they are stores
-        # (shard by shard: no bit assembled), in one graph that reads the reference's bits once
-        # for the test and the controls laid out alike (_compare_joint), the Datasets otherwise
-        runs = [load_runs(x, storage_options=storage_options) for x in given]
-        sources = [x if store_of(x, storage_options) is not None else r
-                   for x, r in zip(given, runs)]
+        # the comparisons take the stores themselves where they are stores (shard by shard: no
+        # bit assembled), in one graph that reads the reference's bits once for the test and
+        # the controls laid out alike (_compare_joint), the Datasets otherwise; each run's
+        # statistics read once for the judgement (load_stats: only what the verdict reads,
+        # taken from the Datasets where they were read)
+        stores = [store_of(x, storage_options) is not None for x in given]
+        sources = [x if st else load_runs(x, storage_options=storage_options)
+                   for x, st in zip(given, stores)]
+        runs = [load_stats(x, storage_options=storage_options) for x in sources]
         options = dict(step0_threshold=step0_threshold, drop_threshold=drop_threshold,
                        ranks=ranks, noise_aware=noise_aware, client=client,
                        scheduler=scheduler, progress=progress,
@@ -915,15 +917,17 @@ def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, threshol
 
 def _combine(results: list, step0_threshold: float, drop_threshold: float):
     """One Dataset with a ``rank`` dimension from [(rank, (variables, coordinates, attributes))]:
-    stacked straight when every pair has the same steps and parameters (a run of many ranks),
-    else one Dataset each, concatenated with an outer join."""
+    stacked straight when every pair has the same steps and parameters (a run of many ranks,
+    or one rank), else one Dataset each, concatenated with an outer join."""
     import xarray as xr
+
+    from .verdict import GradComparison
 
     first = results[0][1]
     def value(c):
         return np.asarray(c[1] if isinstance(c, tuple) else c)
 
-    same = len(results) > 1 and all(
+    same = all(
         c.keys() == first[1].keys()
         and all(np.array_equal(value(c[key]), value(first[1][key])) for key in c)
         and d.keys() == first[0].keys() and a == first[2] for _, (d, c, a) in results)
@@ -938,12 +942,11 @@ def _combine(results: list, step0_threshold: float, drop_threshold: float):
             elif name in ("first_only", "second_only"):
                 continue
             data[name] = (("rank", *dims), np.stack([np.asarray(v) for v in values]))
-        coords = dict(first[1])
-        coords["rank"] = [r for r, _ in results]
+        coords = {"rank": [r for r, _ in results]}   # the order one rank's Dataset had
         for dim, var in (("first_only", "only_in_first"), ("second_only", "only_in_second")):
             coords[dim] = (dim, np.arange(data[var][1].shape[1]))
-        out = xr.Dataset(data, coords=coords)
-        out.attrs.update(first[2])
+        coords.update(first[1])
+        out = GradComparison(data, coords=coords, attrs=dict(first[2]))
     else:
         parts = []
         for r, (data, coords, attrs) in results:
@@ -959,6 +962,4 @@ def _combine(results: list, step0_threshold: float, drop_threshold: float):
                 "total_significant": np.nan, "only_in_first": "", "only_in_second": ""},
                 coords="different", compat="equals")
     out.attrs.update(step0_threshold=step0_threshold, drop_threshold=drop_threshold)
-    from .verdict import GradComparison
-
     return GradComparison.wrap(out)

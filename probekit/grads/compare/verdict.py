@@ -195,10 +195,20 @@ def typical_share(ref):
     error is a large share of the small sum, in every run alike (docs/grad_compare.md)."""
     ref = np.abs(np.asarray(ref, np.float64))
     with np.errstate(all="ignore"):
-        typ = np.nanmedian(ref, axis=1, keepdims=True) if np.isfinite(ref).any() \
-            else np.full(ref[:, :1].shape, np.nan)
+        typ = _nanmedian1(ref) if np.isfinite(ref).any() else np.full(ref[:, :1].shape, np.nan)
         return np.where((typ > 0) & np.isfinite(typ), ref / typ, np.where(np.isnan(ref),
                                                                             np.nan, 1.0))
+
+
+def _nanmedian1(x):
+    """``np.nanmedian(x, axis=1, keepdims=True)`` of a 3-D array, by one sort (NaNs sort last):
+    the mean of the middle two of each column's values, NaN where it has none (``nanmedian``
+    takes masked arrays there, several times slower on a comparison's small arrays)."""
+    srt = np.sort(x, axis=1)
+    cnt = (~np.isnan(x)).sum(axis=1, keepdims=True)
+    lo = np.take_along_axis(srt, np.maximum(cnt - 1, 0) // 2, axis=1)
+    hi = np.take_along_axis(srt, cnt // 2 - (cnt == 0), axis=1)
+    return np.where(cnt > 0, (lo + hi) / 2, np.nan)
 
 
 def step_dev(x, r, share):
@@ -369,9 +379,11 @@ def judged(cmp):
 
 
 def _stats(runs: dict, result) -> dict:
-    """norm and range (max - min) of a run aligned to ``result``'s (rank, step, param). A run of
-    one Dataset pairs with every rank of the comparison (``compare.pair_runs``' rule), else rank
-    r with rank r."""
+    """norm and range (max - min) of a run (``sources.load_stats``' {rank: table}) aligned to
+    ``result``'s (rank, step, param). A run of one table pairs with every rank of the
+    comparison (``compare.pair_runs``' rule), else rank r with rank r; a rank whose table lacks
+    some of the compared parameters takes them from the ranks of other parameters (pipeline
+    stages compared as one run: their union, over the steps they all hold)."""
     from ..store.names import canonical_names
 
     # the variables themselves, not DataArrays (each of those costs more than its values here)
@@ -381,34 +393,38 @@ def _stats(runs: dict, result) -> dict:
     params = [str(p) for p in have["param"].values]
     out = {k: np.full((len(ranks), steps.size, len(params)), np.nan) for k in ("norm", "range")}
     for k, r in enumerate(ranks):
-        ds = next(iter(runs.values())) if len(runs) == 1 else runs.get(r)
-        if ds is None:
+        t = next(iter(runs.values())) if len(runs) == 1 else runs.get(r)
+        if t is None:
             continue
-        if len(runs) > 1 and not set(params) <= {str(p) for p in ds["param"].values}:
-            # pipeline stages compared as one run (their union): the other stages' too
-            from ..store.assemble import union_datasets
-
-            held = [runs[x] for x in sorted(runs) if x == r or not set(
-                str(p) for p in runs[x]["param"].values) & set(
-                str(p) for p in ds["param"].values)]
-            ds = union_datasets(held) if len(held) > 1 else ds
-        var = ds.variables
-        canon = list(canonical_names(str(p) for p in var["param"].values))
-        col = {n: j for j, n in enumerate(canon)}
-        srow = {int(s): j for j, s in enumerate(np.asarray(var["step"].values))}
-        rows = np.array([srow.get(int(s), -1) for s in steps])
-        cols = np.array([col.get(p, -1) for p in params])
-        if not (rows >= 0).any() or not (cols >= 0).any():
-            continue
-        ri, ci = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
-        take = lambda v: np.asarray(var[v].values, np.float64)[np.ix_(rows[ri], cols[ci])]  # noqa
-        present = (np.asarray(var["present"].values, bool)[np.ix_(rows[ri], cols[ci])]
-                   if "present" in ds else np.ones((ri.size, ci.size), bool))
-        norm = np.where(present, take("norm"), np.nan)
-        rng = np.where(present, take("max") - take("min"), np.nan)
-        out["norm"][k][np.ix_(ri, ci)] = norm
-        out["range"][k][np.ix_(ri, ci)] = rng
+        held = [t]
+        if len(runs) > 1 and not set(params) <= set(t["param"]):
+            mine = set(t["param"])
+            held = [runs[x] for x in sorted(runs) if runs[x] is t
+                    or not set(runs[x]["param"]) & mine]
+        common = held[0]["step"]
+        for h in held[1:]:
+            common = np.intersect1d(common, h["step"])
+        for h in held:
+            _fill(out, k, h, common if len(held) > 1 else None, steps, params,
+                  canonical_names)
     return out
+
+
+def _fill(out: dict, k: int, t: dict, only, steps, params, canonical_names) -> None:
+    """``_stats``' cells of rank ``k`` from table ``t`` (``only``: at those of its steps)."""
+    canon = list(canonical_names(t["param"]))
+    col = {n: j for j, n in enumerate(canon)}
+    keep = np.ones(t["step"].size, bool) if only is None else np.isin(t["step"], only)
+    srow = {int(s): j for j, s in enumerate(t["step"]) if keep[j]}
+    rows = np.array([srow.get(int(s), -1) for s in steps], np.int64)
+    cols = np.array([col.get(p, -1) for p in params], np.int64)
+    if not (rows >= 0).any() or not (cols >= 0).any():
+        return
+    ri, ci = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
+    at = np.ix_(rows[ri], cols[ci])
+    present = t["present"][at] if t["present"] is not None else np.ones((ri.size, ci.size), bool)
+    out["norm"][k][np.ix_(ri, ci)] = np.where(present, t["norm"][at], np.nan)
+    out["range"][k][np.ix_(ri, ci)] = np.where(present, t["max"][at] - t["min"][at], np.nan)
 
 
 def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
@@ -418,17 +434,18 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     all of them at once, then this). Returns a ``GradComparison`` with the
     calibrated ``flag``, ``flag_total``, ``first_step``, ``first_param`` and the variables
     named in ``compare_grads``'s docstring."""
-    from ..store.sources import load_runs
+    from ..store.sources import load_stats
 
-    storage = storage_options    # ref, test, controls: paths, Datasets or {rank: Dataset}
-    runs_ref = load_runs(ref, storage_options=storage)
-    runs_test = load_runs(test, storage_options=storage)
-    runs_ctrl = [load_runs(c, storage_options=storage) for c in controls]
+    # ref, test, controls: paths, Datasets, {rank: Dataset} or load_stats' {rank: table}
+    storage = storage_options
+    runs_ref = load_stats(ref, storage_options=storage)
+    runs_test = load_stats(test, storage_options=storage)
+    runs_ctrl = [load_stats(c, storage_options=storage) for c in controls]
     names = _control_names(runs_ctrl)
     unit = max((UNIT.get(n.partition(":")[0], UNIT["bf16"]) for n in names),
                default=UNIT["bf16"])
     dims = ("rank", "step", "param")
-    where = {"rank": result["rank"], "step": result["step"], "param": result["param"]}
+    where = {k: result.variables[k].values for k in ("rank", "step", "param")}
     d_t, n_t = counts(result, dims)
 
     # scale statistics first: norms and ranges (max - min) of the runs, aligned to the
@@ -448,7 +465,8 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
             g = step_dev(st_c[k], st_r[k], share[k])
             g = np.where(np.isfinite(g), g, np.nan)
             with np.errstate(all="ignore"):
-                b = (np.nanmax(g, axis=1, keepdims=True) if np.isfinite(g).any()
+                # fmax's reduction: nanmax's values, no warning for a parameter without any
+                b = (np.fmax.reduce(g, axis=1, keepdims=True) if np.isfinite(g).any()
                      else np.full(g[:, :1].shape, np.nan))
             peak[k] = b[:, 0]
             bands[k] = b if bands[k] is None else np.fmax(bands[k], b)
@@ -477,7 +495,8 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     credit = {}
     for k in bands:
         with np.errstate(all="ignore"):
-            over = np.log(np.nanmax(np.where(np.isfinite(dev_t[k]), dev_t[k], np.nan), axis=1)
+            over = np.log(np.fmax.reduce(np.where(np.isfinite(dev_t[k]), dev_t[k], np.nan),
+                                         axis=1)
                           / bands[k][:, 0])
         shift = np.array([np.median(o[~np.isnan(o)]) if (~np.isnan(o)).sum()
                           >= MIN_PARAMS_SPREAD else 0.0 for o in over])
@@ -500,7 +519,7 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
                 f"{judged_name(cc)}: a control run needs the significance bits the test has "
                 "(record it with probekit's GradProbe, significance on), or compare with "
                 "noise_aware=False")
-        if not all(np.array_equal(cc[k].values, v.values) for k, v in where.items()):
+        if not all(np.array_equal(cc.variables[k].values, v) for k, v in where.items()):
             cc = cc.reindex(**where)
         d_c, n_c = counts(cc, dims)
         u_now = np.stack([allowed_share(d_c[r], n_c[r], 1.0, ALPHA / (16 * cells[r]))
@@ -593,10 +612,10 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = {"norm_ratio": (dims, st_t["norm"] / st_r["norm"]),
                   "range_ratio": (dims, st_t["range"] / st_r["range"])}
-    # one assignment: each separate one would align the whole Dataset again
-    out = result.assign(
-        flag_threshold=result["flag"].variable,
-        flag_total_threshold=result["flag_total"].variable,
+    # one Dataset built: an assignment would align the whole Dataset again
+    out = _assigned(
+        result, flag_threshold=result.variables["flag"],
+        flag_total_threshold=result.variables["flag_total"],
         flag=(dims, flag), flag_kind=(dims, kind), excess=(dims, excess),
         similarity_control=(dims, sim_c), similarity_band=(dims, 1.0 - p0),
         flag_total=(rs, flag_t), total_control=(rs, tot_c), total_band=(rs, 1.0 - p0t),
@@ -617,6 +636,20 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
                      controls=len(peaks), scale_floor=NORM_FLOOR * unit,
                      similarity=judged_name(result))
     return GradComparison.wrap(out)
+
+
+def _assigned(ds, **new):
+    """``ds.assign(**new)`` for variables (``(dims, values)`` or Variables) over ``ds``'s own
+    dimensions, as one Dataset built from the variables: the same Dataset, without the
+    alignment and merge an assignment runs (a tenth of a small comparison's verdict). The
+    constructor still refuses a size that disagrees with ``ds``'s."""
+    import xarray as xr
+
+    coords = ds.coords
+    variables = {k: v for k, v in ds.variables.items() if k not in coords}
+    for k, v in new.items():
+        variables[k] = v if isinstance(v, xr.Variable) else xr.Variable(*v)
+    return GradComparison(variables, coords=coords, attrs=dict(ds.attrs))
 
 
 def _so_far(up, order):
@@ -655,7 +688,7 @@ def _first(kind, flag_total, excess, steps, params):
 def _control_names(runs_ctrl) -> list:
     names = []
     for runs in runs_ctrl:
-        attrs = next(iter(runs.values())).attrs if runs else {}
+        attrs = next(iter(runs.values()))["attrs"] if runs else {}
         names.append(str(attrs.get("control", "")))
     return list(dict.fromkeys(names))
 

@@ -60,6 +60,86 @@ def load_runs(source, *, chunks=None, storage_options=None, shards: bool = False
     return runs
 
 
+#: the statistics the verdict of a comparison with a control reads of each run
+STAT_MEMBERS = ("present", "norm", "max", "min")
+
+
+def load_stats(source, *, storage_options=None) -> dict:
+    """{rank: table} of the statistics a comparison's verdict reads (``verdict._stats``), a
+    table being a plain dict: ``step`` (int64, steps), ``param`` (names as recorded), ``norm``,
+    ``max``, ``min`` (float64, step x param), ``present`` (bool, step x param, or None: every
+    parameter had a gradient) and ``attrs`` (the run's attributes). For a probekit store of
+    one unsharded segment, read straight from their chunk files (a few small reads per rank);
+    anything else (an msprobe dump, a sharded or restarted store, arrays stored another way)
+    as ``load_runs`` reads it, then taken from its Datasets, as are Datasets handed over.
+    ``{rank: table}`` passes through as it is. The same values either way."""
+    if isinstance(source, dict) and all(_is_table(t) for t in source.values()):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        fs, path = location(source, storage_options)
+        if fs.remote or (os.path.isdir(path) and not msprobe.is_grad_dump(path)):
+            try:
+                got = _plain_stats(segments(path, fs=fs), fs)
+            except GradStoreError:
+                got = None       # not a store: load_runs says what it is
+            if got is not None:
+                return got
+    runs = load_runs(source, storage_options=storage_options)
+    return {r: stat_table(ds) for r, ds in runs.items()}
+
+
+def _is_table(obj) -> bool:
+    return isinstance(obj, dict) and "norm" in obj and "param" in obj
+
+
+def stat_table(ds) -> dict:
+    """``load_stats``' table of one Dataset."""
+    var = ds.variables
+
+    def values(name, dtype):
+        return np.asarray(var[name].transpose("step", "param").values, dtype)
+
+    return {"step": np.asarray(var["step"].values, np.int64),
+            "param": [str(p) for p in var["param"].values],
+            "norm": values("norm", np.float64), "max": values("max", np.float64),
+            "min": values("min", np.float64),
+            "present": values("present", bool) if "present" in var else None,
+            "attrs": dict(ds.attrs)}
+
+
+def _plain_stats(segs: list, fs):
+    """``load_stats`` of one unsharded segment's groups, or None for any other store."""
+    from .chunks import read_plain
+    from .restarts import read_commit, step_rows
+
+    if len(segs) != 1 or segs[0].sharded:
+        return None
+    seg = segs[0]
+    out = {}
+    for rank in seg.ranks:
+        group, attrs = seg.groups[rank], dict(seg.attrs.get(rank) or {})
+        if attrs.get("params") is None or attrs.get("placement") is not None:
+            return None
+        n = read_commit(group, fs)["steps"]
+        step = read_plain(fs.join(group, "step"), n, fs)
+        if step is None:
+            return None
+        r0, r1 = step_rows(step[1], seg.first_step, seg.last_step)
+        table = {"step": np.asarray(step[1][r0:r1], np.int64),
+                 "param": [str(x) for x in attrs["params"]], "present": None}
+        for name in STAT_MEMBERS:
+            if name == "present" and not fs.isfile(fs.join(group, name, "zarr.json")):
+                continue     # a store from before it: every parameter had a gradient
+            got = read_plain(fs.join(group, name), n, fs)
+            if got is None or tuple(got[0]) != ("step", "param"):
+                return None
+            table[name] = np.asarray(got[1][r0:r1], bool if name == "present" else np.float64)
+        attrs["rank"] = int(rank)
+        table["attrs"] = attrs
+        out[int(rank)] = table
+    return out
+
+
 def without_grad(ds) -> list[str]:
     """The parameters of ``ds`` that have no gradient at any of its steps (none when it has no
     step): frozen ones, ones the backward pass never reached."""
