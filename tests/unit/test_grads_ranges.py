@@ -215,8 +215,9 @@ def test_count_runs_many_equals_count_runs_against_each_side():
     """One side's bits against several sides laid out alike (a reference against its test and
     its controls: ``kernel.count_runs_many``) count as ``count_runs`` against each alone, on
     every path: runs longer than the piece the C kernel reads once for all sides (2^18 bits),
-    at the same bit phase in both and not, with significance bits and without, and more sides
-    than it takes at once (16)."""
+    at the same bit phase in both (whole words of every side in one fused pass, four sides at
+    a time; the bits before the next byte and after the last word alone) and not, with
+    significance bits and without, and more sides than it takes at once (16)."""
     rng = np.random.default_rng(5)
     paths = [p for p in ("avx512", "avx2", "c") if kernel.set_path(p) == p] + ["numpy"]
     kernel.set_path("auto")
@@ -229,12 +230,13 @@ def test_count_runs_many_equals_count_runs_against_each_side():
 
         a = side()
         others = [side() for _ in range(nsides)]
-        runs = np.zeros((4, 15), np.int64)
+        runs = np.zeros((5, 15), np.int64)
         runs[:, 6::3] = 1                     # one run per set (no leading loop)
         runs[0, :6] = (0, 0, 1, 8, 8, 600_000)                 # same phase, three pieces
         runs[1, :6] = (1, 1, 0, 3, 70, 500_000)                # shifted
         runs[2, :6] = (2, 1, 1, 0, 5, 100)                     # short
         runs[3, :6] = (1, 0, 0, 640_000 - 300_000, 1, 300_000)  # to a row's last bit
+        runs[4, :6] = (0, 1, 1, 3, 11, 400_037)                # same phase: head 5, tail 32
         for path in paths:
             kernel.set_path(path)
             try:

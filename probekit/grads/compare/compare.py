@@ -633,7 +633,9 @@ def _compare_joint(sources: list, options: dict) -> list:
             for k, handle, results in zip(joint, handles, counted):
                 if results is not None:
                     unpaired = session.value(_plan_unpaired, handle)
-                    out[k] = _unpaired(_combine(results, *thresholds), unpaired)
+                    # a control's comparison: only what the verdict reads of it
+                    out[k] = _unpaired(_combine(results, *thresholds,
+                                                keep=_JUDGED if k else None), unpaired)
     return [r if r is not None else _compare_grads(sources[0], x, **options)
             for r, x in zip(out, sources[1:])]
 
@@ -738,8 +740,12 @@ def plan_stages(stores: list, *, session, ranks=None, block_bytes: int = _BLOCK_
 
     from .opening import batches, open_batch, shape, store_segments
 
+    # local stores are listed, opened and planned in this thread while each is a batch of
+    # rank groups (metadata parsed and plans made hold the GIL: threads would only take turns);
+    # in threads where a store has more ranks, and for object stores (their round trips wait)
+    local = not any(fs.remote for fs, _ in stores)
     listed = session.run([dask.delayed(store_segments, pure=False)(fs, store)
-                          for fs, store in stores], keep=True)
+                          for fs, store in stores], keep=True, inline=local)
     segs = [h if session.on_cluster else dask.delayed(h, pure=False, traverse=False)
             for h in listed]
     opened = []
@@ -757,7 +763,8 @@ def plan_stages(stores: list, *, session, ranks=None, block_bytes: int = _BLOCK_
         planned.append(dask.delayed(_plan_task, pure=False)(
             segs[0], segs[k], len(opened[0]), ranks, block_bytes, task_bytes, rename,
             *opened[0], *opened[k], **more))
-    return session.run(planned, keep=True, inner=[t for o in opened for t in o])
+    return session.run(planned, keep=True, inner=[t for o in opened for t in o],
+                       inline=local and all(len(o) <= 1 for o in opened))
 
 
 def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,
@@ -915,14 +922,23 @@ def _compare_datasets(a, b, *, session, ranks, block_bytes, task_bytes, threshol
                           noise_aware)) for (r, _, _), plan in zip(pairs, plans)], unpaired
 
 
-def _combine(results: list, step0_threshold: float, drop_threshold: float):
+#: the variables of a control's comparison that the verdict reads (``verdict.counts``)
+_JUDGED = ("similarity", "differ", "similarity_significant", "significant", "only_in_first",
+           "only_in_second", "first_only", "second_only")
+
+
+def _combine(results: list, step0_threshold: float, drop_threshold: float, keep=None):
     """One Dataset with a ``rank`` dimension from [(rank, (variables, coordinates, attributes))]:
     stacked straight when every pair has the same steps and parameters (a run of many ranks,
-    or one rank), else one Dataset each, concatenated with an outer join."""
+    or one rank), else one Dataset each, concatenated with an outer join. ``keep``: only
+    these variables (the coordinates all)."""
     import xarray as xr
 
     from .verdict import GradComparison
 
+    if keep is not None:
+        results = [(r, ({k: v for k, v in d.items() if k in keep}, c, a))
+                   for r, (d, c, a) in results]
     first = results[0][1]
     def value(c):
         return np.asarray(c[1] if isinstance(c, tuple) else c)

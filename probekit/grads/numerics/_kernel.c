@@ -860,6 +860,101 @@ PK_COUNT_RUN(run_avx512, __attribute__((target("avx512f,avx512vpopcntdq,popcnt")
 #endif
 #endif
 
+/* whole 64-bit words of one row against the rows of m other sides (m <= PK_FUSED) at once:
+ * each word of a (and sa) loaded once for all of them, every row read in one sequential pass
+ * (a piece of a at a time against each side in turn re-reads it and breaks the streams the
+ * prefetcher follows: 2.5x one side's time for two, where the bytes are 1.5x) */
+#define PK_FUSED 4
+#define PK_RAW_MANY(NAME, ATTR)                                                                \
+    ATTR static void NAME(const uint8_t *a, const uint8_t *sa, const uint8_t *const *b,        \
+                          const uint8_t *const *sb, int32_t m, int64_t words,                  \
+                          int64_t (*got)[3]) {                                                 \
+        int64_t d[PK_FUSED] = {0}, ds[PK_FUSED] = {0}, cs[PK_FUSED] = {0};                     \
+        for (int64_t w = 0; w < words; w++) {                                                  \
+            uint64_t x0 = pk_load_le(a + 8 * w);                                               \
+            uint64_t m0 = sa ? pk_load_le(sa + 8 * w) : 0;                                     \
+            for (int32_t i = 0; i < m; i++) {                                                  \
+                uint64_t x = x0 ^ pk_load_le(b[i] + 8 * w);                                    \
+                d[i] += __builtin_popcountll(x);                                               \
+                if (sa) {                                                                      \
+                    uint64_t k = m0 & pk_load_le(sb[i] + 8 * w);                               \
+                    cs[i] += __builtin_popcountll(k);                                          \
+                    ds[i] += __builtin_popcountll(x & k);                                      \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int32_t i = 0; i < m; i++) {                                                      \
+            got[i][0] = d[i]; got[i][1] = ds[i]; got[i][2] = cs[i];                            \
+        }                                                                                      \
+    }
+
+PK_RAW_MANY(raw_many_c, )
+typedef void (*pk_raw_many_fn)(const uint8_t *, const uint8_t *, const uint8_t *const *,
+                               const uint8_t *const *, int32_t, int64_t, int64_t (*)[3]);
+
+#ifdef PK_HAVE_AVX2_CODE
+PK_RAW_MANY(raw_many_popcnt, __attribute__((target("popcnt"))))
+#ifdef PK_HAVE_VPOPCNT
+/* AVX-512 with VPOPCNTQ: eight words of every side a step, one accumulator per count; the
+ * body inlined for each m (a constant there: the accumulators stay in registers) */
+__attribute__((always_inline, target("avx512f,avx512vpopcntdq,popcnt")))
+static inline void raw_many_avx512_m(const uint8_t *a, const uint8_t *sa,
+                                     const uint8_t *const *b, const uint8_t *const *sb,
+                                     const int32_t m, int64_t words, int64_t (*got)[3]) {
+    __m512i vd[PK_FUSED], vds[PK_FUSED], vcs[PK_FUSED];
+    for (int32_t i = 0; i < m; i++)
+        vd[i] = vds[i] = vcs[i] = _mm512_setzero_si512();
+    int64_t w = 0;
+    if (sa) {
+        for (; w + 8 <= words; w += 8) {
+            __m512i va = _mm512_loadu_si512((const void *)(a + 8 * w));
+            __m512i vsa = _mm512_loadu_si512((const void *)(sa + 8 * w));
+            for (int32_t i = 0; i < m; i++) {
+                __m512i x = _mm512_xor_si512(va,
+                                             _mm512_loadu_si512((const void *)(b[i] + 8 * w)));
+                __m512i k = _mm512_and_si512(vsa,
+                                             _mm512_loadu_si512((const void *)(sb[i] + 8 * w)));
+                vd[i] = _mm512_add_epi64(vd[i], _mm512_popcnt_epi64(x));
+                vcs[i] = _mm512_add_epi64(vcs[i], _mm512_popcnt_epi64(k));
+                vds[i] = _mm512_add_epi64(vds[i], _mm512_popcnt_epi64(_mm512_and_si512(x, k)));
+            }
+        }
+    } else {
+        for (; w + 8 <= words; w += 8) {
+            __m512i va = _mm512_loadu_si512((const void *)(a + 8 * w));
+            for (int32_t i = 0; i < m; i++)
+                vd[i] = _mm512_add_epi64(vd[i], _mm512_popcnt_epi64(_mm512_xor_si512(
+                    va, _mm512_loadu_si512((const void *)(b[i] + 8 * w)))));
+        }
+    }
+    const uint8_t *rb[PK_FUSED] = {0}, *rsb[PK_FUSED] = {0};
+    int64_t rest[PK_FUSED][3];
+    for (int32_t i = 0; i < m; i++) {
+        rb[i] = b[i] + 8 * w;
+        rsb[i] = sa ? sb[i] + 8 * w : NULL;
+    }
+    raw_many_popcnt(a + 8 * w, sa ? sa + 8 * w : NULL, rb, rsb, m, words - w, rest);
+    for (int32_t i = 0; i < m; i++) {
+        got[i][0] = _mm512_reduce_add_epi64(vd[i]) + rest[i][0];
+        got[i][1] = (sa ? _mm512_reduce_add_epi64(vds[i]) : 0) + rest[i][1];
+        got[i][2] = (sa ? _mm512_reduce_add_epi64(vcs[i]) : 0) + rest[i][2];
+    }
+}
+
+__attribute__((target("avx512f,avx512vpopcntdq,popcnt")))
+static void raw_many_avx512(const uint8_t *a, const uint8_t *sa, const uint8_t *const *b,
+                            const uint8_t *const *sb, int32_t m, int64_t words,
+                            int64_t (*got)[3]) {
+    switch (m) {
+    case 1: raw_many_avx512_m(a, sa, b, sb, 1, words, got); break;
+    case 2: raw_many_avx512_m(a, sa, b, sb, 2, words, got); break;
+    case 3: raw_many_avx512_m(a, sa, b, sb, 3, words, got); break;
+    default: raw_many_avx512_m(a, sa, b, sb, 4, words, got); break;
+    }
+}
+#endif
+#endif
+
 typedef void (*pk_run_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, const uint8_t *,
                           const uint8_t *, int64_t, int64_t, int64_t, int64_t *);
 
@@ -873,6 +968,18 @@ static pk_run_fn pick_run(void) {
 #endif
 #endif
     return run;
+}
+
+/* the fused loop of the same width as pick_run's */
+static pk_raw_many_fn pick_raw_many(void) {
+    pk_raw_many_fn raw = raw_many_c;
+#ifdef PK_HAVE_AVX2_CODE
+    if (level >= 1 && __builtin_cpu_supports("popcnt")) raw = raw_many_popcnt;
+#ifdef PK_HAVE_VPOPCNT
+    if (level == 2 && __builtin_cpu_supports("avx512vpopcntdq")) raw = raw_many_avx512;
+#endif
+#endif
+    return raw;
 }
 
 void pk_count_runs_many(const int64_t *ta, const int64_t *tbs, int32_t nb, const int64_t *rs,
@@ -930,6 +1037,7 @@ void pk_count_runs_many(const int64_t *ta, const int64_t *tbs, int32_t nb, const
                         int64_t nrs, int64_t nrows, int32_t use_sig, int64_t *out,
                         int64_t ncols) {
     pk_run_fn run = pick_run();
+    pk_raw_many_fn raw_many = pick_raw_many();
     int64_t plane = nrows * ncols;
     for (int32_t i0 = 0; i0 < nb; i0 += PK_MANY) { /* at most PK_MANY sides at once */
         int32_t m = nb - i0 < PK_MANY ? nb - i0 : PK_MANY;
@@ -953,6 +1061,40 @@ void pk_count_runs_many(const int64_t *ta, const int64_t *tbs, int32_t nb, const
                         for (int64_t j2 = 0; j2 < R[12]; j2++) {
                             int64_t abit = R[3] + j0 * R[7] + j1 * R[10] + j2 * R[13];
                             int64_t bbit = R[4] + j0 * R[8] + j1 * R[11] + j2 * R[14];
+                            int64_t len = R[5];
+                            if (m > 1 && ((abit ^ bbit) & 7) == 0 && len >= 128) {
+                                /* whole words of every side in one pass (the fused loop);
+                                 * the bits before a's next byte and after the last word as
+                                 * one side's run each (counts add up over any cut) */
+                                int64_t head = (8 - (abit & 7)) & 7;
+                                int64_t words = (len - head) >> 6, done = head + (words << 6);
+                                if (head)
+                                    for (int32_t i = 0; i < m; i++)
+                                        run(a, sa, A[4], abit, b[i], sb[i], nbytes[i], bbit, head,
+                                            acc[i]);
+                                for (int32_t g = 0; g < m; g += PK_FUSED) {
+                                    int32_t k = m - g < PK_FUSED ? m - g : PK_FUSED;
+                                    const uint8_t *pb[PK_FUSED], *psb[PK_FUSED];
+                                    int64_t got[PK_FUSED][3];
+                                    for (int32_t t = 0; t < k; t++) {
+                                        pb[t] = b[g + t] + ((bbit + head) >> 3);
+                                        psb[t] = sa ? sb[g + t] + ((bbit + head) >> 3) : NULL;
+                                    }
+                                    raw_many(a + ((abit + head) >> 3),
+                                             sa ? sa + ((abit + head) >> 3) : NULL, pb, psb, k,
+                                             words, got);
+                                    for (int32_t t = 0; t < k; t++) {
+                                        acc[g + t][0] += got[t][0];
+                                        acc[g + t][1] += got[t][1];
+                                        acc[g + t][2] += got[t][2];
+                                    }
+                                }
+                                if (done < len)
+                                    for (int32_t i = 0; i < m; i++)
+                                        run(a, sa, A[4], abit + done, b[i], sb[i], nbytes[i],
+                                            bbit + done, len - done, acc[i]);
+                                continue;
+                            }
                             for (int64_t k = 0; k < R[5]; k += PK_PIECE) {
                                 int64_t len = R[5] - k < PK_PIECE ? R[5] - k : PK_PIECE;
                                 for (int32_t i = 0; i < m; i++)
