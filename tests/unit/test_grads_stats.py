@@ -111,3 +111,29 @@ def test_nanmedian_over_steps_is_numpys_bit_for_bit():
     assert np.isnan(_nanmedian1(np.full((1, 3, 2), np.nan))).all()
     assert _nanmedian1(np.array([[[1.0], [np.nan], [4.0], [2.0]]])).item() == 2.0
     assert _nanmedian1(np.array([[[1.0], [3.0], [np.nan], [8.0], [2.0]]])).item() == 2.5
+
+
+def test_the_comparison_takes_the_statistics_from_the_groups_it_opened(tmp_path, monkeypatch):
+    from probekit.grads.compare.compare import plan_stages
+    from probekit.grads.compare.engine import Session
+    from probekit.grads.compare.opening import store_of
+    from probekit.grads.store import sources
+
+    runs = [_record(tmp_path / n, control="bf16" if n == "ctrl" else None)
+            for n in ("ref", "test", "ctrl")]
+    with Session(progress=False) as session:
+        handles, tables = plan_stages([store_of(p) for p in runs], session=session, stats=True)
+    assert len(handles) == 2 and len(tables) == 3
+    for path, table in zip(runs, tables):
+        _same(table, load_stats(path))
+    read = []
+    real = sources._plain_stats
+    monkeypatch.setattr(sources, "_plain_stats", lambda *a: read.append(a) or real(*a))
+    cmp = compare_grads(runs[0], runs[1], control=runs[2], progress=False)
+    assert read == [] and cmp.attrs["control"] == "bf16"
+    # one store against the reference (the other run handed over as Datasets, whose tables
+    # come from them): no joint graph, the two stores' statistics read straight
+    compare_grads(runs[0], runs[1], control=load_runs(runs[2]), progress=False)
+    assert len(read) == 2
+    compare_grads(runs[0], load_runs(runs[1]), control=runs[2], progress=False)
+    assert len(read) == 4

@@ -575,17 +575,18 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
         # bit assembled), in one graph that reads the reference's bits once for the test and
         # the controls laid out alike (_compare_joint), the Datasets otherwise; each run's
         # statistics read once for the judgement (load_stats: only what the verdict reads,
-        # taken from the Datasets where they were read)
+        # from the groups the comparison opened, else read straight or taken from Datasets)
         stores = [store_of(x, storage_options) is not None for x in given]
         sources = [x if st else load_runs(x, storage_options=storage_options)
                    for x, st in zip(given, stores)]
-        runs = [load_stats(x, storage_options=storage_options) for x in sources]
         options = dict(step0_threshold=step0_threshold, drop_threshold=drop_threshold,
                        ranks=ranks, noise_aware=noise_aware, client=client,
                        scheduler=scheduler, progress=progress,
                        storage_options=storage_options, block_bytes=block_bytes,
                        task_bytes=task_bytes, rename=rename)
-        results = _compare_joint(sources, options)
+        results, tables = _compare_joint(sources, options)
+        runs = [t if t is not None else load_stats(x, storage_options=storage_options)
+                for x, t in zip(sources, tables)]
         return calibrate(results[0], results[1:], runs[0], runs[1], runs[2:],
                          storage_options=storage_options)
     with Session(client=client, scheduler=scheduler, progress=progress,
@@ -608,26 +609,31 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
     return _unpaired(out, unpaired)
 
 
-def _compare_joint(sources: list, options: dict) -> list:
-    """``_compare_grads(sources[0], x)`` for every other source (a reference against its test
-    and its controls), the results in order. Where the reference and others are stores, in one
-    graph: the reference's segments listed and rank groups opened once, every plan made in one
-    stage and counted in one (``count_stages``: the reference's bits read once for the runs
-    laid out alike). The rest (Datasets, what the planner declines) one comparison each."""
+def _compare_joint(sources: list, options: dict) -> tuple:
+    """(``_compare_grads(sources[0], x)`` for every other source (a reference against its test
+    and its controls), the results in order; the statistics the verdict reads of each source,
+    ``sources.load_stats``' tables, None where not read here). Where the reference and others
+    are stores, in one graph: the reference's segments listed and rank groups opened once
+    (their statistics with them), every plan made in one stage and counted in one
+    (``count_stages``: the reference's bits read once for the runs laid out alike). The rest
+    (Datasets, what the planner declines) one comparison each."""
     from .engine import Session
 
     store = options["storage_options"]
     stores = [_stores(sources[0], x, store) for x in sources[1:]]
     joint = [k for k, st in enumerate(stores) if st is not None]
     out: list = [None] * len(stores)
+    stats: list = [None] * len(sources)
     if len(joint) > 1:
         thresholds = (options["step0_threshold"], options["drop_threshold"])
         with Session(client=options["client"], scheduler=options["scheduler"],
                      progress=options["progress"], label="compare") as session:
-            handles = plan_stages([stores[joint[0]][0]] + [stores[k][1] for k in joint],
-                                  session=session, ranks=options["ranks"],
-                                  block_bytes=options["block_bytes"],
-                                  task_bytes=options["task_bytes"], rename=options["rename"])
+            handles, tables = plan_stages(
+                [stores[joint[0]][0]] + [stores[k][1] for k in joint], session=session,
+                ranks=options["ranks"], block_bytes=options["block_bytes"],
+                task_bytes=options["task_bytes"], rename=options["rename"], stats=True)
+            for i, t in zip([0] + [k + 1 for k in joint], tables):
+                stats[i] = t
             counted = count_stages(handles, session=session, thresholds=thresholds,
                                    noise_aware=options["noise_aware"])
             for k, handle, results in zip(joint, handles, counted):
@@ -637,7 +643,7 @@ def _compare_joint(sources: list, options: dict) -> list:
                     out[k] = _unpaired(_combine(results, *thresholds,
                                                 keep=_JUDGED if k else None), unpaired)
     return [r if r is not None else _compare_grads(sources[0], x, **options)
-            for r, x in zip(out, sources[1:])]
+            for r, x in zip(out, sources[1:])], stats
 
 
 def _unpaired(result, unpaired: dict):
@@ -732,13 +738,15 @@ def plan_stage(sa, sb, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
 
 
 def plan_stages(stores: list, *, session, ranks=None, block_bytes: int = _BLOCK_BYTES,
-                task_bytes: int = _TASK_BYTES, rename=None) -> list:
+                task_bytes: int = _TASK_BYTES, rename=None, stats: bool = False):
     """``plan_stage`` of the first store against each of the others (a reference against its
     test and its controls) in one graph: every store's segments listed and rank groups opened
-    once (the first store's shared by all its plans); the plans' handles, in order."""
+    once (the first store's shared by all its plans); the plans' handles, in order. ``stats``:
+    (those handles, each store's ``sources.load_stats`` tables from the same opened groups,
+    ``opening.stat_tables``: None where it does not read them straight)."""
     import dask
 
-    from .opening import batches, open_batch, shape, store_segments
+    from .opening import batches, open_batch, shape, stat_tables, store_segments
 
     # local stores are listed, opened and planned in this thread while each is a batch of
     # rank groups (metadata parsed and plans made hold the GIL: threads would only take turns);
@@ -750,7 +758,7 @@ def plan_stages(stores: list, *, session, ranks=None, block_bytes: int = _BLOCK_
             for h in listed]
     opened = []
     for (fs, _), handle, lazy in zip(stores, listed, segs):
-        opened.append([dask.delayed(open_batch, pure=False)(fs, lazy, i, batch)
+        opened.append([dask.delayed(open_batch, pure=False)(fs, lazy, i, batch, stats)
                        for i, (_, _, rks) in enumerate(session.value(shape, handle))
                        for batch in batches(rks)])
     # the first plan keeps its slab sets and each later plan starts from them: a test and its
@@ -763,8 +771,17 @@ def plan_stages(stores: list, *, session, ranks=None, block_bytes: int = _BLOCK_
         planned.append(dask.delayed(_plan_task, pure=False)(
             segs[0], segs[k], len(opened[0]), ranks, block_bytes, task_bytes, rename,
             *opened[0], *opened[k], **more))
-    return session.run(planned, keep=True, inner=[t for o in opened for t in o],
-                       inline=local and all(len(o) <= 1 for o in opened))
+    tables = [dask.delayed(stat_tables, pure=False)(lazy, *o)
+              for lazy, o in zip(segs, opened)] if stats else []
+    got = session.run(planned + tables, keep=True, inner=[t for o in opened for t in o],
+                      inline=local and all(len(o) <= 1 for o in opened))
+    if not stats:
+        return got
+    return got[:len(planned)], [session.value(_same, h) for h in got[len(planned):]]
+
+
+def _same(x):
+    return x
 
 
 def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,

@@ -67,10 +67,11 @@ def shape(segs: list) -> list:
     return [(s.first_step, s.last_step, s.ranks) for s in segs]
 
 
-def open_group(fs, seg, rank: int) -> dict | None:
+def open_group(fs, seg, rank: int, stats: bool = False) -> dict | None:
     """The metadata of rank group ``rank`` of segment ``seg`` (``restarts.Segment``) over the
     segment's steps (see the module docstring); None when its arrays are stored in a way the
-    comparison does not read straight."""
+    comparison does not read straight. ``stats``: also its norms, maxima and minima over those
+    steps (``"stats"``: ``sources.stat_rows``, what a verdict with a control reads)."""
     from ..store.restarts import read_commit, step_rows
 
     group = seg.groups[rank]
@@ -100,8 +101,13 @@ def open_group(fs, seg, rank: int) -> dict | None:
     numels = np.asarray(attrs["numels"], np.int64)
     names = [str(x) for x in attrs["params"]]
     shapes = [str(x) for x in attrs.get("shapes") or [f"({int(x)},)" for x in numels]]
+    rows = None
+    if stats:
+        from ..store.sources import stat_rows
+
+        rows = stat_rows(fs, group, n, r0, r1)
     return {
-        "rank": int(rank), "steps": steps[r0:r1],
+        "rank": int(rank), "steps": steps[r0:r1], "stats": rows,
         "present": None if present is None else np.asarray(present[1][r0:r1], bool),
         "names": names, "numels": numels, "shapes": shapes,
         "boxes": boxes(names, numels, shapes, placement, int(attrs.get("sample") or 0),
@@ -116,13 +122,26 @@ def open_group(fs, seg, rank: int) -> dict | None:
     }
 
 
-def open_batch(fs, segs: list, index: int, ranks) -> list:
+def open_batch(fs, segs: list, index: int, ranks, stats: bool = False) -> list:
     """``open_group`` of each rank of a batch of segment ``segs[index]``'s ranks (one task of
     the comparison's graph). Python's cyclic garbage collector is held off meanwhile: the many
     small containers of the groups' metadata would set off collections of everything alive."""
     seg = segs[index]
     with gc_held():
-        return [open_group(fs, seg, r) for r in ranks]
+        return [open_group(fs, seg, r, stats) for r in ranks]
+
+
+def stat_tables(segs: list, *batches) -> dict | None:
+    """``sources.load_stats`` of a store from its opened groups (``open_batch(..., stats=True)``
+    of each segment's ranks in order): the same tables, none of its files read again; None
+    where ``load_stats`` would not read the store straight (it reads it then)."""
+    from ..store.sources import plain_segments, plain_table
+
+    groups = [g for batch in batches for g in batch]
+    if not plain_segments(segs) or any(g is None or g["stats"] is None for g in groups):
+        return None
+    return {g["rank"]: plain_table(segs[0], g["rank"], g["steps"], g["present"], g["stats"])
+            for g in groups}
 
 
 @contextlib.contextmanager

@@ -112,32 +112,60 @@ def _plain_stats(segs: list, fs):
     from .chunks import read_plain
     from .restarts import read_commit, step_rows
 
-    if len(segs) != 1 or segs[0].sharded:
+    if not plain_segments(segs):
         return None
     seg = segs[0]
     out = {}
     for rank in seg.ranks:
-        group, attrs = seg.groups[rank], dict(seg.attrs.get(rank) or {})
-        if attrs.get("params") is None or attrs.get("placement") is not None:
-            return None
+        group = seg.groups[rank]
         n = read_commit(group, fs)["steps"]
         step = read_plain(fs.join(group, "step"), n, fs)
         if step is None:
             return None
         r0, r1 = step_rows(step[1], seg.first_step, seg.last_step)
-        table = {"step": np.asarray(step[1][r0:r1], np.int64),
-                 "param": [str(x) for x in attrs["params"]], "present": None}
-        for name in STAT_MEMBERS:
-            if name == "present" and not fs.isfile(fs.join(group, name, "zarr.json")):
-                continue     # a store from before it: every parameter had a gradient
-            got = read_plain(fs.join(group, name), n, fs)
-            if got is None or tuple(got[0]) != ("step", "param"):
+        present = None      # a store from before it: every parameter had a gradient
+        if fs.isfile(fs.join(group, "present", "zarr.json")):
+            got = read_plain(fs.join(group, "present"), n, fs)
+            if got is None:
                 return None
-            table[name] = np.asarray(got[1][r0:r1], bool if name == "present" else np.float64)
-        attrs["rank"] = int(rank)
-        table["attrs"] = attrs
-        out[int(rank)] = table
+            present = got[1][r0:r1]
+        rows = stat_rows(fs, group, n, r0, r1)
+        if rows is None:
+            return None
+        out[int(rank)] = plain_table(seg, rank, step[1][r0:r1], present, rows)
     return out
+
+
+def plain_segments(segs: list) -> bool:
+    """Are these a store's segments that ``load_stats`` reads straight: one segment of
+    unsharded rank groups that name their parameters?"""
+    return len(segs) == 1 and not segs[0].sharded and all(
+        (segs[0].attrs.get(r) or {}).get("params") is not None
+        and (segs[0].attrs.get(r) or {}).get("placement") is None for r in segs[0].ranks)
+
+
+def stat_rows(fs, group: str, n: int, r0: int, r1: int):
+    """{"norm", "max", "min"}: rows ``r0:r1`` of a rank group's statistics (``n`` committed) as
+    float64; None where one is stored another way."""
+    from .chunks import read_plain
+
+    out = {}
+    for name in STAT_MEMBERS[1:]:
+        got = read_plain(fs.join(group, name), n, fs)
+        if got is None or tuple(got[0]) != ("step", "param"):
+            return None
+        out[name] = np.asarray(got[1][r0:r1], np.float64)
+    return out
+
+
+def plain_table(seg, rank: int, steps, present, rows: dict) -> dict:
+    """``load_stats``' table of rank group ``rank`` of a plain segment (``plain_segments``):
+    its steps, ``present`` rows (None: none stored) and statistic rows (``stat_rows``)."""
+    attrs = dict(seg.attrs.get(rank) or {})
+    attrs["rank"] = int(rank)
+    return {"step": np.asarray(steps, np.int64), "param": [str(x) for x in attrs["params"]],
+            "present": None if present is None else np.asarray(present, bool), **rows,
+            "attrs": attrs}
 
 
 def without_grad(ds) -> list[str]:
