@@ -748,19 +748,27 @@ def plan_stages(stores: list, *, session, ranks=None, block_bytes: int = _BLOCK_
 
     from .opening import batches, open_batch, shape, stat_tables, store_segments
 
-    # local stores are listed, opened and planned in this thread while each is a batch of
-    # rank groups (metadata parsed and plans made hold the GIL: threads would only take turns);
-    # in threads where a store has more ranks, and for object stores (their round trips wait)
-    local = not any(fs.remote for fs, _ in stores)
-    listed = session.run([dask.delayed(store_segments, pure=False)(fs, store)
-                          for fs, store in stores], keep=True, inline=local)
-    segs = [h if session.on_cluster else dask.delayed(h, pure=False, traverse=False)
-            for h in listed]
-    opened = []
-    for (fs, _), handle, lazy in zip(stores, listed, segs):
-        opened.append([dask.delayed(open_batch, pure=False)(fs, lazy, i, batch, stats)
-                       for i, (_, _, rks) in enumerate(session.value(shape, handle))
-                       for batch in batches(rks)])
+    # local stores are listed in this thread; opened and planned in it too while each is a
+    # batch of rank groups (metadata parsed and plans made hold the GIL: two threads would
+    # only take turns, and a graph of a few such tasks costs more than they do); as a graph
+    # where a store has more ranks, for object stores (their round trips wait) and on a cluster
+    local = not session.on_cluster and not any(fs.remote for fs, _ in stores)
+    if local:
+        listed = [store_segments(fs, store) for fs, store in stores]
+    else:
+        listed = session.run([dask.delayed(store_segments, pure=False)(fs, store)
+                              for fs, store in stores], keep=True)
+    shapes = [session.value(shape, h) for h in listed]
+    eager = local and all(sum(len(batches(rks)) for _, _, rks in sh) <= 1 for sh in shapes)
+
+    def call(fn, *args, **kwargs):
+        return fn(*args, **kwargs) if eager else dask.delayed(fn, pure=False)(*args, **kwargs)
+
+    segs = listed if eager or session.on_cluster else [
+        dask.delayed(h, pure=False, traverse=False) for h in listed]
+    opened = [[call(open_batch, fs, lazy, i, batch, stats)
+               for i, (_, _, rks) in enumerate(sh) for batch in batches(rks)]
+              for (fs, _), lazy, sh in zip(stores, segs, shapes)]
     # the first plan keeps its slab sets and each later plan starts from them: a test and its
     # controls recorded in one layout share the reference's geometry and their own (the
     # planning, most of this stage's time on a small model, once)
@@ -768,13 +776,11 @@ def plan_stages(stores: list, *, session, ranks=None, block_bytes: int = _BLOCK_
     for k in range(1, len(stores)):
         more = {"share": True} if len(stores) > 2 and k == 1 else (
             {"like": planned[0]} if k > 1 else {})
-        planned.append(dask.delayed(_plan_task, pure=False)(
-            segs[0], segs[k], len(opened[0]), ranks, block_bytes, task_bytes, rename,
-            *opened[0], *opened[k], **more))
-    tables = [dask.delayed(stat_tables, pure=False)(lazy, *o)
-              for lazy, o in zip(segs, opened)] if stats else []
-    got = session.run(planned + tables, keep=True, inner=[t for o in opened for t in o],
-                      inline=local and all(len(o) <= 1 for o in opened))
+        planned.append(call(_plan_task, segs[0], segs[k], len(opened[0]), ranks, block_bytes,
+                            task_bytes, rename, *opened[0], *opened[k], **more))
+    tables = [call(stat_tables, lazy, *o) for lazy, o in zip(segs, opened)] if stats else []
+    got = planned + tables if eager else session.run(
+        planned + tables, keep=True, inner=[t for o in opened for t in o])
     if not stats:
         return got
     return got[:len(planned)], [session.value(_same, h) for h in got[len(planned):]]

@@ -101,13 +101,10 @@ class Session:
     def on_cluster(self) -> bool:
         return self.client is not None
 
-    def run(self, tasks: list, keep: bool = False, inner=(), inline: bool = False) -> list:
+    def run(self, tasks: list, keep: bool = False, inner=()) -> list:
         """The values of ``tasks`` (``dask.delayed``); on a cluster with ``keep``, their futures
         (they stay on the workers, for the next stage). ``inner``: tasks of the same graph that
-        ``tasks`` depend on, counted in the progress too (their values are not kept).
-        ``inline``: on this machine, in the calling thread (a stage of a few tasks that hold
-        the GIL, such as parsing metadata and planning: two threads would only take turns,
-        and each turn costs)."""
+        ``tasks`` depend on, counted in the progress too (their values are not kept)."""
         if not tasks:
             return []
         inner = list(inner)
@@ -130,8 +127,7 @@ class Session:
                 return outputs if keep else self.client.gather(outputs)
         import dask
 
-        how = dict(scheduler="sync") if inline else dict(scheduler="threads",
-                                                          num_workers=self.num_workers)
+        how = dict(scheduler="threads", num_workers=self.num_workers)
         if self.bar is None:
             return list(dask.compute(*tasks, optimize_graph=False, **how))
         from dask.callbacks import Callback
