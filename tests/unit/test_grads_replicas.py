@@ -196,6 +196,20 @@ def test_summary_and_words():
                            "parameter whose replicas disagree")
 
 
+def test_no_disagreement_is_an_empty_table_of_its_own():
+    """The empty table is built once and handed out as copies: the same columns and dtypes
+    each time, and a caller's change to one reaches no other."""
+    from probekit.grads.store.replicas import COLUMNS, _frame
+
+    a, b = _frame([]), _frame([])
+    assert a is not b and list(a.columns) == list(COLUMNS) and len(a) == 0
+    assert {c: str(a[c].dtype) for c in ("first_step", "last_step", "steps")} == {
+        "first_step": "int64", "last_step": "int64", "steps": "int64"}
+    a["extra"] = 1
+    a.loc[0] = ["w", 0, 0, 1, "gradients", "", (0, 1), 1]
+    assert len(_frame([])) == 0 and "extra" not in _frame([]).columns
+
+
 def test_old_stores_open_and_are_continued_with_the_check(tmp_path):
     """A store recorded without the check (an older probekit, or the check off) opens as
     before; a run with the check continuing its groups adds the arrays, whose earlier rows

@@ -56,12 +56,17 @@ def replica_lines(table, limit: int = 3, who: str = "") -> list[str]:
     return out
 
 
+_EMPTY: list = []   # the empty table, built once (1-2 ms; every comparison asks for one)
+
+
 def _frame(rows: list):
     import pandas as pd
 
     if not rows:
-        return pd.DataFrame(rows, columns=list(COLUMNS)).astype(
-            {"first_step": "int64", "last_step": "int64", "steps": "int64"})
+        if not _EMPTY:
+            _EMPTY.append(pd.DataFrame(rows, columns=list(COLUMNS)).astype(
+                {"first_step": "int64", "last_step": "int64", "steps": "int64"}))
+        return _EMPTY[0].copy()
     agg = {}
     for r in rows:  # one row per parameter: its shards' (or rank groups') disagreements joined
         cur = agg.get(r["param"])
