@@ -19,7 +19,9 @@ controls (their envelope) and with one. ``line``: the bf16-accumulation bug at 1
 tokens per step, sequential or in fp32 chunks. ``cost``: a control run's step time (``--model``: the
 GPT-2, or ``bench_freebench_msprobe``'s model in fp32 at size ``block`` or ``small``) and a
 comparison with a control against a plain comparison (medians of repeats, same process; the
-verdict's margins cached and cold; ``--compare-only``: the comparisons alone; ``--recorded``:
+verdict's margins cached and cold; each also as the median of every round's own ratio, the
+plain and control comparisons of a round run next to each other; ``--compare-only``: the
+comparisons alone; ``--recorded``:
 also whole recorded runs, 12 steps, with each control against the same run recorded plainly).
 ``sweep`` (issue 37): the false-alarm rate over many healthy fp32 pairs (kernel and backend
 swaps, reduction orders, attention paths) on zoo models the verdict's priors were not measured
@@ -605,6 +607,14 @@ def cost(args) -> dict:
             res[f"compare {label} {what} plain s"] = round(p, 3)
             res[f"compare {label} {what} with control s"] = round(c, 3)
             res[f"compare {label} {what} ratio"] = round(c / p, 2)
+            # each round's own ratio (its plain and control comparisons run next to each
+            # other): a machine whose speed drifts between rounds moves both alike
+            per = [x[k] / y[k] for x, y in zip(times["control"], times["plain"])]
+            res[f"compare {label} {what} ratio per round"] = round(statistics.median(per), 3)
+            if len(per) >= 4:
+                q = statistics.quantiles(per, n=4)
+                res[f"compare {label} {what} ratio per round quartiles"] = [round(q[0], 2),
+                                                                           round(q[2], 2)]
             res[f"compare {label} {what} with control, margins cold s"] = round(f, 3)
             res[f"compare {label} {what} ratio, margins cold"] = round(f / p, 2)
     return res
