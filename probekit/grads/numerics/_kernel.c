@@ -958,28 +958,23 @@ static void raw_many_avx512(const uint8_t *a, const uint8_t *sa, const uint8_t *
 typedef void (*pk_run_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, const uint8_t *,
                           const uint8_t *, int64_t, int64_t, int64_t, int64_t *);
 
-/* the widest counting loop this CPU and the chosen path allow */
-static pk_run_fn pick_run(void) {
-    pk_run_fn run = run_c;
+/* the widest counting loops this CPU and the chosen path allow: one side's (run) and the fused
+ * loop over several sides (raw_many), of the same width */
+static void pick_counting(pk_run_fn *run, pk_raw_many_fn *raw_many) {
+    *run = run_c;
+    *raw_many = raw_many_c;
 #ifdef PK_HAVE_AVX2_CODE
-    if (level >= 1 && __builtin_cpu_supports("popcnt")) run = run_popcnt;
+    if (level >= 1 && __builtin_cpu_supports("popcnt")) {
+        *run = run_popcnt;
+        *raw_many = raw_many_popcnt;
+    }
 #ifdef PK_HAVE_VPOPCNT
-    if (level == 2 && __builtin_cpu_supports("avx512vpopcntdq")) run = run_avx512;
+    if (level == 2 && __builtin_cpu_supports("avx512vpopcntdq")) {
+        *run = run_avx512;
+        *raw_many = raw_many_avx512;
+    }
 #endif
 #endif
-    return run;
-}
-
-/* the fused loop of the same width as pick_run's */
-static pk_raw_many_fn pick_raw_many(void) {
-    pk_raw_many_fn raw = raw_many_c;
-#ifdef PK_HAVE_AVX2_CODE
-    if (level >= 1 && __builtin_cpu_supports("popcnt")) raw = raw_many_popcnt;
-#ifdef PK_HAVE_VPOPCNT
-    if (level == 2 && __builtin_cpu_supports("avx512vpopcntdq")) raw = raw_many_avx512;
-#endif
-#endif
-    return raw;
 }
 
 void pk_count_runs_many(const int64_t *ta, const int64_t *tbs, int32_t nb, const int64_t *rs,
@@ -1036,8 +1031,9 @@ void pk_sample_hash(const int64_t *addr, const int64_t *stride, const int64_t *c
 void pk_count_runs_many(const int64_t *ta, const int64_t *tbs, int32_t nb, const int64_t *rs,
                         int64_t nrs, int64_t nrows, int32_t use_sig, int64_t *out,
                         int64_t ncols) {
-    pk_run_fn run = pick_run();
-    pk_raw_many_fn raw_many = pick_raw_many();
+    pk_run_fn run;
+    pk_raw_many_fn raw_many;
+    pick_counting(&run, &raw_many);
     int64_t plane = nrows * ncols;
     for (int32_t i0 = 0; i0 < nb; i0 += PK_MANY) { /* at most PK_MANY sides at once */
         int32_t m = nb - i0 < PK_MANY ? nb - i0 : PK_MANY;
