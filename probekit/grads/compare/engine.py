@@ -127,9 +127,9 @@ class Session:
                 return outputs if keep else self.client.gather(outputs)
         import dask
 
-        how = dict(scheduler="threads", num_workers=self.num_workers)
         if self.bar is None:
-            return list(dask.compute(*tasks, optimize_graph=False, **how))
+            return list(dask.compute(*tasks, scheduler="threads", num_workers=self.num_workers,
+                                     optimize_graph=False))
         from dask.callbacks import Callback
 
         keys = {t.key for t in tasks} | {t.key for t in inner}
@@ -141,7 +141,8 @@ class Session:
                     bar.step()
 
         with Count():
-            return list(dask.compute(*tasks, optimize_graph=False, **how))
+            return list(dask.compute(*tasks, scheduler="threads", num_workers=self.num_workers,
+                                     optimize_graph=False))
 
     def value(self, fn, handle, *args):
         """``fn(value of handle, *args)`` where the handle's value is (a small answer back)."""

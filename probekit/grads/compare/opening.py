@@ -22,7 +22,7 @@ import json
 
 import numpy as np
 
-from ..store.chunks import RawChunks, read_plain
+from ..store.chunks import RawChunks
 from .planner import boxes
 
 #: rank groups opened per task of the comparison's graph
@@ -72,22 +72,16 @@ def open_group(fs, seg, rank: int, stats: bool = False) -> dict | None:
     segment's steps (see the module docstring); None when its arrays are stored in a way the
     comparison does not read straight. ``stats``: also its norms, maxima and minima over those
     steps (``"stats"``: ``sources.stat_rows``, what a verdict with a control reads)."""
-    from ..store.restarts import read_commit, step_rows
+    from ..store.sources import group_rows, stat_rows
 
     group = seg.groups[rank]
     attrs = seg.attrs.get(rank) or {}
     if attrs.get("params") is None or attrs.get("numels") is None:
         return None
-    n = read_commit(group, fs)["steps"]
-    step = read_plain(fs.join(group, "step"), n, fs)
-    if step is None:
+    got = group_rows(fs, group, seg.first_step, seg.last_step)  # the segment's rows only
+    if got is None:
         return None
-    has_present = fs.isfile(fs.join(group, "present", "zarr.json"))
-    present = read_plain(fs.join(group, "present"), n, fs) if has_present else None
-    if has_present and present is None:
-        return None
-    steps = np.asarray(step[1], np.int64)
-    r0, r1 = step_rows(steps, seg.first_step, seg.last_step)  # the segment's rows only
+    n, r0, r1, steps, present = got
     bits = {}
     for name in ("direction", "significant"):
         if fs.isfile(fs.join(group, name, "zarr.json")):
@@ -101,14 +95,9 @@ def open_group(fs, seg, rank: int, stats: bool = False) -> dict | None:
     numels = np.asarray(attrs["numels"], np.int64)
     names = [str(x) for x in attrs["params"]]
     shapes = [str(x) for x in attrs.get("shapes") or [f"({int(x)},)" for x in numels]]
-    rows = None
-    if stats:
-        from ..store.sources import stat_rows
-
-        rows = stat_rows(fs, group, n, r0, r1)
     return {
-        "rank": int(rank), "steps": steps[r0:r1], "stats": rows,
-        "present": None if present is None else np.asarray(present[1][r0:r1], bool),
+        "rank": int(rank), "steps": steps,
+        "stats": stat_rows(fs, group, n, r0, r1) if stats else None, "present": present,
         "names": names, "numels": numels, "shapes": shapes,
         "boxes": boxes(names, numels, shapes, placement, int(attrs.get("sample") or 0),
                        attrs.get("sample_bits")),

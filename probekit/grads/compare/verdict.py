@@ -507,7 +507,7 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     from ...errors import GradCompareError
 
     present = result.variables["differ"].transpose(*dims).values >= 0
-    order = np.argsort(np.asarray(result["step"].values), kind="stable")
+    order = np.argsort(where["step"], kind="stable")
     cells = np.maximum(present.reshape(nrank, -1).sum(axis=1), 1)
     nsteps = max(d_t.shape[1], 1)
     up = sim_c = now = None
@@ -604,8 +604,8 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     kind[nonfinite] = 3
     excess = np.where(kind == 2, exc_g, np.where(kind == 1, exc_s, np.fmax(exc_s, exc_g)))
     excess = np.where(nonfinite, np.inf, excess)
-    steps = np.asarray(result["step"].values)
-    params = [str(x) for x in result["param"].values]
+    steps = where["step"]
+    params = [str(x) for x in where["param"]]
     firsts = [_first(kind[k], flag_t[k], excess[k], steps, params)
               for k in range(flag.shape[0])]
     rs = ("rank", "step")

@@ -109,31 +109,41 @@ def stat_table(ds) -> dict:
 
 def _plain_stats(segs: list, fs):
     """``load_stats`` of one unsharded segment's groups, or None for any other store."""
-    from .chunks import read_plain
-    from .restarts import read_commit, step_rows
-
     if not plain_segments(segs):
         return None
     seg = segs[0]
     out = {}
     for rank in seg.ranks:
         group = seg.groups[rank]
-        n = read_commit(group, fs)["steps"]
-        step = read_plain(fs.join(group, "step"), n, fs)
-        if step is None:
-            return None
-        r0, r1 = step_rows(step[1], seg.first_step, seg.last_step)
-        present = None      # a store from before it: every parameter had a gradient
-        if fs.isfile(fs.join(group, "present", "zarr.json")):
-            got = read_plain(fs.join(group, "present"), n, fs)
-            if got is None:
-                return None
-            present = got[1][r0:r1]
-        rows = stat_rows(fs, group, n, r0, r1)
+        got = group_rows(fs, group, seg.first_step, seg.last_step)
+        rows = None if got is None else stat_rows(fs, group, *got[:3])
         if rows is None:
             return None
-        out[int(rank)] = plain_table(seg, rank, step[1][r0:r1], present, rows)
+        out[int(rank)] = plain_table(seg, rank, got[3], got[4], rows)
     return out
+
+
+def group_rows(fs, group: str, first: int, last: int):
+    """What a reader takes first of a rank group over a segment's steps ``first..last``: (its
+    committed rows ``n``, the segment's rows ``r0``, ``r1``, their steps, their ``present``
+    rows, or None where the group stores none: every parameter had a gradient), read straight
+    from the chunk files; None where ``step`` or ``present`` is stored another way."""
+    from .chunks import read_plain
+    from .restarts import read_commit, step_rows
+
+    n = read_commit(group, fs)["steps"]
+    step = read_plain(fs.join(group, "step"), n, fs)
+    if step is None:
+        return None
+    steps = np.asarray(step[1], np.int64)
+    r0, r1 = step_rows(steps, first, last)
+    present = None
+    if fs.isfile(fs.join(group, "present", "zarr.json")):
+        got = read_plain(fs.join(group, "present"), n, fs)
+        if got is None:
+            return None
+        present = np.asarray(got[1][r0:r1], bool)
+    return n, r0, r1, steps[r0:r1], present
 
 
 def plain_segments(segs: list) -> bool:
