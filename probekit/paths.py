@@ -7,6 +7,7 @@ import re
 from .errors import UnsafePathError
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+_EXT = re.compile(r"\.[A-Za-z0-9]{1,8}$")
 MAX_NAME = 200
 
 
@@ -14,15 +15,43 @@ def safe_name(name: str) -> str:
     """``name`` as a single path component: characters outside ``[A-Za-z0-9_.-]`` become ``_``.
 
     Separators, ``..`` and leading dots are neutralised and the result is never empty; long
-    names are cut and suffixed with a short digest so two long names stay distinct.
+    names are cut and suffixed with a short digest so two long names stay distinct (their
+    extension, up to 8 letters or digits after the last dot, kept at the end).
     """
     cleaned = _UNSAFE.sub("_", str(name)).lstrip(".") or "_"
-    if len(cleaned) > MAX_NAME:
-        import hashlib
+    return _digested(name, cleaned) if len(cleaned) > MAX_NAME else cleaned
 
-        digest = hashlib.sha1(str(name).encode()).hexdigest()[:10]
-        cleaned = f"{cleaned[:MAX_NAME - 11]}-{digest}"
-    return cleaned
+
+def _digested(name: str, cleaned: str) -> str:
+    """``cleaned`` cut to fit ``MAX_NAME`` with a digest of ``name`` before its extension."""
+    import hashlib
+
+    digest = hashlib.sha1(str(name).encode()).hexdigest()[:10]
+    m = _EXT.search(cleaned)
+    ext = m.group(0) if m else ""
+    stem = cleaned[:len(cleaned) - len(ext)]
+    return f"{stem[:MAX_NAME - 11 - len(ext)]}-{digest}{ext}"
+
+
+def unique_names(names, suffix: str = "", taken=()) -> list[str]:
+    """One file name per name in ``names`` (``safe_name`` of it plus ``suffix``) for one folder,
+    no two alike: a name whose file name is in ``taken``, and every name that cleaning changed
+    whose file name another name shares, gets the digest form (a name cleaning left as it is
+    keeps its file name otherwise). It depends only on the set of names, not their order, so a
+    reader that knows the names finds the files a writer gave them."""
+    names = [str(n) for n in names]
+    plain = [safe_name(f"{n}{suffix}") for n in names]
+    count: dict = {}
+    for f in plain:
+        count[f] = count.get(f, 0) + 1
+    taken = set(taken)
+    out = []
+    for n, f in zip(names, plain):
+        changed = f != f"{n}{suffix}"
+        if (changed and count[f] > 1) or f in taken:
+            f = _digested(f"{n}{suffix}", _UNSAFE.sub("_", f"{n}{suffix}").lstrip(".") or "_")
+        out.append(f)
+    return out
 
 
 def safe_join(root: str | os.PathLike, *names: str) -> str:

@@ -49,3 +49,31 @@ def test_once():
     assert [once("a"), once("a"), once("b")] == [True, False, True]
     once.clear()
     assert once("a")
+
+
+def test_safe_name_keeps_the_extension_of_a_long_name():
+    """A long name is cut before its extension, so a picture stays a ``.png`` (matplotlib took
+    the text after the last dot as the format) and a sign file a ``.npy``."""
+    import hashlib
+
+    name = "enc." + "x" * 250 + "_similarities.png"
+    got = safe_name(name)
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    assert got == "enc." + "x" * 181 + f"-{digest}.png" and len(got) == 200
+    assert safe_name("x" * 300) == "x" * 189 + "-" + hashlib.sha1(b"x" * 300).hexdigest()[:10]
+
+
+def test_unique_names_give_each_name_its_own_file_whatever_the_order():
+    from probekit.paths import unique_names
+
+    names = ["a/b", "a_b", "层.w", "权.w", "ok.w", "summary"]
+    got = unique_names(names, ".npy")
+    assert got[1] == "a_b.npy" and got[4] == "ok.w.npy" and got[5] == "summary.npy"
+    assert got[0].startswith("a_b-") and got[2].startswith("_.w-") and got[3].startswith("_.w-")
+    assert len(set(got)) == len(got) and all(g.endswith(".npy") for g in got)
+    back = unique_names(names[::-1], ".npy")[::-1]
+    assert back == got
+    # a name that would take a file of the folder's own is moved off it
+    pics = unique_names(["summary", "x"], "_similarities.png", taken={"summary_similarities.png"})
+    assert pics[0].startswith("summary_similarities-") and pics[0].endswith(".png")
+    assert pics[1] == "x_similarities.png"

@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from ...log import get_logger
-from ...paths import safe_join
+from ...paths import safe_join, unique_names
 from .compare import DROP_THRESHOLD, STEP0_THRESHOLD, compare_grads
 from .unmatched import unmatched
 
@@ -96,6 +96,10 @@ def _write_pictures(r, picture_dir: str, per_param: bool) -> None:
     fig.render(None, os.path.join(picture_dir, "summary_similarities.png"))
     if per_param:
         sim = np.asarray(r["similarity"].values)
-        for j, name in enumerate(r["param"].values):
+        names = [str(n) for n in r["param"].values]
+        # msprobe's names, each parameter its own file (a parameter named "summary" or two that
+        # clean alike would share one otherwise: the later gets a digest in its name)
+        files = unique_names(names, "_similarities.png", taken={"summary_similarities.png"})
+        for j, (name, fname) in enumerate(zip(names, files)):
             if not np.all(np.isnan(sim[:, j])):
-                fig.render(str(name), safe_join(picture_dir, f"{name}_similarities.png"))
+                fig.render(name, safe_join(picture_dir, fname))

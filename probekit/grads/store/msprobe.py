@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import MsprobeDumpError
 from ..numerics.stats import interval_labels, padded_nbytes
-from ...paths import safe_join
+from ...paths import safe_join, unique_names
 
 SUMMARY_RE = re.compile(r"^grad_summary_(\d+)\.csv$")
 STEP_RE = re.compile(r"^step(\d+)$")
@@ -88,11 +88,20 @@ def read_grad_dump(path: str, rank: int = 0):
         head, rows = _read_summary(os.path.join(rank_dir, fname))
         if head != header:
             raise MsprobeDumpError(f"{fname}: header {head} differs from {files[0][1]}'s {header}")
-        per_step.append((step, rows))
-        for row in rows:
+        seen = set()
+        for i, row in enumerate(rows):
+            where = f"{os.path.join(rank_dir, fname)!r}, row {i + 2}"
+            if len(row) != len(header):
+                raise MsprobeDumpError(f"{where}: {len(row)} columns, expected {len(header)} "
+                                       f"({', '.join(header)})")
+            if row[0] in seen:
+                raise MsprobeDumpError(f"{where}: parameter {row[0]!r} twice in one step")
+            seen.add(row[0])
+            shape = _cell(where, "shape", row[col["shape"]], _parse_shape)
             if row[0] not in names:
                 names[row[0]] = len(names)
-                shapes[row[0]] = _parse_shape(row[col["shape"]])
+                shapes[row[0]] = shape
+        per_step.append((step, rows, fname))
     params = list(names)
     numels = np.array([int(np.prod(shapes[n])) for n in params], np.int64)
     s, p = len(per_step), len(params)
@@ -101,18 +110,20 @@ def read_grad_dump(path: str, rank: int = 0):
     md5 = np.zeros((s, p, 16), np.uint8) if level == "L0" else None
     zeros = np.full((s, p), np.nan) if level == "L2" else None
     dist = np.full((s, p, n_int), np.nan) if level == "L2" else None
-    for si, (_, rows) in enumerate(per_step):
-        for row in rows:
+    for si, (_, rows, fname) in enumerate(per_step):
+        for i, row in enumerate(rows):
+            where = f"{os.path.join(rank_dir, fname)!r}, row {i + 2}"
             j = names[row[0]]
             present[si, j] = True
             for k in stats:
-                stats[k][si, j] = float(row[col[k]])
+                stats[k][si, j] = _cell(where, k, row[col[k]], float)
             if md5 is not None:
-                md5[si, j] = np.frombuffer(bytes.fromhex(row[col["MD5"]]), np.uint8)
+                md5[si, j] = _cell(where, "MD5", row[col["MD5"]], _md5)
             if dist is not None:
-                dist[si, j] = [float(x) for x in row[1:1 + n_int]]
-                zeros[si, j] = float(row[col["=0"]])
-    steps = np.array([st for st, _ in per_step], np.int64)
+                dist[si, j] = [_cell(where, header[1 + q], x, float)
+                               for q, x in enumerate(row[1:1 + n_int])]
+                zeros[si, j] = _cell(where, "=0", row[col["=0"]], float)
+    steps = np.array([st for st, _, _ in per_step], np.int64)
     data_vars = {"present": (("step", "param"), present),
                  **{k: (("step", "param"), v) for k, v in stats.items()}}
     coords = {"step": steps, "param": np.array(params, dtype=str),
@@ -125,10 +136,11 @@ def read_grad_dump(path: str, rank: int = 0):
         sizes = np.array([padded_nbytes(int(n)) for n in numels], np.int64)
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         direction = np.zeros((s, int(sizes.sum())), np.uint8)
-        for si, (step, _) in enumerate(per_step):
+        for si, (step, rows, _) in enumerate(per_step):
             step_dir = os.path.join(rank_dir, f"step{step}")
+            files_of = dict(zip((r[0] for r in rows), unique_names([r[0] for r in rows], ".npy")))
             for j in np.flatnonzero(present[si]):
-                arr = _load_direction(step_dir, params[j], int(numels[j]))
+                arr = _load_direction(step_dir, params[j], files_of[params[j]], int(numels[j]))
                 packed = np.packbits(arr)
                 direction[si, offsets[j]:offsets[j] + packed.size] = packed
         data_vars["direction"] = (("step", "byte"), direction)
@@ -153,11 +165,38 @@ def _level_of(header: list[str]):
     return "L1", (-1, 0, 1)
 
 
-def _load_direction(step_dir: str, param: str, numel: int) -> np.ndarray:
-    path = os.path.join(step_dir, f"{param}.npy")
+def _cell(where: str, column: str, text: str, parse):
+    """``parse(text)`` of one cell of a summary CSV, or an error naming the file, row, column and
+    value."""
+    try:
+        return parse(text)
+    except (ValueError, TypeError) as exc:
+        raise MsprobeDumpError(f"{where}, column {column!r}: cannot read {text!r} ({exc})") \
+            from None
+
+
+def _md5(text: str) -> np.ndarray:
+    raw = bytes.fromhex(text.strip())
+    if len(raw) != 16:
+        raise ValueError(f"{len(raw)} bytes, an MD5 has 16")
+    return np.frombuffer(raw, np.uint8)
+
+
+def _load_direction(step_dir: str, param: str, fname: str, numel: int) -> np.ndarray:
+    """A parameter's signs at one step: the file probekit's writer names it (``unique_names``),
+    or msprobe's own name for it (the parameter's name plus ``.npy``) where that is one plain
+    file name in the step's folder; a name taken from the dump never reaches outside it."""
+    path = os.path.join(step_dir, fname)
+    raw = f"{param}.npy"
+    if (not os.path.isfile(path) and raw != fname and "/" not in raw and os.sep not in raw
+            and "\0" not in raw and os.path.isfile(os.path.join(step_dir, raw))):
+        path = os.path.join(step_dir, raw)      # msprobe writes names probekit would clean
     if not os.path.isfile(path):
         raise MsprobeDumpError(f"{path!r} is missing (the summary lists {param!r} at this step)")
-    arr = np.load(path, allow_pickle=False)
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise MsprobeDumpError(f"{path!r}: not a .npy array of bools ({exc})") from None
     if arr.dtype != np.bool_ or arr.size != numel:
         raise MsprobeDumpError(f"{path!r}: expected {numel} bools, found {arr.size} of {arr.dtype}")
     return arr.reshape(-1)
@@ -213,12 +252,13 @@ def write_rank(ds, rank_dir: str) -> list[str]:
             os.makedirs(step_dir, exist_ok=True)
             bits = np.asarray(row_sel["direction"].values, np.uint8)
             offsets = np.asarray(ds["offset"].values, np.int64)
-            for j, name in enumerate(params):
-                if present is not None and not present[si, j]:
-                    continue
+            here = [j for j in range(len(params)) if present is None or present[si, j]]
+            # the step's file names as the reader finds them: from the names its summary lists
+            files = unique_names([params[j] for j in here], ".npy")
+            for j, fname in zip(here, files):
                 n = int(numels[j])
                 arr = np.unpackbits(bits[offsets[j]:offsets[j] + padded_nbytes(n)], count=n)
-                target = safe_join(step_dir, f"{name}.npy")
+                target = safe_join(step_dir, fname)   # a link there cannot lead out
                 np.save(target, arr.astype(bool).reshape(shapes[j]))
                 written.append(target)
     return written
