@@ -303,6 +303,39 @@ def test_a_crashed_run_is_not_replaced_silently(tmp_path, monkeypatch):
     assert open_grads(tmp_path)["step"].values.tolist() == [0, 1]
 
 
+def test_a_cell_run_again_replaces_the_recording_its_unstopped_probe_left_open(tmp_path,
+                                                                             caplog):
+    """A notebook cell run twice, its probe started and never stopped (msprobe's loop records
+    until ``close()``): the second run is a re-run, not a crash. The first probe is stopped (its
+    hooks gone, its steps written, its run ended cleanly) and the second replaces its recording,
+    value for value; a probe into another store is left running."""
+    def cell(path, steps=3):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        probe = GradProbe(model, optimizer=opt, dump_path=str(path)).start()
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+        return probe, opt
+
+    other, _ = cell(tmp_path / "other")
+    first, opt1 = cell(tmp_path / "run")
+    steps, norms = _values(tmp_path / "run")
+    with caplog.at_level("INFO", logger="probekit"):
+        second, _ = cell(tmp_path / "run")
+    assert "a probe of this process was still recording into" in caplog.text
+    assert "held steps 0..2 of a run that ended cleanly" in caplog.text
+    assert not first.active and second.active and other.active
+    again, norms2 = _values(tmp_path / "run")
+    assert again == steps == [0, 1, 2] and np.array_equal(norms, norms2)
+    opt1.step()                                  # the first probe's optimizer: no hook left
+    assert _values(tmp_path / "run")[0] == [0, 1, 2]
+    second.stop()
+    other.stop()
+
+
 def test_overwrite_replaces_a_crashed_store(tmp_path):
     record(tmp_path, 1, range(4), commit=False)    # killed: never closed
     with pytest.raises(GradStoreError, match="did not end cleanly"):

@@ -12,6 +12,7 @@ the hooks are removed by ``stop()``.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 import weakref
@@ -386,6 +387,7 @@ class GradProbe:
                 return self
             selected, self._check_only = False, True
         if self._writer is None and selected:  # the store exists (0 committed steps) once recording starts
+            _end_earlier(self)
             section = self.config.grad_probe
             attrs = {"recorded_params": list(self.recorded_names),
                      "grad_point": section.grad_point}
@@ -411,6 +413,8 @@ class GradProbe:
             self._scratch = _stats.Workspace()
         elif self._writer is not None:
             self._writer.reopen()  # started again after stop(): the same run goes on
+        if self._writer is not None:
+            _RECORDING[id(self)] = self
         optimizers = (self.optimizer if isinstance(self.optimizer, (list, tuple))
                       else [self.optimizer] if self.optimizer is not None else [])
         for opt in optimizers:
@@ -464,6 +468,7 @@ class GradProbe:
         self._stop(clean=True)
 
     def _stop(self, clean: bool) -> None:
+        _RECORDING.pop(id(self), None)
         handles, self._handles = self._handles, []
         try:
             for h in handles:
@@ -906,6 +911,31 @@ class GradProbe:
         return (f"GradProbe({len(self.param_names)} params, level="
                 f"{self.config.grad_probe.grad_level}, steps seen={self.steps_seen}, "
                 f"dump_path={self.dump_path!r}, {state})")
+
+
+#: the probes of this process whose run is open (started, not stopped), by id
+_RECORDING: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _store_key(dump_path: str) -> str:
+    path = str(dump_path)
+    return path.rstrip("/") if "://" in path else os.path.realpath(path)
+
+
+def _end_earlier(probe) -> None:
+    """Stop the probes of this process still recording into the store ``probe`` is about to
+    record into (a notebook cell run again, whose probe was never stopped: msprobe's loop ends a
+    recording only at ``close()``). That is a re-run, not a crash: the earlier probe's hooks are
+    removed and its steps written, its run ends cleanly, and the new run replaces it as any
+    re-run does (or continues it, if it is a restart)."""
+    mine = _store_key(probe.dump_path)
+    for other in list(_RECORDING.values()):
+        if other is probe or other._writer is None or _store_key(other.dump_path) != mine:
+            continue
+        log.warning("grad_probe: a probe of this process was still recording into %s (started "
+                    "and never stopped, as when a notebook cell runs again); it is stopped now, "
+                    "and this probe's run follows it", probe.dump_path)
+        other._stop(clean=True)
 
 
 def _sample_plan(section, places, params, numels):
