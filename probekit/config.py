@@ -390,8 +390,9 @@ class Config:
                 f"accepted: {', '.join(TASKS)}", key="task", value=self.task,
                 accepted=", ".join(TASKS))
         _choice("task", self.task, TASKS)
-        if not isinstance(self.dump_path, (str, os.PathLike)) or not str(self.dump_path):
-            _fail("dump_path", self.dump_path, "a non-empty path string")
+        if (not isinstance(self.dump_path, (str, os.PathLike)) or not str(self.dump_path)
+                or "\0" in os.fspath(self.dump_path)):
+            _fail("dump_path", self.dump_path, "a non-empty path string without NUL characters")
         _set(self, "dump_path", os.fspath(self.dump_path))
         why = _unusable_folder(self.dump_path)
         if why:
@@ -514,7 +515,7 @@ def load_config(path: str | os.PathLike) -> Config:
     try:
         with open(path, encoding="utf-8-sig") as fh:
             data = json.load(fh)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config_path: {path!r} is not valid JSON ({exc}); accepted: a JSON "
                           "object as msprobe's config.json", key="config_path", value=path,
                           accepted="a JSON object as msprobe's config.json") from None

@@ -545,6 +545,11 @@ def _level_check(run, which: str) -> None:
     for gi in run["used"]:
         g = run["groups"][gi]
         if g["direction"] is None:
+            if g.get("level") in ("L1", "L2"):
+                raise GradCompareError(
+                    f"the {which} run was recorded at grad_level {g['level']!r}, but its rank "
+                    f"group of rank {g.get('rank', '?')} holds no direction array: the "
+                    "store is damaged (a folder lost or removed, or a partial copy)")
             raise GradCompareError(
                 f"the {which} run was recorded at grad_level {g.get('level') or '?'!r}, which "
                 "keeps no direction data; accepted: runs recorded at L1 or L2")

@@ -210,7 +210,8 @@ class RawChunks:
 
     The sign bits are stored without compression (they are random bits), so a chunk file is
     the chunk's C-order bytes (Zarr v3, ``bytes`` codec, default chunk key encoding
-    ``c/<i>/<j>``; a missing file is all fill value); a sharded array (``bits_meta``) has one
+    ``c/<i>/<j>``; a missing file is all fill value where the writer leaves such chunks out,
+    an error where it writes every one: ``every_chunk``); a sharded array (``bits_meta``) has one
     file per shard of steps holding each step's bytes and an index. Reading them with
     ``readinto``/``preadv`` straight into the result avoids the copies of the generic codec
     pipeline, which matters for the comparison's throughput. ``open`` returns None for an array
@@ -226,6 +227,10 @@ class RawChunks:
         self.dtype = np.dtype(dtype)
         self.fill = fill
         self.kind = kind
+        # its writer (``write_bits_chunk``) writes every chunk of a plain array of fill 0 (it
+        # leaves out chunks only of a nonzero fill, and a shard's rows of the fill): a missing
+        # one is damage, not rows of the fill value
+        self.every_chunk = kind == "plain" and not fill
         self.row0 = int(row0)
         self.shape = (int(n_rows), int(shape[1]))
 
@@ -277,6 +282,8 @@ class RawChunks:
                     with open(path, "rb", buffering=0) as fh:
                         got = fh.readinto(dest if whole else buf)
                 except FileNotFoundError:
+                    if self.every_chunk:
+                        raise missing_chunk(path) from None
                     dest[...] = self.fill
                     continue
                 if got != cr * cc:
@@ -302,6 +309,8 @@ class RawChunks:
             dest = out[rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0]
             raw = got[path]
             if raw is None:
+                if self.every_chunk:
+                    raise missing_chunk(path, self.fs)
                 dest[...] = self.fill
                 continue
             if len(raw) != cr * cc:
@@ -344,7 +353,8 @@ class RawChunks:
                 continue
             try:
                 size = os.fstat(fd).st_size
-                index = _shard_index(os.pread(fd, 16 * cr, size - 16 * cr), cr, path, size)
+                index = _shard_index(os.pread(fd, 16 * cr, max(0, size - 16 * cr)), cr, path,
+                                     size)
                 for k, m, off in _index_runs(index, k0, k1, cc, path):
                     rows = dest[k - k0:m - k0]
                     if off is None:
@@ -432,6 +442,8 @@ def read_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int, out: np.ndarra
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
+                if raw.every_chunk:
+                    raise missing_chunk(path) from None
                 out[a:z, lo - c0:hi - c0] = raw.fill
                 continue
             try:
@@ -548,6 +560,8 @@ def map_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int):
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
+        if raw.every_chunk:
+            raise missing_chunk(path) from None
         return np.broadcast_to(np.full(c1 - c0, raw.fill, np.uint8), (n, c1 - c0))
     try:
         if raw.kind == "sharded":
@@ -583,9 +597,20 @@ def map_rows(raw: RawChunks, rows: np.ndarray, c0: int, c1: int):
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def read_plain(array_path: str, n: int, fs=LOCAL):
+def missing_chunk(path: str, fs=LOCAL) -> GradStoreError:
+    """The error for a chunk file a committed row needs and the store does not hold (its writer
+    writes every chunk of the array: a file lost or removed since, or a partial copy)."""
+    return GradStoreError(
+        f"{fs.url(path) if fs.remote else path}: missing, though the store's commit.json counts "
+        "the rows it holds as written (a file lost or removed, or a partial copy of the store); "
+        "copy the store again, or record the run again")
+
+
+def read_plain(array_path: str, n: int, fs=LOCAL, missing_ok: bool = False):
     """(dimension names, the first ``n`` rows) of an uncompressed Zarr v3 array chunked along its
-    first dimension only, read straight from its chunk files; None for any other layout."""
+    first dimension only, read straight from its chunk files; None for any other layout. A
+    missing chunk file is an error (``missing_chunk``), or with ``missing_ok`` (an array added to
+    a store after its first rows: the replica check's) rows of the fill value."""
     meta = plain_meta(array_path, fs)
     if meta is None:
         return None
@@ -607,10 +632,13 @@ def read_plain(array_path: str, n: int, fs=LOCAL):
         rows = out[i * cr:min(n, (i + 1) * cr)]
         raw = got[name]
         if raw is None:
+            if not missing_ok:
+                raise missing_chunk(name, fs)
             rows[...] = meta.get("fill_value", 0)
             continue
         if len(raw) != per_chunk:
-            raise GradStoreError(f"{array_path}/{name}: {len(raw)} bytes, expected {per_chunk}")
+            raise GradStoreError(f"{fs.url(name) if fs.remote else name}: {len(raw)} bytes, "
+                                 f"expected {per_chunk}")
         rows[...] = np.frombuffer(raw, out.dtype).reshape(cr, *tail)[:rows.shape[0]]
     return tuple(meta.get("dimension_names") or ()), out.astype(dtype, copy=False)
 

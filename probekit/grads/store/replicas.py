@@ -165,8 +165,8 @@ def replica_disagreements(run, *, storage_options=None):
                 continue
             steps = got[1]
             r0, r1 = step_rows(steps, seg.first_step, seg.last_step)
-            arrays = [read_plain(fs.join(group, name), n, fs)
-                      for name in ("replicas", "replica_rank")]
+            arrays = [read_plain(fs.join(group, name), n, fs, missing_ok=True)
+                      for name in ("replicas", "replica_rank")]   # added after earlier rows
             if any(a is None for a in arrays):
                 continue
             code, other = (a[1][r0:r1] for a in arrays)

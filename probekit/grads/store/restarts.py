@@ -212,15 +212,39 @@ def layout_folder(store: str, key: str, root_key: str | None, fs=LOCAL) -> str:
 
 
 def parse_commit(info, where: str) -> dict:
-    if not isinstance(info, dict) or not isinstance(info.get("steps"), int):
-        raise GradStoreError(f"{where}: unreadable commit marker {info!r}")
+    """A commit marker as read, checked: a count of steps (an int, not negative) and, where it
+    has them, its runs (a list of dicts)."""
+    runs = info.get("runs") if isinstance(info, dict) else None
+    if (not isinstance(info, dict) or not isinstance(info.get("steps"), int)
+            or isinstance(info.get("steps"), bool) or info["steps"] < 0
+            or (runs is not None and not (isinstance(runs, list)
+                                          and all(isinstance(r, dict) for r in runs)))):
+        text = repr(info)
+        raise GradStoreError(f"{where}: unreadable commit marker "
+                             f"{text[:200] + '...' if len(text) > 200 else text}; accepted: "
+                             '{"steps": <count, 0 or more>, "runs": [<run>, ...]} as probekit '
+                             "writes it (the store is damaged)")
     return info
+
+
+def read_json(path: str, fs=LOCAL):
+    """The JSON document at ``path`` of a store; GradStoreError naming the file where it is not
+    JSON (a damaged store). FileNotFoundError passes through."""
+    return _json_of(fs.read(path), path, fs)
+
+
+def _json_of(raw, path: str, fs=LOCAL):
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GradStoreError(f"{fs.url(path) if fs.remote else path}: not valid JSON ({exc}); "
+                             "the store is damaged") from None
 
 
 def read_commit(group_path: str, fs=LOCAL) -> dict:
     path = fs.join(group_path, COMMIT)
     try:
-        info = json.loads(fs.read(path))
+        info = read_json(path, fs)
     except FileNotFoundError:
         raise GradStoreError(f"{fs.url(group_path)}: no {COMMIT}; the recording died before its "
                              "first commit, or this is not a probekit grad store") from None
@@ -317,9 +341,13 @@ def store_state(store: str, fs=LOCAL) -> dict:
     out = {}
     for key, g in groups.items():
         raw_commit, raw_meta = got[fs.join(g, COMMIT)], got[fs.join(g, "zarr.json")]
-        commit = None if raw_commit is None else parse_commit(json.loads(raw_commit),
-                                                              fs.join(g, COMMIT))
-        attrs = {} if raw_meta is None else dict(json.loads(raw_meta).get("attributes", {}))
+        commit = None if raw_commit is None else parse_commit(
+            _json_of(raw_commit, fs.join(g, COMMIT), fs), fs.join(g, COMMIT))
+        meta = {} if raw_meta is None else _json_of(raw_meta, fs.join(g, "zarr.json"), fs)
+        if not isinstance(meta, dict) or not isinstance(meta.get("attributes", {}), dict):
+            raise GradStoreError(f"{fs.join(g, 'zarr.json')}: not a Zarr group's metadata; the "
+                                 "store is damaged")
+        attrs = dict(meta.get("attributes", {}))
         out[key] = {"path": g, "commit": commit, "attrs": attrs}
     return out
 

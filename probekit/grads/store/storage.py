@@ -244,6 +244,22 @@ class Remote:
         self.fs.invalidate_cache()
 
 
+def _local(path: str, for_writing: bool) -> str:
+    """A local dump path; ``for_writing``: the folder made now, or a ``GradStoreError`` naming it
+    where it cannot be (a file in the way, no permission, a read-only file system)."""
+    if "\0" in path:
+        raise GradStoreError(f"dump_path {path!r}: holds a NUL character; accepted: a folder "
+                             "path")
+    if for_writing:
+        try:
+            os.makedirs(path or ".", exist_ok=True)
+        except OSError as exc:
+            raise GradStoreError(f"grad_probe: dump_path {path!r} cannot be created "
+                                 f"({exc.strerror or exc}); accepted: a folder that exists or "
+                                 "can be created") from None
+    return path
+
+
 def location(path, storage_options: dict | None = None, *, for_writing: bool = False):
     """``(fs, path)`` for a local path or an fsspec URL; raises ``GradStoreError`` naming a bad
     URL (unknown protocol, missing package, missing bucket) before anything is written."""
@@ -253,10 +269,10 @@ def location(path, storage_options: dict | None = None, *, for_writing: bool = F
         if storage_options:
             raise GradStoreError(f"storage_options: given for the local path {path!r}; "
                                  "accepted: only with an fsspec URL (s3://, gs://, memory://...)")
-        return LOCAL, path
+        return LOCAL, _local(path, for_writing)
     protocol = path.split("://", 1)[0].lower()
     if protocol in ("file", "local"):
-        return LOCAL, path.split("://", 1)[1]
+        return LOCAL, _local(path.split("://", 1)[1], for_writing)
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec comes with dask

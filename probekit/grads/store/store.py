@@ -58,7 +58,7 @@ from .chunks import (
 from .live import LIVE, flush_live
 from .restarts import (
     COMMIT, STORE_NAME, find_store, group_ranks, layout_folder, layout_folders, read_commit,
-    remove_aside, runs_of, step_bounds, step_rows)
+    read_json, remove_aside, runs_of, step_bounds, step_rows)
 from ..numerics.stats import HASH_NBYTES, Layout, StepStats, interval_labels
 from .storage import LOCAL, location, zarr_store
 
@@ -822,6 +822,8 @@ def _default_key(attrs: dict, significance: bool) -> str:
 
 
 # -- reading ---------------------------------------------------------------------------------
+#: arrays every rank group holds, whatever its level
+_REQUIRED = ("step", "param", "max", "min", "norm")
 _BITS = ("direction", "significant")  # packed bits per element, read through RawChunks
 
 
@@ -849,6 +851,9 @@ def open_rank(store: str, rank: int, chunks=None, fs=LOCAL):
 def open_group(group_path: str, chunks=None, fs=LOCAL, *, rank=None, steps=None):
     """The committed steps of one rank group as an xarray Dataset; ``steps=(first, last)``:
     only those from ``first`` to ``last`` (a segment of a restarted store, ``restarts.py``).
+    A group whose files cannot be read as probekit writes them (metadata that is not JSON or
+    not Zarr's, a member missing, a file cut short) is a ``GradStoreError`` naming the group
+    and what failed (the reader's own error chained to it).
 
     ``chunks=None`` loads the arrays into memory; ``chunks="auto"`` (or a dict of dim -> size)
     wraps them in dask arrays over the Zarr chunks, so stores larger than memory work.
@@ -858,6 +863,17 @@ def open_group(group_path: str, chunks=None, fs=LOCAL, *, rank=None, steps=None)
     through Zarr in one round trip; the sign (and significance) bits through a lazy reader of
     their chunk files (``chunks.RawChunks``); with ``chunks``, dask arrays instead.
     """
+    try:
+        return _open_group(group_path, chunks, fs, rank, steps)
+    except GradStoreError:
+        raise
+    except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
+        where = fs.url(group_path) if fs.remote else group_path
+        raise GradStoreError(f"{where}: cannot be read ({type(exc).__name__}: {exc}); the store "
+                             "is damaged, or was not written by probekit") from exc
+
+
+def _open_group(group_path: str, chunks, fs, rank, steps):
     import xarray as xr
 
     flush_live(fs.url(group_path))  # a recording in this process: its buffered steps first
@@ -868,6 +884,12 @@ def open_group(group_path: str, chunks=None, fs=LOCAL, *, rank=None, steps=None)
         names = [m for m in _MEMBERS if got[fs.join(group_path, m, "zarr.json")] is not None]
     else:
         names = [m for m in _MEMBERS if os.path.isfile(os.path.join(group_path, m, "zarr.json"))]
+    lost = [m for m in _REQUIRED if m not in names]
+    if lost:
+        raise GradStoreError(f"{fs.url(group_path) if fs.remote else group_path}: no "
+                             f"{', '.join(lost)} array (every rank group has {', '.join(_REQUIRED)}"
+                             "): the store is damaged (a folder lost or removed, or a partial "
+                             "copy)")
     attrs = _group_attrs(group_path, fs)
     arrays = _static_arrays(attrs, names)
     lazy = chunks is not None
@@ -926,7 +948,8 @@ def _eager_arrays(group_path: str, names, n: int, fs=LOCAL) -> dict:
     compressed array, another writer's) through Zarr in one round trip."""
     out = {}
     for name in names:
-        plain = read_plain(fs.join(group_path, name), n, fs)
+        plain = read_plain(fs.join(group_path, name), n, fs,
+                           missing_ok=name in REPLICA_ARRAYS)  # added after earlier rows
         if plain is not None:
             out[name] = plain
     rest = [k for k in names if k not in out]
@@ -976,7 +999,11 @@ def _bits(group_path: str, name: str, n: int, steps, fs=LOCAL, rows=None):
 
 
 def _group_attrs(group_path: str, fs=LOCAL) -> dict:
-    return dict(json.loads(fs.read(fs.join(group_path, "zarr.json"))).get("attributes", {}))
+    meta = read_json(fs.join(group_path, "zarr.json"), fs)
+    if not isinstance(meta, dict) or not isinstance(meta.get("attributes", {}), dict):
+        raise GradStoreError(f"{fs.join(group_path, 'zarr.json')}: not a Zarr group's metadata; "
+                             "the store is damaged")
+    return dict(meta.get("attributes", {}))
 
 
 def _fetch(group_path: str, names, n: int, fs=LOCAL):
