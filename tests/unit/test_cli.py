@@ -7,9 +7,10 @@ from probekit.cli import main
 
 
 def test_version_entry_point():
-    out = subprocess.run([sys.executable, "-m", "probekit.cli", "--version"], capture_output=True,
-                         text=True, check=True)
-    assert out.stdout.strip() == f"probekit {__version__}"
+    for module in ("probekit.cli", "probekit"):    # python -m probekit too
+        out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True,
+                             text=True, check=True)
+        assert out.stdout.strip() == f"probekit {__version__}"
 
 
 def test_config_check_prints_effective_settings(tmp_path, capsys, msprobe_config_dict):
