@@ -5,7 +5,6 @@ made says so before anything is recorded."""
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
