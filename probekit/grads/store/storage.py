@@ -244,7 +244,7 @@ class Remote:
         self.fs.invalidate_cache()
 
 
-def _local(path: str, for_writing: bool) -> str:
+def _local_path(path: str, for_writing: bool) -> str:
     """A local dump path; ``for_writing``: the folder made now, or a ``GradStoreError`` naming it
     where it cannot be (a file in the way, no permission, a read-only file system)."""
     if "\0" in path:
@@ -269,10 +269,10 @@ def location(path, storage_options: dict | None = None, *, for_writing: bool = F
         if storage_options:
             raise GradStoreError(f"storage_options: given for the local path {path!r}; "
                                  "accepted: only with an fsspec URL (s3://, gs://, memory://...)")
-        return LOCAL, _local(path, for_writing)
+        return LOCAL, _local_path(path, for_writing)
     protocol = path.split("://", 1)[0].lower()
     if protocol in ("file", "local"):
-        return LOCAL, _local(path.split("://", 1)[1], for_writing)
+        return LOCAL, _local_path(path.split("://", 1)[1], for_writing)
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec comes with dask
