@@ -560,8 +560,10 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
                    drop_threshold: float = DROP_THRESHOLD, ranks=None,
                    noise_aware: bool = True, client=None, scheduler=None, progress=None,
                    storage_options=None, block_bytes: int = _BLOCK_BYTES,
-                   task_bytes: int = _TASK_BYTES, rename=None):
-    """``compare_grads`` without the replica check's attributes (``rename``: checked)."""
+                   task_bytes: int = _TASK_BYTES, rename=None, nonfinite: bool = True):
+    """``compare_grads`` without the replica check's attributes (``rename``: checked).
+    ``nonfinite``: NaN/Inf gradients of the second run flagged (``_flag_nonfinite``; off for a
+    comparison a control's verdict judges, which judges them itself)."""
     from .engine import Session
 
     if control is not None:   # the comparisons with the test and each control, then judged
@@ -606,7 +608,76 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
                                         storage_options=storage_options, rename=rename)
     results, unpaired = results
     out = _combine(results, step0_threshold, drop_threshold)
+    if nonfinite:
+        out = _flag_nonfinite(out, a, b, storage_options, rename)
     return _unpaired(out, unpaired)
+
+
+def _flag_nonfinite(result, a, b, storage_options, rename):
+    """An uncalibrated comparison's flags, plus every (step, parameter) whose gradient is NaN or
+    Inf in the second run where the first run's is finite (``nonfinite``, also a variable of
+    the result): the bits cannot show it (a NaN element is neither positive nor above the
+    rounding level, so it drops out of the significant-sign similarity, which then reads 1 or
+    nothing), the recorded norm does. A comparison with a control judges this in ``calibrate``
+    (its "nonfinite" kind, where the control's norm is finite too). ``first_step`` and
+    ``first_param`` follow the new flags."""
+    from ..store.names import canonical_names, renamed
+    from ..store.sources import load_stats
+
+    try:
+        sa, sb = (load_stats(x, storage_options=storage_options) for x in (a, b))
+    except Exception as exc:   # the statistics of a run the comparison itself could read
+        log.warning("compare: the runs' gradient norms could not be read (%s: %s); NaN/Inf "
+                    "gradients are not checked", type(exc).__name__, exc)
+        return result
+    dims = ("rank", "step", "param")
+    names = [str(p) for p in result["param"].values]
+    steps = np.asarray(result["step"].values)
+    bad = np.zeros([result.sizes[d] for d in dims], bool)
+    for i, rank in enumerate(np.asarray(result["rank"].values)):
+        ta, tb = sa.get(int(rank)), sb.get(int(rank))
+        if ta is None or tb is None:
+            continue
+        got = []
+        for t in (ta, tb):
+            col = {n: k for k, n in enumerate(renamed(canonical_names(
+                str(x) for x in t["param"]), rename, "compare_grads(rename=)"))}
+            row = {int(x): k for k, x in enumerate(np.asarray(t["step"]))}
+            ci = np.array([col.get(n, -1) for n in names], np.int64)
+            ri = np.array([row.get(int(x), -1) for x in steps], np.int64)
+            norm = np.asarray(t["norm"], np.float64)[np.ix_(np.maximum(ri, 0),
+                                                            np.maximum(ci, 0))]
+            pres = (np.ones(norm.shape, bool) if t.get("present") is None else
+                    np.asarray(t["present"], bool)[np.ix_(np.maximum(ri, 0),
+                                                          np.maximum(ci, 0))])
+            known = (ri >= 0)[:, None] & (ci >= 0)[None, :]
+            got.append((norm, pres & known))
+        (na, pa), (nb, pb) = got
+        bad[i] = pa & pb & np.isfinite(na) & ~np.isfinite(nb)
+    result["nonfinite"] = (dims, bad)
+    if not bad.any():
+        return result
+    flag = np.asarray(result["flag"].transpose(*dims).values) | bad
+    result["flag"] = (dims, flag)
+    for i in range(bad.shape[0]):       # the first flag of each rank: NaN/Inf counts first
+        hits = np.flatnonzero(flag[i].any(axis=1) | np.asarray(
+            result["flag_total"].transpose("rank", "step").values)[i])
+        if hits.size == 0:
+            continue
+        k = int(hits[0])
+        if bad[i, k].any():
+            param = names[int(np.flatnonzero(bad[i, k])[0])]
+        else:
+            continue                     # an earlier flag of the signs stands
+        cur = int(np.asarray(result["first_step"].values).reshape(-1)[i])
+        if cur < 0 or int(steps[k]) <= cur:
+            fs = np.asarray(result["first_step"].values).copy()
+            fp = np.asarray(result["first_param"].values).astype(object).copy()
+            fs.reshape(-1)[i] = int(steps[k])
+            fp.reshape(-1)[i] = param
+            result["first_step"] = (result["first_step"].dims, fs)
+            result["first_param"] = (result["first_param"].dims, fp.astype(str))
+    return result
 
 
 def _compare_joint(sources: list, options: dict) -> tuple:
@@ -642,7 +713,7 @@ def _compare_joint(sources: list, options: dict) -> tuple:
                     # a control's comparison: only what the verdict reads of it
                     out[k] = _unpaired(_combine(results, *thresholds,
                                                 keep=_JUDGED if k else None), unpaired)
-    return [r if r is not None else _compare_grads(sources[0], x, **options)
+    return [r if r is not None else _compare_grads(sources[0], x, **options, nonfinite=False)
             for r, x in zip(out, sources[1:])], stats
 
 

@@ -731,6 +731,8 @@ def rank_verdict(cmp) -> dict:
     if param:
         cell = at.sel(param=param)
         out["similarity"] = float(cell[name])
+        if not calibrated and "nonfinite" in cmp and bool(cell["nonfinite"]):
+            out["why"] = "nonfinite"
         if calibrated:
             out["why"] = KINDS[int(cell["flag_kind"])]
             out["control_similarity"] = float(cell["similarity_control"])
@@ -762,6 +764,10 @@ def verdict_line(cmp, rank=None) -> str:
     sim = "significant-sign similarity" if v["similarity_name"] == "similarity_significant" \
         else "sign similarity"
     if v["kind"] == "uncalibrated":
+        if v["why"] == "nonfinite":   # no control needed: rounding does not make a NaN
+            return (f"{who}the gradient of {v['param']} is NaN/Inf from step {v['step']} where "
+                    "the reference's is finite (uncalibrated comparison; NaN/Inf needs no "
+                    "control to be told from rounding).")
         if v["step"] >= 0:
             where = f"parameter {v['param']}" if v["param"] else "the total similarity"
             head = (f"uncalibrated: the fixed threshold flags step {v['step']}, {where} "
