@@ -61,8 +61,9 @@ def test_local_cluster_client_and_address_give_the_local_result(runs, cluster, c
     err = capsys.readouterr().err
     assert "[probekit] compare: " in err and "tasks" in err
     # the whole comparison ran on the workers: 2 tasks listing the runs' segments, 2 opening
-    # their rank groups (a batch each), the plan, then 6 rank pairs x 4 chunks of 2 steps
-    assert err.rstrip().split("\r")[-1].startswith("[probekit] compare: 29/29 tasks")
+    # their rank groups (a batch each), the plan, 2 taking each run's statistics from the
+    # groups opened (the NaN/Inf check), then 6 rank pairs x 4 chunks of 2 steps
+    assert err.rstrip().split("\r")[-1].startswith("[probekit] compare: 31/31 tasks")
     by_address = compare_grads(runs / "a", runs / "b", scheduler=lc.scheduler_address,
                                progress=False)
     xr.testing.assert_identical(by_address, local)

@@ -606,26 +606,29 @@ def _compare_grads(a, b, *, control=None, step0_threshold: float = STEP0_THRESHO
                                         thresholds=(step0_threshold, drop_threshold),
                                         noise_aware=noise_aware,
                                         storage_options=storage_options, rename=rename)
-    results, unpaired = results
+    results, unpaired, tables = (*results, None)[:3]
     out = _combine(results, step0_threshold, drop_threshold)
     if nonfinite:
-        out = _flag_nonfinite(out, a, b, storage_options, rename)
+        out = _flag_nonfinite(out, a, b, storage_options, rename, tables)
     return _unpaired(out, unpaired)
 
 
-def _flag_nonfinite(result, a, b, storage_options, rename):
+def _flag_nonfinite(result, a, b, storage_options, rename, tables=None):
     """An uncalibrated comparison's flags, plus every (step, parameter) whose gradient is NaN or
     Inf in the second run where the first run's is finite (``nonfinite``, also a variable of
     the result): the bits cannot show it (a NaN element is neither positive nor above the
     rounding level, so it drops out of the significant-sign similarity, which then reads 1 or
     nothing), the recorded norm does. A comparison with a control judges this in ``calibrate``
     (its "nonfinite" kind, where the control's norm is finite too). ``first_step`` and
-    ``first_param`` follow the new flags."""
+    ``first_param`` follow the new flags. ``tables``: the runs' statistics tables where the
+    comparison read them with the groups it opened (``plan_stages``), else read here."""
     from ..store.names import canonical_names, renamed
     from ..store.sources import load_stats
 
+    tables = list(tables or [None, None])
     try:
-        sa, sb = (load_stats(x, storage_options=storage_options) for x in (a, b))
+        sa, sb = (t if t is not None else load_stats(x, storage_options=storage_options)
+                  for x, t in zip((a, b), tables))
     except Exception as exc:   # the statistics of a run the comparison itself could read
         log.warning("compare: the runs' gradient norms could not be read (%s: %s); NaN/Inf "
                     "gradients are not checked", type(exc).__name__, exc)
@@ -864,15 +867,17 @@ def _same(x):
 def _compare_stores(sa, sb, *, session, ranks, block_bytes, task_bytes, thresholds,
                     noise_aware, rename=None):
     """The range comparison of two stores (``planner.py``, ``counting.py``): ([(rank,
-    result)], the ranks compared with nothing) or None when the planner declines (the Dataset
-    path then)."""
-    handle = plan_stage(sa, sb, session=session, ranks=ranks, block_bytes=block_bytes,
-                        task_bytes=task_bytes, rename=rename)
+    result)], the ranks compared with nothing, both stores' statistics tables from the groups
+    it opened: ``plan_stages``) or None when the planner declines (the Dataset path then)."""
+    handles, tables = plan_stages([sa, sb], session=session, ranks=ranks,
+                                  block_bytes=block_bytes, task_bytes=task_bytes,
+                                  rename=rename, stats=True)
+    handle = handles[0]
     results = count_stage(handle, session=session, thresholds=thresholds,
                           noise_aware=noise_aware)
     if results is None:
         return None
-    return results, session.value(_plan_unpaired, handle)
+    return results, session.value(_plan_unpaired, handle), tables
 
 
 def _plan_unpaired(plan: dict) -> dict:
