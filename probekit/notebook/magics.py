@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import os
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..errors import DumpError
 from ..config import FIX_PERT_MODES, PERT_MODES, THRESHOLD_KEYS, Config, ConfigError, config_for, make_config
 from ..log import ROOT as LOGGER
 from .forms import describe, parse_ints
@@ -192,7 +194,10 @@ class FreeBenchMagics(Magics):
         is stored as ``-o NAME`` before the cell runs, so a loop in the cell can call
         ``NAME.step()`` at the end of each training step.
         """
-        args = parse_argstring(self.freebench, line)
+        args = _parse(self.freebench, line)
+        if args.top < 0:
+            raise UsageError(f"--top: {args.top} is not valid; accepted: an integer >= 0 (0: "
+                             "the summary line alone)")
         if not args.name.isidentifier():
             raise UsageError(f"-o: {args.name!r} is not valid; accepted: a Python identifier")
         config = self.build_config(args)
@@ -209,12 +214,21 @@ class FreeBenchMagics(Magics):
         level = logger.level
         if not args.verbose:         # the findings table says it all; keep warnings
             logger.setLevel(logging.WARNING)
+        started = False
         try:
             with bench:
+                started = True
                 exec(code, self.shell.user_global_ns, self.shell.user_ns)
+        except DumpError as exc:
+            if started:
+                raise
+            # the dump folder's rule refused the run at its start: nothing ran, nothing to show
+            raise UsageError(str(exc).replace("resume=True", "--resume").replace(
+                "overwrite=True", "--overwrite").replace("use another dump_path",
+                                                         "another --dump-path")) from None
         finally:
             logger.setLevel(level)
-            if not args.quiet:
+            if started and not args.quiet:
                 self._show(bench, args)
 
     def _model(self, args, config):
@@ -240,7 +254,15 @@ class FreeBenchMagics(Magics):
                     found.setdefault(id(value), (var, value))
         if len(found) == 1:
             return next(iter(found.values()))[1]
-        which = ", ".join(sorted(v for v, _ in found.values())) or "none"
+        if not found:   # no model has them: a name is wrong (or the model is not a variable)
+            models = sorted(v for v, x in ns.items()
+                            if not v.startswith("_") and isinstance(x, torch.nn.Module))
+            raise UsageError(f"--module ({', '.join(names)}): no nn.Module variable has "
+                             f"{'this module' if len(names) == 1 else 'all these modules'} "
+                             f"(nn.Module variables: {', '.join(models) or 'none'}); accepted: "
+                             "names as model.named_modules() gives them (--model NAME names "
+                             "the model and lists its modules)")
+        which = ", ".join(sorted(v for v, _ in found.values()))
         raise UsageError(f"--module ({', '.join(names)}): the model is ambiguous (nn.Module "
                          f"variables having these modules: {which}); accepted: --model NAME")
 
@@ -274,7 +296,7 @@ class FreeBenchMagics(Magics):
         the current defaults); ``--clear`` goes back to the config defaults; ``--save FILE``
         writes them as a msprobe-compatible config.json.
         """
-        args = parse_argstring(self.freebench_config, line)
+        args = _parse(self.freebench_config, line)
         if args.clear:
             if changes_from_args(args) or args.config or args.save:
                 raise UsageError("--clear: combined with other options; accepted: --clear alone")
@@ -283,9 +305,24 @@ class FreeBenchMagics(Magics):
             self.defaults = self.build_config(args)
         config = self.defaults or make_config(TASK)
         if args.save:
-            config.to_json(args.save)
+            try:
+                config.to_json(args.save)
+            except OSError as exc:
+                raise UsageError(f"--save: {args.save!r} cannot be written "
+                                 f"({exc.strerror or exc}); accepted: a file path in a folder "
+                                 "that exists") from None
             print(f"%%freebench defaults written to {args.save}")
         print(f"%%freebench defaults: {describe(config)}")
+
+
+def _parse(magic, line: str):
+    """A magic's options with the shell's quoting: ``--scope 'a b'`` or ``"a b"`` is one value
+    without its quotes (IPython's ``parse_argstring`` keeps them on POSIX, so a quoted scope
+    matched nothing and a quoted path made folders named with quotes). On Windows, where a
+    backslash is a path separator, quotes stay as IPython splits them."""
+    from IPython.utils.process import arg_split
+
+    return magic.parser.parse_args(arg_split(line, posix=os.name != "nt"))
 
 
 def findings_png(bench_or_results, top: int = 25) -> bytes:

@@ -141,6 +141,25 @@ def test_exception_propagates_and_probe_is_removed(ip):
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
+def test_a_cell_after_an_interrupted_one_is_told_the_magics_options(ip):
+    """A cell stopped by an exception (Jupyter's Stop button) leaves its findings kept (the
+    dump's rule); the next run into that dump is refused before anything runs, as a UsageError
+    naming the magic's --resume and --overwrite (not the keyword arguments), with no table of
+    a run that did not happen; --overwrite then runs."""
+    with pytest.raises(KeyboardInterrupt):
+        run(ip, "--pert-mode bit_noise --dump-path q", "y = energy(x)\nraise KeyboardInterrupt")
+    ip.user_ns.pop("ran", None)
+    with capture_output() as cap, pytest.raises(UsageError) as err:
+        ip.run_cell_magic("freebench", "--pert-mode bit_noise --dump-path q",
+                          "ran = True\ny = energy(x)")
+    assert "did not end cleanly" in str(err.value)
+    assert "Pass --resume to append to that dump, --overwrite to replace it, or another " \
+           "--dump-path" in str(err.value)
+    assert "ran" not in ip.user_ns and cap.outputs == []
+    run(ip, "--pert-mode bit_noise --dump-path q --overwrite -o fb")
+    assert list(ip.user_ns["fb"].results["api_name"]) == ["Tensor.__sub__.0.forward"]
+
+
 @pytest.mark.parametrize("line, key, value", [
     ("--pert-mode add_noise", "pert_mode", "add_noise"),
     ("--handler fix", "handler_type", "fix"),
@@ -216,6 +235,8 @@ def test_cell_magic_options_reach_the_bench(ip):
     ("--config missing.json", "--config (config_path): 'missing.json' is not valid; accepted: "
                               "an existing JSON file"),
     ("--colour red", "unrecognized arguments: --colour red"),
+    ("--top -3", "--top: -3 is not valid; accepted: an integer >= 0"),
+    ("--dump-path ''", "--dump-path (dump_path): '' is not valid; accepted: a non-empty path"),
 ])
 def test_bad_options_raise_usage_error_naming_option(ip, line, message):
     with pytest.raises(UsageError) as err:
@@ -274,6 +295,21 @@ def test_freebench_config_show_set_save_clear(ip, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "%%freebench defaults: the defaults"
     with pytest.raises(UsageError, match="--clear: combined with other options"):
         ip.run_line_magic("freebench_config", "--clear --pert-mode bit_noise")
+    with pytest.raises(UsageError, match=r"--save: '/nonexistent-dir/c\.json' cannot be "
+                                         r"written \(No such file or directory\); accepted"):
+        ip.run_line_magic("freebench_config", "--save /nonexistent-dir/c.json")
+
+
+def test_quoted_option_values_lose_their_quotes(ip, tmp_path):
+    """As a shell reads them: a quoted scope once kept its quotes and matched no call (a silent
+    "no findings"), a quoted path made folders named with quotes."""
+    run(ip, "--pert-mode bit_noise --scope 'Tensor.__sub__.0.forward' -o fb "
+            f"--dump-path \"{tmp_path / 'my runs' / 'x'}\"")
+    fb = ip.user_ns["fb"]
+    assert fb.config.free_benchmark.scope == ("Tensor.__sub__.0.forward",)
+    assert list(fb.results["api_name"]) == ["Tensor.__sub__.0.forward"]
+    assert fb.config.dump_path == str(tmp_path / "my runs" / "x")
+    assert os.path.isdir(tmp_path / "my runs" / "x")
 
 
 def test_set_defaults_from_objects(ip, tmp_path):
@@ -379,6 +415,10 @@ def test_module_option_scopes_the_cell_to_a_module(ip):
         run(ip, "--module 1.fc --model net", cell)
     with pytest.raises(UsageError, match=r"--model: 'nope' is not valid"):
         run(ip, "--module 1 --model nope", cell)
+    with pytest.raises(UsageError, match=r"--module \(nope\): no nn\.Module variable has this "
+                       r"module \(nn\.Module variables: net, net2, net3\); accepted: names as "
+                       r"model\.named_modules\(\) gives them"):
+        run(ip, "--module nope", cell)
 
 
 def test_findings_table_gives_each_recorded_finding_its_repro_command(ip):
