@@ -390,7 +390,8 @@ class Judging:
             "step": step, "api_name": name, "max_rel": float(st.max_rel),
             "dtype": str(o.dtype), "shape": str(tuple(o.shape)), "output_index": int(index),
             "kind": kind, "max_abs": float(st.max_abs), "threshold": float(thr),
-            "ratio": float(handlers.ratio(st.max_rel, thr)), "call_site": site,
+            # a NaN/Inf mismatch is beyond any threshold (its maxima cover the finite pairs)
+            "ratio": float(handlers.risk(st, thr)), "call_site": site,
             "module": module, "cause": why,
         }
 

@@ -248,17 +248,17 @@ def stats_from(values, kind: str = TENSOR) -> Stats | None:
     if len(values) >= EXACT:
         a_lo, a_hi, b_lo, b_hi, mis, pmax = values[:EXACT]
         if kind == TENSOR:
-            dmax, omax = max(-a_lo, a_hi, 0.0), max(-b_lo, b_hi, 0.0)
+            dmax, omax = max(0.0, -a_lo, a_hi), max(0.0, -b_lo, b_hi)
             return Stats(_ratio(dmax, omax), dmax, int(mis), omax)
-        return Stats(max(-a_lo, a_hi, 0.0), max(-b_lo, b_hi, 0.0), int(mis), pmax)
+        return Stats(max(0.0, -a_lo, a_hi), max(0.0, -b_lo, b_hi), int(mis), pmax)
     if not all(math.isfinite(v) for v in values):
         return None
     if len(values) == 4:
         dlo, dhi, olo, ohi = values
-        dmax, omax = max(-dlo, dhi, 0.0), max(-olo, ohi, 0.0)
+        dmax, omax = max(0.0, -dlo, dhi), max(0.0, -olo, ohi)
         return Stats(_ratio(dmax, omax), dmax, 0, omax)
     rlo, rhi = values
-    return Stats(max(-rlo, rhi, 0.0), math.nan, 0, math.nan)
+    return Stats(max(0.0, -rlo, rhi), math.nan, 0, math.nan)
 
 
 def fast_error(values) -> float | None:
