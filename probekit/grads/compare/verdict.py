@@ -436,6 +436,10 @@ def calibrate(result, ctrl_cmps, ref, test, controls, storage_options=None):
     named in ``compare_grads``'s docstring."""
     from ..store.sources import load_stats
 
+    # an uncalibrated comparison's NaN/Inf check (compare._flag_nonfinite) is judged here again,
+    # against the controls too (the "nonfinite" kind)
+    if "nonfinite" in result.variables:
+        result = result.drop_vars("nonfinite")
     # ref, test, controls: paths, Datasets, {rank: Dataset} or load_stats' {rank: table}
     storage = storage_options
     runs_ref = load_stats(ref, storage_options=storage)
