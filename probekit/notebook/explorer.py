@@ -183,9 +183,14 @@ class GradExplorer(w.VBox):
 
             sim = cmp[judged_name(cmp)].sel(param=param).reindex(step=steps)
             cols["similarity"] = sim.values
+        # a statistic recorded as NaN (a gradient gone NaN) reads "NaN"; one never recorded
+        # (no gradient at that step) stays empty
+        had = (np.asarray(ds["present"].values, bool) if "present" in ds
+               else np.ones(len(steps), bool))
         for name in ("max", "min", "norm", "zeros"):
             if name in ds:
-                cols[name] = ds[name].values
+                cols[name] = [("NaN" if had[i] else "") if np.isnan(x) else x
+                              for i, x in enumerate(np.asarray(ds[name].values, np.float64))]
         if "replicas" in ds:  # the replica check: what differed from another replica's copy
             from ..grads.store.replicas import what_text
 

@@ -131,3 +131,34 @@ def test_explorer_says_the_replica_check(tmp_path):
     assert gids(ex.figure, "replicas:") == ["replicas:0", "replicas:1"]
     assert "<th style='padding:2px 8px'>replicas</th>" in ex.table.value
     assert "gradients and parameters" in ex.table.value  # step 1: the weights parted too
+
+
+def test_explorer_flags_a_run_gone_nan_and_says_nan(tmp_path):
+    """A run whose gradient went NaN (compared without a control): the explorer opens on the
+    flagged parameter at the step it went NaN, and its table reads "NaN" for a statistic
+    recorded as NaN (an empty cell is a step without a gradient)."""
+    import re
+
+    import torch
+
+    import probekit
+
+    def train(path, nan_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with probekit.GradProbe(model, opt, dump_path=str(path)):
+            for s in range(4):
+                opt.zero_grad()
+                model(torch.randn(16, 8)).square().mean().backward()
+                if s == nan_at:
+                    model[1].weight.grad[0, 0] = float("nan")
+                opt.step()
+
+    train(tmp_path / "a")
+    train(tmp_path / "c", nan_at=1)
+    cmp = probekit.compare_grads(str(tmp_path / "a"), str(tmp_path / "c"), progress=False)
+    html = GradExplorer(str(tmp_path / "c"), comparison=cmp)._repr_mimebundle_()["text/html"]
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", re.sub(r"<img[^>]*>", "", html)))
+    assert "⚠ first flag at step 1: 1.weight" in text
+    assert "1 ⚠ 1 NaN NaN NaN" in text and "✓" not in text
