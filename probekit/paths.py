@@ -18,8 +18,12 @@ def safe_name(name: str) -> str:
     names are cut and suffixed with a short digest so two long names stay distinct (their
     extension, up to 8 letters or digits after the last dot, kept at the end).
     """
-    cleaned = _UNSAFE.sub("_", str(name)).lstrip(".") or "_"
+    cleaned = _clean(name)
     return _digested(name, cleaned) if len(cleaned) > MAX_NAME else cleaned
+
+
+def _clean(name) -> str:
+    return _UNSAFE.sub("_", str(name)).lstrip(".") or "_"
 
 
 def _digested(name: str, cleaned: str) -> str:
@@ -39,19 +43,13 @@ def unique_names(names, suffix: str = "", taken=()) -> list[str]:
     whose file name another name shares, gets the digest form (a name cleaning left as it is
     keeps its file name otherwise). It depends only on the set of names, not their order, so a
     reader that knows the names finds the files a writer gave them."""
-    names = [str(n) for n in names]
-    plain = [safe_name(f"{n}{suffix}") for n in names]
-    count: dict = {}
-    for f in plain:
-        count[f] = count.get(f, 0) + 1
-    taken = set(taken)
-    out = []
-    for n, f in zip(names, plain):
-        changed = f != f"{n}{suffix}"
-        if (changed and count[f] > 1) or f in taken:
-            f = _digested(f"{n}{suffix}", _UNSAFE.sub("_", f"{n}{suffix}").lstrip(".") or "_")
-        out.append(f)
-    return out
+    from collections import Counter
+
+    wanted = [f"{n}{suffix}" for n in names]
+    plain = [safe_name(w) for w in wanted]
+    count, taken = Counter(plain), set(taken)
+    return [_digested(w, _clean(w)) if (f != w and count[f] > 1) or f in taken else f
+            for w, f in zip(wanted, plain)]
 
 
 def safe_join(root: str | os.PathLike, *names: str) -> str:

@@ -662,24 +662,18 @@ def _flag_nonfinite(result, a, b, storage_options, rename, tables=None):
         return result
     flag = np.asarray(result["flag"].transpose(*dims).values) | bad
     result["flag"] = (dims, flag)
-    for i in range(bad.shape[0]):       # the first flag of each rank: NaN/Inf counts first
-        hits = np.flatnonzero(flag[i].any(axis=1) | np.asarray(
-            result["flag_total"].transpose("rank", "step").values)[i])
-        if hits.size == 0:
-            continue
-        k = int(hits[0])
-        if bad[i, k].any():
-            param = names[int(np.flatnonzero(bad[i, k])[0])]
-        else:
-            continue                     # an earlier flag of the signs stands
-        cur = int(np.asarray(result["first_step"].values).reshape(-1)[i])
-        if cur < 0 or int(steps[k]) <= cur:
-            fs = np.asarray(result["first_step"].values).copy()
-            fp = np.asarray(result["first_param"].values).astype(object).copy()
-            fs.reshape(-1)[i] = int(steps[k])
-            fp.reshape(-1)[i] = param
-            result["first_step"] = (result["first_step"].dims, fs)
-            result["first_param"] = (result["first_param"].dims, fp.astype(str))
+    # each rank's first flag now comes at or before its earlier one; where it is a NaN/Inf,
+    # that parameter is the one named
+    total = np.asarray(result["flag_total"].transpose("rank", "step").values)
+    first = np.asarray(result["first_step"].values).copy()
+    param = np.asarray(result["first_param"].values).astype(object)
+    for i in range(bad.shape[0]):
+        hits = np.flatnonzero(flag[i].any(axis=1) | total[i])
+        if hits.size and bad[i, hits[0]].any():
+            first[i] = int(steps[hits[0]])
+            param[i] = names[int(np.flatnonzero(bad[i, hits[0]])[0])]
+    result["first_step"] = (result["first_step"].dims, first)
+    result["first_param"] = (result["first_param"].dims, param.astype(str))
     return result
 
 

@@ -233,6 +233,13 @@ def read_json(path: str, fs=LOCAL):
     return _json_of(fs.read(path), path, fs)
 
 
+def group_attributes(meta, path: str) -> dict:
+    """The attributes of a Zarr group's metadata ``meta`` (read from ``path``), checked."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("attributes", {}), dict):
+        raise GradStoreError(f"{path}: not a Zarr group's metadata; the store is damaged")
+    return dict(meta.get("attributes", {}))
+
+
 def _json_of(raw, path: str, fs=LOCAL):
     try:
         return json.loads(raw)
@@ -343,11 +350,8 @@ def store_state(store: str, fs=LOCAL) -> dict:
         raw_commit, raw_meta = got[fs.join(g, COMMIT)], got[fs.join(g, "zarr.json")]
         commit = None if raw_commit is None else parse_commit(
             _json_of(raw_commit, fs.join(g, COMMIT), fs), fs.join(g, COMMIT))
-        meta = {} if raw_meta is None else _json_of(raw_meta, fs.join(g, "zarr.json"), fs)
-        if not isinstance(meta, dict) or not isinstance(meta.get("attributes", {}), dict):
-            raise GradStoreError(f"{fs.join(g, 'zarr.json')}: not a Zarr group's metadata; the "
-                                 "store is damaged")
-        attrs = dict(meta.get("attributes", {}))
+        attrs = {} if raw_meta is None else group_attributes(
+            _json_of(raw_meta, fs.join(g, "zarr.json"), fs), fs.join(g, "zarr.json"))
         out[key] = {"path": g, "commit": commit, "attrs": attrs}
     return out
 

@@ -57,8 +57,8 @@ from .chunks import (
     write_bits_chunk, write_plain_chunk)
 from .live import LIVE, flush_live
 from .restarts import (
-    COMMIT, STORE_NAME, find_store, group_ranks, layout_folder, layout_folders, read_commit,
-    read_json, remove_aside, runs_of, step_bounds, step_rows)
+    COMMIT, STORE_NAME, find_store, group_attributes, group_ranks, layout_folder,
+    layout_folders, read_commit, read_json, remove_aside, runs_of, step_bounds, step_rows)
 from ..numerics.stats import HASH_NBYTES, Layout, StepStats, interval_labels
 from .storage import LOCAL, location, zarr_store
 
@@ -999,11 +999,8 @@ def _bits(group_path: str, name: str, n: int, steps, fs=LOCAL, rows=None):
 
 
 def _group_attrs(group_path: str, fs=LOCAL) -> dict:
-    meta = read_json(fs.join(group_path, "zarr.json"), fs)
-    if not isinstance(meta, dict) or not isinstance(meta.get("attributes", {}), dict):
-        raise GradStoreError(f"{fs.join(group_path, 'zarr.json')}: not a Zarr group's metadata; "
-                             "the store is damaged")
-    return dict(meta.get("attributes", {}))
+    path = fs.join(group_path, "zarr.json")
+    return group_attributes(read_json(path, fs), path)
 
 
 def _fetch(group_path: str, names, n: int, fs=LOCAL):
